@@ -1,0 +1,58 @@
+"""The normalised call every target's launcher receives.
+
+The runtime validates the user's tensors once and turns them into a ``KdaCall``:
+layouts become strides, varlen becomes a nullable int32 pointer, state in/out
+become nullable pointers. Launchers never re-validate; they only map this onto
+their kernel's arguments.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+
+@dataclass
+class KdaCall:
+    # Input tensors exactly as the user passed them (no copies); index them with the
+    # strides below. Element strides (batch, time, head) per tensor; the last
+    # (feature) dimension is always contiguous (stride 1).
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    g: torch.Tensor
+    beta: torch.Tensor
+    o: torch.Tensor  # output, same shape/layout/dtype as v, preallocated
+    q_strides: tuple[int, int, int]
+    k_strides: tuple[int, int, int]
+    v_strides: tuple[int, int, int]
+    g_strides: tuple[int, int, int]
+    beta_strides: tuple[int, int, int]
+    o_strides: tuple[int, int, int]
+    B: int  # batch rows of the tensors (1 with varlen)
+    T: int  # tokens per batch row (total tokens with varlen)
+    N: int  # sequences (B, or len(cu_seqlens) - 1)
+    H: int  # q/k heads
+    HV: int  # v/g/beta heads; value head h reads q/k head h // (HV // H)
+    K: int
+    V: int
+    cu_seqlens: Optional[torch.Tensor]  # int32 [N + 1] on the device, or None
+    A_log: Optional[torch.Tensor]  # fp32 [HV] contiguous, or None (precomputed gate)
+    dt_bias: Optional[torch.Tensor]  # fp32 [HV, K] contiguous, or None (= zeros)
+    scale: float
+    lower_bound: float  # used by the bounded gate only
+    use_qk_l2norm: bool
+    allow_neg_eigval: bool
+    # States are contiguous [N, HV, V, K] ("VK") or [N, HV, K, V] (state_kv=True),
+    # in the variant's state dtype.
+    initial_state: Optional[torch.Tensor]
+    final_state: Optional[torch.Tensor]  # preallocated output, or None
+    state_kv: bool
+    # State entering every chunk: contiguous [NC_total, HV, *state] in the state dtype
+    # (fp32 for state "none" variants); sequence n owns chunks
+    # chunk_offsets[n] .. chunk_offsets[n+1]-1.
+    chunk_states: Optional[torch.Tensor]
+    chunk_offsets: Optional[torch.Tensor]  # int32 [N + 1] on the device, or None
+    max_len: int = 0  # longest sequence (tokens); bounds grids that tile time

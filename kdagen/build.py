@@ -1,0 +1,241 @@
+"""Build the generated variants of a spec with ninja.
+
+One build.ninja per spec under build/<spec>/; one edge per variant, printed by ninja
+as `[k/N] <kind> <variant>`. Each variant has a cache key (rendered sources, shared
+headers, flags, arch, nvcc version, kdagen version) written to a key file only when
+it changes, so a toolchain or header change rebuilds exactly what it affects; mtimes
+never decide what is stale. The compiler's log (ptxas report included) is kept
+next to each artifact and quoted when a step fails.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+from . import __version__
+from .errors import BuildError
+from .generate import MANIFEST, sha256_bytes, write_if_different
+from .paths import BUILD_DIR, GENERATED_DIR, ROOT, TEMPLATES_DIR, rel
+from .targets import TARGETS
+from .variant import Variant
+
+
+@lru_cache(maxsize=None)
+def nvcc_path() -> str | None:
+    cand = os.environ.get("CUDACXX") or shutil.which("nvcc")
+    if not cand and Path("/usr/local/cuda/bin/nvcc").exists():
+        cand = "/usr/local/cuda/bin/nvcc"
+    return cand
+
+
+@lru_cache(maxsize=None)
+def nvcc_version() -> str:
+    nvcc = nvcc_path()
+    if not nvcc:
+        return "none"
+    out = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
+    m = re.search(r"release [\d.]+, (V[\d.]+)", out)
+    return m.group(1) if m else out.strip().splitlines()[-1]
+
+
+def ninja_path() -> str:
+    found = shutil.which("ninja")
+    if found:
+        return found
+    try:
+        import ninja  # the PyPI package ships the binary
+
+        return str(Path(ninja.BIN_DIR) / "ninja")
+    except ImportError:
+        raise BuildError("ninja not found: install it with `pip install ninja` (it is a dependency of kdagen)") from None
+
+
+def default_jobs() -> int:
+    env = os.environ.get("MAX_JOBS")
+    if env:
+        if not env.isdigit() or int(env) < 1:
+            raise BuildError(f"MAX_JOBS: expected a positive integer, found {env!r}")
+        return int(env)
+    # nvcc takes ~1-2 GB per job; cores are the usual limit on CI machines.
+    return max(1, os.cpu_count() or 1)
+
+
+def _include_hash(dirs: tuple[str, ...]) -> str:
+    data = b""
+    for d in dirs:
+        for p in sorted((TEMPLATES_DIR / d).rglob("*")):
+            if p.is_file() and not p.name.endswith(".j2"):
+                data += rel(p).encode() + b"\0" + p.read_bytes() + b"\0"
+    return sha256_bytes(data)
+
+
+def nvcc_command(variant: Variant, src: Path, out: Path) -> list[str]:
+    info = TARGETS[variant.target]
+    incs = [f"-I{TEMPLATES_DIR / d}" for d in info.includes]
+    return [nvcc_path() or "nvcc", *info.nvcc_flags, "-fatbin", "-Xptxas", "-v", *incs, str(src), "-o", str(out)]
+
+
+def cache_key(variant: Variant, source_sha: str) -> str:
+    info = TARGETS[variant.target]
+    parts = {
+        "variant": variant.name,
+        "source": source_sha,
+        "includes": _include_hash(info.includes),
+        "flags": list(info.nvcc_flags),
+        "build": info.build,
+        "toolchain": nvcc_version() if info.build == "nvcc" else sys.version.split()[0],
+        "kdagen": __version__,
+    }
+    return sha256_bytes(json.dumps(parts, sort_keys=True).encode())
+
+
+@dataclass
+class Step:
+    variant: Variant
+    kind: str  # ninja rule
+    inputs: list[Path]
+    artifact: Path
+    log: Path
+    key: str
+    key_file: Path
+
+
+def artifact_name(variant: Variant) -> str:
+    build = TARGETS[variant.target].build
+    return {"nvcc": f"{variant.name}.fatbin", "jit": "checked.stamp", "ascend": "translated.json"}[build]
+
+
+def plan(spec_name: str, variants: list[Variant], gen_manifest: dict, build_root: Path) -> list[Step]:
+    shas = {e["name"]: e["source_sha256"] for e in gen_manifest["variants"]}
+    steps = []
+    for v in variants:
+        gen_dir = GENERATED_DIR / spec_name / v.name
+        out_dir = build_root / v.name
+        info = TARGETS[v.target]
+        inputs = [gen_dir / fname for _, fname in info.templates]
+        key = cache_key(v, shas[v.name])
+        steps.append(Step(v, info.build, inputs, out_dir / artifact_name(v), out_dir / "build.log", key,
+                          out_dir / "cache_key"))
+    return steps
+
+
+def _ninja_file(steps: list[Step], build_root: Path) -> str:
+    py = shlex.quote(sys.executable)
+    lines = [
+        "# Written by `kdagen build`; do not edit.",
+        "ninja_required_version = 1.8",
+        "",
+        "rule nvcc",
+        "  command = $nvcc_cmd > $log 2>&1 || { cat $log; exit 1; }",
+        "  description = nvcc $variant",
+        "",
+        "rule jit",
+        f"  command = {py} -m kdagen.build_step jit $variant $in $out > $log 2>&1 || {{ cat $log; exit 1; }}",
+        "  description = check $variant",
+        "",
+        "rule ascend",
+        f"  command = {py} -m kdagen.build_step ascend $variant $in $out > $log 2>&1 || {{ cat $log; exit 1; }}",
+        "  description = translate $variant",
+        "",
+    ]
+    for s in steps:
+        ins = " ".join(shlex.quote(str(p)) for p in s.inputs)
+        lines.append(f"build {s.artifact}: {s.kind} {ins} | {s.key_file}")
+        lines.append(f"  variant = {s.variant.name}")
+        lines.append(f"  log = {s.log}")
+        if s.kind == "nvcc":
+            cmd = " ".join(shlex.quote(c) for c in nvcc_command(s.variant, s.inputs[0], s.artifact))
+            lines.append(f"  nvcc_cmd = {cmd}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+PTXAS_RE = re.compile(
+    r"ptxas info\s*: Compiling entry function '(?P<fn>[^']+)' for '(?P<arch>sm_\d+a?)'"
+)
+USED_RE = re.compile(r"Used (\d+) registers")
+FRAME_RE = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+SMEM_RE = re.compile(r"(\d+) bytes smem")
+
+
+def parse_ptxas(log: str) -> list[dict]:
+    """Per (kernel, arch): registers, stack frame, spills, static smem."""
+    out: list[dict] = []
+    cur: dict | None = None
+    for line in log.splitlines():
+        m = PTXAS_RE.search(line)
+        if m:
+            cur = {"kernel": m.group("fn"), "arch": m.group("arch"), "registers": None, "stack_bytes": None,
+                   "spill_stores": None, "spill_loads": None, "smem_bytes": 0}
+            out.append(cur)
+            continue
+        if cur is None:
+            continue
+        if (m := FRAME_RE.search(line)):
+            cur["stack_bytes"], cur["spill_stores"], cur["spill_loads"] = map(int, m.groups())
+        if (m := USED_RE.search(line)):
+            cur["registers"] = int(m.group(1))
+            if (s := SMEM_RE.search(line)):
+                cur["smem_bytes"] = int(s.group(1))
+    return out
+
+
+def build_spec(spec_name: str, *, names: list[str] | None = None, jobs: int | None = None,
+               build_dir: Path | None = None, quiet: bool = False) -> dict:
+    """Build (a subset of) the variants generated for `spec_name`; returns the build manifest."""
+    gen_manifest_path = GENERATED_DIR / spec_name / MANIFEST
+    if not gen_manifest_path.exists():
+        raise BuildError(f"{rel(gen_manifest_path)} not found: run `kdagen generate --spec specs/{spec_name}.yaml` first")
+    gen_manifest = json.loads(gen_manifest_path.read_text())
+    variants = [Variant.from_dict(e) for e in gen_manifest["variants"]]
+    if names is not None:
+        unknown = sorted(set(names) - {v.name for v in variants})
+        if unknown:
+            raise BuildError(f"not in spec {spec_name}: {', '.join(unknown)}")
+        variants = [v for v in variants if v.name in names]
+    build_root = (build_dir or BUILD_DIR) / spec_name
+    steps = plan(spec_name, variants, gen_manifest, build_root)
+    if any(s.kind == "nvcc" for s in steps) and not nvcc_path():
+        n = sum(s.kind == "nvcc" for s in steps)
+        raise BuildError(f"nvcc not found (PATH, CUDACXX, /usr/local/cuda/bin): needed for {n} CUDA variant(s) "
+                         f"of spec {spec_name}; install the CUDA toolkit (12.4+) or build a spec without CUDA targets")
+    for s in steps:
+        s.artifact.parent.mkdir(parents=True, exist_ok=True)
+        write_if_different(s.key_file, (s.key + "\n").encode())
+    ninja_file = build_root / "build.ninja"
+    write_if_different(ninja_file, _ninja_file(steps, build_root).encode())
+    jobs = jobs or default_jobs()
+    if not quiet:
+        print(f"kdagen: building {len(steps)} variant(s) of spec {spec_name} with {jobs} job(s) "
+              f"[nvcc {nvcc_version()}] in {rel(build_root)}", flush=True)
+    env = dict(os.environ, NINJA_STATUS="[%f/%t] ", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    targets = [str(s.artifact) for s in steps]
+    proc = subprocess.run([ninja_path(), "-f", str(ninja_file), "-j", str(jobs), *targets], cwd=ROOT, env=env)
+    if proc.returncode != 0:
+        raise BuildError(f"build of spec {spec_name} failed (see the quoted log above; logs are in {rel(build_root)}/<variant>/build.log)")
+    known = {e["name"] for e in gen_manifest["variants"]}
+    return write_build_manifest(spec_name, build_root, steps, known)
+
+
+def write_build_manifest(spec_name: str, build_root: Path, steps: list[Step], known: set[str]) -> dict:
+    path = build_root / MANIFEST
+    old = json.loads(path.read_text()) if path.exists() else {"variants": {}}
+    # Keep earlier entries of variants still in the spec (a partial build adds to them).
+    entries = {n: e for n, e in old.get("variants", {}).items() if n in known}
+    for s in steps:
+        entry = {"artifact": rel(s.artifact), "cache_key": s.key, "target": s.variant.target, "build": s.kind}
+        if s.kind == "nvcc" and s.log.exists():
+            entry["ptxas"] = parse_ptxas(s.log.read_text())
+        entries[s.variant.name] = entry
+    manifest = {"kdagen_version": __version__, "spec": spec_name, "nvcc": nvcc_version(), "variants": entries}
+    write_if_different(path, (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode())
+    return manifest

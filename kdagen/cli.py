@@ -1,0 +1,142 @@
+"""The `kdagen` command: list, generate, build and verify the variants of a spec."""
+
+from __future__ import annotations
+
+import fnmatch
+import sys
+from pathlib import Path
+
+import click
+
+from .errors import KdagenError
+from .paths import DEFAULT_SPEC, GENERATED_DIR, SPECS_DIR, rel
+
+
+def _fail(e: Exception) -> None:
+    click.echo(f"kdagen: error: {e}", err=True)
+    sys.exit(2)
+
+
+def _specs(paths: tuple[str, ...]) -> list[Path]:
+    return [Path(p) for p in paths] if paths else [DEFAULT_SPEC]
+
+
+spec_option = click.option("--spec", "specs", multiple=True, type=click.Path(dir_okay=False),
+                           help=f"spec file (repeatable; default {rel(DEFAULT_SPEC)})")
+
+
+@click.group()
+@click.version_option(package_name="kdagen")
+def main() -> None:
+    """Generate, build and select Kimi Delta Attention prefill kernels."""
+
+
+@main.command("list")
+@spec_option
+@click.option("--filter", "pattern", default="*", help="glob on the variant name")
+@click.option("-v", "--verbose", is_flag=True, help="also show the dropped combinations and why")
+def list_cmd(specs: tuple[str, ...], pattern: str, verbose: bool) -> None:
+    """Print the variants a spec would generate."""
+    from .spec import expand_all, load_spec
+
+    try:
+        for path in _specs(specs):
+            spec = load_spec(path)
+            kept, dropped = expand_all(spec)
+            kept = [v for v in kept if fnmatch.fnmatch(v.name, pattern)]
+            click.echo(f"# spec {spec.name} ({rel(path)}): {len(kept)} variant(s)")
+            for v in kept:
+                hw = "" if v.hardware_validated else "  [hardware-validated: no]"
+                click.echo(f"{v.name}  layouts={','.join(v.layouts)} varlen={'yes' if v.varlen else 'no'} "
+                           f"gqa={'yes' if v.gqa else 'no'}{hw}")
+            if verbose:
+                dropped = [d for d in dropped if fnmatch.fnmatch(d.variant.name, pattern)]
+                click.echo(f"# dropped: {len(dropped)}")
+                for d in dropped:
+                    click.echo(f"- {d.variant.name}: {d.reason}")
+    except KdagenError as e:
+        _fail(e)
+
+
+@main.command()
+@spec_option
+@click.option("--all", "all_specs", is_flag=True, help=f"every spec in {rel(SPECS_DIR)}/")
+@click.option("--out", type=click.Path(file_okay=False), default=None, help=f"output folder (default {rel(GENERATED_DIR)})")
+@click.option("--check", is_flag=True, help="write nothing; exit 1 if the output is stale")
+def generate(specs: tuple[str, ...], all_specs: bool, out: str | None, check: bool) -> None:
+    """Render the spec's variants into generated/<spec>/ and write its manifest.json."""
+    from .generate import generate as run
+    from .spec import load_spec
+
+    paths = sorted(SPECS_DIR.glob("*.yaml")) if all_specs else _specs(specs)
+    stale = False
+    try:
+        for path in paths:
+            spec = load_spec(path)
+            res = run(spec, Path(out) if out else None, check=check)
+            n = len(res.manifest["variants"])
+            if check:
+                if res.changed:
+                    stale = True
+                    click.echo(f"{spec.name}: STALE ({len(res.written)} file(s) differ, {len(res.removed)} extra)")
+                    for p in (res.written + res.removed)[:20]:
+                        click.echo(f"  {rel(p)}")
+                else:
+                    click.echo(f"{spec.name}: up to date ({n} variants)")
+            else:
+                click.echo(f"{spec.name}: {n} variants, {len(res.written)} file(s) written, {len(res.removed)} removed")
+    except KdagenError as e:
+        _fail(e)
+    if stale:
+        click.echo("generated/ is stale: run `kdagen generate --all` and commit the result", err=True)
+        sys.exit(1)
+
+
+@main.command()
+@spec_option
+@click.option("--filter", "pattern", default="*", help="glob on the variant name")
+@click.option("-j", "--jobs", type=int, default=None, help="parallel jobs (default: MAX_JOBS or the core count)")
+def build(specs: tuple[str, ...], pattern: str, jobs: int | None) -> None:
+    """Compile the generated variants of a spec (ninja) into build/<spec>/."""
+    import json
+
+    from .build import build_spec
+    from .generate import MANIFEST
+    from .spec import load_spec
+
+    try:
+        for path in _specs(specs):
+            spec = load_spec(path)
+            man_path = GENERATED_DIR / spec.name / MANIFEST
+            names = None
+            if pattern != "*" and man_path.exists():
+                names = [e["name"] for e in json.loads(man_path.read_text())["variants"]
+                         if fnmatch.fnmatch(e["name"], pattern)]
+            manifest = build_spec(spec.name, names=names, jobs=jobs)
+            worst = [(n, r) for n, e in manifest["variants"].items() for r in e.get("ptxas", [])
+                     if r["spill_stores"] or r["spill_loads"] or r["stack_bytes"]]
+            click.echo(f"{spec.name}: {len(manifest['variants'])} variant(s) built")
+            for n, r in worst:
+                click.echo(f"  WARNING {n} {r['arch']}: {r['stack_bytes']} B stack, "
+                           f"{r['spill_stores']} B spill stores, {r['spill_loads']} B spill loads")
+    except KdagenError as e:
+        _fail(e)
+
+
+@main.command()
+@spec_option
+@click.option("--filter", "pattern", default="*", help="glob on the variant name")
+def verify(specs: tuple[str, ...], pattern: str) -> None:
+    """Run every variant this machine can run against the float64 reference."""
+    from .spec import load_spec
+    from .verify import verify_spec
+
+    try:
+        ok = all([verify_spec(load_spec(p), pattern) for p in _specs(specs)])
+    except KdagenError as e:
+        _fail(e)
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,176 @@
+"""Validate kda_prefill's arguments and describe the call (the functional key for selection)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .errors import KdaInputError
+
+DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+LAYOUTS = ("BSND", "BNSD")
+GATES = ("bounded", "unbounded", "precomputed")
+
+
+@dataclass
+class CallInfo:
+    """What selection needs to know about a call."""
+
+    device: torch.device
+    dtype: str
+    layout: str  # lower case, as in Variant.layouts
+    B: int
+    T: int
+    N: int
+    H: int
+    HV: int
+    K: int
+    V: int
+    gate: str
+    state: str  # "fp32" | "bf16" | "none": dtype of the state tensors the call reads/writes
+    varlen: bool
+    chunk_size: Optional[int]  # required chunk (chunk states were asked for), else None
+    max_len: int
+    cu_seqlens_host: Optional[list[int]]
+
+    def describe(self) -> str:
+        return (f"dtype={self.dtype} K={self.K} V={self.V} layout={self.layout} gate={self.gate} "
+                f"state={self.state} varlen={'yes' if self.varlen else 'no'} gqa={'yes' if self.HV != self.H else 'no'} "
+                f"chunk={self.chunk_size or 'any'} device={self.device.type}")
+
+
+def _err(arg: str, expected: str, found: object) -> KdaInputError:
+    return KdaInputError(f"{arg}: expected {expected}, found {found}")
+
+
+def _shape(t: torch.Tensor) -> str:
+    return "(" + ", ".join(str(s) for s in t.shape) + ")"
+
+
+def resolve_gate(gate: Optional[str], A_log, lower_bound) -> str:
+    if gate is None:
+        if A_log is None:
+            return "precomputed"
+        return "unbounded" if lower_bound is None else "bounded"
+    if gate not in GATES:
+        raise _err("gate", "one of " + ", ".join(GATES) + " or None", repr(gate))
+    return gate
+
+
+def check_call(q, k, v, g, beta, *, A_log, dt_bias, scale, lower_bound, gate, initial_state,
+               output_final_state, cu_seqlens, layout, state_layout, state_dtype,
+               chunk_size, return_chunk_states) -> CallInfo:
+    for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+        if not isinstance(t, torch.Tensor):
+            raise _err(name, "a torch.Tensor", type(t).__name__)
+    if not isinstance(layout, str) or layout.upper() not in LAYOUTS:
+        raise _err("layout", "'BSND' or 'BNSD'", repr(layout))
+    layout = layout.upper()
+    if state_layout not in ("VK", "KV"):
+        raise _err("state_layout", "'VK' ([N, HV, V, K]) or 'KV' ([N, HV, K, V])", repr(state_layout))
+    if q.dtype not in DTYPE_NAMES:
+        raise _err("q", "dtype bfloat16, float16 or float32", q.dtype)
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            raise _err(name, f"dtype {q.dtype} (same as q)", t.dtype)
+    for name, t in (("g", g), ("beta", beta)):
+        if not t.is_floating_point():
+            raise _err(name, "a floating-point tensor", t.dtype)
+    dev = q.device
+    for name, t in (("k", k), ("v", v), ("g", g), ("beta", beta)):
+        if t.device != dev:
+            raise _err(name, f"a tensor on {dev} (same as q)", t.device)
+    if q.dim() != 4:
+        raise _err("q", f"4 dims [{'B, T, H, K' if layout == 'BSND' else 'B, H, T, K'}] (layout {layout})", _shape(q))
+    if layout == "BSND":
+        B, T, H, K = q.shape
+    else:
+        B, H, T, K = q.shape
+    if v.dim() != 4:
+        raise _err("v", "4 dims", _shape(v))
+    HV, V = (v.shape[2] if layout == "BSND" else v.shape[1]), v.shape[3]
+
+    def want(*dims):
+        return tuple(dims) if layout == "BSND" else (dims[0], dims[2], dims[1], *dims[3:])
+
+    names = "[B, T, {h}, {d}]" if layout == "BSND" else "[B, {h}, T, {d}]"
+    for name, t, exp, hname, dname in (("k", k, want(B, T, H, K), "H", "K"), ("v", v, want(B, T, HV, V), "HV", "V"),
+                                        ("g", g, want(B, T, HV, K), "HV", "K")):
+        if tuple(t.shape) != exp:
+            raise _err(name, f"shape {names.format(h=hname, d=dname)} = {exp} (layout {layout}, from q and v)", _shape(t))
+    exp_beta = (B, T, HV) if layout == "BSND" else (B, HV, T)
+    if tuple(beta.shape) != exp_beta:
+        raise _err("beta", f"shape {exp_beta} (layout {layout})", _shape(beta))
+    if HV % H:
+        raise _err("v", f"a number of value heads HV that is a multiple of the q/k heads H={H}", f"HV={HV}")
+    for name, t in (("q", q), ("k", k), ("v", v), ("g", g)):
+        if t.stride(-1) != 1:
+            raise _err(name, "a contiguous last (feature) dimension (call .contiguous())", f"stride {t.stride(-1)}")
+
+    gate = resolve_gate(gate, A_log, lower_bound)
+    if gate != "precomputed":
+        if not isinstance(A_log, torch.Tensor):
+            raise _err("A_log", f"a tensor of shape ({HV},) for the {gate} gate", type(A_log).__name__)
+        if A_log.numel() != HV:
+            raise _err("A_log", f"{HV} elements (one per value head)", _shape(A_log))
+        if A_log.device != dev:
+            raise _err("A_log", f"a tensor on {dev}", A_log.device)
+        if dt_bias is not None:
+            if not isinstance(dt_bias, torch.Tensor) or dt_bias.numel() != HV * K:
+                raise _err("dt_bias", f"a tensor of shape ({HV}, {K}) or ({HV * K},)",
+                           _shape(dt_bias) if isinstance(dt_bias, torch.Tensor) else type(dt_bias).__name__)
+            if dt_bias.device != dev:
+                raise _err("dt_bias", f"a tensor on {dev}", dt_bias.device)
+    if gate == "bounded":
+        if not isinstance(lower_bound, (int, float)) or not (-1e4 < float(lower_bound) <= 0):
+            raise _err("lower_bound", "a finite number <= 0 for the bounded gate", repr(lower_bound))
+    if scale is not None and not isinstance(scale, (int, float)):
+        raise _err("scale", "a float or None", type(scale).__name__)
+
+    varlen = cu_seqlens is not None
+    cu_host = None
+    if varlen:
+        if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.dtype not in (torch.int32, torch.int64):
+            raise _err("cu_seqlens", "a 1-D int32 or int64 tensor", getattr(cu_seqlens, "dtype", type(cu_seqlens).__name__))
+        if B != 1:
+            raise _err("q", "batch size 1 when cu_seqlens is given (sequences packed along T)", f"B={B}")
+        if cu_seqlens.numel() < 2:
+            raise _err("cu_seqlens", "at least 2 entries [0, ..., T]", _shape(cu_seqlens))
+        cu_host = [int(x) for x in cu_seqlens.tolist()]
+        if cu_host[0] != 0 or cu_host[-1] != T or any(b < a for a, b in zip(cu_host, cu_host[1:])):
+            raise _err("cu_seqlens", f"non-decreasing offsets from 0 to T={T}", cu_host if len(cu_host) <= 12 else f"{cu_host[:6]}...{cu_host[-3:]}")
+        N = len(cu_host) - 1
+        max_len = max(b - a for a, b in zip(cu_host, cu_host[1:]))
+    else:
+        N = B
+        max_len = T
+
+    if initial_state is not None:
+        exp = (N, HV, V, K) if state_layout == "VK" else (N, HV, K, V)
+        if not isinstance(initial_state, torch.Tensor) or tuple(initial_state.shape) != exp:
+            raise _err("initial_state", f"shape [N, HV, {'V, K' if state_layout == 'VK' else 'K, V'}] = {exp}",
+                       _shape(initial_state) if isinstance(initial_state, torch.Tensor) else type(initial_state).__name__)
+        if initial_state.dtype not in (torch.float32, torch.bfloat16):
+            raise _err("initial_state", "dtype float32 or bfloat16", initial_state.dtype)
+        if initial_state.device != dev:
+            raise _err("initial_state", f"a tensor on {dev}", initial_state.device)
+    if state_dtype is not None and state_dtype not in (torch.float32, torch.bfloat16):
+        raise _err("state_dtype", "torch.float32, torch.bfloat16 or None", state_dtype)
+    if state_dtype is not None and initial_state is not None and initial_state.dtype != state_dtype:
+        raise _err("initial_state", f"dtype {state_dtype} (= state_dtype)", initial_state.dtype)
+    if initial_state is not None:
+        state = DTYPE_NAMES[initial_state.dtype]
+    elif output_final_state or return_chunk_states or state_dtype is not None:
+        state = DTYPE_NAMES[state_dtype or torch.float32]
+    else:
+        state = "none"
+    if chunk_size is not None and chunk_size not in (16, 64):
+        raise _err("chunk_size", "16, 64 or None", repr(chunk_size))
+    if return_chunk_states and chunk_size is None:
+        raise _err("chunk_size", "16 or 64 when return_chunk_states=True (the states' spacing)", None)
+    return CallInfo(device=dev, dtype=DTYPE_NAMES[q.dtype], layout=layout.lower(), B=B, T=T, N=N, H=H, HV=HV,
+                    K=K, V=V, gate=gate, state=state, varlen=varlen, chunk_size=chunk_size, max_len=max_len,
+                    cu_seqlens_host=cu_host)

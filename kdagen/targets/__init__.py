@@ -1,0 +1,90 @@
+"""What each target can be asked for, which templates it renders and how it is built.
+
+This table describes targets (capabilities); the kernel matrix itself is written
+only in specs/*.yaml.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class TargetInfo:
+    name: str
+    description: str
+    chunks: tuple[int, ...]
+    head_dims: tuple[int, ...]
+    dtypes: tuple[str, ...]
+    gates: tuple[str, ...]
+    states: tuple[str, ...]
+    block_v: tuple[int, ...]
+    layouts: tuple[str, ...]
+    varlen: bool
+    gqa: bool
+    # (template path under templates/, file name written in generated/<spec>/<variant>/)
+    templates: tuple[tuple[str, str], ...]
+    # "jit": nothing to compile ahead (Triton); "nvcc": a fatbin per variant;
+    # "ascend": CANNBot-DSL translation to AscendC on CPU.
+    build: str
+    launcher: str  # "module:Class"
+    hardware_validated: bool = True
+    nvcc_flags: tuple[str, ...] = ()
+    # Extra include folders under templates/ whose files every variant's source hashes.
+    includes: tuple[str, ...] = ()
+
+    def load_launcher(self):
+        mod, _, cls = self.launcher.partition(":")
+        return getattr(importlib.import_module(mod), cls)
+
+
+TARGETS: dict[str, TargetInfo] = {
+    "triton": TargetInfo(
+        name="triton",
+        description="Triton kernels (portable GPUs; CPU through TRITON_INTERPRET=1)",
+        chunks=(16, 64),
+        head_dims=(32, 64, 128),
+        dtypes=("fp32", "bf16", "fp16"),
+        gates=("bounded", "unbounded", "precomputed"),
+        states=("fp32", "bf16", "none"),
+        block_v=(16, 32, 64, 128),
+        layouts=("bnsd", "bsnd"),
+        varlen=True,
+        gqa=True,
+        templates=(("triton/kda_fused.py.j2", "kernel.py"),),
+        build="jit",
+        launcher="kdagen.targets.triton:TritonLauncher",
+    ),
+    "sm80": TargetInfo(
+        name="sm80",
+        description="CUDA C++ for Ampere (mma.sync, ldmatrix, cp.async); runs on sm_80+ GPUs",
+        chunks=(16, 64),
+        head_dims=(64, 128),
+        dtypes=("bf16", "fp16"),
+        gates=("bounded", "unbounded", "precomputed"),
+        states=("fp32", "bf16", "none"),
+        block_v=(16, 32, 64, 128),
+        layouts=("bnsd", "bsnd"),
+        varlen=True,
+        gqa=True,
+        templates=(("sm80/kda_fwd.cu.j2", "kernel.cu"),),
+        build="nvcc",
+        launcher="kdagen.targets.sm80:Sm80Launcher",
+        # sm_80 machine code for Ampere, sm_90 machine code from the same Ampere-level
+        # source (sm_80 code alone does not load on Hopper), and PTX for newer GPUs.
+        nvcc_flags=(
+            "-O3", "-std=c++17", "--use_fast_math",
+            "-gencode=arch=compute_80,code=sm_80",
+            "-gencode=arch=compute_80,code=sm_90",
+            "-gencode=arch=compute_80,code=compute_80",
+        ),
+        includes=("common", "sm80"),
+    ),
+}
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+def get_target(name: str) -> TargetInfo:
+    return TARGETS[name]

@@ -1,0 +1,53 @@
+"""The Variant: one compiled kernel of the matrix, identified by its canonical name."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+# Short, filename-safe spellings used in canonical names.
+GATE_TAGS = {"bounded": "gb", "unbounded": "gu", "precomputed": "gp"}
+
+
+@dataclass(frozen=True, order=True)
+class Variant:
+    """A point of the kernel matrix.
+
+    Only the fields that change generated code are part of the name; ``layouts``,
+    ``varlen`` and ``gqa`` are run-time features (strides, a nullable pointer, an
+    index map) that the spec may switch off for a target.
+    """
+
+    target: str
+    chunk: int
+    k: int
+    v: int
+    dtype: str
+    gate: str
+    state: str  # "fp32" | "bf16" | "none": precision of the carried state and of state in/out
+    block_v: int  # V columns of the state per program/thread block (the V-split width)
+    layouts: tuple[str, ...] = ("bnsd", "bsnd")
+    varlen: bool = True
+    gqa: bool = True
+    hardware_validated: bool = True
+
+    @property
+    def name(self) -> str:
+        return (
+            f"kda_fwd_{self.target}_c{self.chunk}_k{self.k}_v{self.v}_{self.dtype}"
+            f"_{GATE_TAGS[self.gate]}_s{self.state}_bv{self.block_v}"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["layouts"] = list(self.layouts)
+        d["name"] = self.name
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Variant":
+        fields = {f.name for f in dataclasses.fields(cls)}
+        kw = {key: val for key, val in d.items() if key in fields}
+        kw["layouts"] = tuple(kw.get("layouts", ("bnsd", "bsnd")))
+        return cls(**kw)
