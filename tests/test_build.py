@@ -1,0 +1,74 @@
+"""The ninja build: progress lines, manifest, cache keys, ptxas report parsing."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kdagen import build as kbuild
+from kdagen.errors import BuildError
+from kdagen.generate import generate
+from kdagen.paths import GENERATED_DIR, SPECS_DIR
+from kdagen.spec import expand, load_spec
+
+
+def test_build_ci_spec_with_ninja(tmp_path, capfd):
+    spec = load_spec(SPECS_DIR / "ci.yaml")
+    generate(spec)  # the committed tree is current (see test_generate); this is a no-op then
+    man = kbuild.build_spec("ci", build_dir=tmp_path, jobs=2)
+    out = capfd.readouterr().out
+    n = len(expand(spec))
+    assert f"[1/{n}]" in out and f"[{n}/{n}]" in out, out
+    assert set(man["variants"]) == {v.name for v in expand(spec)}
+    for name, entry in man["variants"].items():
+        assert (tmp_path / "ci" / name / "cache_key").read_text().strip() == entry["cache_key"]
+    on_disk = json.loads((tmp_path / "ci" / "manifest.json").read_text())
+    assert on_disk == man
+    # A second build has nothing to do.
+    kbuild.build_spec("ci", build_dir=tmp_path, jobs=2)
+    assert "no work to do" in capfd.readouterr().out
+
+
+def test_cache_key_tracks_toolchain_version_and_source(monkeypatch):
+    v = expand(load_spec(SPECS_DIR / "ci.yaml"))[0]
+    k1 = kbuild.cache_key(v, "a" * 64)
+    assert kbuild.cache_key(v, "b" * 64) != k1
+    monkeypatch.setattr(kbuild, "__version__", "9.9.9")
+    assert kbuild.cache_key(v, "a" * 64) != k1
+
+
+def test_unknown_spec_and_variant_errors(tmp_path):
+    with pytest.raises(BuildError, match="kdagen generate --spec specs/nope.yaml"):
+        kbuild.build_spec("nope", build_dir=tmp_path)
+    with pytest.raises(BuildError, match="not in spec ci: kda_fwd_bogus"):
+        kbuild.build_spec("ci", names=["kda_fwd_bogus"], build_dir=tmp_path)
+
+
+def test_max_jobs_validation(monkeypatch):
+    monkeypatch.setenv("MAX_JOBS", "3")
+    assert kbuild.default_jobs() == 3
+    monkeypatch.setenv("MAX_JOBS", "lots")
+    with pytest.raises(BuildError, match="MAX_JOBS: expected a positive integer, found 'lots'"):
+        kbuild.default_jobs()
+
+
+def test_parse_ptxas_report():
+    log = """ptxas info    : 0 bytes gmem
+ptxas info    : Compiling entry function 'kda_fwd' for 'sm_80'
+ptxas info    : Function properties for kda_fwd
+    8 bytes stack frame, 4 bytes spill stores, 4 bytes spill loads
+ptxas info    : Used 255 registers, used 1 barriers, 16384 bytes smem, 400 bytes cmem[0]
+ptxas info    : Compiling entry function 'kda_fwd' for 'sm_90'
+ptxas info    : Function properties for kda_fwd
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 168 registers, used 1 barriers, 400 bytes cmem[0]
+"""
+    r = kbuild.parse_ptxas(log)
+    assert [(x["arch"], x["registers"], x["stack_bytes"], x["spill_stores"], x["smem_bytes"]) for x in r] == [
+        ("sm_80", 255, 8, 4, 16384), ("sm_90", 168, 0, 0, 0)]
+
+
+def test_generated_manifest_is_what_the_build_reads():
+    man = json.loads((GENERATED_DIR / "ci" / "manifest.json").read_text())
+    assert man["spec"] == "ci" and man["spec_file"] == "specs/ci.yaml"

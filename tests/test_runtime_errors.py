@@ -1,0 +1,76 @@
+"""Bad calls to kda_prefill get errors naming the argument, the expectation and the finding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kdagen import kda_prefill
+from kdagen.errors import KdaInputError, NoVariantError
+
+
+def inputs(B=1, T=20, H=1, HV=2, K=32, V=32, dtype=torch.float32, layout="BSND"):
+    g = torch.Generator().manual_seed(0)
+    def r(*s):
+        return torch.randn(*s, generator=g)
+    if layout == "BSND":
+        return dict(q=r(B, T, H, K).to(dtype), k=r(B, T, H, K).to(dtype), v=r(B, T, HV, V).to(dtype),
+                    g=r(B, T, HV, K), beta=r(B, T, HV), A_log=r(HV), dt_bias=r(HV, K))
+    return dict(q=r(B, H, T, K).to(dtype), k=r(B, H, T, K).to(dtype), v=r(B, HV, T, V).to(dtype),
+                g=r(B, HV, T, K), beta=r(B, HV, T), A_log=r(HV), dt_bias=r(HV, K), layout="BNSD")
+
+
+def call(**over):
+    kw = inputs()
+    kw.update(over)
+    return kda_prefill(**kw)
+
+
+@pytest.mark.parametrize("over, needle", [
+    (dict(layout="BTHD"), "layout: expected 'BSND' or 'BNSD', found 'BTHD'"),
+    (dict(state_layout="XY"), "state_layout: expected 'VK'"),
+    (dict(k=torch.randn(1, 20, 1, 32).to(torch.bfloat16)), "k: expected dtype torch.float32 (same as q), found torch.bfloat16"),
+    (dict(v=torch.randn(1, 21, 2, 32)), "v: expected shape [B, T, HV, V] = (1, 20, 2, 32)"),
+    (dict(g=torch.randn(1, 20, 2, 16)), "g: expected shape [B, T, HV, K] = (1, 20, 2, 32)"),
+    (dict(beta=torch.randn(1, 20)), "beta: expected shape (1, 20, 2)"),
+    (dict(q=torch.randn(1, 20, 32)), "q: expected 4 dims"),
+    (dict(v=torch.randn(1, 20, 3, 32), g=torch.randn(1, 20, 3, 32), beta=torch.randn(1, 20, 3), A_log=torch.randn(3), dt_bias=torch.randn(3, 32), q=torch.randn(1, 20, 2, 32), k=torch.randn(1, 20, 2, 32)),
+     "v: expected a number of value heads HV that is a multiple of the q/k heads H=2, found HV=3"),
+    (dict(A_log=torch.randn(5)), "A_log: expected 2 elements (one per value head)"),
+    (dict(A_log=None, lower_bound=-5.0, gate="bounded"), "A_log: expected a tensor of shape (2,) for the bounded gate"),
+    (dict(dt_bias=torch.randn(7)), "dt_bias: expected a tensor of shape (2, 32) or (64,)"),
+    (dict(lower_bound=3.0), "lower_bound: expected a finite number <= 0"),
+    (dict(gate="sigmoid"), "gate: expected one of bounded, unbounded, precomputed"),
+    (dict(cu_seqlens=torch.tensor([0, 5, 19], dtype=torch.int32)), "cu_seqlens: expected non-decreasing offsets from 0 to T=20, found [0, 5, 19]"),
+    (dict(cu_seqlens=torch.tensor([0, 5, 20], dtype=torch.float32)), "cu_seqlens: expected a 1-D int32 or int64 tensor"),
+    (dict(initial_state=torch.randn(1, 2, 32, 16)), "initial_state: expected shape [N, HV, V, K] = (1, 2, 32, 32)"),
+    (dict(initial_state=torch.randn(1, 2, 32, 32).half()), "initial_state: expected dtype float32 or bfloat16"),
+    (dict(chunk_size=32), "chunk_size: expected 16, 64 or None, found 32"),
+    (dict(return_chunk_states=True), "chunk_size: expected 16 or 64 when return_chunk_states=True"),
+    (dict(q=torch.randn(1, 20, 1, 64)[..., ::2]), "q: expected a contiguous last (feature) dimension"),
+])
+def test_bad_call_messages(over, needle):
+    with pytest.raises(KdaInputError) as ei:
+        call(**over)
+    assert needle in str(ei.value), str(ei.value)
+
+
+def test_varlen_needs_batch_one():
+    kw = inputs(B=2)
+    with pytest.raises(KdaInputError, match="q: expected batch size 1 when cu_seqlens is given"):
+        kda_prefill(**kw, cu_seqlens=torch.tensor([0, 20]))
+
+
+def test_miss_shows_supported_found_and_build_command():
+    kw = inputs(K=48, V=48)
+    with pytest.raises(NoVariantError) as ei:
+        kda_prefill(**kw)
+    msg = str(ei.value)
+    assert "Found:     dtype=fp32 K=48 V=48 layout=bsnd gate=bounded" in msg
+    assert "Supported (" in msg and "head dims K=32,V=32 != K=48,V=48" in msg
+    assert "head_dim: [48, 48]" in msg and "kdagen generate --spec <spec> && make build SPEC=<spec>" in msg
+
+
+def test_forcing_an_unknown_variant():
+    with pytest.raises(NoVariantError, match="variant 'kda_fwd_nope' is not registered"):
+        call(variant="kda_fwd_nope")

@@ -1,0 +1,116 @@
+"""Spec loading, validation errors, expansion and the `kdagen list` command."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from kdagen.cli import main
+from kdagen.errors import SpecError
+from kdagen.paths import SPECS_DIR
+from kdagen.spec import expand, expand_all, load_spec
+
+GOOD = """
+name: t
+variants:
+  - target: triton
+    chunk: [16, 64]
+    head_dim: [32, [64, 64]]
+    dtype: [bf16]
+    gate: [bounded, unbounded]
+    state: fp32
+    block_v: [16, 32]
+exclude:
+  - when: {chunk: 16, gate: unbounded}
+    reason: not needed here
+"""
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    p = tmp_path / "s.yaml"
+    p.write_text(textwrap.dedent(text))
+    return p
+
+
+def test_expand_is_sorted_deterministic_and_excludes(tmp_path):
+    spec = load_spec(write(tmp_path, GOOD))
+    kept, dropped = expand_all(spec)
+    names = [v.name for v in kept]
+    assert names == sorted(names) and len(set(names)) == len(names)
+    # 2 chunks x 2 dims x 2 gates x 2 block_v = 16, minus chunk16/unbounded (4) = 12
+    assert len(kept) == 12
+    assert {d.reason for d in dropped} == {"not needed here"}
+    assert all(not (v.chunk == 16 and v.gate == "unbounded") for v in kept)
+    assert [v.name for v in expand(load_spec(write(tmp_path, GOOD)))] == names
+    assert "kda_fwd_triton_c64_k64_v64_bf16_gb_sfp32_bv32" in names
+
+
+def test_block_v_wider_than_v_is_dropped_with_reason(tmp_path):
+    spec = load_spec(write(tmp_path, GOOD.replace("block_v: [16, 32]", "block_v: [64]")))
+    kept, dropped = expand_all(spec)
+    assert all(v.v == 64 for v in kept)
+    assert any("wider than V = 32" in d.reason for d in dropped)
+
+
+@pytest.mark.parametrize(
+    "change, key, needle",
+    [
+        (("chunk: [16, 64]", "chunk: [16, 32]"), "variants[0].chunk", "32 is not allowed for target triton; allowed: 16, 64"),
+        (("dtype: [bf16]", "dtype: [int8]"), "variants[0].dtype", "allowed: fp32, bf16, fp16"),
+        (("target: triton", "target: sm75"), "variants[0].target", "'sm75' is not a target"),
+        (("state: fp32", "state: fp32\n    colour: red"), "variants[0].colour", "unknown key"),
+        (("name: t", "name: t\nvariant: []"), "variant", "unknown key; allowed: name, description, variants, exclude"),
+        (("    gate: [bounded, unbounded]\n", ""), "variants[0].gate", "missing"),
+        (("head_dim: [32, [64, 64]]", "head_dim: [[64, 64, 64]]"), "variants[0].head_dim", "pair [K, V]"),
+        (("when: {chunk: 16, gate: unbounded}", "when: {colour: red}"), "exclude[0].when.colour", "unknown axis"),
+        (("layouts", "layouts"), None, None),
+    ],
+)
+def test_bad_spec_errors_name_file_key_and_allowed(tmp_path, change, key, needle):
+    if key is None:  # layouts: a value the target lacks
+        text = GOOD.replace("block_v: [16, 32]", "block_v: 16\n    layouts: [bshd]")
+        key, needle = "variants[0].layouts", "'bshd' is not supported by target triton; allowed: bnsd, bsnd"
+    else:
+        text = GOOD.replace(*change)
+    path = write(tmp_path, text)
+    with pytest.raises(SpecError) as ei:
+        load_spec(path)
+    msg = str(ei.value)
+    assert msg.startswith(f"{path}: {key}: "), msg
+    assert needle in msg, msg
+
+
+def test_bad_yaml_and_missing_file(tmp_path):
+    with pytest.raises(SpecError, match="not valid YAML"):
+        load_spec(write(tmp_path, "variants: [\n"))
+    with pytest.raises(SpecError, match="cannot read"):
+        load_spec(tmp_path / "nope.yaml")
+
+
+def test_cli_reports_spec_error_without_traceback(tmp_path):
+    path = write(tmp_path, GOOD.replace("chunk: [16, 64]", "chunk: 48"))
+    res = CliRunner().invoke(main, ["list", "--spec", str(path)])
+    assert res.exit_code == 2
+    assert "kdagen: error:" in res.output and "variants[0].chunk: 48 is not allowed" in res.output
+    assert "Traceback" not in res.output
+
+
+def test_cli_list_verbose_and_filter(tmp_path):
+    path = write(tmp_path, GOOD)
+    res = CliRunner().invoke(main, ["list", "--spec", str(path), "--filter", "*c64*bv32", "-v"])
+    assert res.exit_code == 0, res.output
+    lines = [ln for ln in res.output.splitlines() if ln.startswith("kda_fwd_")]
+    assert len(lines) == 4 and all("_c64_" in ln and ln.split()[0].endswith("bv32") for ln in lines)
+    res = CliRunner().invoke(main, ["list", "--spec", str(path), "-v"])
+    assert "# dropped: 4" in res.output and "not needed here" in res.output
+
+
+@pytest.mark.parametrize("spec_file", sorted(p.name for p in SPECS_DIR.glob("*.yaml")))
+def test_shipped_specs_load_and_expand(spec_file):
+    spec = load_spec(SPECS_DIR / spec_file)
+    variants = expand(spec)
+    assert variants, spec_file
+    assert len(variants) < 200, "a spec should not need hundreds of instantiations"
