@@ -22,6 +22,7 @@ A spec is the only place the kernel matrix is written. Format::
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -196,14 +197,25 @@ def expand_all(spec: Spec) -> tuple[list[Variant], list[Dropped]]:
             if reason is not None:
                 dropped[var.name] = Dropped(var, reason)
                 continue
-            prev = kept.get(var.name)
-            if prev is not None and prev != var:
-                raise SpecError(spec.path, "variants", f"{var.name} is listed twice with different features "
-                                f"({prev.layouts}/{prev.varlen}/{prev.gqa} vs {var.layouts}/{var.varlen}/{var.gqa})")
-            kept[var.name] = var
+            variants = [var]
+            if info.twin:
+                tinfo = TARGETS[info.twin]
+                variants.append(dataclasses.replace(var, target=info.twin, layouts=tinfo.layouts,
+                                                    varlen=tinfo.varlen, gqa=tinfo.gqa,
+                                                    hardware_validated=tinfo.hardware_validated))
+            for var in variants:
+                _keep(spec, kept, var)
     for name in kept:
         dropped.pop(name, None)
     return [kept[n] for n in sorted(kept)], [dropped[n] for n in sorted(dropped)]
+
+
+def _keep(spec: Spec, kept: dict[str, Variant], var: Variant) -> None:
+    prev = kept.get(var.name)
+    if prev is not None and prev != var:
+        raise SpecError(spec.path, "variants", f"{var.name} is listed twice with different features "
+                        f"({prev.layouts}/{prev.varlen}/{prev.gqa} vs {var.layouts}/{var.varlen}/{var.gqa})")
+    kept[var.name] = var
 
 
 def expand(spec: Spec) -> list[Variant]:

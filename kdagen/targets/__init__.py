@@ -33,6 +33,9 @@ class TargetInfo:
     nvcc_flags: tuple[str, ...] = ()
     # Extra include folders under templates/ whose files every variant's source hashes.
     includes: tuple[str, ...] = ()
+    # A target whose numerics cannot be run here names a twin target implementing the
+    # same algorithm; every spec entry of this target also emits the twin variant.
+    twin: str | None = None
 
     def load_launcher(self):
         mod, _, cls = self.launcher.partition(":")
@@ -80,6 +83,44 @@ TARGETS: dict[str, TargetInfo] = {
             "-gencode=arch=compute_80,code=compute_80",
         ),
         includes=("common", "sm80"),
+    ),
+    "ascend": TargetInfo(
+        name="ascend",
+        description="CANNBot-DSL kernels for Ascend 950 (NPU ARCH 3510), translated to AscendC on CPU",
+        chunks=(64,),
+        head_dims=(64, 128),
+        dtypes=("bf16",),
+        gates=("bounded",),
+        states=("fp32",),
+        block_v=(64,),
+        layouts=("bnsd", "bsnd"),
+        varlen=False,
+        gqa=True,
+        templates=(("ascend/kda_fwd.py.j2", "kernel.py"),),
+        build="ascend",
+        launcher="kdagen.targets.ascend:AscendLauncher",
+        hardware_validated=False,
+        twin="triton_twin",
+    ),
+    # The Ascend kernel's stage decomposition (token-parallel stage 1 into a workspace,
+    # V-split recurrence in stage 2) in Triton: checks its numerics on CPU and GPU.
+    # Bounded/precomputed gates only: its diagonal-block anchor is not overflow-free
+    # for unbounded gates.
+    "triton_twin": TargetInfo(
+        name="triton_twin",
+        description="Triton twin of the Ascend two-stage kernel (numerics check of the Ascend algorithm)",
+        chunks=(64,),
+        head_dims=(64, 128),
+        dtypes=("bf16", "fp16"),
+        gates=("bounded", "precomputed"),
+        states=("fp32",),
+        block_v=(16, 32, 64),
+        layouts=("bnsd", "bsnd"),
+        varlen=True,
+        gqa=True,
+        templates=(("triton/kda_twostage.py.j2", "kernel.py"),),
+        build="jit",
+        launcher="kdagen.targets.triton_twin:TritonTwinLauncher",
     ),
 }
 

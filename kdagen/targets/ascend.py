@@ -1,0 +1,205 @@
+"""Ascend 950 target: CANNBot-DSL kernels translated to AscendC on CPU.
+
+``translate`` runs the DSL pipeline up to AscendC code generation
+(``CANNBOTDSL_PIPE_STAGE=translate``) in a subprocess, once per layout, and
+returns facts read from the translated MLIR (cube matmuls per core function,
+on-chip bytes per memory vs capacity). No CANN toolkit is needed for that.
+``AscendLauncher`` runs the kernel through torch_npu; it is not hardware-validated.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import time
+from typing import Any
+
+# On-chip capacities of dav-3510 (Ascend 950PR/DT) in bytes, as cannbotdsl 0.7.1 reports them
+# (cannbotdsl.get_mem_size); tests cross-check this table against the installed package.
+CAPACITY = {"ub": 253952, "l1": 524288, "l0a": 65536, "l0b": 65536, "l0c": 262144}
+# MLIR memref address spaces emitted by the DSL.
+_SPACES = {"1": "ub", "2": "l1", "3": "l0a", "4": "l0b", "5": "l0c"}
+_DT_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "i32": 4, "i64": 8, "i8": 1, "ui8": 1, "i16": 2}
+LAYOUTS = ("bsnd", "bnsd")
+
+
+class AscendError(RuntimeError):
+    pass
+
+
+def _funcs(mlir: str) -> dict[str, str]:
+    """Split a module into its func.func bodies, by symbol name."""
+    out: dict[str, str] = {}
+    parts = re.split(r"^  func\.func @", mlir, flags=re.M)
+    for part in parts[1:]:
+        out[part.split("(", 1)[0]] = part
+    return out
+
+
+def mlir_facts(mlir: str) -> dict[str, Any]:
+    funcs = _funcs(mlir)
+    aic = {n: b for n, b in funcs.items() if n.endswith("_aic")}
+    aiv = {n: b for n, b in funcs.items() if n.endswith("_aiv")}
+    used: dict[str, int] = {}
+    for body in list(aic.values()) + list(aiv.values()):
+        for off, n, dt, space in re.findall(
+            r"cannir\.byte_offset = (\d+) : i64\} : memref<(\d+)x(\w+), (\d)>", body
+        ):
+            mem = _SPACES.get(space)
+            if mem is None:
+                continue
+            end = int(off) + int(n) * _DT_BYTES.get(dt, 4)
+            used[mem] = max(used.get(mem, 0), end)
+    return {
+        "cube_functions": sorted(aic),
+        "vector_functions": sorted(aiv),
+        "cube_matmuls": sum(b.count("asccube.mmad") for b in aic.values()),
+        "vector_matmuls": sum(b.count("asccube.mmad") for b in aiv.values()),
+        "global_syncs": sum(b.count("sync_all") for b in funcs.values()),
+        "vector_exp": sum(b.count("ascvec.exp") for b in aiv.values()),
+        "onchip_bytes": used,
+        "capacity_bytes": dict(CAPACITY),
+        "fits": all(used.get(m, 0) <= CAPACITY[m] for m in CAPACITY),
+    }
+
+
+def _stage_counts(source: pathlib.Path) -> dict[str, int]:
+    text = source.read_text()
+    out = {}
+    for key in ("STAGE1_MATMULS", "STAGE2_MATMULS"):
+        m = re.search(rf"^{key} = (\d+)", text, flags=re.M)
+        out[key.lower()] = int(m.group(1)) if m else -1
+    return out
+
+
+def translate(variant, source: pathlib.Path, out_dir: pathlib.Path) -> dict:
+    """Translate ``source`` (the rendered kernel.py) to AscendC/MLIR for each layout.
+
+    Writes ``<layout>/kda_fwd.{mlir,asc}``, ``translate.log`` and ``facts.json`` into
+    ``out_dir``; raises ``AscendError`` with the log tail when the DSL rejects the kernel.
+    """
+    source = pathlib.Path(source).resolve()
+    out_dir = pathlib.Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    log_lines: list[str] = []
+    facts: dict[str, Any] = {"variant": variant.name, "hardware_validated": False, "layouts": {}}
+    facts.update(_stage_counts(source))
+    for layout in LAYOUTS:
+        dump = out_dir / layout
+        dump.mkdir(exist_ok=True)
+        env = dict(os.environ)
+        env.update(
+            CANNBOTDSL_PIPE_STAGE="translate",
+            CANNBOTDSL_DUMP_ASCENDC="1",
+            CANNBOTDSL_DUMP_MLIR="1",
+            CANNBOTDSL_DUMP_DIR=str(dump),
+            CANNBOTDSL_NPU_ARCH="dav-3510",
+        )
+        t0 = time.perf_counter()
+        proc = subprocess.run(
+            [sys.executable, str(source), layout], env=env, cwd=str(dump),
+            capture_output=True, text=True,
+        )
+        dt = time.perf_counter() - t0
+        log_lines += [f"== {variant.name} {layout}: rc={proc.returncode} {dt:.2f}s", proc.stdout, proc.stderr]
+        (out_dir / "translate.log").write_text("\n".join(log_lines))
+        mlir = dump / "kda_fwd.mlir"
+        asc = dump / "kda_fwd.asc"
+        if proc.returncode != 0 or not mlir.exists() or not asc.exists():
+            tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-15:])
+            raise AscendError(
+                f"CANNBot-DSL translation of {variant.name} ({layout}) failed (rc={proc.returncode}); "
+                f"log: {out_dir / 'translate.log'}\n{tail}"
+            )
+        lf = mlir_facts(mlir.read_text())
+        lf["ascendc_bytes"] = asc.stat().st_size
+        lf["ascendc_has_mmad"] = "asc_mmad" in asc.read_text()
+        lf["seconds"] = round(dt, 2)
+        facts["layouts"][layout] = lf
+    (out_dir / "facts.json").write_text(json.dumps(facts, indent=2, sort_keys=True) + "\n")
+    return facts
+
+
+def _load_module(path: pathlib.Path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"kdagen_ascend_{path.parent.name}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+class AscendLauncher:
+    """Runs a translated Ascend variant through torch_npu (CANNBot-DSL JIT compiles on first call).
+
+    ``artifact``: the generated kernel.py path, or the directory containing it.
+    """
+
+    def __init__(self, variant, artifact):
+        self.variant = variant
+        path = pathlib.Path(artifact)
+        self.source = path / "kernel.py" if path.is_dir() else path
+        self._hosts: dict = {}
+        self._mod = None
+
+    def _require_npu(self):
+        try:
+            import torch_npu  # noqa: F401
+        except Exception as exc:  # pragma: no cover - depends on the machine
+            raise AscendError(
+                f"{self.variant.name}: running Ascend kernels needs torch_npu and an Ascend 950 "
+                f"(NPU ARCH 3510) with CANN; import torch_npu failed: {exc}. "
+                "On CPU only the translation (kdagen build) and the Triton twin can be checked."
+            ) from exc
+
+    def __call__(self, call) -> None:
+        self._require_npu()
+        import torch
+
+        v = self.variant
+        C = v.chunk
+        if call.cu_seqlens is not None:
+            raise AscendError(f"{v.name}: varlen (cu_seqlens) is not supported by the Ascend kernel")
+        if call.T % C:
+            raise AscendError(f"{v.name}: T={call.T} must be a multiple of the chunk {C}")
+        if call.state_kv:
+            raise AscendError(f"{v.name}: state layout [K,V] is not supported; use [V,K]")
+        if call.chunk_states is not None:
+            raise AscendError(f"{v.name}: per-chunk states are not emitted by the Ascend kernel")
+        if call.A_log is None:
+            raise AscendError(f"{v.name}: the Ascend kernel implements the bounded gate only")
+        if self._mod is None:
+            self._mod = _load_module(self.source)
+        B, T, H, HV, K, V = call.B, call.T, call.H, call.HV, call.K, call.V
+        bsnd = call.q_strides[2] == K  # head stride == K: [B, T, H, D]
+        dev = call.q.device
+        f32 = dict(device=dev, dtype=torch.float32)
+        rows = B * T
+        if bsnd:
+            q2, k2 = call.q.reshape(rows, H * K), call.k.reshape(rows, H * K)
+            v2, g2, o2 = call.v.reshape(rows, HV * V), call.g.reshape(rows, HV * K), call.o.view(rows, HV * V)
+            beta2 = call.beta.reshape(B, T, HV).permute(0, 2, 1).reshape(B * HV * T // C, C).float().contiguous()
+        else:
+            q2, k2 = call.q.reshape(B * H * T, K), call.k.reshape(B * H * T, K)
+            v2, g2, o2 = call.v.reshape(B * HV * T, V), call.g.reshape(B * HV * T, K), call.o.view(B * HV * T, V)
+            beta2 = call.beta.reshape(B * HV * T // C, C).float().contiguous()
+        if B != 1:
+            raise AscendError(f"{v.name}: batch > 1 not implemented in the Ascend kernel (B={B})")
+        NT = rows * HV
+        ws = [torch.empty(NT, K, **f32) for _ in range(3)] + [torch.empty(NT, V, **f32),
+              torch.empty(NT, C, **f32), torch.empty(NT // C, K, **f32)]
+        h0 = call.initial_state.reshape(HV * V, K).float() if call.initial_state is not None else torch.zeros(HV * V, K, **f32)
+        ht = torch.empty(HV * V, K, **f32)
+        dt_bias = call.dt_bias if call.dt_bias is not None else torch.zeros(HV, K, **f32)
+        key = (H, HV, call.scale, call.lower_bound, bsnd, call.allow_neg_eigval,
+               call.initial_state is not None, call.final_state is not None)
+        if key not in self._hosts:
+            blocks = 32
+            self._hosts[key] = self._mod.make_host(*key, blocks)
+        self._hosts[key](q2, k2, v2, g2, beta2, o2, call.A_log.reshape(1, HV), dt_bias, h0, ht, *ws)
+        if call.final_state is not None:
+            call.final_state.copy_(ht.view_as(call.final_state))
