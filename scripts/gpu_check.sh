@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Everything that needs the GPU, in one call on the H200 (device tool):
+#   scripts/gpu_check.sh [build] [test] [sanitize] [bench]     (default: all four)
+# Logs go under $OUT (the device tool brings them back). Runs from the source tree:
+# the GPU machine has torch/triton/cuda-bindings; fla-core travels as a wheel in .whl/.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/kdagen_gpu}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH="/tmp/site:$PYTHONPATH"
+fi
+STAGES=${*:-build test sanitize bench}
+SPECS=${SPECS:-"specs/ci.yaml specs/h800.yaml specs/a100.yaml specs/ascend950.yaml"}
+rc=0
+{
+  echo "date: $(date -u +%F) commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+  nvcc --version | tail -1
+} 2>&1 | tee "$OUT/env.txt"
+for stage in $STAGES; do
+  case $stage in
+    build)
+      for s in $SPECS; do
+        [ -f "$s" ] || continue
+        python3 -m kdagen.cli build --spec "$s" 2>&1 | tee -a "$OUT/build.log" || rc=1
+      done ;;
+    test)
+      python3 -m pytest -m gpu -q -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest_gpu.log"
+      [ "${PIPESTATUS[0]}" = 0 ] || rc=1 ;;
+    sanitize)
+      compute-sanitizer --tool memcheck --error-exitcode 9 python3 scripts/sanitize_case.py 2>&1 \
+        | tail -n 40 | tee "$OUT/sanitizer.log"
+      [ "${PIPESTATUS[0]}" = 0 ] || rc=1 ;;
+    bench)
+      python3 benchmarks/bench_kda.py ${BENCH_ARGS:-} --out "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" || rc=1 ;;
+    *) echo "unknown stage $stage"; rc=2 ;;
+  esac
+done
+exit $rc

@@ -1,0 +1,35 @@
+"""A small ragged varlen case through every CUDA variant of the built specs (and one Triton
+variant), for `compute-sanitizer --tool memcheck` (scripts/gpu_check.sh sanitize)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from kda_cases import make_case  # noqa: E402
+
+from kdagen import kda_prefill  # noqa: E402
+from kdagen.runtime import registry  # noqa: E402
+
+
+def main() -> int:
+    reg = registry()
+    picked = [v for v in reg.variants() if v.target in ("sm80", "sm90")]
+    picked += [v for v in reg.variants() if v.target == "triton" and v.k == 64][:1]
+    lens = [0, 1, 17, 70, 0, 33]
+    for v in picked:
+        kw = make_case(v, "cuda", lens=lens, H=2, HV=4, chunk_states=v.state != "none", seed=3)
+        kda_prefill(**kw, variant=v.name)
+        torch.cuda.synchronize()
+        print(f"ran {v.name}")
+    print(f"sanitize case: {len(picked)} variant(s) ran")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
