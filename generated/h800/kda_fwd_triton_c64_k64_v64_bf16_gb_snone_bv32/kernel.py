@@ -19,10 +19,6 @@ HEAD_V = 64
 BLOCK_V = 32
 GATE = "bounded"
 STATE = "none"
-# Products that feed the inverse stay in full fp32; the large products may use
-# tf32 for 16-bit inputs, whose own rounding dominates.
-INV_PRECISION = "ieee"
-DOT_PRECISION = "tf32"
 
 
 @triton.jit
@@ -40,30 +36,36 @@ def _neumann_inverse(L, C: tl.constexpr):
     return A
 
 
-@triton.jit
+# Shapes, strides and feature flags are run-time values and never specialised, so
+# a variant compiles once, whatever the call (Triton would otherwise recompile per
+# stride divisibility and per flag combination).
+@triton.jit(do_not_specialize=[
+    "sqb", "sqt", "sqh", "skb", "skt", "skh", "svb", "svt", "svh", "sgb", "sgt", "sgh",
+    "sbb", "sbt", "sbh", "sob", "sot", "soh", "T", "H", "HV",
+    "IS_VARLEN", "HAS_H0", "HAS_HT", "HAS_CS", "HAS_DT", "STATE_KV", "USE_L2NORM", "NEG_EIGVAL",
+])
 def kda_fwd_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr,
     sqb, sqt, sqh, skb, skt, skh, svb, svt, svh,
     sgb, sgt, sgh, sbb, sbt, sbh, sob, sot, soh,
     a_log_ptr, dt_bias_ptr, h0_ptr, ht_ptr, cs_ptr, cs_off_ptr, cu_ptr,
     T, H, HV, scale, lower_bound,
+    IS_VARLEN, HAS_H0, HAS_HT, HAS_CS, HAS_DT, STATE_KV, USE_L2NORM, NEG_EIGVAL,
     C: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
-    IS_VARLEN: tl.constexpr, HAS_H0: tl.constexpr, HAS_HT: tl.constexpr,
-    HAS_CS: tl.constexpr, HAS_DT: tl.constexpr, STATE_KV: tl.constexpr,
-    USE_L2NORM: tl.constexpr, NEG_EIGVAL: tl.constexpr,
 ):
     i_v = tl.program_id(0)
     i_nh = tl.program_id(1)
     n = i_nh // HV
     h = i_nh % HV
     hq = h // (HV // H)
+    # Both branches give the same types: the flags are run-time values.
     if IS_VARLEN:
         bos = tl.load(cu_ptr + n).to(tl.int64)
         eos = tl.load(cu_ptr + n + 1).to(tl.int64)
-        b = 0
+        b = n * 0
     else:
-        bos = 0
-        eos = T.to(tl.int64)
+        bos = (n * 0).to(tl.int64)
+        eos = (n * 0 + T).to(tl.int64)
         b = n
 
     rows = tl.arange(0, C)
@@ -88,6 +90,7 @@ def kda_fwd_kernel(
         dt = tl.load(dt_bias_ptr + h * K + kk).to(tl.float32)
     else:
         dt = tl.zeros([K], dtype=tl.float32)
+    cs_first = (n * 0).to(tl.int64)
     if HAS_CS:
         cs_first = tl.load(cs_off_ptr + n).to(tl.int64)
 
@@ -153,11 +156,11 @@ def kda_fwd_kernel(
             tl.store(cs_ptr + cs_base + s_off, S.to(cs_ptr.dtype.element_ty))
 
         St = tl.trans(S)  # [K, BV]
-        u = bt[:, None] * (v - tl.dot(Kd, St, input_precision=DOT_PRECISION))
+        u = bt[:, None] * (v - tl.dot(Kd, St, input_precision="tf32"))
         U = tl.dot(Ainv, u, input_precision="ieee")
-        o = tl.dot(Qd, St, input_precision=DOT_PRECISION) + tl.dot(Mqk, U, input_precision="ieee")
+        o = tl.dot(Qd, St, input_precision="tf32") + tl.dot(Mqk, U, input_precision="ieee")
         tl.store(o_ptr + b * sob + t[:, None] * sot + h * soh + vv[None, :], o.to(o_ptr.dtype.element_ty), mask=m_t[:, None])
-        S = S * tl.exp(G_end)[None, :] + tl.dot(tl.trans(U), Kr, input_precision=DOT_PRECISION)
+        S = S * tl.exp(G_end)[None, :] + tl.dot(tl.trans(U), Kr, input_precision="tf32")
 
     if HAS_HT:
         tl.store(ht_ptr + s_base + s_off, S.to(ht_ptr.dtype.element_ty))
@@ -179,14 +182,10 @@ def launch(call) -> None:
         call.chunk_offsets if call.chunk_offsets is not None else dummy,
         call.cu_seqlens if call.cu_seqlens is not None else dummy,
         call.T, call.H, call.HV, float(call.scale), float(call.lower_bound),
+        int(call.cu_seqlens is not None), int(call.initial_state is not None),
+        int(call.final_state is not None), int(call.chunk_states is not None),
+        int(call.dt_bias is not None), int(call.state_kv), int(call.use_qk_l2norm),
+        int(call.allow_neg_eigval),
         C=CHUNK, K=HEAD_K, V=HEAD_V, BV=BLOCK_V,
-        IS_VARLEN=call.cu_seqlens is not None,
-        HAS_H0=call.initial_state is not None,
-        HAS_HT=call.final_state is not None,
-        HAS_CS=call.chunk_states is not None,
-        HAS_DT=call.dt_bias is not None,
-        STATE_KV=call.state_kv,
-        USE_L2NORM=call.use_qk_l2norm,
-        NEG_EIGVAL=call.allow_neg_eigval,
         num_warps=4,
     )
