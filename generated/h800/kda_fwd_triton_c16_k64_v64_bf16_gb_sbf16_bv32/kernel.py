@@ -152,8 +152,6 @@ def kda_fwd_kernel(
         o = tl.dot(Qd, St, input_precision="tf32") + tl.dot(Mqk, U, input_precision="ieee")
         tl.store(o_ptr + b * sob + t[:, None] * sot + h * soh + vv[None, :], o.to(o_ptr.dtype.element_ty), mask=m_t[:, None])
         S = S * tl.exp(G_end)[None, :] + tl.dot(tl.trans(U), Kr, input_precision="tf32")
-        # bf16 state variant: the state is rounded to bf16 between chunks.
-        S = S.to(tl.bfloat16).to(tl.float32)
 
     if HAS_HT:
         tl.store(ht_ptr + s_base + s_off, S.to(ht_ptr.dtype.element_ty))

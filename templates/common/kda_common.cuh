@@ -1,0 +1,116 @@
+// kdagen: shared device helpers for the CUDA targets (params struct, mma/ldmatrix/cp.async).
+// Written for kdagen; Ampere-level PTX only.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+// Kernel parameters, passed by value. Mirrored field by field by kdagen/targets/sm80.py.
+struct KdaParams {
+  const void* q;
+  const void* k;
+  const void* v;
+  const void* g;
+  const void* beta;
+  void* o;
+  const float* A_log;       // [HV] or null (precomputed gate)
+  const float* dt_bias;     // [HV, K] or null (zeros)
+  const int* cu_seqlens;    // [N + 1] or null
+  const void* h0;           // initial state or null
+  void* ht;                 // final state or null
+  void* hc;                 // per-chunk states or null
+  const int* chunk_offsets; // [N + 1] or null
+  void* ws;                 // workspace written by kda_prep, read by kda_recur
+  long long q_s[3];         // element strides (batch, time, head)
+  long long k_s[3];
+  long long v_s[3];
+  long long g_s[3];
+  long long b_s[3];
+  long long o_s[3];
+  int B, T, N, H, HV, group, max_len;
+  float scale;
+  float lower_bound;
+  int use_l2norm, neg_eigval, state_kv, g_fp32, beta_fp32, pad0;
+};
+
+namespace kda {
+
+__device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_f(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_f(float x) { return x; }
+
+template <typename T> __device__ __forceinline__ T from_f(float x);
+template <> __device__ __forceinline__ float from_f<float>(float x) { return x; }
+template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+template <> __device__ __forceinline__ __half from_f<__half>(float x) { return __float2half_rn(x); }
+
+// Pack two floats into a bf16x2 register (lo in the low half).
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+__device__ __forceinline__ float round_bf16(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
+
+// Eight consecutive 16-bit (bf16 / fp16) or 32-bit values -> float[8]; 16-byte aligned loads.
+template <typename T>
+__device__ __forceinline__ void load8(const T* p, float* out) {
+  uint4 r = *reinterpret_cast<const uint4*>(p);
+  const T* e = reinterpret_cast<const T*>(&r);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) out[i] = to_f(e[i]);
+}
+template <>
+__device__ __forceinline__ void load8<float>(const float* p, float* out) {
+  float4 a = *reinterpret_cast<const float4*>(p);
+  float4 b = *reinterpret_cast<const float4*>(p + 4);
+  out[0] = a.x; out[1] = a.y; out[2] = a.z; out[3] = a.w;
+  out[4] = b.x; out[5] = b.y; out[6] = b.z; out[7] = b.w;
+}
+
+// D = A * B + D, m16n8k16, bf16 inputs, fp32 accumulators.
+__device__ __forceinline__ void mma_bf16(float* d, const uint32_t* a, uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+      "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void ldsm_x4(uint32_t* r, const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_u32(p)));
+}
+__device__ __forceinline__ void ldsm_x4_t(uint32_t* r, const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_u32(p)));
+}
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_u32(smem)), "l"(gmem));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+__device__ __forceinline__ float sigmoidf_(float x) { return 1.f / (1.f + __expf(-x)); }
+__device__ __forceinline__ float softplusf_(float x) { return x > 20.f ? x : log1pf(__expf(x)); }
+
+// Sequence n's first token (in the flattened B*T token axis) and length.
+__device__ __forceinline__ void seq_bounds(const KdaParams& p, int n, int& bos, int& len) {
+  if (p.cu_seqlens) {
+    bos = p.cu_seqlens[n];
+    len = p.cu_seqlens[n + 1] - bos;
+  } else {
+    bos = n * p.T;
+    len = p.T;
+  }
+}
+
+}  // namespace kda

@@ -1,0 +1,279 @@
+"""sm80 target: ptxas resource checks (CPU) and numerics against the float64 reference (GPU).
+
+GPU tests build the KdaCall by hand and call Sm80Launcher directly, so they exercise exactly
+the launcher and kernels of this target (the runtime's own tests cover selection). Variants
+come from the registry (built sm80 entries); without any, from a dev build folder
+(`scripts/sm80_dev.sh build .sm80dev`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from kdagen.abi import KdaCall
+from kdagen.variant import Variant
+
+ROOT = Path(__file__).resolve().parents[1]
+HAS_CUDA = torch.cuda.is_available()
+TOL = 5e-3
+
+
+# ----------------------------------------------------------------------------- variants
+
+def _registry_sm80() -> list[tuple[Variant, Path]]:
+    try:
+        from kdagen.registry import Registry
+        from kdagen.paths import ROOT as R
+        reg = Registry.load()
+    except Exception:
+        return []
+    out = []
+    for name, e in sorted(reg.entries.items()):
+        if e.variant.target == "sm80" and e.built and (R / e.built["artifact"]).exists():
+            out.append((e.variant, R / e.built["artifact"]))
+    return out
+
+
+def _dev_sm80() -> list[tuple[Variant, Path]]:
+    out = []
+    for fb in sorted((ROOT / ".sm80dev").glob("kda_fwd_sm80_*/*.fatbin")):
+        parts = fb.stem.split("_")  # kda fwd sm80 cC kK vV dtype gX sS bvB
+        c, k, v = int(parts[3][1:]), int(parts[4][1:]), int(parts[5][1:])
+        gate = {"gb": "bounded", "gu": "unbounded", "gp": "precomputed"}[parts[7]]
+        out.append((Variant("sm80", c, k, v, parts[6], gate, parts[8][1:], int(parts[9][2:])), fb))
+    return out
+
+
+def sm80_variants() -> list[tuple[Variant, Path]]:
+    return _registry_sm80() or _dev_sm80()
+
+
+# ----------------------------------------------------------------------------- ptxas (CPU)
+
+def _ptxas_logs() -> list[Path]:
+    return sorted((ROOT / "build").glob("*/kda_fwd_sm80_*/build.log")) + sorted(
+        (ROOT / ".sm80dev").glob("kda_fwd_sm80_*/ptxas.log"))
+
+
+def _check_ptxas(text: str, who: str) -> None:
+    from kdagen.build import parse_ptxas
+
+    entries = parse_ptxas(text)
+    assert entries, f"{who}: empty ptxas report"
+    for e in entries:
+        assert e["spill_stores"] == 0 and e["spill_loads"] == 0 and e["stack_bytes"] == 0, f"{who}: {e}"
+
+
+def test_sm80_ptxas_reports_have_no_spills():
+    logs = _ptxas_logs()
+    if not logs:
+        if shutil.which("nvcc"):
+            pytest.fail("no sm80 variant built: run `make build SPEC=specs/a100.yaml` first (CI does)")
+        pytest.skip("no nvcc here, so no sm80 build to check")
+    for log in logs:
+        _check_ptxas(log.read_text(), log.parent.name)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+@pytest.mark.parametrize("spec", [
+    Variant("sm80", 64, 128, 128, "bf16", "bounded", "fp32", 128),
+    Variant("sm80", 16, 64, 64, "fp16", "unbounded", "bf16", 16),
+], ids=lambda v: v.name)
+def test_sm80_compiles_without_spills(spec: Variant, tmp_path: Path):
+    """Render and compile two corner variants from scratch (largest and smallest footprint)."""
+    import jinja2
+    from kdagen.targets import TARGETS
+
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(ROOT / "templates")),
+                             undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True,
+                             keep_trailing_newline=True)
+    src = tmp_path / "kernel.cu"
+    src.write_text(env.get_template("sm80/kda_fwd.cu.j2").render(variant=spec, name=spec.name))
+    cmd = ["nvcc", *TARGETS["sm80"].nvcc_flags, "-fatbin", "-Xptxas", "-v",
+           f"-I{ROOT / 'templates/common'}", f"-I{ROOT / 'templates/sm80'}", str(src), "-o", str(tmp_path / "k.fatbin")]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    _check_ptxas(r.stderr, spec.name)
+
+
+# ----------------------------------------------------------------------------- GPU harness
+
+def _strides(t: torch.Tensor, layout: str):
+    return (t.stride(0), t.stride(1), t.stride(2)) if layout == "BSND" else (t.stride(0), t.stride(2), t.stride(1))
+
+
+def make_inputs(variant: Variant, *, B=1, T=64, H=2, HV=None, lens=None, layout="BSND", gate_scale=None,
+                g_mode="randn", dt=0.0, seed=0, device="cuda"):
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    HV = HV or H
+    K, V = variant.k, variant.v
+    dt_ = {"bf16": torch.bfloat16, "fp16": torch.float16}[variant.dtype]
+    if lens is not None:
+        B, T = 1, sum(lens)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen)
+
+    def lay(x):  # x is [B, T, heads, D] -> layout
+        return x if layout == "BSND" else x.transpose(1, 2).contiguous()
+
+    q = lay(rnd(B, T, H, K)).to(dt_)
+    k = lay(rnd(B, T, H, K)).to(dt_)
+    v = lay(rnd(B, T, HV, V)).to(dt_)
+    if g_mode == "randn":
+        g = rnd(B, T, HV, K) * (gate_scale or 1.0)
+    elif g_mode == "uniform":
+        g = (torch.rand(B, T, HV, K, generator=gen) * 2 - 1) * gate_scale
+    else:  # constant
+        g = torch.full((B, T, HV, K), float(gate_scale))
+    if variant.gate == "precomputed":
+        g = -torch.nn.functional.softplus(g) * 0.3  # log-decays <= 0
+    g = lay(g).to(dt_)
+    beta = rnd(B, T, HV)
+    beta = (beta if layout == "BSND" else beta.transpose(1, 2).contiguous()).to(dt_)
+    A_log = (torch.rand(HV, generator=gen) * 2 - 1).float()
+    dt_bias = (rnd(HV, K) * 0.5 + dt).float()
+    cu = None
+    if lens is not None:
+        cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0).tolist()), dtype=torch.int32)
+    to = lambda x: None if x is None else x.to(device)
+    return dict(q=to(q), k=to(k), v=to(v), g=to(g), beta=to(beta), A_log=to(A_log), dt_bias=to(dt_bias),
+                cu_seqlens=to(cu), layout=layout, H=H, HV=HV)
+
+
+def run_sm80(variant: Variant, artifact: Path, inp: dict, *, initial_state=None, output_final_state=True,
+             state_layout="VK", chunk_states=False, scale=None, lower_bound=-5.0, use_qk_l2norm=True,
+             allow_neg_eigval=False, launcher=None):
+    from kdagen.targets.sm80 import Sm80Launcher
+
+    q, k, v, g, beta = inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"]
+    layout, H, HV = inp["layout"], inp["H"], inp["HV"]
+    K, V = variant.k, variant.v
+    dev = q.device
+    B = q.shape[0]
+    T = q.shape[1] if layout == "BSND" else q.shape[2]
+    cu = inp["cu_seqlens"]
+    lens = (cu[1:] - cu[:-1]).tolist() if cu is not None else [T] * B
+    N = len(lens)
+    st_t = {"fp32": torch.float32, "bf16": torch.bfloat16, "none": torch.float32}[variant.state]
+    shape = (N, HV, V, K) if state_layout == "VK" else (N, HV, K, V)
+    o = torch.full_like(v, float("nan"))
+    ht = torch.full(shape, float("nan"), dtype=st_t, device=dev) if (output_final_state and variant.state != "none") else None
+    hc = co = None
+    if chunk_states:
+        C = variant.chunk
+        offs = [0]
+        for n in lens:
+            offs.append(offs[-1] + (n + C - 1) // C)
+        co = torch.tensor(offs, dtype=torch.int32, device=dev)
+        hc = torch.full((offs[-1], HV, *shape[2:]), float("nan"), dtype=st_t, device=dev)
+    gate = variant.gate
+    call = KdaCall(
+        q=q, k=k, v=v, g=g, beta=beta, o=o,
+        q_strides=_strides(q, layout), k_strides=_strides(k, layout), v_strides=_strides(v, layout),
+        g_strides=_strides(g, layout), beta_strides=_strides(beta.unsqueeze(-1), layout), o_strides=_strides(o, layout),
+        B=B, T=T, N=N, H=H, HV=HV, K=K, V=V, cu_seqlens=cu,
+        A_log=inp["A_log"] if gate != "precomputed" else None,
+        dt_bias=inp["dt_bias"] if gate != "precomputed" else None,
+        scale=scale if scale is not None else K ** -0.5,
+        lower_bound=lower_bound if gate == "bounded" else 0.0,
+        use_qk_l2norm=use_qk_l2norm, allow_neg_eigval=allow_neg_eigval,
+        initial_state=initial_state, final_state=ht, state_kv=state_layout == "KV",
+        chunk_states=hc, chunk_offsets=co, max_len=max(lens) if lens else 0,
+    )
+    (launcher or Sm80Launcher(variant, artifact))(call)
+    torch.cuda.synchronize()
+    return o, ht, hc
+
+
+def reference(variant: Variant, inp: dict, *, initial_state=None, state_layout="VK", chunk_states=False,
+              lower_bound=-5.0, use_qk_l2norm=True, allow_neg_eigval=False):
+    from kdagen.reference import kda_reference
+
+    gate = variant.gate
+    return kda_reference(
+        inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"],
+        A_log=inp["A_log"] if gate != "precomputed" else None,
+        dt_bias=inp["dt_bias"] if gate != "precomputed" else None,
+        scale=variant.k ** -0.5, lower_bound=lower_bound if gate == "bounded" else None, gate=gate,
+        initial_state=initial_state, output_final_state=True, cu_seqlens=inp["cu_seqlens"],
+        layout=inp["layout"], state_layout=state_layout, use_qk_l2norm=use_qk_l2norm,
+        allow_neg_eigval=allow_neg_eigval, chunk_states_size=variant.chunk if chunk_states else None)
+
+
+def check_case(variant, artifact, inp, tol=TOL, **kw):
+    from kdagen.reference import rel_rmse
+
+    o, ht, hc = run_sm80(variant, artifact, inp, **kw)
+    ref_kw = {key: kw[key] for key in ("initial_state", "state_layout", "chunk_states", "lower_bound",
+                                       "use_qk_l2norm", "allow_neg_eigval") if key in kw}
+    ro, rh, rc = reference(variant, inp, **ref_kw)
+    errs = {"o": rel_rmse(o, ro)}
+    if ht is not None:
+        errs["state"] = rel_rmse(ht, rh)
+    if hc is not None:
+        errs["chunk_states"] = rel_rmse(hc, rc)
+    bad = {k: e for k, e in errs.items() if not (e <= tol)}
+    assert not bad, f"{variant.name}: rel RMSE {errs} > {tol}"
+    return errs
+
+
+# ----------------------------------------------------------------------------- GPU tests
+
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="CUDA not available")
+VARIANTS = sm80_variants() if HAS_CUDA else []
+VIDS = [v.name for v, _ in VARIANTS]
+
+
+def _initial_state(variant, N, HV, state_layout="VK", seed=1):
+    if variant.state == "none":
+        return None
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    shape = (N, HV, variant.v, variant.k) if state_layout == "VK" else (N, HV, variant.k, variant.v)
+    st = {"fp32": torch.float32, "bf16": torch.bfloat16}[variant.state]
+    return (torch.randn(*shape, generator=gen) * 0.5).to(st).cuda()
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("T", [1, 15, 16, 17, 63, 64, 65, 1000])
+@pytest.mark.parametrize("va", VARIANTS, ids=VIDS)
+def test_sm80_lengths(va, T):
+    variant, art = va
+    inp = make_inputs(variant, T=T, B=2, H=2, HV=4, layout="BSND" if T % 2 else "BNSD", seed=T)
+    h0 = _initial_state(variant, 2, 4, "KV" if T % 3 == 0 else "VK")
+    check_case(variant, art, inp, initial_state=h0, state_layout="KV" if T % 3 == 0 else "VK", chunk_states=True)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("gcase", ["c-8", "c-4", "c0", "c8", "u8", "n8", "dt4", "dt-4", "dt8", "dt-8"])
+@pytest.mark.parametrize("va", VARIANTS, ids=VIDS)
+def test_sm80_gate_sweep(va, gcase):
+    variant, art = va
+    kw = {"c-8": dict(g_mode="const", gate_scale=-8), "c-4": dict(g_mode="const", gate_scale=-4),
+          "c0": dict(g_mode="const", gate_scale=0), "c8": dict(g_mode="const", gate_scale=8),
+          "u8": dict(g_mode="uniform", gate_scale=8), "n8": dict(gate_scale=8),
+          "dt4": dict(dt=4.0), "dt-4": dict(dt=-4.0), "dt8": dict(dt=8.0), "dt-8": dict(dt=-8.0)}[gcase]
+    inp = make_inputs(variant, T=300, H=2, HV=2, **kw)
+    check_case(variant, art, inp, initial_state=_initial_state(variant, 1, 2))
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("lens", [[1300, 547, 2048, 963, 271, 3063], [0, 5, 0, 64, 0, 130, 0], [8192]],
+                         ids=["varlen6", "empty", "t8192"])
+@pytest.mark.parametrize("va", VARIANTS, ids=VIDS)
+def test_sm80_varlen(va, lens):
+    variant, art = va
+    inp = make_inputs(variant, lens=lens, H=1, HV=2, seed=len(lens))
+    h0 = _initial_state(variant, len(lens), 2)
+    check_case(variant, art, inp, initial_state=h0, chunk_states=True)
