@@ -172,6 +172,8 @@ class AscendLauncher:
             raise AscendError(f"{v.name}: per-chunk states are not emitted by the Ascend kernel")
         if call.A_log is None:
             raise AscendError(f"{v.name}: the Ascend kernel implements the bounded gate only")
+        if not call.use_qk_l2norm:
+            raise AscendError(f"{v.name}: the Ascend kernel always L2-normalises q and k (use_qk_l2norm=True)")
         if self._mod is None:
             self._mod = _load_module(self.source)
         B, T, H, HV, K, V = call.B, call.T, call.H, call.HV, call.K, call.V
