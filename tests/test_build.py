@@ -72,3 +72,18 @@ ptxas info    : Used 168 registers, used 1 barriers, 400 bytes cmem[0]
 def test_generated_manifest_is_what_the_build_reads():
     man = json.loads((GENERATED_DIR / "ci" / "manifest.json").read_text())
     assert man["spec"] == "ci" and man["spec_file"] == "specs/ci.yaml"
+
+
+def test_compiler_failure_is_quoted_and_log_kept(tmp_path, monkeypatch, capfd):
+    fake = tmp_path / "nvcc"
+    fake.write_text("#!/bin/sh\necho 'kernel.cu(12): error: identifier \"oops\" is undefined' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(kbuild, "nvcc_path", lambda: str(fake))
+    monkeypatch.setattr(kbuild, "nvcc_version", lambda: "V0.0-fake")
+    man = json.loads((GENERATED_DIR / "a100" / "manifest.json").read_text())
+    name = man["variants"][0]["name"]
+    with pytest.raises(BuildError, match="build of spec a100 failed"):
+        kbuild.build_spec("a100", names=[name], build_dir=tmp_path / "b", jobs=1)
+    out = capfd.readouterr().out
+    assert 'identifier "oops" is undefined' in out and f"nvcc {name}" in out
+    assert 'identifier "oops"' in (tmp_path / "b" / "a100" / name / "build.log").read_text()

@@ -1,0 +1,42 @@
+"""The registry reads the manifests; stale or missing compiled artifacts are never launched."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import kdagen.build as kbuild
+from kdagen.errors import NoVariantError
+from kdagen.paths import GENERATED_DIR
+from kdagen.registry import Registry, artifact_status
+
+
+def test_registry_lists_every_generated_variant_once():
+    reg = Registry.load()
+    names = set()
+    for man in GENERATED_DIR.glob("*/manifest.json"):
+        names |= {e["name"] for e in json.loads(man.read_text())["variants"]}
+    assert set(reg.entries) == names
+    assert all(artifact_status(e) in ("jit", "built", "not built") for e in reg.entries.values())
+
+
+def test_stale_cuda_artifact_without_nvcc_is_refused(tmp_path, monkeypatch):
+    gen = tmp_path / "generated" / "s"
+    gen.mkdir(parents=True)
+    src = json.loads((GENERATED_DIR / "a100" / "manifest.json").read_text())
+    entry = src["variants"][0]
+    (gen / "manifest.json").write_text(json.dumps({**src, "spec": "s", "variants": [entry]}))
+    built = tmp_path / "build" / "s"
+    built.mkdir(parents=True)
+    art = built / "x.fatbin"
+    art.write_bytes(b"not really a fatbin")
+    (built / "manifest.json").write_text(json.dumps({"variants": {entry["name"]: {
+        "artifact": str(art), "cache_key": "0" * 64, "target": "sm80", "build": "nvcc"}}}))
+    reg = Registry.load(tmp_path / "generated", tmp_path / "build")
+    monkeypatch.setattr(kbuild, "nvcc_path", lambda: None)
+    with pytest.raises(NoVariantError) as ei:
+        reg.launcher(entry["name"], "cuda:0")
+    msg = str(ei.value)
+    assert "was built from other sources or another toolchain" in msg
+    assert f"kdagen build --spec specs/s.yaml --filter {entry['name']}" in msg

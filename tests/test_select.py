@@ -1,0 +1,93 @@
+"""Variant selection: functional key first, then preference; every rejection has a reason."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import kdagen.select as sel
+from kdagen.inputs import CallInfo
+from kdagen.variant import Variant
+
+
+def info(**over) -> CallInfo:
+    base = dict(device=torch.device("cuda", 0), dtype="bf16", layout="bsnd", B=1, T=8192, N=1, H=16, HV=16,
+                K=128, V=128, gate="bounded", state="fp32", varlen=False, chunk_size=None, max_len=8192,
+                cu_seqlens_host=None)
+    base.update(over)
+    return CallInfo(**base)
+
+
+def var(target="sm80", chunk=64, bv=32, state="fp32", **over) -> Variant:
+    kw = dict(target=target, chunk=chunk, k=128, v=128, dtype="bf16", gate="bounded", state=state, block_v=bv)
+    kw.update(over)
+    return Variant(**kw)
+
+
+@pytest.fixture
+def any_device(monkeypatch):
+    monkeypatch.setattr(sel, "device_reason", lambda target, device: None)
+    monkeypatch.setattr(sel, "_sm_count", lambda device: 132)
+
+
+def test_cuda_target_preferred_over_triton_and_long_sequences_take_chunk_64(any_device):
+    cands = [var("triton", 64), var("sm80", 16), var("sm80", 64)]
+    assert sel.select(cands, info()).name == var("sm80", 64).name
+    # short sequences: chunk 16
+    assert sel.select(cands, info(T=256, max_len=256)).chunk == 16
+
+
+def test_v_split_widest_block_that_still_fills_the_gpu(any_device):
+    cands = [var(bv=b) for b in (16, 32, 64, 128)]
+    # 96 heads x 128/bv programs: bv=32 gives 384 >= 2 x 132; bv=64 gives 192 < 264
+    assert sel.select(cands, info(H=96, HV=96)).block_v == 32
+    # 8 heads never fill the GPU: the narrowest split, most programs
+    assert sel.select(cands, info(H=8, HV=8)).block_v == 16
+
+
+def test_state_none_prefers_a_variant_without_state_io(any_device):
+    cands = [var(state="fp32"), var(state="none"), var(state="bf16")]
+    assert sel.select(cands, info(state="none")).state == "none"
+    assert sel.select(cands, info(state="bf16")).state == "bf16"
+    with pytest.raises(sel.NoVariantError, match="state none != fp32"):
+        sel.select([var(state="none")], info(state="fp32"))
+
+
+@pytest.mark.parametrize("over, reason", [
+    (dict(dtype="fp16"), "dtype bf16 != fp16"),
+    (dict(K=64, V=64), "head dims K=128,V=128 != K=64,V=64"),
+    (dict(gate="unbounded"), "gate bounded != unbounded"),
+    (dict(layout="bnsd"), "layout bnsd not in bsnd"),
+    (dict(varlen=True), "no varlen"),
+    (dict(HV=32), "no GQA"),
+    (dict(chunk_size=16), "chunk 64 != 16"),
+])
+def test_rejection_reasons(any_device, over, reason):
+    v = var(layouts=("bsnd",), varlen=False, gqa=False)
+    assert sel.functional_reason(v, info(**over)) == reason
+
+
+def test_device_reasons_without_gpu(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    cpu = torch.device("cpu")
+    assert sel.device_reason("triton", cpu) == "Triton on CPU needs TRITON_INTERPRET=1"
+    assert "CUDA target" in sel.device_reason("sm80", cpu)
+    assert "Ascend target" in sel.device_reason("ascend", cpu)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert sel.device_reason("triton", cpu) is None
+
+
+def test_choice_is_logged_once(caplog):
+    from .test_runtime_errors import inputs
+
+    import kdagen.runtime as rt
+
+    kw = inputs()
+    rt._LOGGED.clear()
+    with caplog.at_level(logging.INFO, logger="kdagen"):
+        rt.kda_prefill(**kw)
+        rt.kda_prefill(**kw)
+    lines = [r.getMessage() for r in caplog.records if r.name == "kdagen"]
+    assert len(lines) == 1 and lines[0].startswith("kdagen: kda_fwd_triton_") and "T=20" in lines[0]
