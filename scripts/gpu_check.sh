@@ -14,7 +14,7 @@ if compgen -G ".whl/*.whl" >/dev/null; then
     && export PYTHONPATH="/tmp/site:$PYTHONPATH"
 fi
 STAGES=${*:-build test sanitize bench}
-SPECS=${SPECS:-"specs/ci.yaml specs/h800.yaml specs/a100.yaml specs/ascend950.yaml"}
+SPECS=${SPECS:-"specs/ci.yaml specs/a100.yaml specs/ascend950.yaml"}
 rc=0
 {
   echo "date: $(date -u +%F) commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
@@ -30,14 +30,17 @@ for stage in $STAGES; do
         python3 -m kdagen.cli build --spec "$s" 2>&1 | tee -a "$OUT/build.log" || rc=1
       done ;;
     test)
-      python3 -m pytest -m gpu -q -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest_gpu.log"
+      # -rfE and --tb=short: a failure's numbers must come back even when the run is cut short.
+      timeout "${TEST_TIMEOUT:-360}" python3 -m pytest -m gpu -q -rfE --tb=short --durations=15 \
+        -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest_gpu.log"
       [ "${PIPESTATUS[0]}" = 0 ] || rc=1 ;;
     sanitize)
       compute-sanitizer --tool memcheck --error-exitcode 9 python3 scripts/sanitize_case.py 2>&1 \
         | tail -n 40 | tee "$OUT/sanitizer.log"
       [ "${PIPESTATUS[0]}" = 0 ] || rc=1 ;;
     bench)
-      python3 benchmarks/bench_kda.py ${BENCH_ARGS:-} --out "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" || rc=1 ;;
+      timeout "${BENCH_TIMEOUT:-240}" python3 benchmarks/bench_kda.py ${BENCH_ARGS:---cases issue4} \
+        --out "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" || rc=1 ;;
     *) echo "unknown stage $stage"; rc=2 ;;
   esac
 done
