@@ -40,3 +40,18 @@ def test_stale_cuda_artifact_without_nvcc_is_refused(tmp_path, monkeypatch):
     msg = str(ei.value)
     assert "was built from other sources or another toolchain" in msg
     assert f"kdagen build --spec specs/s.yaml --filter {entry['name']}" in msg
+
+
+@pytest.mark.skipif(kbuild.nvcc_path() is None, reason="needs nvcc")
+def test_missing_cuda_artifact_is_built_on_demand(tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(kbuild, "BUILD_DIR", tmp_path)
+    reg = Registry.load(GENERATED_DIR, tmp_path)
+    name = next(n for n, e in sorted(reg.entries.items()) if e.variant.target == "sm80" and e.variant.chunk == 16
+                and e.variant.k == 64)
+    entry = reg.entries[name]
+    assert entry.built is None and artifact_status(entry) == "not built"
+    with caplog.at_level("WARNING", logger="kdagen"):
+        art = reg._artifact(entry)
+    assert art.exists() and art.suffix == ".fatbin" and art.is_relative_to(tmp_path)
+    assert any("is not built; building it now" in r.getMessage() for r in caplog.records)
+    assert artifact_status(entry) == "built"
