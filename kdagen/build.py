@@ -208,6 +208,12 @@ def build_spec(spec_name: str, *, names: list[str] | None = None, jobs: int | No
         n = sum(s.kind == "nvcc" for s in steps)
         raise BuildError(f"nvcc not found (PATH, CUDACXX, /usr/local/cuda/bin): needed for {n} CUDA variant(s) "
                          f"of spec {spec_name}; install the CUDA toolkit (12.4+) or build a spec without CUDA targets")
+    # Folders of variants the spec no longer names would only confuse readers of build/.
+    known = {e["name"] for e in gen_manifest["variants"]}
+    if build_root.exists():
+        for d in build_root.iterdir():
+            if d.is_dir() and d.name.startswith("kda_fwd_") and d.name not in known:
+                shutil.rmtree(d)
     for s in steps:
         s.artifact.parent.mkdir(parents=True, exist_ok=True)
         write_if_different(s.key_file, (s.key + "\n").encode())
@@ -222,7 +228,6 @@ def build_spec(spec_name: str, *, names: list[str] | None = None, jobs: int | No
     proc = subprocess.run([ninja_path(), "-f", str(ninja_file), "-j", str(jobs), *targets], cwd=ROOT, env=env)
     if proc.returncode != 0:
         raise BuildError(f"build of spec {spec_name} failed (see the quoted log above; logs are in {rel(build_root)}/<variant>/build.log)")
-    known = {e["name"] for e in gen_manifest["variants"]}
     return write_build_manifest(spec_name, build_root, steps, known)
 
 

@@ -3,6 +3,8 @@
 What is checked where:
 - every Ascend variant translates to AscendC/MLIR on CPU (no CANN), with the expected number of
   cube matmuls per stage and on-chip buffers within the Ascend 950 capacities;
+- the workspace holds one group of chunks: G x heads x per-chunk bytes within the L2 budget, with
+  stage 1 still filling the blocks (the plan translate reports, and the kernel's own shapes);
 - the same stage decomposition, as the Triton twin, matches the float64 reference under the
   Triton CPU interpreter;
 - the kernel itself only on an NPU (``pytest -m npu``, needs torch_npu); not hardware-validated.
@@ -70,6 +72,50 @@ def test_ascend_translates(variant, tmp_path):
         for mem, cap in lf["capacity_bytes"].items():
             assert 0 < lf["onchip_bytes"].get(mem, 0) <= cap, (layout, mem, lf["onchip_bytes"])
         assert (tmp_path / "out" / layout / "kda_fwd.asc").stat().st_size > 10000
+    # the workspace plan: one group of chunks, within the L2 budget, stage 1 filling the blocks
+    ws = facts["workspace"]
+    per = ws["bytes_per_chunk_head"]
+    assert per == ascend.ws_bytes_per_chunk_head(variant.chunk, variant.k, variant.v)
+    assert ws["budget_bytes"] <= ws["l2_bytes_assumed"] // 2
+    for plan in ws["plans"]:
+        hv, g = plan["heads"], plan["group_chunks"]
+        assert plan["within_budget"] and plan["workspace_bytes_per_group"] == g * hv * per <= ws["budget_bytes"]
+        assert plan["stage1_tasks_per_group"] >= ws["blocks"], plan
+        assert plan["groups"] * g >= plan["chunks"] > (plan["groups"] - 1) * g
+        assert plan["workspace_bytes_whole_sequence"] > 8 * plan["workspace_bytes_per_group"], plan
+
+
+def _kernel_module(variant):
+    from kdagen.targets.loader import load_generated_module
+
+    return load_generated_module(variant.name, source(variant))
+
+
+@pytest.mark.parametrize("variant", ASCEND_VARIANTS, ids=lambda v: v.name)
+def test_workspace_is_one_group_within_budget(variant):
+    from kdagen.targets import ascend
+
+    mod = _kernel_module(variant)
+    C, K, V = variant.chunk, variant.k, variant.v
+    per = ascend.ws_bytes_per_chunk_head(C, K, V)
+    assert mod.WS_BYTES_PER_CHUNK_HEAD == per
+    for hv in (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128):
+        for T in (64, 640, 4096, 65536, 1 << 20):
+            nc = T // C
+            g = ascend.group_chunks(C, K, V, hv, nc)
+            # the buffers the launcher allocates (the kernel's own shapes) are exactly one group
+            ws_bytes = sum(4 * r * c for r, c in mod.workspace_shapes(g * hv))
+            assert ws_bytes == g * hv * per <= ascend.WORKSPACE_BUDGET, (hv, T, g)
+            assert 1 <= g <= nc
+            assert g * hv >= min(ascend.BLOCKS, nc * hv), (hv, T, g)       # stage 1 fills the blocks
+            n_groups = -(-nc // g)
+            # as few groups as the budget allows, and evened out (the last group is not small)
+            assert n_groups == -(-nc // min(nc, ascend.WORKSPACE_BUDGET // (hv * per))), (hv, T, g)
+            assert nc - (n_groups - 1) * g > g - n_groups, (hv, T, g)
+    # G = 1 is the floor: a head count whose single chunk exceeds the budget is reported, not hidden
+    huge = ascend.WORKSPACE_BUDGET // per + 1
+    assert ascend.group_chunks(C, K, V, huge, 100) == 1
+    assert not ascend.workspace_plan(C, K, V, huge, 6400)["within_budget"]
 
 
 def test_capacity_table_matches_dsl():
@@ -110,16 +156,44 @@ def test_twin_varlen_bnsd_kv_state_chunk_states(v, dev):
     run_and_compare(v, kw)
 
 
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("v", TWIN_VARIANTS[-1:], ids=lambda v: v.name)
+def test_twin_chunk_groups(v, dev, monkeypatch):
+    """Groups of 3 and 1 chunks (a sequence crossing a group edge, a short last group, an empty
+    sequence) give the result of one group bit for bit; that one matches the reference."""
+    import kdagen.runtime as rt
+    from kdagen.targets import triton_twin
+
+    kw = make_case(v, dev, lens=[70, 0, 200, 1, 64], H=1, HV=2, layout="BNSD", state_layout="KV",
+                   chunk_states=True, seed=13)                    # chunks 2 + 0 + 4 + 1 + 1 = 8
+    d = kw["q"].device
+    launcher = rt.registry().launcher(v.name, f"{d.type}:{d.index}")
+    run_and_compare(v, kw)
+    assert launcher.last_group_chunks == 8                       # the budget gives one group here
+    monkeypatch.setattr(rt, "POISON_OUTPUTS", True)
+    outs = {}
+    for G in (None, 3, 1):
+        monkeypatch.setattr(triton_twin, "GROUP_CHUNKS", G)
+        outs[G] = rt.kda_prefill(**kw, variant=v.name)
+        assert launcher.last_group_chunks == (G or 8)
+    for G in (3, 1):
+        for a, b in zip(outs[None], outs[G]):
+            assert torch.equal(a, b), G
+
+
 # ----------------------------------------------------------------------------- on an NPU
 
 @pytest.mark.npu
+@pytest.mark.parametrize("group", [None, 3], ids=["one_group", "groups_of_3"])
 @pytest.mark.parametrize("variant", ASCEND_VARIANTS, ids=lambda v: v.name)
-def test_ascend_kernel_on_npu(variant):  # pragma: no cover - no NPU in CI
+def test_ascend_kernel_on_npu(variant, group, monkeypatch):  # pragma: no cover - no NPU in CI
     import torch_npu  # noqa: F401
 
     from kdagen import kda_prefill
     from kdagen.reference import kda_reference
+    from kdagen.targets import ascend
 
+    monkeypatch.setattr(ascend, "GROUP_CHUNKS", group)   # 4 chunks: groups of 3 and 1
     kw = make_case(variant, "npu", B=1, T=256, H=2, HV=4, seed=21)
     o, st = kda_prefill(**kw, variant=variant.name)
     torch.npu.synchronize()

@@ -3,8 +3,15 @@
 ``translate`` runs the DSL pipeline up to AscendC code generation
 (``CANNBOTDSL_PIPE_STAGE=translate``) in a subprocess, once per layout, and
 returns facts read from the translated MLIR (cube matmuls per core function,
-on-chip bytes per memory vs capacity). No CANN toolkit is needed for that.
+on-chip bytes per memory vs capacity) and the workspace plan (bytes per group of
+chunks against the L2 budget). No CANN toolkit is needed for that.
 ``AscendLauncher`` runs the kernel through torch_npu; it is not hardware-validated.
+
+Chunk groups: the kernel loops over groups of G chunks (stage 1 for the group's
+(chunk, head) pairs, a cross-core sync, stage 2 over the group's chunks with the
+fp32 state carried in GM between groups, a sync). The workspace holds one group,
+G x HV x ``ws_bytes_per_chunk_head`` bytes; ``group_chunks`` picks G (the Triton
+twin uses the same function, so it runs the same grouping).
 """
 
 from __future__ import annotations
@@ -18,6 +25,8 @@ import sys
 import time
 from typing import Any
 
+from .loader import load_generated_module
+
 # On-chip capacities of dav-3510 (Ascend 950PR/DT) in bytes, as cannbotdsl 0.7.1 reports them
 # (cannbotdsl.get_mem_size); tests cross-check this table against the installed package.
 CAPACITY = {"ub": 253952, "l1": 524288, "l0a": 65536, "l0b": 65536, "l0c": 262144}
@@ -25,6 +34,56 @@ CAPACITY = {"ub": 253952, "l1": 524288, "l0a": 65536, "l0b": 65536, "l0c": 26214
 _SPACES = {"1": "ub", "2": "l1", "3": "l0a", "4": "l0b", "5": "l0c"}
 _DT_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "i32": 4, "i64": 8, "i8": 1, "ui8": 1, "i16": 2}
 LAYOUTS = ("bsnd", "bnsd")
+
+# Workspace plan. Ascend 950PR's L2 is 128 MB per a CANN 950PR example (other notes say ~112 MiB;
+# not measured here). The stage-1 -> stage-2 workspace should stay L2-resident while the group's
+# q/k/v/g reads, o writes and the state carrier also pass through L2, so it gets a quarter of it.
+L2_BYTES_ASSUMED = 128 * 2**20
+WORKSPACE_BUDGET = 32 * 2**20
+# Blocks the launcher starts (one resident wave: global_sync_all needs every block resident);
+# stage 1 fills them when a group has at least this many (chunk, head) tasks.
+BLOCKS = 32
+# Head counts the translate facts tabulate (the DESIGN anchors), at a long sequence.
+PLAN_HEADS = (4, 8, 16, 24, 32, 48, 64, 96)
+PLAN_T = 65536
+# Tests set this to force small groups (the budget gives one group at test sizes).
+GROUP_CHUNKS: int | None = None
+
+
+def ws_bytes_per_chunk_head(chunk: int, k: int, v: int) -> int:
+    """fp32 workspace of one (chunk, head): Qd, Kr, W [C, K], U [C, V], Mqk [C, C], gamma_C [K]."""
+    return 4 * (chunk * (3 * k + v + chunk) + k)
+
+
+def group_chunks(chunk: int, k: int, v: int, hv: int, n_chunks: int,
+                 budget: int = WORKSPACE_BUDGET) -> int:
+    """Chunks per group G: the most that keep G x hv x per-chunk bytes within ``budget`` (at least
+    1, at most ``n_chunks``), then evened out over the groups that count needs (same number of
+    groups, no small last group, a smaller workspace). Stage 1 runs G x hv (chunk, head) tasks per
+    group: at least ``BLOCKS`` whenever the sequence has that many, since BLOCKS x per-chunk bytes
+    (< 5 MiB at K = V = 128) is far inside the budget. Only hv x per-chunk bytes > budget (more
+    than ~220 heads at K = V = 128) leaves G = 1 over budget; ``workspace_plan`` says so."""
+    n_chunks = max(1, n_chunks)
+    g = max(1, min(budget // (hv * ws_bytes_per_chunk_head(chunk, k, v)), n_chunks))
+    n_groups = -(-n_chunks // g)
+    return -(-n_chunks // n_groups)
+
+
+def workspace_plan(chunk: int, k: int, v: int, hv: int, T: int,
+                   budget: int = WORKSPACE_BUDGET) -> dict[str, Any]:
+    """The grouping ``group_chunks`` gives one (hv, T): what translate reports and tests check."""
+    nc = -(-T // chunk)
+    per = ws_bytes_per_chunk_head(chunk, k, v)
+    g = group_chunks(chunk, k, v, hv, nc, budget)
+    n_groups = -(-nc // g)
+    return {
+        "heads": hv, "T": T, "chunks": nc, "group_chunks": g, "groups": n_groups,
+        "workspace_bytes_per_group": g * hv * per,
+        "workspace_bytes_whole_sequence": nc * hv * per,
+        "stage1_tasks_per_group": g * hv,
+        "global_syncs": 2 * n_groups,
+        "within_budget": g * hv * per <= budget,
+    }
 
 
 class AscendError(RuntimeError):
@@ -88,6 +147,17 @@ def translate(variant, source: pathlib.Path, out_dir: pathlib.Path) -> dict:
     log_lines: list[str] = []
     facts: dict[str, Any] = {"variant": variant.name, "hardware_validated": False, "layouts": {}}
     facts.update(_stage_counts(source))
+    C, K, V = variant.chunk, variant.k, variant.v
+    facts["workspace"] = {
+        "bytes_per_chunk_head": ws_bytes_per_chunk_head(C, K, V),
+        "budget_bytes": WORKSPACE_BUDGET,
+        "l2_bytes_assumed": L2_BYTES_ASSUMED,
+        "blocks": BLOCKS,
+        # G is a run-time dimension of the kernel (rows of ws_gc = G x HV), so this one translation
+        # covers every group size; the plans show what group_chunks picks at T = PLAN_T.
+        "group_dim": "dynamic",
+        "plans": [workspace_plan(C, K, V, hv, PLAN_T) for hv in PLAN_HEADS],
+    }
     for layout in LAYOUTS:
         dump = out_dir / layout
         dump.mkdir(exist_ok=True)
@@ -122,15 +192,6 @@ def translate(variant, source: pathlib.Path, out_dir: pathlib.Path) -> dict:
         facts["layouts"][layout] = lf
     (out_dir / "facts.json").write_text(json.dumps(facts, indent=2, sort_keys=True) + "\n")
     return facts
-
-
-def _load_module(path: pathlib.Path):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(f"kdagen_ascend_{path.parent.name}", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 class AscendLauncher:
@@ -175,7 +236,7 @@ class AscendLauncher:
         if not call.use_qk_l2norm:
             raise AscendError(f"{v.name}: the Ascend kernel always L2-normalises q and k (use_qk_l2norm=True)")
         if self._mod is None:
-            self._mod = _load_module(self.source)
+            self._mod = load_generated_module(self.variant.name, self.source)
         B, T, H, HV, K, V = call.B, call.T, call.H, call.HV, call.K, call.V
         bsnd = call.q_strides[2] == K  # head stride == K: [B, T, H, D]
         dev = call.q.device
@@ -191,17 +252,17 @@ class AscendLauncher:
             beta2 = call.beta.reshape(B * HV * T // C, C).float().contiguous()
         if B != 1:
             raise AscendError(f"{v.name}: batch > 1 not implemented in the Ascend kernel (B={B})")
-        NT = rows * HV
-        ws = [torch.empty(NT, K, **f32) for _ in range(3)] + [torch.empty(NT, V, **f32),
-              torch.empty(NT, C, **f32), torch.empty(NT // C, K, **f32)]
+        # One group's workspace: the kernel reads G from its shape and loops over the groups.
+        G = GROUP_CHUNKS if GROUP_CHUNKS is not None else group_chunks(C, K, V, HV, T // C)
+        G = max(1, min(G, T // C))
+        ws = [torch.empty(r, c, **f32) for r, c in self._mod.workspace_shapes(G * HV)]
         h0 = call.initial_state.reshape(HV * V, K).float() if call.initial_state is not None else torch.zeros(HV * V, K, **f32)
-        ht = torch.empty(HV * V, K, **f32)
+        ht = torch.empty(HV * V, K, **f32)   # the fp32 state carried between groups; final state at the end
         dt_bias = call.dt_bias if call.dt_bias is not None else torch.zeros(HV, K, **f32)
         key = (H, HV, call.scale, call.lower_bound, bsnd, call.allow_neg_eigval,
                call.initial_state is not None, call.final_state is not None)
         if key not in self._hosts:
-            blocks = 32
-            self._hosts[key] = self._mod.make_host(*key, blocks)
+            self._hosts[key] = self._mod.make_host(*key, BLOCKS)
         self._hosts[key](q2, k2, v2, g2, beta2, o2, call.A_log.reshape(1, HV), dt_bias, h0, ht, *ws)
         if call.final_state is not None:
             call.final_state.copy_(ht.view_as(call.final_state))

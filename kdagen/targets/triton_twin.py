@@ -3,24 +3,24 @@
 The twin runs the Ascend kernel's stage decomposition (stage 1 per (chunk, head) into an fp32
 workspace, stage 2 the V-split recurrence) under the Triton CPU interpreter
 (TRITON_INTERPRET=1) or on a GPU, so the algorithm the Ascend kernel encodes is checked
-against the float64 reference in CI.
+against the float64 reference in CI. Like the Ascend kernel it works in groups of G chunks
+(G from ``ascend.group_chunks``, the same rule): stage 1 for the group's chunks, stage 2 over
+them, with one group-sized workspace reused and the fp32 state carried between groups.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import pathlib
 
 import torch
 
+from .ascend import group_chunks
+from .loader import load_generated_module
+
+# Tests set this to force small groups (the budget gives one group at test sizes).
+GROUP_CHUNKS: int | None = None
+
 _GATE_ID = {"bounded": 0, "unbounded": 1, "precomputed": 2}
-
-
-def _load(path: pathlib.Path):
-    spec = importlib.util.spec_from_file_location(f"kdagen_twin_{path.parent.name}", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 class TritonTwinLauncher:
@@ -52,44 +52,48 @@ class TritonTwinLauncher:
     def __call__(self, call) -> None:
         v = self.variant
         if self._mod is None:
-            self._mod = _load(self.source)
+            self._mod = load_generated_module(self.variant.name, self.source)
         mod = self._mod
         if v.chunk != 64:
             raise ValueError(f"{v.name}: the twin implements chunk 64 only")
         if call.K != v.k or call.V != v.v:
             raise ValueError(f"{v.name}: head dims K={call.K} V={call.V} do not match the variant")
         dev = call.q.device
-        info, seq_chunks, NCT, maxc = self._chunks(call)
-        HV = call.HV
+        info, seq_chunks, NCT, _ = self._chunks(call)
+        HV, N, K, V = call.HV, call.N, v.k, v.v
+        G = GROUP_CHUNKS if GROUP_CHUNKS is not None else group_chunks(v.chunk, K, V, HV, NCT)
+        G = max(1, min(G, NCT))
+        self.last_group_chunks = G
         f32 = dict(device=dev, dtype=torch.float32)
-        rows = NCT * HV * 64
-        ws_qd = torch.empty(rows, v.k, **f32)
-        ws_kr = torch.empty(rows, v.k, **f32)
-        ws_w = torch.empty(rows, v.k, **f32)
-        ws_u = torch.empty(rows, v.v, **f32)
-        ws_m = torch.empty(rows, 64, **f32)
-        ws_gc = torch.empty(NCT * HV, v.k, **f32)
+        rows = G * HV * 64                       # one group's workspace, reused by every group
+        ws = (torch.empty(rows, K, **f32), torch.empty(rows, K, **f32), torch.empty(rows, K, **f32),
+              torch.empty(rows, V, **f32), torch.empty(rows, 64, **f32), torch.empty(G * HV, K, **f32))
         dummy = torch.zeros(1, **f32)
         A_log = call.A_log if call.A_log is not None else dummy
-        dt_bias = call.dt_bias if call.dt_bias is not None else torch.zeros(HV, v.k, **f32)
-        gate_id = _GATE_ID[v.gate]
-        mod.kda_stage1[(NCT, HV)](
-            call.q, call.k, call.v, call.g, call.beta, A_log, dt_bias, info,
-            ws_qd, ws_kr, ws_w, ws_u, ws_m, ws_gc,
-            *call.q_strides, *call.k_strides, *call.v_strides, *call.g_strides, *call.beta_strides,
-            HV, HV // call.H, float(call.scale), float(call.lower_bound),
-            GATE_ID=gate_id, USE_L2=bool(call.use_qk_l2norm), NEG_EIG=bool(call.allow_neg_eigval),
-            K=v.k, V=v.v,
-        )
-        h0 = call.initial_state if call.initial_state is not None else dummy
-        ht = call.final_state if call.final_state is not None else dummy
+        dt_bias = call.dt_bias if call.dt_bias is not None else torch.zeros(HV, K, **f32)
+        # the fp32 state carried between groups, [N, HV, V, K]
+        if call.initial_state is not None:
+            h0 = call.initial_state.transpose(-1, -2) if call.state_kv else call.initial_state
+            st = h0.to(torch.float32, copy=True).contiguous().reshape(N, HV, V, K)   # never alias the input
+        else:
+            st = torch.zeros(N, HV, V, K, **f32)
         cs = call.chunk_states if call.chunk_states is not None else dummy
         cs_off = call.chunk_offsets if call.chunk_offsets is not None else seq_chunks
-        mod.kda_stage2[(call.N, HV, v.v // v.block_v)](
-            call.o, info, seq_chunks, h0, ht, cs, cs_off,
-            ws_qd, ws_kr, ws_w, ws_u, ws_m, ws_gc,
-            *call.o_strides, HV, maxc,
-            HAS_H0=call.initial_state is not None, HAS_HT=call.final_state is not None,
-            HAS_CS=call.chunk_states is not None, STATE_KV=bool(call.state_kv),
-            K=v.k, V=v.v, BV=v.block_v,
-        )
+        for g0 in range(0, NCT, G):
+            gn = min(G, NCT - g0)
+            mod.kda_stage1[(gn, HV)](
+                call.q, call.k, call.v, call.g, call.beta, A_log, dt_bias, info, *ws,
+                *call.q_strides, *call.k_strides, *call.v_strides, *call.g_strides, *call.beta_strides,
+                HV, HV // call.H, float(call.scale), float(call.lower_bound), g0,
+                GATE_ID=_GATE_ID[v.gate], USE_L2=bool(call.use_qk_l2norm), NEG_EIG=bool(call.allow_neg_eigval),
+                K=K, V=V,
+            )
+            mod.kda_stage2[(N, HV, V // v.block_v)](
+                call.o, info, seq_chunks, st, cs, cs_off, *ws,
+                *call.o_strides, HV, g0, gn,
+                HAS_CS=call.chunk_states is not None, STATE_KV=bool(call.state_kv),
+                K=K, V=V, BV=v.block_v,
+            )
+        if call.final_state is not None:
+            ht = st.transpose(-1, -2) if call.state_kv else st
+            call.final_state.copy_(ht.reshape(call.final_state.shape))

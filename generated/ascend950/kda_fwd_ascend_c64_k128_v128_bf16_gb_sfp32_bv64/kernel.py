@@ -3,6 +3,10 @@
 # Chunk 64, K=128, V=128, V split 64, bf16 inputs,
 # fp32 state, bounded gate. Not hardware-validated: checked by translation to AscendC on CPU and,
 # for numerics, by the Triton twin that encodes the same stage decomposition.
+# The sequence is processed in groups of G chunks: stage 1 (token-parallel over the group's
+# (chunk, head) pairs) writes a workspace that holds one group, a cross-core sync, stage 2 (the
+# V-split recurrence over the group's chunks, fp32 state carried in GM between groups), a sync.
+# G is chosen by the host (kdagen.targets.ascend.group_chunks) and read from the workspace's shape.
 import cannbotdsl as cb
 from cannbotdsl import reg, dtypes as dt
 
@@ -261,8 +265,8 @@ class KdaFwd:
         cb.mem_copy(cb.tile_slice(dst_gm, (C, KD), (row0 // C, 0)), self.rK.consume())
 
     @cb.jit
-    def stage1(self, q, k, v, g, beta, A_log, dt_bias, ws_qd, ws_kr, ws_w, ws_u, ws_m, ws_gc, b, h, c, T, NC):
-        row0 = ((b * self.HV + h) * NC + c) * C          # workspace row of this (chunk, head)
+    def stage1(self, q, k, v, g, beta, A_log, dt_bias, ws_qd, ws_kr, ws_w, ws_u, ws_m, ws_gc, b, h, c, wrow, T):
+        row0 = wrow * C          # workspace row of this (chunk, head): group-local, (c - g0) * HV + h
         self.prep(q, k, g, beta, A_log, dt_bias, b, h, c, T)
         # --- L and Mqk from 16-row sub-tiles with the anchor r_I = 16 I: 4 + 4 cube matmuls
         for I in cb.range_constexpr(4):
@@ -364,8 +368,8 @@ class KdaFwd:
         return ch.consume()
 
     @cb.jit
-    def stage2(self, o, h0, ht, ws_qd, ws_kr, ws_w, ws_u, ws_m, ws_gc, b, h, j, T, NC):
-        """Chunk recurrence for value head h, V columns [64 j, 64 j + 64): fp32 state S [BV, K] in UB."""
+    def state_init(self, h0, ht, b, h, j):
+        """Seed the fp32 state carrier ht (tile [BV, K] of value head h, V slice j) from h0 or zeros."""
         S = self.u_qn
         srow = (b * self.HV + h) * (VD // BV) + j      # state tile row ([BV, K] tiles of [N*HV*V, K])
         if cb.const_expr(self.has_h0):
@@ -377,8 +381,18 @@ class KdaFwd:
                 for r in cb.range(BV):
                     for s in cb.range_constexpr(NS):
                         reg.vstore(S, r * KD + s * 64, zero, m)
-        for c in cb.range(NC):
-            wrow = ((b * self.HV + h) * NC + c)             # workspace tile row
+        cb.mem_copy(cb.tile_slice(ht, (BV, KD), (srow, 0)), S)
+
+    @cb.jit
+    def stage2(self, o, ht, ws_qd, ws_kr, ws_w, ws_u, ws_m, ws_gc, b, h, j, T, g0, gn):
+        """Chunk recurrence over the group's chunks [g0, g0 + gn) for value head h, V columns
+        [BV j, BV j + BV): the fp32 state S [BV, K] comes from the carrier ht, lives in UB for the
+        group and goes back to ht (UB is reused by the next group's stage 1)."""
+        S = self.u_qn
+        srow = (b * self.HV + h) * (VD // BV) + j      # state tile row ([BV, K] tiles of [N*HV*V, K])
+        cb.mem_copy(S, cb.tile_slice(ht, (BV, KD), (srow, 0)))
+        for c in cb.range(g0, g0 + gn):
+            wrow = (c - g0) * self.HV + h                  # group-local workspace tile row
             # S -> NZ cube operand
             dst = self.x_op.produce()
             with cb.vf():
@@ -432,21 +446,32 @@ class KdaFwd:
                     for r in cb.range(BV):
                         sv = reg.vmula(reg.vload(dres, r * 64), reg.vload(S, r * KD + n * 64), gc, mask=m)
                         reg.vstore(S, r * KD + n * 64, sv, m)
-        if cb.const_expr(self.has_ht):
-            cb.mem_copy(cb.tile_slice(ht, (BV, KD), (srow, 0)), S)
+        cb.mem_copy(cb.tile_slice(ht, (BV, KD), (srow, 0)), S)
 
     def __call__(self, q, k, v, g, beta, o, A_log, dt_bias, h0, ht, ws_qd, ws_kr, ws_w, ws_u, ws_m, ws_gc):
-        T = q.shape[0]
+        if cb.const_expr(self.bsnd):
+            T = q.shape[0]                      # [T, H * K]
+        else:
+            T = q.shape[0] // self.H            # [H * T, K]: tokens per head
         nblk = cb.get_block_num()
         bid = cb.get_block_idx()
         NC = T // C
-        # stage 1: token-parallel over (chunk, head)
-        for t in cb.range(bid, NC * self.HV, nblk):
-            self.stage1(q, k, v, g, beta, A_log, dt_bias, ws_qd, ws_kr, ws_w, ws_u, ws_m, ws_gc, 0, t % self.HV, t // self.HV, T, NC)
-        cb.global_sync_all()
-        # stage 2: recurrence, parallel over (head, V slice)
-        for t in cb.range(bid, self.HV * (VD // BV), nblk):
-            self.stage2(o, h0, ht, ws_qd, ws_kr, ws_w, ws_u, ws_m, ws_gc, 0, t // (VD // BV), t % (VD // BV), T, NC)
+        GC = ws_gc.shape[0] // self.HV          # chunks per group: the host sizes the workspace to one group
+        NV = VD // BV
+        # ht carries the fp32 state between groups (always written; the host copies it out on request)
+        for t in cb.range(bid, self.HV * NV, nblk):
+            self.state_init(h0, ht, 0, t // NV, t % NV)
+        for g0 in cb.range(0, NC, GC):
+            gn = min(GC, NC - g0)
+            # stage 1: token-parallel over the group's (chunk, head) pairs; task t = workspace tile row
+            for t in cb.range(bid, gn * self.HV, nblk):
+                self.stage1(q, k, v, g, beta, A_log, dt_bias, ws_qd, ws_kr, ws_w, ws_u, ws_m, ws_gc,
+                            0, t % self.HV, g0 + t // self.HV, t, T)
+            cb.global_sync_all()
+            # stage 2: the group's chunk recurrence, parallel over (head, V slice)
+            for t in cb.range(bid, self.HV * NV, nblk):
+                self.stage2(o, ht, ws_qd, ws_kr, ws_w, ws_u, ws_m, ws_gc, 0, t // NV, t % NV, T, g0, gn)
+            cb.global_sync_all()                # the next group's stage 1 overwrites the workspace
 
 
 # ---------------------------------------------------------------------------- host side
@@ -455,8 +480,19 @@ STAGE1_MATMULS = 23   # 8 (L, Mqk sub-tiles) + 3 (L^2,4,8) + 1 (seed) + 3 (Neuma
 STAGE2_MATMULS = 5    # per chunk: W S^T, Qd S^T, Mqk U, U^T Kr (one per 64 K columns)
 
 
+# Workspace (fp32), one group of G chunks x HV heads: Qd, Kr, W [C, K], U [C, V], Mqk [C, C], gamma_C [K]
+WS_BYTES_PER_CHUNK_HEAD = 4 * (C * (3 * KD + VD + C) + KD)
+
+
+def workspace_shapes(GH):
+    """(rows, cols) of ws_qd, ws_kr, ws_w, ws_u, ws_m, ws_gc for one group: GH = G * HV (chunk, head)
+    pairs, G the chunks per group (an int, or a cb.Dim when describing the call)."""
+    return [(GH * C, KD), (GH * C, KD), (GH * C, KD), (GH * C, VD), (GH * C, C), (GH, KD)]
+
+
 def make_host(H, HV, scale, lower_bound, bsnd, neg_eig, has_h0, has_ht, blocks):
-    """Return the @host entry for one (H, HV, constants, layout) configuration."""
+    """Return the @host entry for one (H, HV, constants, layout) configuration.
+    The group size is not a parameter: the kernel reads it from the workspace's shape."""
 
     @cb.host
     def kda_fwd(q, k, v, g, beta, o, A_log, dt_bias, h0, ht, ws_qd, ws_kr, ws_w, ws_u, ws_m, ws_gc):
@@ -476,11 +512,10 @@ def arg_specs(H, HV, bsnd, B=1):
     else:
         qk, vv = S((T, KD), IN), S((T, VD), IN)   # [B*H*T, D]: T here is the flattened row count
         gg = S((T, KD), IN)
-    NT = T * HV
+    GH = cb.Dim("GH", multiple_of=HV)             # (chunk, head) pairs per group, chosen by the host at run time
+    ws = [S(shape, dt.float32) for shape in workspace_shapes(GH)]
     return [qk, qk, vv, gg, S((T, C), dt.float32), vv, S((1, HV), dt.float32), S((HV, KD), dt.float32),
-            S((HV * VD, KD), dt.float32), S((HV * VD, KD), dt.float32),
-            S((NT, KD), dt.float32), S((NT, KD), dt.float32), S((NT, KD), dt.float32), S((NT, VD), dt.float32),
-            S((NT, C), dt.float32), S((T * HV // C, KD), dt.float32)]
+            S((HV * VD, KD), dt.float32), S((HV * VD, KD), dt.float32), *ws]
 
 
 def translate(H=4, HV=4, bsnd=True):

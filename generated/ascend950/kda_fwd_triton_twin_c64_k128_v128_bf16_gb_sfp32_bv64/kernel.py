@@ -5,6 +5,9 @@
 #     (I + L)^-1 as four 16x16 Neumann blocks (I - L)(I + L^2)(I + L^4)(I + L^8) composed 16->32->64,
 #     then U = A^-1 diag(b) v and W = A^-1 diag(b) Kd written to a workspace;
 #   stage 2, one program per (sequence, value head, V slice): the chunk recurrence with an fp32 state.
+# Like the Ascend kernel, the launcher runs both stages per group of chunks (the workspace holds one
+# group; chunk cid's rows are at ((cid - g0) * HV + h) * 64) and carries the fp32 state between
+# groups in a [N, HV, V, K] buffer.
 # Operands are fp32 before every tl.dot (the Triton CPU interpreter's bf16 dot is wrong).
 import triton
 import triton.language as tl
@@ -123,16 +126,17 @@ def _uw_rows(ws_u, ws_w, base, i: tl.constexpr, x0, x1, x2, x3, v0, v1, v2, v3, 
 def kda_stage1(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, A_log_ptr, dt_bias_ptr, chunk_info,
                ws_qd, ws_kr, ws_w, ws_u, ws_m, ws_gc,
                sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sgb, sgt, sgh, sbb, sbt, sbh,
-               HV, GROUP, scale, lower_bound,
+               HV, GROUP, scale, lower_bound, g0,
                GATE_ID: tl.constexpr, USE_L2: tl.constexpr, NEG_EIG: tl.constexpr,
                K: tl.constexpr, V: tl.constexpr):
-    cid = tl.program_id(0)
+    cl = tl.program_id(0)               # chunk within the group [g0, g0 + gn)
     h = tl.program_id(1)
     hq = h // GROUP
+    cid = g0 + cl
     bidx = tl.load(chunk_info + cid * 3 + 0)
     t0 = tl.load(chunk_info + cid * 3 + 1)
     clen = tl.load(chunk_info + cid * 3 + 2)
-    base = (cid * HV + h) * 64          # workspace row of this (chunk, head)
+    base = (cl * HV + h) * 64           # group-local workspace row of this (chunk, head)
     cK = tl.arange(0, K)
     cV = tl.arange(0, V)
     zero = tl.zeros([K], dtype=tl.float32)
@@ -218,7 +222,7 @@ def kda_stage1(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, A_log_ptr, dt_bias_ptr, chu
     _uw_rows(ws_u, ws_w, base, 3, X30, X31, X32, A3, v0, v1, v2, v3, d0, d1, d2, d3, K, V)
     # Qd = scale q exp(G), Kr = k exp(G_C - G), gamma_C = exp(G_C) (padded rows have a = 0)
     gC = tl.sum(tl.where((r16 == 15)[:, None], G3, 0.0), 0)
-    tl.store(ws_gc + (cid * HV + h) * K + cK, tl.exp(gC))
+    tl.store(ws_gc + (cl * HV + h) * K + cK, tl.exp(gC))
     tl.store(ws_qd + (base + r16)[:, None] * K + cK[None, :], q0 * tl.exp(G0) * scale)
     tl.store(ws_qd + (base + 16 + r16)[:, None] * K + cK[None, :], q1 * tl.exp(G1) * scale)
     tl.store(ws_qd + (base + 32 + r16)[:, None] * K + cK[None, :], q2 * tl.exp(G2) * scale)
@@ -230,46 +234,47 @@ def kda_stage1(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, A_log_ptr, dt_bias_ptr, chu
 
 
 @triton.jit
-def kda_stage2(o_ptr, chunk_info, seq_chunks, h0_ptr, ht_ptr, cs_ptr, cs_off,
+def kda_stage2(o_ptr, chunk_info, seq_chunks, st_ptr, cs_ptr, cs_off,
                ws_qd, ws_kr, ws_w, ws_u, ws_m, ws_gc,
-               sob, sot, soh, HV, MAXC,
-               HAS_H0: tl.constexpr, HAS_HT: tl.constexpr, HAS_CS: tl.constexpr, STATE_KV: tl.constexpr,
+               sob, sot, soh, HV, g0, gn,
+               HAS_CS: tl.constexpr, STATE_KV: tl.constexpr,
                K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr):
+    """The recurrence over the chunks of sequence n inside the group [g0, g0 + gn): the fp32 state
+    [V, K] comes from the carrier st and goes back to it."""
     n = tl.program_id(0)
     h = tl.program_id(1)
     j = tl.program_id(2)
     cK = tl.arange(0, K)
     cv = j * BV + tl.arange(0, BV)
     r64 = tl.arange(0, 64)
-    # state element (v, k): [V, K] (default) or [K, V]
+    st_off = (n * HV + h) * K * V + cv[:, None] * K + cK[None, :]
+    S = tl.load(st_ptr + st_off)
+    # chunk-state element (v, k): [V, K] (default) or [K, V]
     if STATE_KV:
         s_off = cK[None, :] * V + cv[:, None]
     else:
         s_off = cv[:, None] * K + cK[None, :]
-    sbase = (n * HV + h) * K * V
-    if HAS_H0:
-        S = tl.load(h0_ptr + sbase + s_off).to(tl.float32)
-    else:
-        S = tl.zeros([BV, K], dtype=tl.float32)
     c_lo = tl.load(seq_chunks + n)
     c_hi = tl.load(seq_chunks + n + 1)
-    nch = c_hi - c_lo
-    # loop bound is a host int (MAXC = most chunks of any sequence): data-dependent bounds from
-    # tl.load do not work under the interpreter; inactive iterations are masked.
-    for i in range(0, MAXC):
+    lo = tl.maximum(c_lo, g0)
+    nch = tl.minimum(c_hi, g0 + gn) - lo        # this sequence's chunks in the group (<= 0: none)
+    # loop bound is a host int (gn = the group's chunks): data-dependent bounds from tl.load do not
+    # work under the interpreter; inactive iterations are masked.
+    for i in range(0, gn):
         active = i < nch
-        cid = tl.maximum(tl.minimum(c_lo + i, c_hi - 1), 0)
+        cid = tl.maximum(tl.minimum(lo + i, c_hi - 1), 0)
+        cl = tl.minimum(tl.maximum(cid - g0, 0), gn - 1)   # group-local chunk (clamped when inactive)
         if HAS_CS:
-            ci = tl.load(cs_off + n) + i
+            ci = tl.load(cs_off + n) + (lo - c_lo) + i
             cs_mask = (cv[:, None] < V) & active
             tl.store(cs_ptr + (ci * HV + h) * K * V + s_off, S.to(cs_ptr.dtype.element_ty), mask=cs_mask)
-        base = (cid * HV + h) * 64
+        base = (cl * HV + h) * 64
         W = tl.load(ws_w + (base + r64)[:, None] * K + cK[None, :])
         Qd = tl.load(ws_qd + (base + r64)[:, None] * K + cK[None, :])
         Kr = tl.load(ws_kr + (base + r64)[:, None] * K + cK[None, :])
         U = tl.load(ws_u + (base + r64)[:, None] * V + cv[None, :])
         M = tl.load(ws_m + (base + r64)[:, None] * 64 + r64[None, :])
-        gC = tl.load(ws_gc + (cid * HV + h) * K + cK)
+        gC = tl.load(ws_gc + (cl * HV + h) * K + cK)
         St = tl.trans(S)
         U = U - _dot(W, St)                              # U = U_pre - W S^T
         O = _dot(Qd, St) + _dot(M, U)                     # o = Qd S^T + Mqk U
@@ -280,5 +285,4 @@ def kda_stage2(o_ptr, chunk_info, seq_chunks, h0_ptr, ht_ptr, cs_ptr, cs_off,
         clen = tl.load(chunk_info + cid * 3 + 2)
         tl.store(o_ptr + bidx * sob + (t0 + r64)[:, None] * sot + h * soh + cv[None, :],
                  O.to(o_ptr.dtype.element_ty), mask=((r64 < clen)[:, None]) & active)
-    if HAS_HT:
-        tl.store(ht_ptr + sbase + s_off, S.to(ht_ptr.dtype.element_ty))
+    tl.store(st_ptr + st_off, S)
