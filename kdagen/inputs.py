@@ -66,6 +66,11 @@ def check_call(q, k, v, g, beta, *, A_log, dt_bias, scale, lower_bound, gate, in
     for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
         if not isinstance(t, torch.Tensor):
             raise _err(name, "a torch.Tensor", type(t).__name__)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, g, beta)):
+        grads = [n for n, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)) if t.requires_grad]
+        raise _err(", ".join(grads), "tensors without autograd history: kda_prefill is forward-only "
+                   "(no backward); call it under torch.no_grad() or pass .detach()ed tensors",
+                   "requires_grad=True")
     if not isinstance(layout, str) or layout.upper() not in LAYOUTS:
         raise _err("layout", "'BSND' or 'BNSD'", repr(layout))
     layout = layout.upper()

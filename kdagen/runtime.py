@@ -109,7 +109,8 @@ def kda_prefill(
         final_state = torch.empty(shape, dtype=state_t, device=dev)
     cu32 = None
     if cu_seqlens is not None:
-        cu32 = cu_seqlens.to(torch.int32).contiguous()
+        # cu_seqlens may live on the host (it was read there for validation anyway).
+        cu32 = cu_seqlens.to(device=dev, dtype=torch.int32).contiguous()
     chunk_states = chunk_offsets = None
     if return_chunk_states:
         C = info.chunk_size

@@ -74,3 +74,13 @@ def test_miss_shows_supported_found_and_build_command():
 def test_forcing_an_unknown_variant():
     with pytest.raises(NoVariantError, match="variant 'kda_fwd_nope' is not registered"):
         call(variant="kda_fwd_nope")
+
+
+def test_forward_only_refuses_autograd_inputs():
+    kw = inputs()
+    kw["q"].requires_grad_(True)
+    with pytest.raises(KdaInputError, match="q: expected tensors without autograd history: kda_prefill is forward-only"):
+        kda_prefill(**kw)
+    with torch.no_grad():
+        o, _ = kda_prefill(**kw)
+    assert torch.isfinite(o).all()
