@@ -2,8 +2,7 @@
 
 GPU tests build the KdaCall by hand and call Sm80Launcher directly, so they exercise exactly
 the launcher and kernels of this target (the runtime's own tests cover selection). Variants
-come from the registry (built sm80 entries); without any, from a dev build folder
-(`scripts/sm80_dev.sh build .sm80dev`).
+come from the registry (the built sm80 entries of the specs: `make build SPEC=specs/a100.yaml`).
 """
 
 from __future__ import annotations
@@ -41,18 +40,8 @@ def _registry_sm80() -> list[tuple[Variant, Path]]:
     return out
 
 
-def _dev_sm80() -> list[tuple[Variant, Path]]:
-    out = []
-    for fb in sorted((ROOT / ".sm80dev").glob("kda_fwd_sm80_*/*.fatbin")):
-        parts = fb.stem.split("_")  # kda fwd sm80 cC kK vV dtype gX sS bvB
-        c, k, v = int(parts[3][1:]), int(parts[4][1:]), int(parts[5][1:])
-        gate = {"gb": "bounded", "gu": "unbounded", "gp": "precomputed"}[parts[7]]
-        out.append((Variant("sm80", c, k, v, parts[6], gate, parts[8][1:], int(parts[9][2:])), fb))
-    return out
-
-
 def sm80_variants() -> list[tuple[Variant, Path]]:
-    return _registry_sm80() or _dev_sm80()
+    return _registry_sm80()
 
 
 # ----------------------------------------------------------------------------- ptxas (CPU)
