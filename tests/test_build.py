@@ -23,6 +23,9 @@ def test_build_ci_spec_with_ninja(tmp_path, capfd):
     assert set(man["variants"]) == {v.name for v in expand(spec)}
     for name, entry in man["variants"].items():
         assert (tmp_path / "ci" / name / "cache_key").read_text().strip() == entry["cache_key"]
+        # Triton variants are compiled for sm_90 at build time (no GPU needed).
+        stamp = (tmp_path / "ci" / name / "checked.stamp").read_text()
+        assert stamp == f"{name}: compiled for sm_90, no local memory\n", stamp
     on_disk = json.loads((tmp_path / "ci" / "manifest.json").read_text())
     assert on_disk == man
     # A second build has nothing to do.

@@ -5,7 +5,7 @@
 # sequence chunk by chunk. Per chunk: gate activation, optional q/k L2 norm,
 # per-channel cumsum G, L and Mqk with the decay exp(G_i - G_j) formed pairwise
 # (never exp(G) times exp(-G), so no gate strength can overflow), the exact
-# (I + L)^-1 by Neumann squaring (on the 16x16 chunk),
+# the exact (I + L)^-1 by Neumann squaring of the 16x16 chunk,
 # then the chunk recurrence on an fp32 state held in registers.
 # Only tl ops inside triton-ascend's subset are used; every dot takes fp32
 # operands (the CPU interpreter's bf16 dot is wrong).
@@ -17,6 +17,7 @@ CHUNK = 16
 HEAD_K = 128
 HEAD_V = 128
 BLOCK_V = 32
+NUM_WARPS = 4
 GATE = "precomputed"
 STATE = "fp32"
 
@@ -156,6 +157,32 @@ def kda_fwd_kernel(
         tl.store(ht_ptr + s_base + s_off, S.to(ht_ptr.dtype.element_ty))
 
 
+def compile_for(arch: int = 90):
+    """Compile ahead of time for a CUDA arch (no GPU needed: Triton ships ptxas); used by
+    `kdagen build` to catch what only the compiler rejects. Needs TRITON_INTERPRET unset."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    io = "*fp16"
+    consts = {"C": CHUNK, "K": HEAD_K, "V": HEAD_V, "BV": BLOCK_V}
+    sig = {}
+    for arg in kda_fwd_kernel.arg_names:
+        if arg in consts:
+            sig[arg] = "constexpr"
+        elif arg in ("q_ptr", "k_ptr", "v_ptr", "o_ptr"):
+            sig[arg] = io
+        elif arg in ("cu_ptr", "cs_off_ptr"):
+            sig[arg] = "*i32"
+        elif arg.endswith("_ptr"):
+            sig[arg] = "*fp32"
+        elif arg in ("scale", "lower_bound"):
+            sig[arg] = "fp32"
+        else:
+            sig[arg] = "i32"
+    return triton.compile(ASTSource(fn=kda_fwd_kernel, signature=sig, constexprs=consts),
+                          target=GPUTarget("cuda", arch, 32), options={"num_warps": NUM_WARPS})
+
+
 def launch(call) -> None:
     """Launch on the tensors of a kdagen.abi.KdaCall (one program per V block, sequence, head)."""
     dummy = call.o
@@ -177,5 +204,5 @@ def launch(call) -> None:
         int(call.dt_bias is not None), int(call.state_kv), int(call.use_qk_l2norm),
         int(call.allow_neg_eigval),
         C=CHUNK, K=HEAD_K, V=HEAD_V, BV=BLOCK_V,
-        num_warps=4,
+        num_warps=NUM_WARPS,
     )
