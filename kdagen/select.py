@@ -14,6 +14,7 @@ import torch
 
 from .errors import NoVariantError
 from .inputs import CallInfo
+from .targets import TARGETS
 from .variant import Variant
 
 # Lower is preferred, per device type.
@@ -74,9 +75,14 @@ def preference(v: Variant, c: CallInfo, sms: int) -> tuple:
     rank = TARGET_RANK.get(c.device.type, {}).get(v.target, 99)
     # A call without state I/O prefers a variant compiled without it.
     state_rank = 0 if v.state == c.state else (1 if v.state == "fp32" else 2)
-    # Long sequences: fewer, larger chunks shorten the serial recurrence.
-    avg_len = c.T * c.B / max(c.N, 1)
-    chunk_rank = 0 if (v.chunk == 64) == (avg_len >= 512) else 1
+    # A target's measured chunk preference wins; otherwise long sequences take larger
+    # chunks (fewer serial steps).
+    preferred = TARGETS[v.target].preferred_chunk if v.target in TARGETS else None
+    if preferred is not None:
+        chunk_rank = 0 if v.chunk == preferred else 1
+    else:
+        avg_len = c.T * c.B / max(c.N, 1)
+        chunk_rank = 0 if (v.chunk == 64) == (avg_len >= 512) else 1
     # V-split: the widest block that still gives ~2 waves of programs; on CPU, the widest.
     programs = c.N * c.HV * (v.v // v.block_v)
     enough = programs >= 2 * sms

@@ -32,11 +32,18 @@ def any_device(monkeypatch):
     monkeypatch.setattr(sel, "_sm_count", lambda device: 132)
 
 
-def test_cuda_target_preferred_over_triton_and_long_sequences_take_chunk_64(any_device):
+def test_cuda_target_preferred_over_triton(any_device):
     cands = [var("triton", 64), var("sm80", 16), var("sm80", 64)]
-    assert sel.select(cands, info()).name == var("sm80", 64).name
-    # short sequences: chunk 16
-    assert sel.select(cands, info(T=256, max_len=256)).chunk == 16
+    assert sel.select(cands, info()).target == "sm80"
+
+
+def test_chunk_preference_measured_per_target_else_by_length(any_device):
+    # sm80: chunk 16 measured faster at every benchmarked length
+    assert sel.select([var("sm80", 16), var("sm80", 64)], info()).chunk == 16
+    # triton (no measurement): long sequences take chunk 64, short ones chunk 16
+    tri = [var("triton", 16), var("triton", 64)]
+    assert sel.select(tri, info()).chunk == 64
+    assert sel.select(tri, info(T=256, max_len=256)).chunk == 16
 
 
 def test_v_split_widest_block_that_still_fills_the_gpu(any_device):

@@ -36,6 +36,9 @@ class TargetInfo:
     # A target whose numerics cannot be run here names a twin target implementing the
     # same algorithm; every spec entry of this target also emits the twin variant.
     twin: str | None = None
+    # Chunk size to prefer when several fit, from this target's measurements; None: the
+    # selection's length heuristic (64 for long sequences, 16 for short ones).
+    preferred_chunk: int | None = None
 
     def load_launcher(self):
         mod, _, cls = self.launcher.partition(":")
@@ -83,6 +86,9 @@ TARGETS: dict[str, TargetInfo] = {
             "-gencode=arch=compute_80,code=compute_80",
         ),
         includes=("common", "sm80"),
+        # H200, 2026-11-29: chunk 16 beat chunk 64 at B1 T8192 H96 (2.00 vs 5.27 ms) and at
+        # B1 T65536 H24 (7.62 vs 12.73 ms): the chunk-64 prep kernel dominates.
+        preferred_chunk=16,
     ),
     "ascend": TargetInfo(
         name="ascend",
