@@ -129,6 +129,10 @@ def check_call(q, k, v, g, beta, *, A_log, dt_bias, scale, lower_bound, gate, in
                            _shape(dt_bias) if isinstance(dt_bias, torch.Tensor) else type(dt_bias).__name__)
             if dt_bias.device != dev:
                 raise _err("dt_bias", f"a tensor on {dev}", dt_bias.device)
+    if gate == "precomputed":
+        for name, t in (("A_log", A_log), ("dt_bias", dt_bias)):
+            if t is not None:
+                raise _err(name, "None for the precomputed gate (g is already the log-decay)", "a tensor")
     if gate == "bounded":
         if not isinstance(lower_bound, (int, float)) or not (-1e4 < float(lower_bound) <= 0):
             raise _err("lower_bound", "a finite number <= 0 for the bounded gate", repr(lower_bound))

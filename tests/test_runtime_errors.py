@@ -41,6 +41,8 @@ def call(**over):
     (dict(dt_bias=torch.randn(7)), "dt_bias: expected a tensor of shape (2, 32) or (64,)"),
     (dict(lower_bound=3.0), "lower_bound: expected a finite number <= 0"),
     (dict(gate="sigmoid"), "gate: expected one of bounded, unbounded, precomputed"),
+    (dict(gate="precomputed"), "A_log: expected None for the precomputed gate (g is already the log-decay)"),
+    (dict(gate="precomputed", A_log=None), "dt_bias: expected None for the precomputed gate"),
     (dict(cu_seqlens=torch.tensor([0, 5, 19], dtype=torch.int32)), "cu_seqlens: expected non-decreasing offsets from 0 to T=20, found [0, 5, 19]"),
     (dict(cu_seqlens=torch.tensor([0, 5, 20], dtype=torch.float32)), "cu_seqlens: expected a 1-D int32 or int64 tensor"),
     (dict(initial_state=torch.randn(1, 2, 32, 16)), "initial_state: expected shape [N, HV, V, K] = (1, 2, 32, 32)"),
