@@ -62,6 +62,7 @@ def resolve_gate(gate: Optional[str], A_log, lower_bound) -> str:
 
 def check_call(q, k, v, g, beta, *, A_log, dt_bias, scale, lower_bound, gate, initial_state,
                output_final_state, cu_seqlens, layout, state_layout, state_dtype,
+               cu_seqlens_cpu=None,
                chunk_size, return_chunk_states) -> CallInfo:
     for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
         if not isinstance(t, torch.Tensor):
@@ -148,7 +149,17 @@ def check_call(q, k, v, g, beta, *, A_log, dt_bias, scale, lower_bound, gate, in
             raise _err("q", "batch size 1 when cu_seqlens is given (sequences packed along T)", f"B={B}")
         if cu_seqlens.numel() < 2:
             raise _err("cu_seqlens", "at least 2 entries [0, ..., T]", _shape(cu_seqlens))
-        cu_host = [int(x) for x in cu_seqlens.tolist()]
+        # The offsets are needed on the host (validation, grid sizes, chunk offsets); a
+        # caller that already has them there (cu_seqlens_cpu) spares a device sync, which
+        # also keeps the call capturable in a CUDA graph.
+        if cu_seqlens_cpu is not None:
+            if not isinstance(cu_seqlens_cpu, torch.Tensor) or cu_seqlens_cpu.device.type != "cpu" \
+                    or tuple(cu_seqlens_cpu.shape) != tuple(cu_seqlens.shape):
+                raise _err("cu_seqlens_cpu", f"a CPU tensor of shape {_shape(cu_seqlens)} holding cu_seqlens' values",
+                           _shape(cu_seqlens_cpu) if isinstance(cu_seqlens_cpu, torch.Tensor) else type(cu_seqlens_cpu).__name__)
+            cu_host = [int(x) for x in cu_seqlens_cpu.tolist()]
+        else:
+            cu_host = [int(x) for x in cu_seqlens.tolist()]
         if cu_host[0] != 0 or cu_host[-1] != T or any(b < a for a, b in zip(cu_host, cu_host[1:])):
             raise _err("cu_seqlens", f"non-decreasing offsets from 0 to T={T}", cu_host if len(cu_host) <= 12 else f"{cu_host[:6]}...{cu_host[-3:]}")
         N = len(cu_host) - 1

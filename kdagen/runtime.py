@@ -57,6 +57,7 @@ def kda_prefill(
     initial_state: Optional[torch.Tensor] = None,
     output_final_state: bool = False,
     cu_seqlens: Optional[torch.Tensor] = None,
+    cu_seqlens_cpu: Optional[torch.Tensor] = None,
     layout: str = "BSND",
     state_layout: str = "VK",
     state_dtype: Optional[torch.dtype] = None,
@@ -74,7 +75,8 @@ def kda_prefill(
     -exp(A_log)*softplus(g+dt_bias) (lower_bound=None), or precomputed log-decay g
     (A_log=None); `gate` names one explicitly. beta is a logit (sigmoid in kernel).
     States are [N, HV, V, K] (state_layout "VK") or [N, HV, K, V] ("KV"), float32
-    or bfloat16. cu_seqlens (int32/int64, B=1) packs N sequences along T.
+    or bfloat16. cu_seqlens (int32/int64, B=1) packs N sequences along T;
+    cu_seqlens_cpu, the same offsets already on the host, spares a device sync.
 
     Returns (o, final_state), or (o, final_state, chunk_states) when
     return_chunk_states: the state entering every chunk of `chunk_size` tokens,
@@ -83,7 +85,8 @@ def kda_prefill(
     """
     info = check_call(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, scale=scale, lower_bound=lower_bound,
                       gate=gate, initial_state=initial_state, output_final_state=output_final_state,
-                      cu_seqlens=cu_seqlens, layout=layout, state_layout=state_layout, state_dtype=state_dtype,
+                      cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, layout=layout,
+                      state_layout=state_layout, state_dtype=state_dtype,
                       chunk_size=chunk_size, return_chunk_states=return_chunk_states)
     reg = registry()
     candidates = reg.variants()

@@ -86,3 +86,15 @@ def test_forward_only_refuses_autograd_inputs():
     with torch.no_grad():
         o, _ = kda_prefill(**kw)
     assert torch.isfinite(o).all()
+
+
+def test_cu_seqlens_cpu_is_used_and_checked():
+    kw = inputs()
+    cu = torch.tensor([0, 7, 20], dtype=torch.int32)
+    o1, _ = kda_prefill(**kw, cu_seqlens=cu)
+    o2, _ = kda_prefill(**kw, cu_seqlens=cu, cu_seqlens_cpu=cu.clone().long())
+    assert torch.equal(o1, o2)
+    with pytest.raises(KdaInputError, match=r"cu_seqlens_cpu: expected a CPU tensor of shape \(3\)"):
+        kda_prefill(**kw, cu_seqlens=cu, cu_seqlens_cpu=torch.tensor([0, 20]))
+    with pytest.raises(KdaInputError, match="cu_seqlens: expected non-decreasing offsets from 0 to T=20"):
+        kda_prefill(**kw, cu_seqlens=cu, cu_seqlens_cpu=torch.tensor([0, 25, 20]))
