@@ -72,8 +72,6 @@ def kda_fwd_kernel(
     rows = tl.arange(0, C)
     kk = tl.arange(0, K)
     vv = i_v * BV + tl.arange(0, BV)
-    eye = tl.where(rows[:, None] == rows[None, :], 1.0, 0.0)
-    lower_strict = rows[:, None] > rows[None, :]
 
     # State slice S[vv, :] ([BV, K], fp32); "KV" state tensors are stored transposed.
     s_base = (n * HV + h).to(tl.int64) * V * K

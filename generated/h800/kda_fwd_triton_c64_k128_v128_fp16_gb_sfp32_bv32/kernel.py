@@ -22,19 +22,6 @@ GATE = "bounded"
 STATE = "fp32"
 
 
-@triton.jit
-def _neumann_inverse(L, C: tl.constexpr):
-    # (I + L)^-1 = (I - L)(I + L^2)(I + L^4)(I + L^8) for L nilpotent of index 16.
-    r = tl.arange(0, C)
-    eye = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
-    A = eye - L
-    P = tl.dot(L, L, input_precision="ieee")
-    A = A + tl.dot(A, P, input_precision="ieee")
-    P = tl.dot(P, P, input_precision="ieee")
-    A = A + tl.dot(A, P, input_precision="ieee")
-    P = tl.dot(P, P, input_precision="ieee")
-    A = A + tl.dot(A, P, input_precision="ieee")
-    return A
 
 
 # Shapes, strides and feature flags are run-time values and never specialised, so
@@ -72,8 +59,6 @@ def kda_fwd_kernel(
     rows = tl.arange(0, C)
     kk = tl.arange(0, K)
     vv = i_v * BV + tl.arange(0, BV)
-    eye = tl.where(rows[:, None] == rows[None, :], 1.0, 0.0)
-    lower_strict = rows[:, None] > rows[None, :]
 
     # State slice S[vv, :] ([BV, K], fp32); "KV" state tensors are stored transposed.
     s_base = (n * HV + h).to(tl.int64) * V * K
