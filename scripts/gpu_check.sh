@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one call on the H200 (device tool):
-#   scripts/gpu_check.sh [build] [test] [sanitize] [bench]     (default: all four)
+#   scripts/gpu_check.sh [build] [test] [sanitize] [bench] [profile]   (default: the first four)
+# profile: PROFILE_VARIANTS="name ..." PROFILE_ARGS="--T 16384 --H 24" (ncu, one file per variant)
 # Logs go under $OUT (the device tool brings them back). Runs from the source tree:
 # the GPU machine has torch/triton/cuda-bindings; fla-core travels as a wheel in .whl/.
 set -uo pipefail
@@ -41,6 +42,15 @@ for stage in $STAGES; do
     bench)
       timeout "${BENCH_TIMEOUT:-240}" python3 benchmarks/bench_kda.py ${BENCH_ARGS:---cases issue4} \
         --out "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" || rc=1 ;;
+    profile)
+      # ncu on the last of 3 calls (kda_prep + kda_recur) of each PROFILE_VARIANTS entry.
+      for pv in ${PROFILE_VARIANTS:-}; do
+        timeout 120 ncu --launch-skip 4 --launch-count 2 -k regex:kda_ --section SpeedOfLight \
+          --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy \
+          --section LaunchStats --section ComputeWorkloadAnalysis --section SchedulerStats \
+          python3 scripts/profile_case.py ${PROFILE_ARGS:-} "$pv" > "$OUT/ncu_$pv.txt" 2>&1 || rc=1
+        grep -E "Duration|Throughput|Registers|Achieved Occupancy|Theoretical Occupancy|Stall|Issued Ipc|Block Limit|One or More|No Eligible" "$OUT/ncu_$pv.txt" | head -60
+      done ;;
     *) echo "unknown stage $stage"; rc=2 ;;
   esac
 done
