@@ -39,3 +39,11 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def device() -> torch.device:
     return torch.device("cuda" if HAS_CUDA else "cpu")
+
+
+def pytest_runtest_logreport(report):
+    """KDAGEN_EAGER_FAILURES=1 prints a failure as soon as it happens: on a time-limited
+    GPU run, the end-of-run summary may never come."""
+    if report.failed and os.environ.get("KDAGEN_EAGER_FAILURES") == "1":
+        msg = str(report.longrepr).splitlines()
+        print(f"\nFAILED {report.nodeid} ({report.when})\n" + "\n".join(msg[-25:]), flush=True)
