@@ -107,6 +107,11 @@ class Sm80Launcher:
         if call.HV % call.H:
             raise RuntimeError(f"{who}: HV={call.HV} is not a multiple of H={call.H}")
 
+        o = call.o
+        if o.stride(-1) != 1 or o.data_ptr() % 16 or any((st * o.element_size()) % 16 for st in call.o_strides):
+            # kda_recur writes o in 16-byte pieces; the runtime allocates o itself, so this is a bug
+            raise RuntimeError(f"{who}: o must have a unit last stride and 16-byte aligned rows "
+                               f"(strides {tuple(o.stride())}, data_ptr % 16 = {o.data_ptr() % 16})")
         idx, (mod, f1, f2, rec, smem1, smem2, nt1, nt2) = self._module(dev)
         q, q_s = _aligned_btH(call.q, call.q_strides)
         k, k_s = _aligned_btH(call.k, call.k_strides)

@@ -42,18 +42,34 @@ constexpr int NT1 = K + V;  // one thread per column of [Kd | v] in the substitu
 constexpr int NW1 = NT1 / 32;
 constexpr int KP = K + 4;   // fp32 row pitch (bank spread, 16-byte aligned rows)
 constexpr int CP = C + 4;
-// c16 blocks are small: keep several per SM (2 at K = 128, where 3 caps registers at 80 and
-// the precomputed-gate path spills on sm_90).
-constexpr int MINB1 = C == 16 ? (K >= 128 ? 2 : 3) : 1;
-constexpr int SMEM1 = (3 * C * KP + KP + 2 * C * CP + C) * 4;  // + a zero row after sG
+// c16 blocks are short-lived and latency-bound: keep three per SM (caps registers at 85;
+// with the L/Mqk work split over the warps the kernel needs about 66).
+constexpr int MINB1 = C == 16 ? 3 : 1;
+// Chunk 16: each warp forms L and Mqk over its own 16 columns of K; partials [NW1][2][16][16].
+constexpr int PART1 = C == 16 ? NW1 * 2 * 256 : 0;
+constexpr int SMEM1 = (3 * C * KP + KP + 2 * C * CP + C + PART1) * 4;  // + a zero row after sG
 
 // ---- kernel 2 ----
-constexpr int NW2 = BV / 16;
+// Split-K: at K = 128 two warps share 16 rows of V, each holding K/2 state columns. Per warp
+// this halves the MMAs and the dependent chain of a step (the recurrence is issue-bound with
+// one warp per scheduler) and doubles the warps in flight when there are few heads; the two
+// partial sums of S W^T and S Qd^T are exchanged through shared memory once per chunk.
+constexpr int KSPLIT = K >= 128 ? 2 : 1;
+constexpr int KH = K / KSPLIT;  // state columns per warp
+constexpr int NWV = BV / 16;    // warps along V
+constexpr int NW2 = NWV * KSPLIT;
 constexpr int NT2 = NW2 * 32;
 constexpr int KS = K + 8;  // bf16 row pitch: 16-byte shift per row, conflict-free ldmatrix
 constexpr int CS = C + 8;
 constexpr int STAGE = (3 * C * KS + C * CS + BV * CS) * 2 + K * 4;
-constexpr int SMEM2 = 2 * STAGE;
+constexpr int XF = C / 2;  // fp32 per lane of one [16, C] accumulator tile
+// Exchange slots: every warp's partial U^T and partial S Qd^T (through shared memory rather
+// than registers: it keeps chunk 64 within 255 registers without spills).
+constexpr int XBUF = 2 * NW2 * 32 * XF * 4;
+constexpr int OP = BV + 8;     // staged o row pitch (elements): spreads the 2-byte writes
+constexpr int OBUF = C * OP * 2;
+constexpr int SMEM2 = 2 * STAGE + XBUF + OBUF;
+static_assert(STAGE % 16 == 0 && XBUF % 16 == 0 && SMEM2 <= 227 * 1024, "kda_recur shared memory");
 
 __device__ __forceinline__ float gate_act(float x, float aexp, float lb) {
 #if KDA_GATE == 0
@@ -79,6 +95,7 @@ extern "C" __global__ void __launch_bounds__(kda::NT1, kda::MINB1) kda_prep(cons
   float* sLT = sG + (C + 1) * KP;  // L transposed: sLT[j][i] = L[i][j]
   float* sM = sLT + C * CP;  // Mqk[i][j]
   float* sb = sM + C * CP;
+  float* spart = sb + C;  // chunk 16 only
 
   const int c = blockIdx.x, n = blockIdx.y, h = blockIdx.z;
   int bos, len;
@@ -201,6 +218,84 @@ extern "C" __global__ void __launch_bounds__(kda::NT1, kda::MINB1) kda_prep(cons
   //    is <= e^{span} with span = max_k (G_a - G_{16r+15}); used when span <= 80 (fp32/bf16
   //    range), else the block falls back to exact pairwise exp(G_i - G_j) on CUDA cores.
   const int g8 = lane >> 2, t4 = lane & 3;
+  if constexpr (C == 16) {
+    // One block, split over K: warp w sums its 16 columns (one MMA k-step) into its own partial;
+    // the partials are added in warp order afterwards (deterministic, no atomics).
+    static_assert(K / 16 == NW1, "chunk 16: one K slice per warp");
+    const int c0 = 16 * warp;
+    const float* ga = sG + C * KP;  // the zero row: G before the chunk
+    float span = 0.f;
+    if (lane < 16) span = -sG[15 * KP + c0 + lane];
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) span = fmaxf(span, __shfl_xor_sync(0xffffffffu, span, o));
+    float* pL = spart + warp * 512;
+    float* pM = pL + 256;
+    if (span <= 80.f) {
+      float accL[2][4] = {}, accM[2][4] = {};
+      uint32_t aK[4], aQ[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int row = g8 + (e & 1) * 8, col = c0 + 2 * t4 + (e >> 1) * 8;
+        const float2 gr = *reinterpret_cast<const float2*>(sG + row * KP + col);
+        const float2 kr = *reinterpret_cast<const float2*>(sk + row * KP + col);
+        const float2 qr = *reinterpret_cast<const float2*>(sq + row * KP + col);
+        const float e0 = __expf(gr.x), e1 = __expf(gr.y);
+        aK[e] = pack_bf16(kr.x * e0, kr.y * e1);
+        aQ[e] = pack_bf16(qr.x * e0, qr.y * e1);
+      }
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+        const int j = 8 * nt + g8;
+        uint32_t bb[2];
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          const int col = c0 + 2 * t4 + 8 * hh;
+          const float2 gj = *reinterpret_cast<const float2*>(sG + j * KP + col);
+          const float2 kj = *reinterpret_cast<const float2*>(sk + j * KP + col);
+          bb[hh] = pack_bf16(kj.x * __expf(-gj.x), kj.y * __expf(-gj.y));
+        }
+        mma_bf16(accL[nt], aK, bb[0], bb[1]);
+        mma_bf16(accM[nt], aQ, bb[0], bb[1]);
+      }
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int i = g8 + (e >> 1) * 8, j = 8 * nt + 2 * t4 + (e & 1);
+          pL[i * 16 + j] = accL[nt][e];
+          pM[i * 16 + j] = accM[nt][e];
+        }
+    } else {
+      // exact pairwise exp(G_i - G_j) over this warp's 16 columns (lower triangle incl. diagonal)
+      for (int pi = lane; pi < 136; pi += 32) {
+        int i = (int)((sqrtf(8.f * pi + 1.f) - 1.f) * 0.5f);
+        while ((i + 1) * (i + 2) / 2 <= pi) ++i;
+        while (i * (i + 1) / 2 > pi) --i;
+        const int j = pi - i * (i + 1) / 2;
+        float l = 0.f, m = 0.f;
+#pragma unroll 4
+        for (int d = c0; d < c0 + 16; ++d) {
+          const float w = __expf(sG[i * KP + d] - sG[j * KP + d]) * sk[j * KP + d];
+          l += sk[i * KP + d] * w;
+          m += sq[i * KP + d] * w;
+        }
+        pL[i * 16 + j] = l;
+        pM[i * 16 + j] = m;
+      }
+    }
+    __syncthreads();
+    for (int u = tid; u < 256; u += NT1) {
+      const int i = u >> 4, j = u & 15;
+      float l = 0.f, m = 0.f;
+#pragma unroll
+      for (int w = 0; w < NW1; ++w) {
+        l += spart[w * 512 + u];
+        m += spart[w * 512 + 256 + u];
+      }
+      if (i > j) sLT[j * CP + i] = sb[i] * l;
+      if (i >= j) sM[i * CP + j] = p.scale * m;
+    }
+  } else {
   constexpr int NB = C / 16;
   for (int unit = warp; unit < NB * (NB + 1) / 2; unit += NW1) {
     int r = (int)((sqrtf(8.f * unit + 1.f) - 1.f) * 0.5f);
@@ -285,6 +380,7 @@ extern "C" __global__ void __launch_bounds__(kda::NT1, kda::MINB1) kda_prep(cons
       }
     }
   }
+  }
   __syncthreads();
 
   // 5. Mqk -> workspace.
@@ -337,38 +433,75 @@ extern "C" __global__ void __launch_bounds__(kda::NT1, kda::MINB1) kda_prep(cons
 
 namespace kda {
 
-// Issue the cp.async copies of one chunk record (this block's V slice of U0^T) into a stage.
-__device__ __forceinline__ void prefetch_chunk(char* stage, const char* rec, int vb, int tid) {
-  bf16* s = reinterpret_cast<bf16*>(stage);
-  constexpr int KC = K / 8, CC = C / 8;
-  for (int u = tid; u < 3 * C * KC; u += NT2) {
-    const int r = u / KC, ch = u % KC;  // r in [0, 3C): W rows, then Qd rows, then Kr rows
-    cp_async16(s + r * KS + ch * 8, rec + (r * K + ch * 8) * 2);
+// cp.async ROWS rows of PER_ROW 16-byte pieces (row pitches in bytes). The addresses advance
+// by a constant per copy and are kept opaque to the compiler: otherwise it precomputes every
+// copy's address for the whole chunk loop, which costs over a hundred registers at chunk 64.
+template <int ROWS, int PER_ROW, int DST_PITCH, int SRC_PITCH>
+__device__ __forceinline__ void copy_rows(char* dst, const char* src, int tid) {
+  constexpr int TOTAL = ROWS * PER_ROW;
+  static_assert(NT2 % PER_ROW == 0, "copy_rows: whole rows per pass");
+  constexpr int RSTEP = NT2 / PER_ROW;
+  const int r = tid / PER_ROW, ch = tid % PER_ROW;
+  uint32_t d = smem_u32(dst) + r * DST_PITCH + ch * 16;
+  const char* g = src + r * SRC_PITCH + ch * 16;
+#pragma unroll
+  for (int i = 0; i < (TOTAL + NT2 - 1) / NT2; ++i) {
+    if (TOTAL % NT2 == 0 || tid + i * NT2 < TOTAL) cp_async16_s(d, g);
+    d += RSTEP * DST_PITCH;
+    g += RSTEP * SRC_PITCH;
+    asm volatile("" : "+r"(d), "+l"(g));
   }
-  bf16* sm = s + 3 * C * KS;
-  for (int u = tid; u < C * CC; u += NT2) {
-    const int r = u / CC, ch = u % CC;
-    cp_async16(sm + r * CS + ch * 8, rec + OFF_M + (r * C + ch * 8) * 2);
-  }
-  bf16* su = sm + C * CS;
-  for (int u = tid; u < BV * CC; u += NT2) {
-    const int r = u / CC, ch = u % CC;
-    cp_async16(su + r * CS + ch * 8, rec + OFF_U + ((vb * BV + r) * C + ch * 8) * 2);
-  }
-  char* sg = reinterpret_cast<char*>(su + BV * CS);
-  for (int u = tid; u < K / 4; u += NT2) cp_async16(sg + u * 16, rec + OFF_GM + u * 16);
 }
 
-// Store the register-held state slice (rows vr0, vr0 + 8; columns 8 nt + 2 t4 + {0,1}).
-template <typename ST>
-__device__ __forceinline__ void store_state(ST* base, const float (*s)[4], int vr0, int t4, bool kv) {
+// Issue the cp.async copies of one chunk record (this block's V slice of U0^T) into a stage.
+__device__ __forceinline__ void prefetch_chunk(char* stage, const char* rec, int vb, int tid) {
+  // W, Qd, Kr rows back to back: [3C][K] in the record, pitch KS in shared memory.
+  copy_rows<3 * C, K / 8, KS * 2, K * 2>(stage, rec, tid);
+  char* sm = stage + 3 * C * KS * 2;
+  copy_rows<C, C / 8, CS * 2, C * 2>(sm, rec + OFF_M, tid);
+  char* su = sm + C * CS * 2;
+  copy_rows<BV, C / 8, CS * 2, C * 2>(su, rec + OFF_U + (long long)vb * BV * C * 2, tid);
+  copy_rows<1, K / 4, 0, 0>(su + BV * CS * 2, rec + OFF_GM, tid);
+}
+
+// Register-held state slice <-> memory (rows vr0, vr0 + 8; columns k0 + 8 nt + 2 t4 + {0,1}).
+// The layout is a template parameter so that element offsets are immediates.
+template <bool KV, typename ST>
+__device__ __forceinline__ void store_state_l(ST* base, const float (*s)[4], int vr0, int k0, int t4) {
+  ST* b = base + (KV ? (long long)(k0 + 2 * t4) * V + vr0 : (long long)vr0 * K + k0 + 2 * t4);
 #pragma unroll
-  for (int nt = 0; nt < K / 8; ++nt)
+  for (int nt = 0; nt < KH / 8; ++nt)
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const int v = vr0 + (e >> 1) * 8, kk = 8 * nt + 2 * t4 + (e & 1);
-      base[kv ? (long long)kk * V + v : (long long)v * K + kk] = from_f<ST>(s[nt][e]);
+      const int dv = (e >> 1) * 8, dk = 8 * nt + (e & 1);
+      b[KV ? dk * V + dv : dv * K + dk] = from_f<ST>(s[nt][e]);
     }
+}
+template <typename ST>
+__device__ __forceinline__ void store_state(ST* base, const float (*s)[4], int vr0, int k0, int t4, bool kv) {
+  if (kv) store_state_l<true>(base, s, vr0, k0, t4);
+  else store_state_l<false>(base, s, vr0, k0, t4);
+}
+template <bool KV, typename ST>
+__device__ __forceinline__ void load_state_l(const ST* base, float (*s)[4], int vr0, int k0, int t4) {
+  const ST* b = base + (KV ? (long long)(k0 + 2 * t4) * V + vr0 : (long long)vr0 * K + k0 + 2 * t4);
+#pragma unroll
+  for (int nt = 0; nt < KH / 8; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int dv = (e >> 1) * 8, dk = 8 * nt + (e & 1);
+      s[nt][e] = to_f(b[KV ? dk * V + dv : dv * K + dk]);
+    }
+}
+
+// Write a staged [C, BV] o tile (rows < rows) with 16-byte stores, all threads of the block.
+__device__ __forceinline__ void flush_o(in_t* op, long long ostride, const in_t* so, int rows, int tid) {
+  constexpr int CH = BV / 8;
+  for (int u = tid; u < C * CH; u += NT2) {
+    const int t = u / CH, ch = u % CH;
+    if (t < rows)
+      *reinterpret_cast<uint4*>(op + t * ostride + ch * 8) = *reinterpret_cast<const uint4*>(so + t * OP + ch * 8);
+  }
 }
 
 }  // namespace kda
@@ -376,41 +509,41 @@ __device__ __forceinline__ void store_state(ST* base, const float (*s)[4], int v
 extern "C" __global__ void __launch_bounds__(kda::NT2) kda_recur(const KdaParams p) {
   using namespace kda;
   extern __shared__ __align__(16) char smem2[];
+  float4* xbuf = reinterpret_cast<float4*>(smem2 + 2 * STAGE);
+  in_t* so = reinterpret_cast<in_t*>(smem2 + 2 * STAGE + XBUF);
   const int vb = blockIdx.x, n = blockIdx.y, h = blockIdx.z;
   int bos, len;
   seq_bounds(p, n, bos, len);
   const int nc = (len + C - 1) / C;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int vt = warp % NWV, kh = warp / NWV;  // 16-row V tile and K slice of this warp
+  const int k0 = kh * KH;
   const int g8 = lane >> 2, t4 = lane & 3, lm = lane >> 3, lr = lane & 7;
-  const int vr0 = vb * BV + warp * 16 + g8;
+  const int vr0 = vb * BV + vt * 16 + g8;
   const long long rec0 = (long long)bos / C + n;
   const char* wsb = (const char*)p.ws;
   const long long st_off = ((long long)n * p.HV + h) * V * K;
   const bool kv = p.state_kv != 0;
 
-  float s[K / 8][4];
+  float s[KH / 8][4];
 #if KDA_STATE != 0
   if (p.h0) {
     const state_t* h0 = (const state_t*)p.h0 + st_off;
-#pragma unroll
-    for (int nt = 0; nt < K / 8; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int v = vr0 + (e >> 1) * 8, kk = 8 * nt + 2 * t4 + (e & 1);
-        s[nt][e] = to_f(h0[kv ? (long long)kk * V + v : (long long)v * K + kk]);
-      }
+    if (kv) load_state_l<true>(h0, s, vr0, k0, t4);
+    else load_state_l<false>(h0, s, vr0, k0, t4);
   } else
 #endif
   {
 #pragma unroll
-    for (int nt = 0; nt < K / 8; ++nt)
+    for (int nt = 0; nt < KH / 8; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) s[nt][e] = 0.f;
   }
 
   const long long bidx = p.cu_seqlens ? 0 : n;
   const long long tb = p.cu_seqlens ? bos : 0;
-  in_t* op = (in_t*)p.o + bidx * p.o_s[0] + h * p.o_s[2];
+  in_t* op = (in_t*)p.o + bidx * p.o_s[0] + h * p.o_s[2] + vb * BV;
+  const long long ostride = p.o_s[1];
   const int coff = p.hc ? p.chunk_offsets[n] : 0;
 
   if (nc > 0) prefetch_chunk(smem2, wsb + (rec0 * p.HV + h) * REC, vb, tid);
@@ -419,11 +552,13 @@ extern "C" __global__ void __launch_bounds__(kda::NT2) kda_recur(const KdaParams
   for (int c = 0; c < nc; ++c) {
     if (p.hc) {
 #if KDA_STATE == 2
-      store_state((bf16*)p.hc + ((long long)(coff + c) * p.HV + h) * V * K, s, vr0, t4, kv);
+      store_state((bf16*)p.hc + ((long long)(coff + c) * p.HV + h) * V * K, s, vr0, k0, t4, kv);
 #else
-      store_state((float*)p.hc + ((long long)(coff + c) * p.HV + h) * V * K, s, vr0, t4, kv);
+      store_state((float*)p.hc + ((long long)(coff + c) * p.HV + h) * V * K, s, vr0, k0, t4, kv);
 #endif
     }
+    // o of the previous chunk (staged last step; the barrier at its end made it visible)
+    if (c > 0) flush_o(op + (tb + (long long)(c - 1) * C) * ostride, ostride, so, C, tid);
     if (c + 1 < nc)
       prefetch_chunk(smem2 + ((c + 1) & 1) * STAGE, wsb + ((rec0 + c + 1) * p.HV + h) * REC, vb, tid);
     cp_async_commit();
@@ -437,43 +572,78 @@ extern "C" __global__ void __launch_bounds__(kda::NT2) kda_recur(const KdaParams
     const bf16* sU = sMq + C * CS;
     const float* sGam = reinterpret_cast<const float*>(sU + BV * CS);
 
-    // S as bf16 A fragments (accumulator layout == A layout).
-    uint32_t sa[K / 16][4];
+    // S slice as bf16 A fragments (accumulator layout == A layout).
+    uint32_t sa[KH / 16][4];
 #pragma unroll
-    for (int ks = 0; ks < K / 16; ++ks) {
+    for (int ks = 0; ks < KH / 16; ++ks) {
       sa[ks][0] = pack_bf16(s[2 * ks][0], s[2 * ks][1]);
       sa[ks][1] = pack_bf16(s[2 * ks][2], s[2 * ks][3]);
       sa[ks][2] = pack_bf16(s[2 * ks + 1][0], s[2 * ks + 1][1]);
       sa[ks][3] = pack_bf16(s[2 * ks + 1][2], s[2 * ks + 1][3]);
     }
-    // -U^T = S W^T - U0^T   ([16 v, C])
+    // -U^T = S W^T - U0^T ([16 v, C]); the kh = 0 warp brings -U0^T, the others start at 0.
     float ut[C / 8][4];
-    const int ur = warp * 16 + g8;
+    const int ur = vt * 16 + g8;
 #pragma unroll
     for (int nt = 0; nt < C / 8; ++nt) {
-      const __nv_bfloat162 x0 = *reinterpret_cast<const __nv_bfloat162*>(sU + ur * CS + 8 * nt + 2 * t4);
-      const __nv_bfloat162 x1 = *reinterpret_cast<const __nv_bfloat162*>(sU + (ur + 8) * CS + 8 * nt + 2 * t4);
-      ut[nt][0] = -__low2float(x0); ut[nt][1] = -__high2float(x0);
-      ut[nt][2] = -__low2float(x1); ut[nt][3] = -__high2float(x1);
+      if (kh == 0) {
+        const __nv_bfloat162 x0 = *reinterpret_cast<const __nv_bfloat162*>(sU + ur * CS + 8 * nt + 2 * t4);
+        const __nv_bfloat162 x1 = *reinterpret_cast<const __nv_bfloat162*>(sU + (ur + 8) * CS + 8 * nt + 2 * t4);
+        ut[nt][0] = -__low2float(x0); ut[nt][1] = -__high2float(x0);
+        ut[nt][2] = -__low2float(x1); ut[nt][3] = -__high2float(x1);
+      } else {
+        ut[nt][0] = ut[nt][1] = ut[nt][2] = ut[nt][3] = 0.f;
+      }
     }
-    float oacc[C / 8][4];
-#pragma unroll
-    for (int nt = 0; nt < C / 8; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) oacc[nt][e] = 0.f;
 #pragma unroll
     for (int ntp = 0; ntp < C / 16; ++ntp)
 #pragma unroll
-      for (int ks = 0; ks < K / 16; ++ks) {
-        const int row = 16 * ntp + 8 * (lm >> 1) + lr, col = 16 * ks + 8 * (lm & 1);
-        uint32_t b[4], bq[4];
+      for (int ks = 0; ks < KH / 16; ++ks) {
+        const int row = 16 * ntp + 8 * (lm >> 1) + lr, col = k0 + 16 * ks + 8 * (lm & 1);
+        uint32_t b[4];
         ldsm_x4(b, sW + row * KS + col);
-        ldsm_x4(bq, sQ + row * KS + col);
         mma_bf16(ut[2 * ntp], sa[ks], b[0], b[1]);
         mma_bf16(ut[2 * ntp + 1], sa[ks], b[2], b[3]);
-        mma_bf16(oacc[2 * ntp], sa[ks], bq[0], bq[1]);
-        mma_bf16(oacc[2 * ntp + 1], sa[ks], bq[2], bq[3]);
       }
+    // Partial sums over this warp's K slice go through shared memory: U^T (needed by every warp
+    // of the V tile) in slot `warp`, S Qd^T in slot NW2 + warp (summed by the kh = 0 warp).
+    // Float4 j of lane l of slot q sits at (q * XF / 4 + j) * 32 + l: conflict-free.
+    {
+      if constexpr (KSPLIT > 1) {
+        float4* xu = xbuf + (warp * (XF / 4)) * 32 + lane;
+#pragma unroll
+        for (int nt = 0; nt < C / 8; ++nt) xu[nt * 32] = make_float4(ut[nt][0], ut[nt][1], ut[nt][2], ut[nt][3]);
+      }
+      float4* xo = xbuf + ((NW2 + warp) * (XF / 4)) * 32 + lane;
+#pragma unroll
+      for (int ntp = 0; ntp < C / 16; ++ntp) {
+        float oq[2][4] = {};
+#pragma unroll
+        for (int ks = 0; ks < KH / 16; ++ks) {
+          const int row = 16 * ntp + 8 * (lm >> 1) + lr, col = k0 + 16 * ks + 8 * (lm & 1);
+          uint32_t bq[4];
+          ldsm_x4(bq, sQ + row * KS + col);
+          mma_bf16(oq[0], sa[ks], bq[0], bq[1]);
+          mma_bf16(oq[1], sa[ks], bq[2], bq[3]);
+        }
+        xo[(2 * ntp) * 32] = make_float4(oq[0][0], oq[0][1], oq[0][2], oq[0][3]);
+        xo[(2 * ntp + 1) * 32] = make_float4(oq[1][0], oq[1][1], oq[1][2], oq[1][3]);
+      }
+    }
+    __syncthreads();
+    if constexpr (KSPLIT > 1) {
+      // Sum the K slices in slot order, so all warps of a V tile get the same U bit for bit.
+#pragma unroll
+      for (int nt = 0; nt < C / 8; ++nt) {
+        float4 a = xbuf[((vt * (XF / 4)) + nt) * 32 + lane];
+#pragma unroll
+        for (int q = 1; q < KSPLIT; ++q) {
+          const float4 b = xbuf[(((q * NWV + vt) * (XF / 4)) + nt) * 32 + lane];
+          a.x += b.x; a.y += b.y; a.z += b.z; a.w += b.w;
+        }
+        ut[nt][0] = a.x; ut[nt][1] = a.y; ut[nt][2] = a.z; ut[nt][3] = a.w;
+      }
+    }
     // U^T as bf16 A fragments.
     uint32_t ua[C / 16][4];
 #pragma unroll
@@ -483,28 +653,48 @@ extern "C" __global__ void __launch_bounds__(kda::NT2) kda_recur(const KdaParams
       ua[kc][2] = pack_bf16(-ut[2 * kc + 1][0], -ut[2 * kc + 1][1]);
       ua[kc][3] = pack_bf16(-ut[2 * kc + 1][2], -ut[2 * kc + 1][3]);
     }
-    // o^T += U^T Mqk^T (Mqk lower triangular: skip blocks above the diagonal).
+    if (kh == 0) {
+      // o^T = sum of the S Qd^T slices + U^T Mqk^T (Mqk lower triangular: skip blocks above the
+      // diagonal), 16 time steps at a time, staged in shared memory for 16-byte stores.
 #pragma unroll
-    for (int ntp = 0; ntp < C / 16; ++ntp)
+      for (int ntp = 0; ntp < C / 16; ++ntp) {
+        float oacc[2][4];
 #pragma unroll
-      for (int kc = 0; kc <= ntp; ++kc) {
-        const int row = 16 * ntp + 8 * (lm >> 1) + lr, col = 16 * kc + 8 * (lm & 1);
-        uint32_t b[4];
-        ldsm_x4(b, sMq + row * CS + col);
-        mma_bf16(oacc[2 * ntp], ua[kc], b[0], b[1]);
-        mma_bf16(oacc[2 * ntp + 1], ua[kc], b[2], b[3]);
+        for (int hh = 0; hh < 2; ++hh) {
+          float4 a = xbuf[(((NW2 + vt) * (XF / 4)) + 2 * ntp + hh) * 32 + lane];
+#pragma unroll
+          for (int q = 1; q < KSPLIT; ++q) {
+            const float4 b = xbuf[(((NW2 + q * NWV + vt) * (XF / 4)) + 2 * ntp + hh) * 32 + lane];
+            a.x += b.x; a.y += b.y; a.z += b.z; a.w += b.w;
+          }
+          oacc[hh][0] = a.x; oacc[hh][1] = a.y; oacc[hh][2] = a.z; oacc[hh][3] = a.w;
+        }
+#pragma unroll
+        for (int kc = 0; kc <= ntp; ++kc) {
+          const int row = 16 * ntp + 8 * (lm >> 1) + lr, col = 16 * kc + 8 * (lm & 1);
+          uint32_t b[4];
+          ldsm_x4(b, sMq + row * CS + col);
+          mma_bf16(oacc[0], ua[kc], b[0], b[1]);
+          mma_bf16(oacc[1], ua[kc], b[2], b[3]);
+        }
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh)
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            so[(16 * ntp + 8 * hh + 2 * t4 + (e & 1)) * OP + vt * 16 + g8 + (e >> 1) * 8] = from_f<in_t>(oacc[hh][e]);
       }
-    // S = S diag(Gamma_C) + U^T Kr
+    }
+    // S = S diag(Gamma_C) + U^T Kr (this warp's K slice)
 #pragma unroll
-    for (int nt = 0; nt < K / 8; ++nt) {
-      const float2 gm = *reinterpret_cast<const float2*>(sGam + 8 * nt + 2 * t4);
+    for (int nt = 0; nt < KH / 8; ++nt) {
+      const float2 gm = *reinterpret_cast<const float2*>(sGam + k0 + 8 * nt + 2 * t4);
       s[nt][0] *= gm.x; s[nt][1] *= gm.y; s[nt][2] *= gm.x; s[nt][3] *= gm.y;
     }
 #pragma unroll
-    for (int ntp = 0; ntp < K / 16; ++ntp)
+    for (int ntp = 0; ntp < KH / 16; ++ntp)
 #pragma unroll
       for (int kc = 0; kc < C / 16; ++kc) {
-        const int row = 16 * kc + 8 * (lm & 1) + lr, col = 16 * ntp + 8 * (lm >> 1);
+        const int row = 16 * kc + 8 * (lm & 1) + lr, col = k0 + 16 * ntp + 8 * (lm >> 1);
         uint32_t b[4];
         ldsm_x4_t(b, sR + row * KS + col);
         mma_bf16(s[2 * ntp], ua[kc], b[0], b[1]);
@@ -512,19 +702,10 @@ extern "C" __global__ void __launch_bounds__(kda::NT2) kda_recur(const KdaParams
       }
     // state "bf16": bf16 in memory (initial / final / chunk states); the register-held state
     // stays fp32 between chunks (rounding it every chunk costs accuracy and saves nothing).
-    // o
-    const int rows = min(C, len - c * C);
-    const long long tc = tb + (long long)c * C;
-#pragma unroll
-    for (int nt = 0; nt < C / 8; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int cc = 8 * nt + 2 * t4 + (e & 1), v = vr0 + (e >> 1) * 8;
-        if (cc < rows) op[(tc + cc) * p.o_s[1] + v] = from_f<in_t>(oacc[nt][e]);
-      }
     __syncthreads();
   }
+  if (nc > 0) flush_o(op + (tb + (long long)(nc - 1) * C) * ostride, ostride, so, len - (nc - 1) * C, tid);
 #if KDA_STATE != 0
-  if (p.ht) store_state((state_t*)p.ht + st_off, s, vr0, t4, kv);
+  if (p.ht) store_state((state_t*)p.ht + st_off, s, vr0, k0, t4, kv);
 #endif
 }
