@@ -171,6 +171,10 @@ def _builtin_rejection(v: Variant) -> str | None:
         return f"block_v {v.block_v} is wider than V = {v.v}"
     if v.v % v.block_v:
         return f"block_v {v.block_v} does not divide V = {v.v}"
+    info = TARGETS.get(v.target)
+    for when, reason in (info.rejects if info else ()):
+        if all(getattr(v, k) == val for k, val in when):
+            return reason
     return None
 
 

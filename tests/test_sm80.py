@@ -86,7 +86,8 @@ def test_sm80_ptxas_reports_have_no_spills():
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
 @pytest.mark.parametrize("spec", [
-    Variant("sm80", 64, 128, 128, "bf16", "bounded", "fp32", 128),
+    Variant("sm80", 64, 128, 128, "bf16", "bounded", "fp32", 64),
+    Variant("sm80", 16, 128, 128, "bf16", "precomputed", "fp32", 128),
     Variant("sm80", 16, 64, 64, "fp16", "unbounded", "bf16", 16),
 ], ids=lambda v: v.name)
 def test_sm80_compiles_without_spills(spec: Variant, tmp_path: Path):

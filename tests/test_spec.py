@@ -55,6 +55,15 @@ def test_block_v_wider_than_v_is_dropped_with_reason(tmp_path):
     assert any("wider than V = 32" in d.reason for d in dropped)
 
 
+def test_target_rejects_are_dropped_with_reason(tmp_path):
+    text = GOOD.replace("target: triton", "target: sm80").replace("block_v: [16, 32]", "block_v: [32, 128]")
+    text = text.replace("head_dim: [32, [64, 64]]", "head_dim: [128]")
+    kept, dropped = expand_all(load_spec(write(tmp_path, text)))
+    assert not any(v.chunk == 64 and v.block_v == 128 for v in kept)
+    assert any(v.chunk == 16 and v.block_v == 128 for v in kept)
+    assert any("shared memory" in d.reason for d in dropped)
+
+
 @pytest.mark.parametrize(
     "change, key, needle",
     [

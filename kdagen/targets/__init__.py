@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,8 @@ class TargetInfo:
     nvcc_flags: tuple[str, ...] = ()
     # Extra include folders under templates/ whose files every variant's source hashes.
     includes: tuple[str, ...] = ()
+    # Combinations this target cannot build: ({field: value}, reason), shown by `kdagen list -v`.
+    rejects: tuple[tuple[tuple[tuple[str, Any], ...], str], ...] = ()
     # A target whose numerics cannot be run here names a twin target implementing the
     # same algorithm; every spec entry of this target also emits the twin variant.
     twin: str | None = None
@@ -86,6 +89,8 @@ TARGETS: dict[str, TargetInfo] = {
             "-gencode=arch=compute_80,code=compute_80",
         ),
         includes=("common", "sm80"),
+        rejects=(((("chunk", 64), ("block_v", 128)),
+                  "chunk 64 with block_v 128 needs more than the 227 KB of shared memory of a block"),),
         # H200, 2026-11-29: chunk 16 beat chunk 64 at B1 T8192 H96 (2.00 vs 5.27 ms) and at
         # B1 T65536 H24 (7.62 vs 12.73 ms): the chunk-64 prep kernel dominates.
         preferred_chunk=16,
