@@ -37,6 +37,13 @@ DEVICES = [
 ]
 
 
+def _skip_cuda_k128(v: Variant, dev: str) -> None:
+    from kdagen.targets.triton_twin import CUDA_MAX_K
+
+    if dev == "cuda" and v.k > CUDA_MAX_K:
+        pytest.skip(f"twin stage 2 at K={v.k} needs more shared memory than a CUDA block has")
+
+
 def source(variant: Variant) -> pathlib.Path:
     return SPEC_DIR / variant.name / "kernel.py"
 
@@ -144,13 +151,15 @@ def test_translate_reports_dsl_errors(tmp_path):
 @pytest.mark.parametrize("dev", DEVICES)
 @pytest.mark.parametrize("v", TWIN_VARIANTS, ids=lambda v: v.name)
 def test_twin_gqa_ragged(v, dev):
+    _skip_cuda_k128(v, dev)
     # GQA, a partial last chunk, two sequences, initial and final state
     run_and_compare(v, make_case(v, dev, B=2, T=100, H=1, HV=2, seed=11))
 
 
 @pytest.mark.parametrize("dev", DEVICES)
-@pytest.mark.parametrize("v", TWIN_VARIANTS[:1], ids=lambda v: v.name)
+@pytest.mark.parametrize("v", TWIN_VARIANTS, ids=lambda v: v.name)
 def test_twin_varlen_bnsd_kv_state_chunk_states(v, dev):
+    _skip_cuda_k128(v, dev)
     kw = make_case(v, dev, lens=[70, 0, 1, 64], H=1, HV=1, layout="BNSD", state_layout="KV",
                    chunk_states=True, seed=12)
     run_and_compare(v, kw)
@@ -161,6 +170,7 @@ def test_twin_varlen_bnsd_kv_state_chunk_states(v, dev):
 def test_twin_chunk_groups(v, dev, monkeypatch):
     """Groups of 3 and 1 chunks (a sequence crossing a group edge, a short last group, an empty
     sequence) give the result of one group bit for bit; that one matches the reference."""
+    _skip_cuda_k128(v, dev)
     import kdagen.runtime as rt
     from kdagen.targets import triton_twin
 

@@ -23,6 +23,10 @@ GROUP_CHUNKS: int | None = None
 _GATE_ID = {"bounded": 0, "unbounded": 1, "precomputed": 2}
 
 
+# The largest head dim whose stage 2 fits a CUDA block's shared memory (see __call__).
+CUDA_MAX_K = 64
+
+
 class TritonTwinLauncher:
     def __init__(self, variant, artifact):
         self.variant = variant
@@ -56,6 +60,12 @@ class TritonTwinLauncher:
         mod = self._mod
         if v.chunk != 64:
             raise ValueError(f"{v.name}: the twin implements chunk 64 only")
+        if call.q.device.type == "cuda" and v.k > CUDA_MAX_K:
+            # Measured with Triton 3.6 for sm_90: stage 2 needs 288 KB of shared memory at
+            # K = 128 (180 KB at K = 64); a CUDA block has at most 227 KB.
+            raise RuntimeError(f"{v.name}: the Ascend twin runs on CUDA GPUs only for K <= {CUDA_MAX_K} "
+                               f"(its stage 2 needs more shared memory than a CUDA block has at K = {v.k}); "
+                               "it runs on the CPU interpreter for every K")
         if call.K != v.k or call.V != v.v:
             raise ValueError(f"{v.name}: head dims K={call.K} V={call.V} do not match the variant")
         dev = call.q.device
