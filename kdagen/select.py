@@ -83,9 +83,11 @@ def preference(v: Variant, c: CallInfo, sms: int) -> tuple:
     else:
         avg_len = c.T * c.B / max(c.N, 1)
         chunk_rank = 0 if (v.chunk == 64) == (avg_len >= 512) else 1
-    # V-split: the widest block that still gives ~2 waves of programs; on CPU, the widest.
+    # V-split: the widest block that still gives enough programs per SM (a per-target
+    # figure, measured where the target says so); on CPU, the widest.
     programs = c.N * c.HV * (v.v // v.block_v)
-    enough = programs >= 2 * sms
+    waves = TARGETS[v.target].vsplit_min_waves if v.target in TARGETS else 2.0
+    enough = programs >= waves * sms
     bv_rank = (0, -v.block_v) if enough else (1, v.block_v)
     return (rank, state_rank, chunk_rank, bv_rank, v.name)
 

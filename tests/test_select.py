@@ -47,10 +47,15 @@ def test_chunk_preference_measured_per_target_else_by_length(any_device):
 
 
 def test_v_split_widest_block_that_still_fills_the_gpu(any_device):
-    cands = [var(bv=b) for b in (16, 32, 64, 128)]
-    # 96 heads x 128/bv programs: bv=32 gives 384 >= 2 x 132; bv=64 gives 192 < 264
-    assert sel.select(cands, info(H=96, HV=96)).block_v == 32
+    # triton: at least 2 programs per SM. 96 heads x 128/bv: bv=32 gives 384 >= 264, bv=64 192 < 264
+    tri = [var(target="triton", bv=b) for b in (16, 32, 64, 128)]
+    assert sel.select(tri, info(H=96, HV=96)).block_v == 32
     # 8 heads never fill the GPU: the narrowest split, most programs
+    assert sel.select(tri, info(H=8, HV=8)).block_v == 16
+    # sm80 (split-K warps, measured): at least 0.7 programs per SM (92.4 of 132)
+    cands = [var(bv=b) for b in (16, 32, 64)]
+    assert sel.select(cands, info(H=96, HV=96)).block_v == 64   # 192 programs
+    assert sel.select(cands, info(H=24, HV=24)).block_v == 32   # 96 programs
     assert sel.select(cands, info(H=8, HV=8)).block_v == 16
 
 

@@ -34,6 +34,8 @@ class TargetInfo:
     nvcc_flags: tuple[str, ...] = ()
     # Extra include folders under templates/ whose files every variant's source hashes.
     includes: tuple[str, ...] = ()
+    # Selection takes the widest block_v that gives at least this many programs per SM.
+    vsplit_min_waves: float = 2.0
     # Combinations this target cannot build: ({field: value}, reason), shown by `kdagen list -v`.
     rejects: tuple[tuple[tuple[tuple[str, Any], ...], str], ...] = ()
     # A target whose numerics cannot be run here names a twin target implementing the
@@ -91,9 +93,13 @@ TARGETS: dict[str, TargetInfo] = {
         includes=("common", "sm80"),
         rejects=(((("chunk", 64), ("block_v", 128)),
                   "chunk 64 with block_v 128 needs more than the 227 KB of shared memory of a block"),),
-        # H200, 2026-11-29: chunk 16 beat chunk 64 at B1 T8192 H96 (2.00 vs 5.27 ms) and at
-        # B1 T65536 H24 (7.62 vs 12.73 ms): the chunk-64 prep kernel dominates.
+        # H200: chunk 16 beat chunk 64 at B1 T8192 H96 (2026-11-30: 1.89 vs 5.08 ms) and at
+        # B1 T65536 H24 (5.77 vs 11.45 ms): the chunk-64 prep kernel dominates.
         preferred_chunk=16,
+        # H200, 2026-11-30 (split-K recurrence, 2 or 4 warps per 16 V rows): at B1 T8192 H96
+        # block_v 64 (192 programs) beat 32 and 128; at B1 T65536 H24 block_v 32 (96 programs)
+        # beat 16 and 64. Both are the widest block with at least ~0.7 programs per SM.
+        vsplit_min_waves=0.7,
     ),
     "ascend": TargetInfo(
         name="ascend",

@@ -48,7 +48,7 @@ def _ptr(t) -> int:
 
 
 def _aligned_btH(t: torch.Tensor, strides: tuple[int, int, int]):
-    """q/k/g are read 16 bytes at a time: data pointer and (batch, time, head) strides must be
+    """q/k/v/g are read 16 bytes at a time: data pointer and (batch, time, head) strides must be
     16-byte multiples. Rarely false; then copy to a compact tensor and recompute the strides."""
     eb = t.element_size()
     if t.data_ptr() % 16 == 0 and all((s * eb) % 16 == 0 for s in strides):
@@ -115,6 +115,7 @@ class Sm80Launcher:
         idx, (mod, f1, f2, rec, smem1, smem2, nt1, nt2) = self._module(dev)
         q, q_s = _aligned_btH(call.q, call.q_strides)
         k, k_s = _aligned_btH(call.k, call.k_strides)
+        vv, v_s = _aligned_btH(call.v, call.v_strides)
         g, g_s = call.g, call.g_strides
         if g.dtype not in (in_t, torch.float32):
             g = g.float()
@@ -139,12 +140,12 @@ class Sm80Launcher:
             co = co.to(torch.int32).contiguous()
 
         p = KdaParams()
-        p.q, p.k, p.v, p.g, p.beta, p.o = _ptr(q), _ptr(k), _ptr(call.v), _ptr(g), _ptr(beta), _ptr(call.o)
+        p.q, p.k, p.v, p.g, p.beta, p.o = _ptr(q), _ptr(k), _ptr(vv), _ptr(g), _ptr(beta), _ptr(call.o)
         p.A_log, p.dt_bias, p.cu_seqlens = _ptr(A_log), _ptr(dt), _ptr(cu)
         p.h0, p.ht = _ptr(call.initial_state), _ptr(call.final_state)
         p.hc, p.chunk_offsets = _ptr(call.chunk_states), (_ptr(co) if call.chunk_states is not None else 0)
         p.ws = _ptr(ws)
-        for nm, s in (("q_s", q_s), ("k_s", k_s), ("v_s", call.v_strides), ("g_s", g_s),
+        for nm, s in (("q_s", q_s), ("k_s", k_s), ("v_s", v_s), ("g_s", g_s),
                       ("b_s", call.beta_strides), ("o_s", call.o_strides)):
             getattr(p, nm)[:] = [int(x) for x in s]
         p.B, p.T, p.N, p.H, p.HV = call.B, call.T, call.N, call.H, call.HV

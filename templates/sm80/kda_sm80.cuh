@@ -42,12 +42,14 @@ constexpr int NT1 = K + V;  // one thread per column of [Kd | v] in the substitu
 constexpr int NW1 = NT1 / 32;
 constexpr int KP = K + 4;   // fp32 row pitch (bank spread, 16-byte aligned rows)
 constexpr int CP = C + 4;
-// c16 blocks are short-lived and latency-bound: keep three per SM (caps registers at 85;
-// with the L/Mqk work split over the warps the kernel needs about 66).
-constexpr int MINB1 = C == 16 ? 3 : 1;
+// c16 blocks are short-lived and latency-bound: keep four per SM (caps registers at 64, which
+// ptxas meets without spills now that the L/Mqk work is split over the warps).
+constexpr int MINB1 = C == 16 ? 4 : 1;
 // Chunk 16: each warp forms L and Mqk over its own 16 columns of K; partials [NW1][2][16][16].
 constexpr int PART1 = C == 16 ? NW1 * 2 * 256 : 0;
-constexpr int SMEM1 = (3 * C * KP + KP + 2 * C * CP + C + PART1) * 4;  // + a zero row after sG
+constexpr int VP = V + 4;
+// + a zero row after sG; v rows (fp32) are loaded up front with the other inputs
+constexpr int SMEM1 = (3 * C * KP + KP + 2 * C * CP + C + PART1 + C * VP) * 4;
 
 // ---- kernel 2 ----
 // Split-K: at K = 128 two warps share 16 rows of V, each holding K/2 state columns. Per warp
@@ -96,6 +98,7 @@ extern "C" __global__ void __launch_bounds__(kda::NT1, kda::MINB1) kda_prep(cons
   float* sM = sLT + C * CP;  // Mqk[i][j]
   float* sb = sM + C * CP;
   float* spart = sb + C;  // chunk 16 only
+  float* sv = spart + PART1;
 
   const int c = blockIdx.x, n = blockIdx.y, h = blockIdx.z;
   int bos, len;
@@ -147,6 +150,22 @@ extern "C" __global__ void __launch_bounds__(kda::NT1, kda::MINB1) kda_prep(cons
     dq[0] = make_float4(xq[0], xq[1], xq[2], xq[3]); dq[1] = make_float4(xq[4], xq[5], xq[6], xq[7]);
     dk[0] = make_float4(xk[0], xk[1], xk[2], xk[3]); dk[1] = make_float4(xk[4], xk[5], xk[6], xk[7]);
     dg[0] = make_float4(xa[0], xa[1], xa[2], xa[3]); dg[1] = make_float4(xa[4], xa[5], xa[6], xa[7]);
+  }
+  {
+    const in_t* vp = (const in_t*)p.v + bidx * p.v_s[0] + h * p.v_s[2];
+    for (int u = tid; u < C * V / 8; u += NT1) {
+      const int i = u / (V / 8), d = (u % (V / 8)) * 8;
+      float xv[8];
+      if (i < rows) {
+        load8(vp + (t0 + i) * p.v_s[1] + d, xv);
+      } else {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) xv[e] = 0.f;
+      }
+      float4* dv = reinterpret_cast<float4*>(sv + i * VP + d);
+      dv[0] = make_float4(xv[0], xv[1], xv[2], xv[3]);
+      dv[1] = make_float4(xv[4], xv[5], xv[6], xv[7]);
+    }
   }
   if (tid < C) {
     float b = 0.f;
@@ -400,9 +419,8 @@ extern "C" __global__ void __launch_bounds__(kda::NT1, kda::MINB1) kda_prep(cons
 #pragma unroll
       for (int i = 0; i < C; ++i) x[i] = sb[i] * sk[i * KP + col] * __expf(sG[i * KP + col]);
     } else {
-      const in_t* vp = (const in_t*)p.v + bidx * p.v_s[0] + h * p.v_s[2] + (col - K);
 #pragma unroll
-      for (int i = 0; i < C; ++i) x[i] = (i < rows) ? sb[i] * to_f(vp[(t0 + i) * p.v_s[1]]) : 0.f;
+      for (int i = 0; i < C; ++i) x[i] = sb[i] * sv[i * VP + col - K];
     }
 #pragma unroll
     for (int j = 0; j < C - 1; ++j) {
@@ -416,10 +434,11 @@ extern "C" __global__ void __launch_bounds__(kda::NT1, kda::MINB1) kda_prep(cons
         if (4 * i4 + 3 > j) x[4 * i4 + 3] -= l.w * xj;
       }
     }
+    // W goes out through shared memory (the q tile is free by now) as 16-byte row pieces.
+    bf16* sWt = reinterpret_cast<bf16*>(sq);
     if (col < K) {
-      bf16* w = reinterpret_cast<bf16*>(wsr + OFF_W);
 #pragma unroll
-      for (int i = 0; i < C; ++i) w[i * K + col] = __float2bfloat16_rn(x[i]);
+      for (int i = 0; i < C; ++i) sWt[i * K + col] = __float2bfloat16_rn(x[i]);
     } else {
       char* u = wsr + OFF_U + (long long)(col - K) * C * 2;
 #pragma unroll
@@ -428,6 +447,9 @@ extern "C" __global__ void __launch_bounds__(kda::NT1, kda::MINB1) kda_prep(cons
             make_uint4(pack_bf16(x[i], x[i + 1]), pack_bf16(x[i + 2], x[i + 3]),
                        pack_bf16(x[i + 4], x[i + 5]), pack_bf16(x[i + 6], x[i + 7]));
     }
+    __syncthreads();
+    for (int u = tid; u < C * K / 8; u += NT1)
+      *reinterpret_cast<uint4*>(wsr + OFF_W + u * 16) = *reinterpret_cast<const uint4*>(sWt + u * 8);
   }
 }
 
@@ -462,6 +484,27 @@ __device__ __forceinline__ void prefetch_chunk(char* stage, const char* rec, int
   char* su = sm + C * CS * 2;
   copy_rows<BV, C / 8, CS * 2, C * 2>(su, rec + OFF_U + (long long)vb * BV * C * 2, tid);
   copy_rows<1, K / 4, 0, 0>(su + BV * CS * 2, rec + OFF_GM, tid);
+}
+
+// Ask L2 for BYTES from p (one prefetch per 128-byte line, spread over the block).
+template <int BYTES>
+__device__ __forceinline__ void l2_prefetch(const char* p, int tid) {
+  constexpr int LINES = (BYTES + 127) / 128;
+  const char* a = p + tid * 128;
+#pragma unroll
+  for (int i = 0; i < (LINES + NT2 - 1) / NT2; ++i) {
+    if (LINES % NT2 == 0 || tid + i * NT2 < LINES) asm volatile("prefetch.global.L2 [%0];" ::"l"(a));
+    a += NT2 * 128;
+    asm volatile("" : "+l"(a));
+  }
+}
+
+// The record of a chunk two steps ahead: kda_prep wrote it and it usually sits in HBM only;
+// the cp.async of the next step then finds it in L2 (the recurrence waits on these loads).
+__device__ __forceinline__ void l2_prefetch_chunk(const char* rec, int vb, int tid) {
+  l2_prefetch<(int)OFF_U>(rec, tid);
+  l2_prefetch<BV * C * 2>(rec + OFF_U + (long long)vb * BV * C * 2, tid);
+  l2_prefetch<K * 4>(rec + OFF_GM, tid);
 }
 
 // Register-held state slice <-> memory (rows vr0, vr0 + 8; columns k0 + 8 nt + 2 t4 + {0,1}).
@@ -548,6 +591,7 @@ extern "C" __global__ void __launch_bounds__(kda::NT2) kda_recur(const KdaParams
 
   if (nc > 0) prefetch_chunk(smem2, wsb + (rec0 * p.HV + h) * REC, vb, tid);
   cp_async_commit();
+  if (nc > 1) l2_prefetch_chunk(wsb + ((rec0 + 1) * p.HV + h) * REC, vb, tid);
 
   for (int c = 0; c < nc; ++c) {
     if (p.hc) {
@@ -562,6 +606,7 @@ extern "C" __global__ void __launch_bounds__(kda::NT2) kda_recur(const KdaParams
     if (c + 1 < nc)
       prefetch_chunk(smem2 + ((c + 1) & 1) * STAGE, wsb + ((rec0 + c + 1) * p.HV + h) * REC, vb, tid);
     cp_async_commit();
+    if (c + 2 < nc) l2_prefetch_chunk(wsb + ((rec0 + c + 2) * p.HV + h) * REC, vb, tid);
     cp_async_wait<1>();
     __syncthreads();
 
