@@ -281,3 +281,53 @@ def test_sm80_varlen(va, lens):
     inp = make_inputs(variant, lens=lens, H=1, HV=2, seed=len(lens))
     h0 = _initial_state(variant, len(lens), 2)
     check_case(variant, art, inp, initial_state=h0, chunk_states=True)
+
+
+SEGMENT_VARIANTS = [va for va in VARIANTS if va[0].state == "fp32" and va[0].k == 128 and va[0].gate == "bounded"
+                    and va[0].dtype == "bf16"][:3]
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("state_layout", ["VK", "KV"])
+@pytest.mark.parametrize("va", SEGMENT_VARIANTS, ids=[v.name for v, _ in SEGMENT_VARIANTS])
+def test_sm80_time_segments_match_one_piece(va, state_layout):
+    """Prep of segment s + 1 overlapping the recurrence of segment s (few heads, long sequences)
+    gives the one-piece result bit for bit, and both match the reference."""
+    from kdagen.targets.sm80 import Sm80Launcher
+
+    variant, art = va
+    inp = make_inputs(variant, T=1000, B=2, H=2, HV=4, seed=21)
+    h0 = _initial_state(variant, 2, 4, state_layout)
+    whole = Sm80Launcher(variant, art)
+    whole.min_segment_tokens = None
+    split = Sm80Launcher(variant, art)
+    split.min_segment_tokens = 192  # 1000 tokens -> 4 segments of 256 (whole chunks)
+    call_kw = dict(initial_state=h0, state_layout=state_layout)
+    o1, h1, _ = run_sm80(variant, art, inp, launcher=whole, **call_kw)
+    o2, h2, _ = run_sm80(variant, art, inp, launcher=split, **call_kw)
+    assert (whole.last_segments, split.last_segments) == (0, 4)
+    assert torch.equal(o1, o2) and torch.equal(h1, h2)
+    check_case(variant, art, inp, launcher=split, **call_kw)
+
+
+def test_sm80_time_segments_plan(monkeypatch):
+    """Which calls are cut into time segments (CPU: only the plan)."""
+    from types import SimpleNamespace
+
+    import kdagen.targets.sm80 as sm80
+
+    monkeypatch.setattr(sm80, "_sm_count", lambda device: 132)
+    var = Variant("sm80", 16, 128, 128, "bf16", "bounded", "fp32", 32)
+    la = sm80.Sm80Launcher(var, Path("unused.fatbin"))
+    call = lambda **kw: SimpleNamespace(**{**dict(cu_seqlens=None, chunk_states=None, N=1, HV=24,  # noqa: E731
+                                                 q=torch.empty(1)), **kw})
+    segs = la._segments(call(), var, 65536)  # issue 4's B1 T65536 H24: 96 programs < 132 SMs
+    assert segs == [(a, a + 8192) for a in range(0, 65536, 8192)]
+    assert la._segments(call(), var, 10000) == [(0, 5056), (5056, 10000)]  # whole chunks
+    assert la._segments(call(HV=96), var, 8192) == []  # 384 programs fill the GPU
+    assert la._segments(call(cu_seqlens=torch.zeros(2)), var, 65536) == []
+    assert la._segments(call(chunk_states=torch.zeros(1)), var, 65536) == []
+    assert la._segments(call(), var, 6000) == []  # too short
+    none = Variant("sm80", 16, 128, 128, "bf16", "bounded", "none", 32)
+    assert sm80.Sm80Launcher(none, Path("x"))._segments(call(), none, 65536) == []

@@ -43,6 +43,10 @@ class KdaParams(ctypes.Structure):
 assert ctypes.sizeof(KdaParams) == 320
 
 
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def _ptr(t) -> int:
     return 0 if t is None else int(t.data_ptr())
 
@@ -70,6 +74,12 @@ class Sm80Launcher:
         self._meta: dict[int, tuple] = {}
         # Which kernels to launch; benchmarks set ("prep",) or ("recur",) to time one alone.
         self.parts = ("prep", "recur")
+        # Time segmentation (prep of the next segment overlaps the recurrence): segments of at
+        # least this many tokens, at most max_segments of them; None turns it off.
+        self.min_segment_tokens: int | None = 4096
+        self.max_segments = 8
+        self._side_streams: dict[int, torch.cuda.Stream] = {}
+        self.last_segments = 0  # segments of the last call (0: one piece); for tests and logs
 
     def _module(self, device: torch.device):
         idx = device.index if device.index is not None else torch.cuda.current_device()
@@ -125,7 +135,6 @@ class Sm80Launcher:
         C = v.chunk
         max_len = call.max_len if call.max_len > 0 else call.T
         nrec = (call.B * call.T) // C + call.N + 1
-        ws = torch.empty(nrec * call.HV * rec, dtype=torch.uint8, device=dev)
         A_log = call.A_log.float().contiguous() if (call.A_log is not None and v.gate != "precomputed") else None
         if v.gate != "precomputed" and A_log is None:
             raise RuntimeError(f"{who}: gate {v.gate!r} needs A_log")
@@ -144,7 +153,6 @@ class Sm80Launcher:
         p.A_log, p.dt_bias, p.cu_seqlens = _ptr(A_log), _ptr(dt), _ptr(cu)
         p.h0, p.ht = _ptr(call.initial_state), _ptr(call.final_state)
         p.hc, p.chunk_offsets = _ptr(call.chunk_states), (_ptr(co) if call.chunk_states is not None else 0)
-        p.ws = _ptr(ws)
         for nm, s in (("q_s", q_s), ("k_s", k_s), ("v_s", v_s), ("g_s", g_s),
                       ("b_s", call.beta_strides), ("o_s", call.o_strides)):
             getattr(p, nm)[:] = [int(x) for x in s]
@@ -154,12 +162,73 @@ class Sm80Launcher:
         p.use_l2norm, p.neg_eigval, p.state_kv = int(call.use_qk_l2norm), int(call.allow_neg_eigval), int(call.state_kv)
         p.g_fp32, p.beta_fp32 = int(g.dtype == torch.float32), int(beta.dtype == torch.float32)
 
-        stream = torch.cuda.current_stream(dev).cuda_stream
         if call.N == 0:
             return
+        segs = self._segments(call, v, max_len)
+        self.last_segments = len(segs)
+        if segs:
+            self._launch_segmented(call, p, segs, ws_bytes=rec, dev=dev, mod=mod, f1=f1, f2=f2,
+                                   nt1=nt1, nt2=nt2, smem1=smem1, smem2=smem2,
+                                   elsize={"q": q.element_size(), "k": k.element_size(), "v": vv.element_size(),
+                                           "g": g.element_size(), "beta": beta.element_size(),
+                                           "o": call.o.element_size()})
+            return
+        ws = torch.empty(nrec * call.HV * rec, dtype=torch.uint8, device=dev)
+        p.ws = _ptr(ws)
+        stream = torch.cuda.current_stream(dev).cuda_stream
         if max_len > 0 and "prep" in self.parts:
             mod.launch(f1, ((max_len + C - 1) // C, call.N, call.HV), (nt1, 1, 1), smem1, stream, p, "kda_prep")
         if "recur" in self.parts:
             mod.launch(f2, (v.v // v.block_v, call.N, call.HV), (nt2, 1, 1), smem2, stream, p, "kda_recur")
         # ws and any realigned copies were allocated on this stream: the caching allocator only
         # hands their memory to later work on the same stream, so no record_stream is needed.
+
+    def _segments(self, call: KdaCall, v: Variant, max_len: int) -> list[tuple[int, int]]:
+        """Time segments [a, b) for overlapping the prep of segment s + 1 with the recurrence
+        of segment s, or [] to run in one piece. Worth it only when the recurrence leaves most
+        SMs idle (few heads, long sequences); needs the fp32 state carried between segments,
+        equal-length sequences and no per-chunk states."""
+        if (self.min_segment_tokens is None or self.parts != ("prep", "recur") or call.cu_seqlens is not None
+                or call.chunk_states is not None or v.state != "fp32"):
+            return []
+        programs = call.N * call.HV * (v.v // v.block_v)
+        if programs >= _sm_count(call.q.device) or max_len < 2 * self.min_segment_tokens:
+            return []
+        S = min(self.max_segments, max_len // self.min_segment_tokens)
+        step = -(-max_len // S)
+        step = -(-step // 64) * 64  # whole chunks (64 is a multiple of every chunk size)
+        return [(a, min(a + step, max_len)) for a in range(0, max_len, step)]
+
+    def _launch_segmented(self, call, p, segs, *, ws_bytes, dev, mod, f1, f2, nt1, nt2, smem1, smem2, elsize):
+        v, C = self.variant, self.variant.chunk
+        main = torch.cuda.current_stream(dev)
+        side = self._side_streams.get(dev.index)
+        if side is None:
+            side = self._side_streams[dev.index] = torch.cuda.Stream(dev)
+        # The prep stream starts after everything already queued on the caller's stream (inputs,
+        # and earlier users of the memory the allocator hands out below).
+        start = torch.cuda.Event()
+        start.record(main)
+        side.wait_event(start)
+        N, HV, V, K = call.N, call.HV, v.v, v.k
+        carry = torch.empty((len(segs) - 1, N, HV, V, K), dtype=torch.float32, device=dev)
+        work = []
+        for i, (a, b) in enumerate(segs):
+            ps = KdaParams.from_buffer_copy(p)
+            for nm, key, strides in (("q", "q", "q_s"), ("k", "k", "k_s"), ("v", "v", "v_s"), ("g", "g", "g_s"),
+                                     ("beta", "beta", "b_s"), ("o", "o", "o_s")):
+                setattr(ps, nm, getattr(p, nm) + a * getattr(p, strides)[1] * elsize[key])
+            ps.T = ps.max_len = b - a
+            ps.h0 = p.h0 if i == 0 else int(carry[i - 1].data_ptr())
+            ps.ht = p.ht if i == len(segs) - 1 else int(carry[i].data_ptr())
+            ws = torch.empty(((call.B * (b - a)) // C + N + 1) * HV * ws_bytes, dtype=torch.uint8, device=dev)
+            ps.ws = int(ws.data_ptr())
+            mod.launch(f1, (-(-(b - a) // C), N, HV), (nt1, 1, 1), smem1, side.cuda_stream, ps, "kda_prep")
+            done = torch.cuda.Event()
+            done.record(side)
+            work.append((ps, ws, done))
+        for ps, _ws, done in work:
+            main.wait_event(done)
+            mod.launch(f2, (V // v.block_v, N, HV), (nt2, 1, 1), smem2, main.cuda_stream, ps, "kda_recur")
+        # carry and the workspaces were allocated on the caller's stream and their last use is
+        # there (each recurrence waits for its prep): no record_stream needed.
