@@ -36,7 +36,9 @@ for stage in $STAGES; do
         -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest_gpu.log"
       [ "${PIPESTATUS[0]}" = 0 ] || rc=1 ;;
     sanitize)
-      compute-sanitizer --tool memcheck --error-exitcode 9 python3 scripts/sanitize_case.py 2>&1 \
+      # --report-api-errors no: torch/cuda-bindings probe driver symbols with cuGetProcAddress,
+      # which memcheck counts as errors (34 of them, none in a kernel); only kernel errors count.
+      compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 python3 scripts/sanitize_case.py 2>&1 \
         | tail -n 40 | tee "$OUT/sanitizer.log"
       [ "${PIPESTATUS[0]}" = 0 ] || rc=1 ;;
     bench)

@@ -31,6 +31,23 @@ def test_build_ci_spec_with_ninja(tmp_path, capfd):
     # A second build has nothing to do.
     kbuild.build_spec("ci", build_dir=tmp_path, jobs=2)
     assert "no work to do" in capfd.readouterr().out
+    # Nor has one after a copy scrambled the mtimes (artifacts older than their inputs):
+    # the content keys decide.
+    import os
+
+    for name in man["variants"]:
+        art = tmp_path / "ci" / name / "checked.stamp"
+        os.utime(art, (1_000_000, 1_000_000))
+    kbuild.build_spec("ci", build_dir=tmp_path, jobs=2)
+    assert "no work to do" in capfd.readouterr().out
+    # A changed key is rebuilt even when the old artifact looks new.
+    one = sorted(man["variants"])[0]
+    (tmp_path / "ci" / one / "cache_key").write_text("stale\n")
+    m = json.loads((tmp_path / "ci" / "manifest.json").read_text())
+    m["variants"][one]["cache_key"] = "stale"
+    (tmp_path / "ci" / "manifest.json").write_text(json.dumps(m))
+    kbuild.build_spec("ci", build_dir=tmp_path, jobs=2)
+    assert f"[1/1] check {one}" in capfd.readouterr().out
 
 
 def test_cache_key_tracks_toolchain_version_and_source(monkeypatch):
