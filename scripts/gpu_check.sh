@@ -54,8 +54,9 @@ for stage in $STAGES; do
         timeout 120 ncu --launch-skip 4 --launch-count 2 -k regex:kda_ --section SpeedOfLight \
           --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy \
           --section LaunchStats --section ComputeWorkloadAnalysis --section SchedulerStats \
-          python3 scripts/profile_case.py ${PROFILE_ARGS:-} "$pv" > "$OUT/ncu_$pv.txt" 2>&1 || rc=1
-        grep -E "Duration|Throughput|Registers|Achieved Occupancy|Theoretical Occupancy|Stall|Issued Ipc|Block Limit|One or More|No Eligible" "$OUT/ncu_$pv.txt" | head -60
+          --section SourceCounters --section InstructionStats \
+          python3 scripts/profile_case.py ${PROFILE_ARGS:-} "$pv" > "$OUT/ncu_${PROFILE_TAG:-}$pv.txt" 2>&1 || rc=1
+        grep -E "Duration|Throughput|Registers|Achieved Occupancy|Theoretical Occupancy|Stall|Issued Ipc|Block Limit|One or More|No Eligible" "$OUT/ncu_${PROFILE_TAG:-}$pv.txt" | head -60
       done ;;
     *) echo "unknown stage $stage"; rc=2 ;;
   esac

@@ -4,7 +4,8 @@
 //             fp32 forward substitution -> W = A^-1 diag(b) Kd, U0 = A^-1 (b v) into a workspace.
 //   kda_recur (grid: V blocks x sequences x value heads): serial chunk recurrence on a [BV, K]
 //             slice of the state held in fp32 registers (mma accumulator layout), next chunk
-//             prefetched with cp.async. Each warp owns 16 rows of V: no inter-warp traffic.
+//             prefetched with cp.async (three stages where they fit). At K = 128 two warps share
+//             16 rows of V (split K) and exchange partial sums once per chunk.
 // The including translation unit defines KDA_C, KDA_K, KDA_V, KDA_BV, KDA_IN_T, KDA_GATE,
 // KDA_STATE (see kda_fwd.cu.j2).
 #pragma once
@@ -42,14 +43,19 @@ constexpr int NT1 = K + V;  // one thread per column of [Kd | v] in the substitu
 constexpr int NW1 = NT1 / 32;
 constexpr int KP = K + 4;   // fp32 row pitch (bank spread, 16-byte aligned rows)
 constexpr int CP = C + 4;
-// c16 blocks are short-lived and latency-bound: keep four per SM (caps registers at 64, which
-// ptxas meets without spills now that the L/Mqk work is split over the warps).
+// c16 blocks are short-lived and latency-bound: keep four per SM (caps registers at 64).
 constexpr int MINB1 = C == 16 ? 4 : 1;
-// Chunk 16: each warp forms L and Mqk over its own 16 columns of K; partials [NW1][2][16][16].
-constexpr int PART1 = C == 16 ? NW1 * 2 * 256 : 0;
 constexpr int VP = V + 4;
-// + a zero row after sG; v rows (fp32) are loaded up front with the other inputs
-constexpr int SMEM1 = (3 * C * KP + KP + 2 * C * CP + C + PART1 + C * VP) * 4;
+// Chunk 16: L and Mqk are split over K in 16-column slices, SPW slices on each of NMW warps;
+// partials [NMW][2][16][16]. Operands are bf16 rows of pitch KB1 (conflict-free ldmatrix).
+constexpr int SPW = K >= 128 ? 2 : 1;
+constexpr int NMW = K / 16 / SPW;
+constexpr int KB1 = K + 8;
+constexpr int SMEM1 = C == 16
+    ? (3 * C * KP + C * VP + NMW * 512 + C * CP + C) * 4 + 3 * C * KB1 * 2
+    // chunk 64: q, k, G (+ a zero row), L^T, Mqk, beta, v
+    : (3 * C * KP + KP + 2 * C * CP + C + C * VP) * 4;
+static_assert(C != 16 || (K == V && C * (K / 8) == NT1 && NMW <= NW1), "chunk 16 prep thread layout");
 
 // ---- kernel 2 ----
 // Split-K: at K = 128 two warps share 16 rows of V, each holding K/2 state columns. Per warp
@@ -57,6 +63,7 @@ constexpr int SMEM1 = (3 * C * KP + KP + 2 * C * CP + C + PART1 + C * VP) * 4;
 // one warp per scheduler) and doubles the warps in flight when there are few heads; the two
 // partial sums of S W^T and S Qd^T are exchanged through shared memory once per chunk.
 constexpr int KSPLIT = K >= 128 ? 2 : 1;
+static_assert(KSPLIT <= 2, "the split-K exchange pairs two warps");
 constexpr int KH = K / KSPLIT;  // state columns per warp
 constexpr int NWV = BV / 16;    // warps along V
 constexpr int NW2 = NWV * KSPLIT;
@@ -64,14 +71,23 @@ constexpr int NT2 = NW2 * 32;
 constexpr int KS = K + 8;  // bf16 row pitch: 16-byte shift per row, conflict-free ldmatrix
 constexpr int CS = C + 8;
 constexpr int STAGE = (3 * C * KS + C * CS + BV * CS) * 2 + K * 4;
-constexpr int XF = C / 2;  // fp32 per lane of one [16, C] accumulator tile
-// Exchange slots: every warp's partial U^T and partial S Qd^T (through shared memory rather
-// than registers: it keeps chunk 64 within 255 registers without spills).
-constexpr int XBUF = 2 * NW2 * 32 * XF * 4;
-constexpr int OP = BV + 8;     // staged o row pitch (elements): spreads the 2-byte writes
-constexpr int OBUF = C * OP * 2;
-constexpr int SMEM2 = 2 * STAGE + XBUF + OBUF;
-static_assert(STAGE % 16 == 0 && XBUF % 16 == 0 && SMEM2 <= 227 * 1024, "kda_recur shared memory");
+// Split-K exchange, per warp: its partial U^T [16 v, C] (C/8 float4 per lane) and the partial
+// S Qd^T n-tiles its partner finishes (C/16 float4 per lane). Float4 j of lane l of warp w sits at
+// (w * XW4 + j) * 32 + l: conflict-free.
+constexpr int XU4 = C / 8;
+constexpr int XO4 = C / 16;
+constexpr int XW4 = XU4 + XO4;
+constexpr int XBUF = KSPLIT > 1 ? NW2 * 32 * XW4 * 16 : 0;
+// o: each warp finishes C / KSPLIT time steps of its 16 V columns, staged in its own slice of
+// shared memory for 16-byte stores (48-byte rows: the 2-byte writes hit distinct banks).
+constexpr int OROWS = C / KSPLIT;
+constexpr int OP = 24;
+constexpr int OBUF = NW2 * OROWS * OP * 2;
+// Three stages where they fit: chunk c + 2 streams in while chunk c is worked on.
+constexpr int SMEM_MAX = 227 * 1024;
+constexpr int NSTAGE = 3 * STAGE + XBUF + OBUF <= SMEM_MAX ? 3 : 2;
+constexpr int SMEM2 = NSTAGE * STAGE + XBUF + OBUF;
+static_assert(STAGE % 16 == 0 && XBUF % 16 == 0 && SMEM2 <= SMEM_MAX, "kda_recur shared memory");
 
 __device__ __forceinline__ float gate_act(float x, float aexp, float lb) {
 #if KDA_GATE == 0
@@ -88,6 +104,268 @@ __device__ __forceinline__ float gate_act(float x, float aexp, float lb) {
 extern "C" __device__ int kda_meta[8] = {(int)kda::REC, kda::SMEM1, kda::SMEM2, kda::NT1,
                                           kda::NT2, kda::C, kda::BV, 0};
 
+#if KDA_C == 16
+// Chunk 16: one block per chunk, NT1 = 2K threads. Values live in registers in the layout each
+// phase needs; shared memory carries only what crosses threads (one pass each way):
+//   0. row-major: thread = (row, 8 columns) loads q, k, v, beta and L2-normalises q, k (shuffles
+//      within the row); column-major: two threads per column activate the gate and cumsum it.
+//   1. row-major: e^G, e^-G, e^(G_C - G) once per element -> Qd, Kr (workspace) and the bf16
+//      MMA operands k e^G, q e^G, k e^-G (shared memory).
+//   2. L and Mqk on tensor cores, split over K (two 16-column slices per warp at K = 128).
+//   3. partial sums in warp order (deterministic) -> L^T (shared), Mqk (workspace).
+//   4. column-major forward substitution -> W, U0.
+extern "C" __global__ void __launch_bounds__(kda::NT1, kda::MINB1) kda_prep(const KdaParams p) {
+  using namespace kda;
+  extern __shared__ __align__(16) float smem1[];
+  float* sG = smem1;                // [C][KP] cumulative gate
+  float* sq = sG + C * KP;          // [C][KP] normalised q (exact fallback; later W staging)
+  float* sk = sq + C * KP;          // [C][KP] normalised k
+  float* sv = sk + C * KP;          // [C][VP] v
+  float* spart = sv + C * VP;       // [NMW][2][16][16] per-warp partial L, Mqk
+  float* sLT = spart + NMW * 512;   // [C][CP] L transposed (times b)
+  float* sb = sLT + C * CP;         // [C] beta
+  bf16* sAK = reinterpret_cast<bf16*>(sb + C);  // [C][KB1] k e^G
+  bf16* sAQ = sAK + C * KB1;                    // [C][KB1] q e^G
+  bf16* sBK = sAQ + C * KB1;                    // [C][KB1] k e^-G
+
+  const int c = blockIdx.x, n = blockIdx.y, h = blockIdx.z;
+  int bos, len;
+  seq_bounds(p, n, bos, len);
+  if (c * C >= len) return;
+  const int rows = min(C, len - c * C);
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const long long bidx = p.cu_seqlens ? 0 : n;
+  const long long t0 = (long long)(p.cu_seqlens ? bos : 0) + (long long)c * C;
+  const int hq = h / p.group;
+  const long long rec = (long long)bos / C + n + c;
+  char* wsr = (char*)p.ws + (rec * p.HV + h) * REC;
+
+  // ---- 0. loads
+  constexpr int GPR = K / 8;  // 8-column groups per row; C * GPR == NT1
+  const int ri = tid / GPR, d = (tid % GPR) * 8;
+  const bool live = ri < rows;
+  float xq[8], xk[8], xv[8];
+  float b = 0.f;
+  if (live) {
+    const long long t = t0 + ri;
+    load8((const in_t*)p.q + bidx * p.q_s[0] + hq * p.q_s[2] + t * p.q_s[1] + d, xq);
+    load8((const in_t*)p.k + bidx * p.k_s[0] + hq * p.k_s[2] + t * p.k_s[1] + d, xk);
+    load8((const in_t*)p.v + bidx * p.v_s[0] + h * p.v_s[2] + t * p.v_s[1] + d, xv);
+    const long long bo = bidx * p.b_s[0] + t * p.b_s[1] + h * p.b_s[2];
+    const float x = p.beta_fp32 ? ((const float*)p.beta)[bo] : to_f(((const in_t*)p.beta)[bo]);
+    b = sigmoidf_(x) * (p.neg_eigval ? 2.f : 1.f);
+  } else {
+#pragma unroll
+    for (int e = 0; e < 8; ++e) xq[e] = xk[e] = xv[e] = 0.f;
+  }
+  {
+    // Gate, column-major: lanes 0-15 of a warp take rows 0-7 of 16 columns, lanes 16-31 rows
+    // 8-15 of the same columns; the second half adds the first half's total (one shuffle).
+    const int col = (lane & 15) + 16 * warp, half = lane >> 4;
+    const long long goff = bidx * p.g_s[0] + h * p.g_s[2] + col;
+#if KDA_GATE != 2
+    const float aexp = __expf(p.A_log[h]);
+    const float bias = p.dt_bias ? p.dt_bias[h * K + col] : 0.f;
+#else
+    const float aexp = 0.f, bias = 0.f;
+#endif
+    float a[8];
+    float run = 0.f;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const int r = 8 * half + j;
+      float x = 0.f;  // rows past the end: no decay
+      if (r < rows) {
+        const long long go = goff + (t0 + r) * p.g_s[1];
+        x = p.g_fp32 ? ((const float*)p.g)[go] : to_f(((const in_t*)p.g)[go]);
+        x = gate_act(x + bias, aexp, p.lower_bound);
+      }
+      run += x;
+      a[j] = run;
+    }
+    const float first = __shfl_up_sync(0xffffffffu, run, 16);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      if (half) a[j] += first;
+    }
+    // Rows 8 apart share banks at pitch KP; the second half writes rotated by 4 rows.
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const int jr = half ? ((j + 4) & 7) : j;
+      sG[(8 * half + jr) * KP + col] = half ? a[(j + 4) & 7] : a[j];
+    }
+    if (half) reinterpret_cast<float*>(wsr + OFF_GM)[col] = __expf(a[7]);
+  }
+  if (p.use_l2norm) {
+    float aq = 0.f, ak = 0.f;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) { aq += xq[e] * xq[e]; ak += xk[e] * xk[e]; }
+#pragma unroll
+    for (int o = GPR / 2; o > 0; o >>= 1) {
+      aq += __shfl_xor_sync(0xffffffffu, aq, o);
+      ak += __shfl_xor_sync(0xffffffffu, ak, o);
+    }
+    aq = rsqrtf(aq + 1e-6f);
+    ak = rsqrtf(ak + 1e-6f);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) { xq[e] *= aq; xk[e] *= ak; }
+  }
+  if (d == 0) sb[ri] = b;
+  __syncthreads();
+
+  // ---- 1. decays, once per element
+  {
+    float G[8], GL[8];
+    const float4* gp = reinterpret_cast<const float4*>(sG + ri * KP + d);
+    const float4* gl = reinterpret_cast<const float4*>(sG + (C - 1) * KP + d);
+    float4 x0 = gp[0], x1 = gp[1], y0 = gl[0], y1 = gl[1];
+    G[0] = x0.x; G[1] = x0.y; G[2] = x0.z; G[3] = x0.w; G[4] = x1.x; G[5] = x1.y; G[6] = x1.z; G[7] = x1.w;
+    GL[0] = y0.x; GL[1] = y0.y; GL[2] = y0.z; GL[3] = y0.w; GL[4] = y1.x; GL[5] = y1.y; GL[6] = y1.z; GL[7] = y1.w;
+    uint32_t pk[4], pq[4], pb[4], pqd[4], pkr[4];
+#pragma unroll
+    for (int e = 0; e < 8; e += 2) {
+      const float e0 = __expf(G[e]), e1 = __expf(G[e + 1]);
+      const float i0 = __expf(-G[e]), i1 = __expf(-G[e + 1]);
+      const float k0 = xk[e] * e0, k1 = xk[e + 1] * e1, q0 = xq[e] * e0, q1 = xq[e + 1] * e1;
+      pk[e / 2] = pack_bf16(k0, k1);
+      pq[e / 2] = pack_bf16(q0, q1);
+      pqd[e / 2] = pack_bf16(p.scale * q0, p.scale * q1);
+      pb[e / 2] = pack_bf16(xk[e] * i0, xk[e + 1] * i1);
+      pkr[e / 2] = pack_bf16(xk[e] * __expf(GL[e] - G[e]), xk[e + 1] * __expf(GL[e + 1] - G[e + 1]));
+    }
+    *reinterpret_cast<uint4*>(sAK + ri * KB1 + d) = make_uint4(pk[0], pk[1], pk[2], pk[3]);
+    *reinterpret_cast<uint4*>(sAQ + ri * KB1 + d) = make_uint4(pq[0], pq[1], pq[2], pq[3]);
+    *reinterpret_cast<uint4*>(sBK + ri * KB1 + d) = make_uint4(pb[0], pb[1], pb[2], pb[3]);
+    *reinterpret_cast<uint4*>(wsr + OFF_Q + (ri * K + d) * 2) = make_uint4(pqd[0], pqd[1], pqd[2], pqd[3]);
+    *reinterpret_cast<uint4*>(wsr + OFF_R + (ri * K + d) * 2) = make_uint4(pkr[0], pkr[1], pkr[2], pkr[3]);
+    float4* dq = reinterpret_cast<float4*>(sq + ri * KP + d);
+    float4* dk = reinterpret_cast<float4*>(sk + ri * KP + d);
+    float4* dv = reinterpret_cast<float4*>(sv + ri * VP + d);
+    dq[0] = make_float4(xq[0], xq[1], xq[2], xq[3]); dq[1] = make_float4(xq[4], xq[5], xq[6], xq[7]);
+    dk[0] = make_float4(xk[0], xk[1], xk[2], xk[3]); dk[1] = make_float4(xk[4], xk[5], xk[6], xk[7]);
+    dv[0] = make_float4(xv[0], xv[1], xv[2], xv[3]); dv[1] = make_float4(xv[4], xv[5], xv[6], xv[7]);
+  }
+  __syncthreads();
+
+  // ---- 2. L (b, strictly lower) and Mqk (scale, lower incl. diagonal) over K slices. The anchor
+  // is G = 0 before the chunk: <q_i e^{G_i}, k_j e^{-G_j}> with e^{-G_j} <= e^{span}; a slice
+  // with span > 80 (beyond fp32/bf16 range) uses exact pairwise exp(G_i - G_j) on CUDA cores.
+  const int g8 = lane >> 2, t4 = lane & 3, lm = lane >> 3, lr = lane & 7;
+  if (warp < NMW) {
+    float accL[2][4] = {}, accM[2][4] = {};
+    unsigned fallback = 0;
+#pragma unroll
+    for (int sl = 0; sl < SPW; ++sl) {
+      const int c0 = 16 * (warp * SPW + sl);
+      float span = lane < 16 ? -sG[(C - 1) * KP + c0 + lane] : 0.f;
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) span = fmaxf(span, __shfl_xor_sync(0xffffffffu, span, o));
+      if (span <= 80.f) {
+        uint32_t ak[4], aq[4], bk[4];
+        ldsm_x4(ak, sAK + (lr + 8 * (lm & 1)) * KB1 + c0 + 8 * (lm >> 1));
+        ldsm_x4(aq, sAQ + (lr + 8 * (lm & 1)) * KB1 + c0 + 8 * (lm >> 1));
+        ldsm_x4(bk, sBK + (lr + 8 * (lm >> 1)) * KB1 + c0 + 8 * (lm & 1));
+        mma_bf16(accL[0], ak, bk[0], bk[1]);
+        mma_bf16(accL[1], ak, bk[2], bk[3]);
+        mma_bf16(accM[0], aq, bk[0], bk[1]);
+        mma_bf16(accM[1], aq, bk[2], bk[3]);
+      } else {
+        fallback |= 1u << sl;
+      }
+    }
+    float* pL = spart + warp * 512;
+    float* pM = pL + 256;
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const int i = g8 + 8 * hh, j = 8 * nt + 2 * t4;
+        *reinterpret_cast<float2*>(pL + i * 16 + j) = make_float2(accL[nt][2 * hh], accL[nt][2 * hh + 1]);
+        *reinterpret_cast<float2*>(pM + i * 16 + j) = make_float2(accM[nt][2 * hh], accM[nt][2 * hh + 1]);
+      }
+    if (fallback) {
+      __syncwarp();
+      for (int sl = 0; sl < SPW; ++sl) {
+        if (!(fallback >> sl & 1u)) continue;
+        const int c0 = 16 * (warp * SPW + sl);
+        for (int pi = lane; pi < 136; pi += 32) {
+          int i = (int)((sqrtf(8.f * pi + 1.f) - 1.f) * 0.5f);
+          while ((i + 1) * (i + 2) / 2 <= pi) ++i;
+          while (i * (i + 1) / 2 > pi) --i;
+          const int j = pi - i * (i + 1) / 2;
+          float l = 0.f, m = 0.f;
+#pragma unroll 4
+          for (int dd = c0; dd < c0 + 16; ++dd) {
+            const float w = __expf(sG[i * KP + dd] - sG[j * KP + dd]) * sk[j * KP + dd];
+            l += sk[i * KP + dd] * w;
+            m += sq[i * KP + dd] * w;
+          }
+          pL[i * 16 + j] += l;
+          pM[i * 16 + j] += m;
+        }
+      }
+    }
+  }
+  __syncthreads();
+
+  // ---- 3. sum the partials in warp order
+  for (int u = tid; u < 256; u += NT1) {
+    const int i = u >> 4, j = u & 15;
+    float l = 0.f, m = 0.f;
+#pragma unroll
+    for (int w = 0; w < NMW; ++w) {
+      l += spart[w * 512 + u];
+      m += spart[w * 512 + 256 + u];
+    }
+    if (i > j) sLT[j * CP + i] = sb[i] * l;
+    reinterpret_cast<bf16*>(wsr + OFF_M)[u] = __float2bfloat16_rn(i >= j ? p.scale * m : 0.f);
+  }
+  __syncthreads();
+
+  // ---- 4. X = (I + L)^-1 [b Kd | b v], one column per thread, right-looking forward substitution.
+  {
+    const int col = tid;
+    float x[C];
+    if (col < K) {
+#pragma unroll
+      for (int i = 0; i < C; ++i) x[i] = sb[i] * sk[i * KP + col] * __expf(sG[i * KP + col]);
+    } else {
+#pragma unroll
+      for (int i = 0; i < C; ++i) x[i] = sb[i] * sv[i * VP + col - K];
+    }
+#pragma unroll
+    for (int j = 0; j < C - 1; ++j) {
+      const float xj = x[j];
+#pragma unroll
+      for (int i4 = (j + 1) / 4; i4 < C / 4; ++i4) {
+        const float4 l = *reinterpret_cast<const float4*>(sLT + j * CP + 4 * i4);
+        if (4 * i4 + 0 > j) x[4 * i4 + 0] -= l.x * xj;
+        if (4 * i4 + 1 > j) x[4 * i4 + 1] -= l.y * xj;
+        if (4 * i4 + 2 > j) x[4 * i4 + 2] -= l.z * xj;
+        if (4 * i4 + 3 > j) x[4 * i4 + 3] -= l.w * xj;
+      }
+    }
+    // W goes out through shared memory (the q tile is free by now) as 16-byte row pieces.
+    bf16* sWt = reinterpret_cast<bf16*>(sq);
+    if (col < K) {
+#pragma unroll
+      for (int i = 0; i < C; ++i) sWt[i * K + col] = __float2bfloat16_rn(x[i]);
+    } else {
+      char* u = wsr + OFF_U + (long long)(col - K) * C * 2;
+#pragma unroll
+      for (int i = 0; i < C; i += 8)
+        *reinterpret_cast<uint4*>(u + i * 2) =
+            make_uint4(pack_bf16(x[i], x[i + 1]), pack_bf16(x[i + 2], x[i + 3]),
+                       pack_bf16(x[i + 4], x[i + 5]), pack_bf16(x[i + 6], x[i + 7]));
+    }
+    __syncthreads();
+    for (int u = tid; u < C * K / 8; u += NT1)
+      *reinterpret_cast<uint4*>(wsr + OFF_W + u * 16) = *reinterpret_cast<const uint4*>(sWt + u * 8);
+  }
+}
+#else
+// Chunk 64: one block per chunk; inputs staged in fp32 shared memory, L and Mqk in anchored
+// 16x16 blocks, one block per warp unit.
 extern "C" __global__ void __launch_bounds__(kda::NT1, kda::MINB1) kda_prep(const KdaParams p) {
   using namespace kda;
   extern __shared__ __align__(16) float smem1[];
@@ -97,8 +375,7 @@ extern "C" __global__ void __launch_bounds__(kda::NT1, kda::MINB1) kda_prep(cons
   float* sLT = sG + (C + 1) * KP;  // L transposed: sLT[j][i] = L[i][j]
   float* sM = sLT + C * CP;  // Mqk[i][j]
   float* sb = sM + C * CP;
-  float* spart = sb + C;  // chunk 16 only
-  float* sv = spart + PART1;
+  float* sv = sb + C;
 
   const int c = blockIdx.x, n = blockIdx.y, h = blockIdx.z;
   int bos, len;
@@ -237,84 +514,7 @@ extern "C" __global__ void __launch_bounds__(kda::NT1, kda::MINB1) kda_prep(cons
   //    is <= e^{span} with span = max_k (G_a - G_{16r+15}); used when span <= 80 (fp32/bf16
   //    range), else the block falls back to exact pairwise exp(G_i - G_j) on CUDA cores.
   const int g8 = lane >> 2, t4 = lane & 3;
-  if constexpr (C == 16) {
-    // One block, split over K: warp w sums its 16 columns (one MMA k-step) into its own partial;
-    // the partials are added in warp order afterwards (deterministic, no atomics).
-    static_assert(K / 16 == NW1, "chunk 16: one K slice per warp");
-    const int c0 = 16 * warp;
-    const float* ga = sG + C * KP;  // the zero row: G before the chunk
-    float span = 0.f;
-    if (lane < 16) span = -sG[15 * KP + c0 + lane];
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) span = fmaxf(span, __shfl_xor_sync(0xffffffffu, span, o));
-    float* pL = spart + warp * 512;
-    float* pM = pL + 256;
-    if (span <= 80.f) {
-      float accL[2][4] = {}, accM[2][4] = {};
-      uint32_t aK[4], aQ[4];
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int row = g8 + (e & 1) * 8, col = c0 + 2 * t4 + (e >> 1) * 8;
-        const float2 gr = *reinterpret_cast<const float2*>(sG + row * KP + col);
-        const float2 kr = *reinterpret_cast<const float2*>(sk + row * KP + col);
-        const float2 qr = *reinterpret_cast<const float2*>(sq + row * KP + col);
-        const float e0 = __expf(gr.x), e1 = __expf(gr.y);
-        aK[e] = pack_bf16(kr.x * e0, kr.y * e1);
-        aQ[e] = pack_bf16(qr.x * e0, qr.y * e1);
-      }
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt) {
-        const int j = 8 * nt + g8;
-        uint32_t bb[2];
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-          const int col = c0 + 2 * t4 + 8 * hh;
-          const float2 gj = *reinterpret_cast<const float2*>(sG + j * KP + col);
-          const float2 kj = *reinterpret_cast<const float2*>(sk + j * KP + col);
-          bb[hh] = pack_bf16(kj.x * __expf(-gj.x), kj.y * __expf(-gj.y));
-        }
-        mma_bf16(accL[nt], aK, bb[0], bb[1]);
-        mma_bf16(accM[nt], aQ, bb[0], bb[1]);
-      }
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int i = g8 + (e >> 1) * 8, j = 8 * nt + 2 * t4 + (e & 1);
-          pL[i * 16 + j] = accL[nt][e];
-          pM[i * 16 + j] = accM[nt][e];
-        }
-    } else {
-      // exact pairwise exp(G_i - G_j) over this warp's 16 columns (lower triangle incl. diagonal)
-      for (int pi = lane; pi < 136; pi += 32) {
-        int i = (int)((sqrtf(8.f * pi + 1.f) - 1.f) * 0.5f);
-        while ((i + 1) * (i + 2) / 2 <= pi) ++i;
-        while (i * (i + 1) / 2 > pi) --i;
-        const int j = pi - i * (i + 1) / 2;
-        float l = 0.f, m = 0.f;
-#pragma unroll 4
-        for (int d = c0; d < c0 + 16; ++d) {
-          const float w = __expf(sG[i * KP + d] - sG[j * KP + d]) * sk[j * KP + d];
-          l += sk[i * KP + d] * w;
-          m += sq[i * KP + d] * w;
-        }
-        pL[i * 16 + j] = l;
-        pM[i * 16 + j] = m;
-      }
-    }
-    __syncthreads();
-    for (int u = tid; u < 256; u += NT1) {
-      const int i = u >> 4, j = u & 15;
-      float l = 0.f, m = 0.f;
-#pragma unroll
-      for (int w = 0; w < NW1; ++w) {
-        l += spart[w * 512 + u];
-        m += spart[w * 512 + 256 + u];
-      }
-      if (i > j) sLT[j * CP + i] = sb[i] * l;
-      if (i >= j) sM[i * CP + j] = p.scale * m;
-    }
-  } else {
+  {
   constexpr int NB = C / 16;
   for (int unit = warp; unit < NB * (NB + 1) / 2; unit += NW1) {
     int r = (int)((sqrtf(8.f * unit + 1.f) - 1.f) * 0.5f);
@@ -453,6 +653,8 @@ extern "C" __global__ void __launch_bounds__(kda::NT1, kda::MINB1) kda_prep(cons
   }
 }
 
+#endif  // KDA_C
+
 namespace kda {
 
 // cp.async ROWS rows of PER_ROW 16-byte pieces (row pitches in bytes). The addresses advance
@@ -486,25 +688,14 @@ __device__ __forceinline__ void prefetch_chunk(char* stage, const char* rec, int
   copy_rows<1, K / 4, 0, 0>(su + BV * CS * 2, rec + OFF_GM, tid);
 }
 
-// Ask L2 for BYTES from p (one prefetch per 128-byte line, spread over the block).
-template <int BYTES>
-__device__ __forceinline__ void l2_prefetch(const char* p, int tid) {
-  constexpr int LINES = (BYTES + 127) / 128;
-  const char* a = p + tid * 128;
-#pragma unroll
-  for (int i = 0; i < (LINES + NT2 - 1) / NT2; ++i) {
-    if (LINES % NT2 == 0 || tid + i * NT2 < LINES) asm volatile("prefetch.global.L2 [%0];" ::"l"(a));
-    a += NT2 * 128;
-    asm volatile("" : "+l"(a));
+// Barrier of the two warps of V tile vt (id 1 + vt). Immediate ids: with a register id ptxas
+// reserves all 16 hardware barriers per block, which caps the blocks per SM.
+template <int I>
+__device__ __forceinline__ void bar_tile(int vt) {
+  if constexpr (I < NWV) {
+    if (vt == I) asm volatile("bar.sync %0, 64;\n" ::"n"(I + 1) : "memory");
+    bar_tile<I + 1>(vt);
   }
-}
-
-// The record of a chunk two steps ahead: kda_prep wrote it and it usually sits in HBM only;
-// the cp.async of the next step then finds it in L2 (the recurrence waits on these loads).
-__device__ __forceinline__ void l2_prefetch_chunk(const char* rec, int vb, int tid) {
-  l2_prefetch<(int)OFF_U>(rec, tid);
-  l2_prefetch<BV * C * 2>(rec + OFF_U + (long long)vb * BV * C * 2, tid);
-  l2_prefetch<K * 4>(rec + OFF_GM, tid);
 }
 
 // Register-held state slice <-> memory (rows vr0, vr0 + 8; columns k0 + 8 nt + 2 t4 + {0,1}).
@@ -537,23 +728,12 @@ __device__ __forceinline__ void load_state_l(const ST* base, float (*s)[4], int 
     }
 }
 
-// Write a staged [C, BV] o tile (rows < rows) with 16-byte stores, all threads of the block.
-__device__ __forceinline__ void flush_o(in_t* op, long long ostride, const in_t* so, int rows, int tid) {
-  constexpr int CH = BV / 8;
-  for (int u = tid; u < C * CH; u += NT2) {
-    const int t = u / CH, ch = u % CH;
-    if (t < rows)
-      *reinterpret_cast<uint4*>(op + t * ostride + ch * 8) = *reinterpret_cast<const uint4*>(so + t * OP + ch * 8);
-  }
-}
-
 }  // namespace kda
 
 extern "C" __global__ void __launch_bounds__(kda::NT2) kda_recur(const KdaParams p) {
   using namespace kda;
   extern __shared__ __align__(16) char smem2[];
-  float4* xbuf = reinterpret_cast<float4*>(smem2 + 2 * STAGE);
-  in_t* so = reinterpret_cast<in_t*>(smem2 + 2 * STAGE + XBUF);
+  float4* xbuf = reinterpret_cast<float4*>(smem2 + NSTAGE * STAGE);
   const int vb = blockIdx.x, n = blockIdx.y, h = blockIdx.z;
   int bos, len;
   seq_bounds(p, n, bos, len);
@@ -563,10 +743,9 @@ extern "C" __global__ void __launch_bounds__(kda::NT2) kda_recur(const KdaParams
   const int k0 = kh * KH;
   const int g8 = lane >> 2, t4 = lane & 3, lm = lane >> 3, lr = lane & 7;
   const int vr0 = vb * BV + vt * 16 + g8;
-  const long long rec0 = (long long)bos / C + n;
-  const char* wsb = (const char*)p.ws;
   const long long st_off = ((long long)n * p.HV + h) * V * K;
   const bool kv = p.state_kv != 0;
+  in_t* so = reinterpret_cast<in_t*>(smem2 + NSTAGE * STAGE + XBUF) + warp * OROWS * OP;
 
   float s[KH / 8][4];
 #if KDA_STATE != 0
@@ -585,13 +764,17 @@ extern "C" __global__ void __launch_bounds__(kda::NT2) kda_recur(const KdaParams
 
   const long long bidx = p.cu_seqlens ? 0 : n;
   const long long tb = p.cu_seqlens ? bos : 0;
-  in_t* op = (in_t*)p.o + bidx * p.o_s[0] + h * p.o_s[2] + vb * BV;
+  in_t* op = (in_t*)p.o + bidx * p.o_s[0] + h * p.o_s[2] + vb * BV + vt * 16;
   const long long ostride = p.o_s[1];
   const int coff = p.hc ? p.chunk_offsets[n] : 0;
+  const char* rec_c = (const char*)p.ws + (((long long)bos / C + n) * p.HV + h) * REC;  // chunk 0
+  const long long rstride = (long long)p.HV * REC;
 
-  if (nc > 0) prefetch_chunk(smem2, wsb + (rec0 * p.HV + h) * REC, vb, tid);
-  cp_async_commit();
-  if (nc > 1) l2_prefetch_chunk(wsb + ((rec0 + 1) * p.HV + h) * REC, vb, tid);
+#pragma unroll
+  for (int j = 0; j < NSTAGE - 1; ++j) {
+    if (j < nc) prefetch_chunk(smem2 + j * STAGE, rec_c + j * rstride, vb, tid);
+    cp_async_commit();
+  }
 
   for (int c = 0; c < nc; ++c) {
     if (p.hc) {
@@ -601,16 +784,15 @@ extern "C" __global__ void __launch_bounds__(kda::NT2) kda_recur(const KdaParams
       store_state((float*)p.hc + ((long long)(coff + c) * p.HV + h) * V * K, s, vr0, k0, t4, kv);
 #endif
     }
-    // o of the previous chunk (staged last step; the barrier at its end made it visible)
-    if (c > 0) flush_o(op + (tb + (long long)(c - 1) * C) * ostride, ostride, so, C, tid);
-    if (c + 1 < nc)
-      prefetch_chunk(smem2 + ((c + 1) & 1) * STAGE, wsb + ((rec0 + c + 1) * p.HV + h) * REC, vb, tid);
-    cp_async_commit();
-    if (c + 2 < nc) l2_prefetch_chunk(wsb + ((rec0 + c + 2) * p.HV + h) * REC, vb, tid);
-    cp_async_wait<1>();
+    cp_async_wait<NSTAGE - 2>();
+    // The one block-wide barrier of a step: chunk c has landed for every thread, and every warp
+    // is done with step c - 1 (its stage can be refilled, the exchange slots reused).
     __syncthreads();
+    if (c + NSTAGE - 1 < nc)
+      prefetch_chunk(smem2 + ((c + NSTAGE - 1) % NSTAGE) * STAGE, rec_c + (c + NSTAGE - 1) * rstride, vb, tid);
+    cp_async_commit();
 
-    const bf16* sW = reinterpret_cast<const bf16*>(smem2 + (c & 1) * STAGE);
+    const bf16* sW = reinterpret_cast<const bf16*>(smem2 + (c % NSTAGE) * STAGE);
     const bf16* sQ = sW + C * KS;
     const bf16* sR = sQ + C * KS;
     const bf16* sMq = sR + C * KS;
@@ -650,43 +832,48 @@ extern "C" __global__ void __launch_bounds__(kda::NT2) kda_recur(const KdaParams
         mma_bf16(ut[2 * ntp], sa[ks], b[0], b[1]);
         mma_bf16(ut[2 * ntp + 1], sa[ks], b[2], b[3]);
       }
-    // Partial sums over this warp's K slice go through shared memory: U^T (needed by every warp
-    // of the V tile) in slot `warp`, S Qd^T in slot NW2 + warp (summed by the kh = 0 warp).
-    // Float4 j of lane l of slot q sits at (q * XF / 4 + j) * 32 + l: conflict-free.
-    {
-      if constexpr (KSPLIT > 1) {
-        float4* xu = xbuf + (warp * (XF / 4)) * 32 + lane;
+    // S Qd^T over this warp's K slice. The o^T n-tiles (8 time steps each) are split between the
+    // two warps of a V tile, n-tile 2 ntp + kh to warp kh: it keeps those partials and hands the
+    // others to its partner. Split this way, the triangular U^T Mqk^T work is balanced too.
+    constexpr int NH = KSPLIT == 1 ? 2 : 1;  // n-tiles per 16 time steps this warp finishes
+    float ok[C / 16][NH][4];
+    float4* xw = xbuf + warp * XW4 * 32 + lane;
 #pragma unroll
-        for (int nt = 0; nt < C / 8; ++nt) xu[nt * 32] = make_float4(ut[nt][0], ut[nt][1], ut[nt][2], ut[nt][3]);
+    for (int ntp = 0; ntp < C / 16; ++ntp) {
+      float oq[2][4] = {};
+#pragma unroll
+      for (int ks = 0; ks < KH / 16; ++ks) {
+        const int row = 16 * ntp + 8 * (lm >> 1) + lr, col = k0 + 16 * ks + 8 * (lm & 1);
+        uint32_t bq[4];
+        ldsm_x4(bq, sQ + row * KS + col);
+        mma_bf16(oq[0], sa[ks], bq[0], bq[1]);
+        mma_bf16(oq[1], sa[ks], bq[2], bq[3]);
       }
-      float4* xo = xbuf + ((NW2 + warp) * (XF / 4)) * 32 + lane;
+      if constexpr (KSPLIT == 1) {
 #pragma unroll
-      for (int ntp = 0; ntp < C / 16; ++ntp) {
-        float oq[2][4] = {};
+        for (int e = 0; e < 4; ++e) { ok[ntp][0][e] = oq[0][e]; ok[ntp][1][e] = oq[1][e]; }
+      } else {
 #pragma unroll
-        for (int ks = 0; ks < KH / 16; ++ks) {
-          const int row = 16 * ntp + 8 * (lm >> 1) + lr, col = k0 + 16 * ks + 8 * (lm & 1);
-          uint32_t bq[4];
-          ldsm_x4(bq, sQ + row * KS + col);
-          mma_bf16(oq[0], sa[ks], bq[0], bq[1]);
-          mma_bf16(oq[1], sa[ks], bq[2], bq[3]);
-        }
-        xo[(2 * ntp) * 32] = make_float4(oq[0][0], oq[0][1], oq[0][2], oq[0][3]);
-        xo[(2 * ntp + 1) * 32] = make_float4(oq[1][0], oq[1][1], oq[1][2], oq[1][3]);
+        for (int e = 0; e < 4; ++e) ok[ntp][0][e] = kh ? oq[1][e] : oq[0][e];
+        xw[(XU4 + ntp) * 32] = kh ? make_float4(oq[0][0], oq[0][1], oq[0][2], oq[0][3])
+                                  : make_float4(oq[1][0], oq[1][1], oq[1][2], oq[1][3]);
       }
     }
-    __syncthreads();
     if constexpr (KSPLIT > 1) {
-      // Sum the K slices in slot order, so all warps of a V tile get the same U bit for bit.
+#pragma unroll
+      for (int nt = 0; nt < C / 8; ++nt) xw[nt * 32] = make_float4(ut[nt][0], ut[nt][1], ut[nt][2], ut[nt][3]);
+      bar_tile<0>(vt);  // the two warps of this V tile
+      // Own + partner's partial: the same two addends on both warps, so the same U bit for bit.
+      const float4* xp = xbuf + ((1 - kh) * NWV + vt) * XW4 * 32 + lane;
 #pragma unroll
       for (int nt = 0; nt < C / 8; ++nt) {
-        float4 a = xbuf[((vt * (XF / 4)) + nt) * 32 + lane];
+        const float4 b = xp[nt * 32];
+        ut[nt][0] += b.x; ut[nt][1] += b.y; ut[nt][2] += b.z; ut[nt][3] += b.w;
+      }
 #pragma unroll
-        for (int q = 1; q < KSPLIT; ++q) {
-          const float4 b = xbuf[(((q * NWV + vt) * (XF / 4)) + nt) * 32 + lane];
-          a.x += b.x; a.y += b.y; a.z += b.z; a.w += b.w;
-        }
-        ut[nt][0] = a.x; ut[nt][1] = a.y; ut[nt][2] = a.z; ut[nt][3] = a.w;
+      for (int ntp = 0; ntp < C / 16; ++ntp) {
+        const float4 b = xp[(XU4 + ntp) * 32];
+        ok[ntp][0][0] += b.x; ok[ntp][0][1] += b.y; ok[ntp][0][2] += b.z; ok[ntp][0][3] += b.w;
       }
     }
     // U^T as bf16 A fragments.
@@ -698,35 +885,43 @@ extern "C" __global__ void __launch_bounds__(kda::NT2) kda_recur(const KdaParams
       ua[kc][2] = pack_bf16(-ut[2 * kc + 1][0], -ut[2 * kc + 1][1]);
       ua[kc][3] = pack_bf16(-ut[2 * kc + 1][2], -ut[2 * kc + 1][3]);
     }
-    if (kh == 0) {
-      // o^T = sum of the S Qd^T slices + U^T Mqk^T (Mqk lower triangular: skip blocks above the
-      // diagonal), 16 time steps at a time, staged in shared memory for 16-byte stores.
+    // o^T += U^T Mqk^T on this warp's n-tiles (Mqk lower triangular: blocks kc <= ntp), staged in
+    // this warp's slice of shared memory.
 #pragma unroll
-      for (int ntp = 0; ntp < C / 16; ++ntp) {
-        float oacc[2][4];
+    for (int ntp = 0; ntp < C / 16; ++ntp) {
 #pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-          float4 a = xbuf[(((NW2 + vt) * (XF / 4)) + 2 * ntp + hh) * 32 + lane];
-#pragma unroll
-          for (int q = 1; q < KSPLIT; ++q) {
-            const float4 b = xbuf[(((NW2 + q * NWV + vt) * (XF / 4)) + 2 * ntp + hh) * 32 + lane];
-            a.x += b.x; a.y += b.y; a.z += b.z; a.w += b.w;
-          }
-          oacc[hh][0] = a.x; oacc[hh][1] = a.y; oacc[hh][2] = a.z; oacc[hh][3] = a.w;
-        }
-#pragma unroll
-        for (int kc = 0; kc <= ntp; ++kc) {
+      for (int kc = 0; kc <= ntp; ++kc) {
+        if constexpr (KSPLIT == 1) {
           const int row = 16 * ntp + 8 * (lm >> 1) + lr, col = 16 * kc + 8 * (lm & 1);
           uint32_t b[4];
           ldsm_x4(b, sMq + row * CS + col);
-          mma_bf16(oacc[0], ua[kc], b[0], b[1]);
-          mma_bf16(oacc[1], ua[kc], b[2], b[3]);
+          mma_bf16(ok[ntp][0], ua[kc], b[0], b[1]);
+          mma_bf16(ok[ntp][NH - 1], ua[kc], b[2], b[3]);
+        } else {
+          const int row = 16 * ntp + 8 * kh + lr, col = 16 * kc + 8 * (lm & 1);
+          uint32_t b[2];
+          ldsm_x2(b, sMq + row * CS + col);
+          mma_bf16(ok[ntp][0], ua[kc], b[0], b[1]);
         }
+      }
 #pragma unroll
-        for (int hh = 0; hh < 2; ++hh)
+      for (int hh = 0; hh < NH; ++hh) {
+        const int r0 = (KSPLIT == 1 ? 16 * ntp + 8 * hh : 8 * ntp) + 2 * t4;
 #pragma unroll
-          for (int e = 0; e < 4; ++e)
-            so[(16 * ntp + 8 * hh + 2 * t4 + (e & 1)) * OP + vt * 16 + g8 + (e >> 1) * 8] = from_f<in_t>(oacc[hh][e]);
+        for (int e = 0; e < 4; ++e) so[(r0 + (e & 1)) * OP + g8 + (e >> 1) * 8] = from_f<in_t>(ok[ntp][hh][e]);
+      }
+    }
+    __syncwarp();
+    {
+      // 16-byte stores: a staged row is this warp's 16 V columns of one time step (32 bytes).
+      const int rows = min(C, len - c * C);
+      in_t* oc = op + (tb + (long long)c * C) * ostride;
+#pragma unroll
+      for (int u = lane; u < OROWS * 2; u += 32) {
+        const int r = u >> 1, half = u & 1;
+        const int t = KSPLIT == 1 ? r : 16 * (r >> 3) + 8 * kh + (r & 7);
+        if (t < rows)
+          *reinterpret_cast<uint4*>(oc + t * ostride + half * 8) = *reinterpret_cast<const uint4*>(so + r * OP + half * 8);
       }
     }
     // S = S diag(Gamma_C) + U^T Kr (this warp's K slice)
@@ -747,9 +942,7 @@ extern "C" __global__ void __launch_bounds__(kda::NT2) kda_recur(const KdaParams
       }
     // state "bf16": bf16 in memory (initial / final / chunk states); the register-held state
     // stays fp32 between chunks (rounding it every chunk costs accuracy and saves nothing).
-    __syncthreads();
   }
-  if (nc > 0) flush_o(op + (tb + (long long)(nc - 1) * C) * ostride, ostride, so, len - (nc - 1) * C, tid);
 #if KDA_STATE != 0
   if (p.ht) store_state((state_t*)p.ht + st_off, s, vr0, k0, t4, kv);
 #endif
