@@ -47,15 +47,20 @@ constexpr int CP = C + 4;
 constexpr int MINB1 = C == 16 ? 4 : 1;
 constexpr int VP = V + 4;
 // Chunk 16: L and Mqk are split over K in 16-column slices, SPW slices on each of NMW warps;
-// partials [NMW][2][16][16]. Operands are bf16 rows of pitch KB1 (conflict-free ldmatrix).
+// partials [NMW][2][16][16]. bf16 tiles have row pitches KB1, XB1, IP1, UP1 (16-byte shift
+// per row: conflict-free ldmatrix and 16-byte accesses).
 constexpr int SPW = K >= 128 ? 2 : 1;
 constexpr int NMW = K / 16 / SPW;
 constexpr int KB1 = K + 8;
+constexpr int XB1 = 2 * K + 8;
+constexpr int IP1 = 24;
+constexpr int UP1 = 24;
 constexpr int SMEM1 = C == 16
-    ? (3 * C * KP + C * VP + NMW * 512 + C * CP + C) * 4 + 3 * C * KB1 * 2
+    ? (C * KP + NMW * 512 + C * CP + 3 * C) * 4 + (3 * C * KB1 + 2 * C * XB1 + 2 * 16 * IP1) * 2
     // chunk 64: q, k, G (+ a zero row), L^T, Mqk, beta, v
     : (3 * C * KP + KP + 2 * C * CP + C + C * VP) * 4;
-static_assert(C != 16 || (K == V && C * (K / 8) == NT1 && NMW <= NW1), "chunk 16 prep thread layout");
+static_assert(C != 16 || (K == V && C * (K / 8) == NT1 && NMW <= NW1 && V * UP1 <= 2 * C * KB1),
+              "chunk 16 prep layout");
 
 // ---- kernel 2 ----
 // Split-K: at K = 128 two warps share 16 rows of V, each holding K/2 state columns. Per warp
@@ -106,27 +111,32 @@ extern "C" __device__ int kda_meta[8] = {(int)kda::REC, kda::SMEM1, kda::SMEM2, 
 
 #if KDA_C == 16
 // Chunk 16: one block per chunk, NT1 = 2K threads. Values live in registers in the layout each
-// phase needs; shared memory carries only what crosses threads (one pass each way):
+// phase needs; shared memory carries only what crosses threads:
 //   0. row-major: thread = (row, 8 columns) loads q, k, v, beta and L2-normalises q, k (shuffles
 //      within the row); column-major: two threads per column activate the gate and cumsum it.
-//   1. row-major: e^G, e^-G, e^(G_C - G) once per element -> Qd, Kr (workspace) and the bf16
-//      MMA operands k e^G, q e^G, k e^-G (shared memory).
+//   1. row-major: e^G, e^-G, e^(G_C - G) once per element -> Qd, Kr (workspace), the bf16 MMA
+//      operands k e^G, q e^G, k e^-G, and X = [b k e^G | b v] split into bf16 hi + lo.
 //   2. L and Mqk on tensor cores, split over K (two 16-column slices per warp at K = 128).
 //   3. partial sums in warp order (deterministic) -> L^T (shared), Mqk (workspace).
-//   4. column-major forward substitution -> W, U0.
+//   4. (I + L)^-1 by forward substitution, 16 threads, one column each, split into hi + lo.
+//   5. [W | U0] = (I + L)^-1 X on tensor cores with split operands (hi hi + hi lo + lo hi:
+//      about 16 mantissa bits, as good as the fp32 substitution for bf16 outputs).
 extern "C" __global__ void __launch_bounds__(kda::NT1, kda::MINB1) kda_prep(const KdaParams p) {
   using namespace kda;
   extern __shared__ __align__(16) float smem1[];
   float* sG = smem1;                // [C][KP] cumulative gate
-  float* sq = sG + C * KP;          // [C][KP] normalised q (exact fallback; later W staging)
-  float* sk = sq + C * KP;          // [C][KP] normalised k
-  float* sv = sk + C * KP;          // [C][VP] v
-  float* spart = sv + C * VP;       // [NMW][2][16][16] per-warp partial L, Mqk
+  float* spart = sG + C * KP;       // [NMW][2][16][16] per-warp partial L, Mqk
   float* sLT = spart + NMW * 512;   // [C][CP] L transposed (times b)
   float* sb = sLT + C * CP;         // [C] beta
-  bf16* sAK = reinterpret_cast<bf16*>(sb + C);  // [C][KB1] k e^G
-  bf16* sAQ = sAK + C * KB1;                    // [C][KB1] q e^G
-  bf16* sBK = sAQ + C * KB1;                    // [C][KB1] k e^-G
+  float* srq = sb + C;              // [C] L2-norm factors of q and k (exact fallback)
+  float* srk = srq + C;
+  bf16* sAK = reinterpret_cast<bf16*>(srk + C);  // [C][KB1] k e^G      (later: W staging)
+  bf16* sAQ = sAK + C * KB1;                     // [C][KB1] q e^G      (later: U0^T staging)
+  bf16* sBK = sAQ + C * KB1;                     // [C][KB1] k e^-G
+  bf16* sXh = sBK + C * KB1;                     // [C][XB1] X, high bf16 part
+  bf16* sXl = sXh + C * XB1;                     // [C][XB1] X - high part
+  bf16* sIh = sXl + C * XB1;                     // [16][IP1] (I + L)^-1, high part
+  bf16* sIl = sIh + 16 * IP1;
 
   const int c = blockIdx.x, n = blockIdx.y, h = blockIdx.z;
   int bos, len;
@@ -139,6 +149,8 @@ extern "C" __global__ void __launch_bounds__(kda::NT1, kda::MINB1) kda_prep(cons
   const int hq = h / p.group;
   const long long rec = (long long)bos / C + n + c;
   char* wsr = (char*)p.ws + (rec * p.HV + h) * REC;
+  const in_t* qp = (const in_t*)p.q + bidx * p.q_s[0] + hq * p.q_s[2];
+  const in_t* kp = (const in_t*)p.k + bidx * p.k_s[0] + hq * p.k_s[2];
 
   // ---- 0. loads
   constexpr int GPR = K / 8;  // 8-column groups per row; C * GPR == NT1
@@ -148,8 +160,8 @@ extern "C" __global__ void __launch_bounds__(kda::NT1, kda::MINB1) kda_prep(cons
   float b = 0.f;
   if (live) {
     const long long t = t0 + ri;
-    load8((const in_t*)p.q + bidx * p.q_s[0] + hq * p.q_s[2] + t * p.q_s[1] + d, xq);
-    load8((const in_t*)p.k + bidx * p.k_s[0] + hq * p.k_s[2] + t * p.k_s[1] + d, xk);
+    load8(qp + t * p.q_s[1] + d, xq);
+    load8(kp + t * p.k_s[1] + d, xk);
     load8((const in_t*)p.v + bidx * p.v_s[0] + h * p.v_s[2] + t * p.v_s[1] + d, xv);
     const long long bo = bidx * p.b_s[0] + t * p.b_s[1] + h * p.b_s[2];
     const float x = p.beta_fp32 ? ((const float*)p.beta)[bo] : to_f(((const in_t*)p.beta)[bo]);
@@ -196,21 +208,28 @@ extern "C" __global__ void __launch_bounds__(kda::NT1, kda::MINB1) kda_prep(cons
     }
     if (half) reinterpret_cast<float*>(wsr + OFF_GM)[col] = __expf(a[7]);
   }
-  if (p.use_l2norm) {
-    float aq = 0.f, ak = 0.f;
+  {
+    float aq = 1.f, ak = 1.f;
+    if (p.use_l2norm) {
+      aq = ak = 0.f;
 #pragma unroll
-    for (int e = 0; e < 8; ++e) { aq += xq[e] * xq[e]; ak += xk[e] * xk[e]; }
+      for (int e = 0; e < 8; ++e) { aq += xq[e] * xq[e]; ak += xk[e] * xk[e]; }
 #pragma unroll
-    for (int o = GPR / 2; o > 0; o >>= 1) {
-      aq += __shfl_xor_sync(0xffffffffu, aq, o);
-      ak += __shfl_xor_sync(0xffffffffu, ak, o);
+      for (int o = GPR / 2; o > 0; o >>= 1) {
+        aq += __shfl_xor_sync(0xffffffffu, aq, o);
+        ak += __shfl_xor_sync(0xffffffffu, ak, o);
+      }
+      aq = rsqrtf(aq + 1e-6f);
+      ak = rsqrtf(ak + 1e-6f);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) { xq[e] *= aq; xk[e] *= ak; }
     }
-    aq = rsqrtf(aq + 1e-6f);
-    ak = rsqrtf(ak + 1e-6f);
-#pragma unroll
-    for (int e = 0; e < 8; ++e) { xq[e] *= aq; xk[e] *= ak; }
+    if (d == 0) {
+      sb[ri] = b;
+      srq[ri] = aq;
+      srk[ri] = ak;
+    }
   }
-  if (d == 0) sb[ri] = b;
   __syncthreads();
 
   // ---- 1. decays, once per element
@@ -221,7 +240,7 @@ extern "C" __global__ void __launch_bounds__(kda::NT1, kda::MINB1) kda_prep(cons
     float4 x0 = gp[0], x1 = gp[1], y0 = gl[0], y1 = gl[1];
     G[0] = x0.x; G[1] = x0.y; G[2] = x0.z; G[3] = x0.w; G[4] = x1.x; G[5] = x1.y; G[6] = x1.z; G[7] = x1.w;
     GL[0] = y0.x; GL[1] = y0.y; GL[2] = y0.z; GL[3] = y0.w; GL[4] = y1.x; GL[5] = y1.y; GL[6] = y1.z; GL[7] = y1.w;
-    uint32_t pk[4], pq[4], pb[4], pqd[4], pkr[4];
+    uint32_t pk[4], pq[4], pb[4], pqd[4], pkr[4], xkh[4], xkl[4], xvh[4], xvl[4];
 #pragma unroll
     for (int e = 0; e < 8; e += 2) {
       const float e0 = __expf(G[e]), e1 = __expf(G[e + 1]);
@@ -232,24 +251,25 @@ extern "C" __global__ void __launch_bounds__(kda::NT1, kda::MINB1) kda_prep(cons
       pqd[e / 2] = pack_bf16(p.scale * q0, p.scale * q1);
       pb[e / 2] = pack_bf16(xk[e] * i0, xk[e + 1] * i1);
       pkr[e / 2] = pack_bf16(xk[e] * __expf(GL[e] - G[e]), xk[e + 1] * __expf(GL[e + 1] - G[e + 1]));
+      split_bf16(b * k0, b * k1, xkh[e / 2], xkl[e / 2]);
+      split_bf16(b * xv[e], b * xv[e + 1], xvh[e / 2], xvl[e / 2]);
     }
     *reinterpret_cast<uint4*>(sAK + ri * KB1 + d) = make_uint4(pk[0], pk[1], pk[2], pk[3]);
     *reinterpret_cast<uint4*>(sAQ + ri * KB1 + d) = make_uint4(pq[0], pq[1], pq[2], pq[3]);
     *reinterpret_cast<uint4*>(sBK + ri * KB1 + d) = make_uint4(pb[0], pb[1], pb[2], pb[3]);
+    *reinterpret_cast<uint4*>(sXh + ri * XB1 + d) = make_uint4(xkh[0], xkh[1], xkh[2], xkh[3]);
+    *reinterpret_cast<uint4*>(sXl + ri * XB1 + d) = make_uint4(xkl[0], xkl[1], xkl[2], xkl[3]);
+    *reinterpret_cast<uint4*>(sXh + ri * XB1 + K + d) = make_uint4(xvh[0], xvh[1], xvh[2], xvh[3]);
+    *reinterpret_cast<uint4*>(sXl + ri * XB1 + K + d) = make_uint4(xvl[0], xvl[1], xvl[2], xvl[3]);
     *reinterpret_cast<uint4*>(wsr + OFF_Q + (ri * K + d) * 2) = make_uint4(pqd[0], pqd[1], pqd[2], pqd[3]);
     *reinterpret_cast<uint4*>(wsr + OFF_R + (ri * K + d) * 2) = make_uint4(pkr[0], pkr[1], pkr[2], pkr[3]);
-    float4* dq = reinterpret_cast<float4*>(sq + ri * KP + d);
-    float4* dk = reinterpret_cast<float4*>(sk + ri * KP + d);
-    float4* dv = reinterpret_cast<float4*>(sv + ri * VP + d);
-    dq[0] = make_float4(xq[0], xq[1], xq[2], xq[3]); dq[1] = make_float4(xq[4], xq[5], xq[6], xq[7]);
-    dk[0] = make_float4(xk[0], xk[1], xk[2], xk[3]); dk[1] = make_float4(xk[4], xk[5], xk[6], xk[7]);
-    dv[0] = make_float4(xv[0], xv[1], xv[2], xv[3]); dv[1] = make_float4(xv[4], xv[5], xv[6], xv[7]);
   }
   __syncthreads();
 
   // ---- 2. L (b, strictly lower) and Mqk (scale, lower incl. diagonal) over K slices. The anchor
   // is G = 0 before the chunk: <q_i e^{G_i}, k_j e^{-G_j}> with e^{-G_j} <= e^{span}; a slice
-  // with span > 80 (beyond fp32/bf16 range) uses exact pairwise exp(G_i - G_j) on CUDA cores.
+  // with span > 80 (beyond fp32/bf16 range) uses exact pairwise exp(G_i - G_j) on CUDA cores,
+  // reading q and k again from global memory (rare: only for extreme gates).
   const int g8 = lane >> 2, t4 = lane & 3, lm = lane >> 3, lr = lane & 7;
   if (warp < NMW) {
     float accL[2][4] = {}, accM[2][4] = {};
@@ -293,15 +313,18 @@ extern "C" __global__ void __launch_bounds__(kda::NT1, kda::MINB1) kda_prep(cons
           while ((i + 1) * (i + 2) / 2 <= pi) ++i;
           while (i * (i + 1) / 2 > pi) --i;
           const int j = pi - i * (i + 1) / 2;
+          if (i >= rows) continue;  // q_i = k_i = 0 (and j <= i)
+          const in_t* qi = qp + (t0 + i) * p.q_s[1];
+          const in_t* ki = kp + (t0 + i) * p.k_s[1];
+          const in_t* kj = kp + (t0 + j) * p.k_s[1];
           float l = 0.f, m = 0.f;
-#pragma unroll 4
           for (int dd = c0; dd < c0 + 16; ++dd) {
-            const float w = __expf(sG[i * KP + dd] - sG[j * KP + dd]) * sk[j * KP + dd];
-            l += sk[i * KP + dd] * w;
-            m += sq[i * KP + dd] * w;
+            const float w = __expf(sG[i * KP + dd] - sG[j * KP + dd]) * to_f(kj[dd]);
+            l += to_f(ki[dd]) * w;
+            m += to_f(qi[dd]) * w;
           }
-          pL[i * 16 + j] += l;
-          pM[i * 16 + j] += m;
+          pL[i * 16 + j] += l * srk[i] * srk[j];
+          pM[i * 16 + j] += m * srq[i] * srk[j];
         }
       }
     }
@@ -322,45 +345,80 @@ extern "C" __global__ void __launch_bounds__(kda::NT1, kda::MINB1) kda_prep(cons
   }
   __syncthreads();
 
-  // ---- 4. X = (I + L)^-1 [b Kd | b v], one column per thread, right-looking forward substitution.
-  {
-    const int col = tid;
+  // ---- 4. (I + L)^-1, column j on thread j: right-looking forward substitution on e_j.
+  if (tid < C) {
+    const int j = tid;
     float x[C];
-    if (col < K) {
 #pragma unroll
-      for (int i = 0; i < C; ++i) x[i] = sb[i] * sk[i * KP + col] * __expf(sG[i * KP + col]);
-    } else {
+    for (int i = 0; i < C; ++i) x[i] = i == j ? 1.f : 0.f;
 #pragma unroll
-      for (int i = 0; i < C; ++i) x[i] = sb[i] * sv[i * VP + col - K];
-    }
+    for (int m = 0; m < C - 1; ++m) {
+      const float xm = x[m];
 #pragma unroll
-    for (int j = 0; j < C - 1; ++j) {
-      const float xj = x[j];
-#pragma unroll
-      for (int i4 = (j + 1) / 4; i4 < C / 4; ++i4) {
-        const float4 l = *reinterpret_cast<const float4*>(sLT + j * CP + 4 * i4);
-        if (4 * i4 + 0 > j) x[4 * i4 + 0] -= l.x * xj;
-        if (4 * i4 + 1 > j) x[4 * i4 + 1] -= l.y * xj;
-        if (4 * i4 + 2 > j) x[4 * i4 + 2] -= l.z * xj;
-        if (4 * i4 + 3 > j) x[4 * i4 + 3] -= l.w * xj;
+      for (int i4 = (m + 1) / 4; i4 < C / 4; ++i4) {
+        const float4 l = *reinterpret_cast<const float4*>(sLT + m * CP + 4 * i4);
+        if (4 * i4 + 0 > m) x[4 * i4 + 0] -= l.x * xm;
+        if (4 * i4 + 1 > m) x[4 * i4 + 1] -= l.y * xm;
+        if (4 * i4 + 2 > m) x[4 * i4 + 2] -= l.z * xm;
+        if (4 * i4 + 3 > m) x[4 * i4 + 3] -= l.w * xm;
       }
     }
-    // W goes out through shared memory (the q tile is free by now) as 16-byte row pieces.
-    bf16* sWt = reinterpret_cast<bf16*>(sq);
-    if (col < K) {
 #pragma unroll
-      for (int i = 0; i < C; ++i) sWt[i * K + col] = __float2bfloat16_rn(x[i]);
-    } else {
-      char* u = wsr + OFF_U + (long long)(col - K) * C * 2;
+    for (int i = 0; i < C; ++i) {
+      const bf16 hi = __float2bfloat16_rn(x[i]);
+      sIh[i * IP1 + j] = hi;
+      sIl[i * IP1 + j] = __float2bfloat16_rn(x[i] - __bfloat162float(hi));
+    }
+  }
+  __syncthreads();
+
+  // ---- 5. [W | U0] = (I + L)^-1 X: each warp takes 32 of the 2K columns (4 n-tiles of 8).
+  {
+    static_assert(2 * K == 32 * NW1, "chunk 16: 32 columns of [Kd | v] per warp");
+    bf16* sWst = sAK;  // [C][KB1]  W rows
+    bf16* sUst = sAQ;  // [V][UP1]  U0^T rows (C time steps each)
+    uint32_t ah[4], al[4];
+    ldsm_x4(ah, sIh + (lr + 8 * (lm & 1)) * IP1 + 8 * (lm >> 1));
+    ldsm_x4(al, sIl + (lr + 8 * (lm & 1)) * IP1 + 8 * (lm >> 1));
 #pragma unroll
-      for (int i = 0; i < C; i += 8)
-        *reinterpret_cast<uint4*>(u + i * 2) =
-            make_uint4(pack_bf16(x[i], x[i + 1]), pack_bf16(x[i + 2], x[i + 3]),
-                       pack_bf16(x[i + 4], x[i + 5]), pack_bf16(x[i + 6], x[i + 7]));
+    for (int pr = 0; pr < 2; ++pr) {
+      const int n0 = 32 * warp + 16 * pr;
+      uint32_t bh[4], bl[4];
+      ldsm_x4_t(bh, sXh + (lr + 8 * (lm & 1)) * XB1 + n0 + 8 * (lm >> 1));
+      ldsm_x4_t(bl, sXl + (lr + 8 * (lm & 1)) * XB1 + n0 + 8 * (lm >> 1));
+      float acc[2][4] = {};
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        mma_bf16(acc[hh], al, bh[2 * hh], bh[2 * hh + 1]);
+        mma_bf16(acc[hh], ah, bl[2 * hh], bl[2 * hh + 1]);
+        mma_bf16(acc[hh], ah, bh[2 * hh], bh[2 * hh + 1]);
+      }
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const int col = n0 + 8 * hh + 2 * t4;  // warp-uniform side: n0 + 16 <= K or n0 >= K
+        if (n0 < K) {
+          *reinterpret_cast<uint32_t*>(sWst + g8 * KB1 + col) = pack_bf16(acc[hh][0], acc[hh][1]);
+          *reinterpret_cast<uint32_t*>(sWst + (g8 + 8) * KB1 + col) = pack_bf16(acc[hh][2], acc[hh][3]);
+        } else {
+          const int vv = col - K;
+          sUst[vv * UP1 + g8] = __float2bfloat16_rn(acc[hh][0]);
+          sUst[(vv + 1) * UP1 + g8] = __float2bfloat16_rn(acc[hh][1]);
+          sUst[vv * UP1 + g8 + 8] = __float2bfloat16_rn(acc[hh][2]);
+          sUst[(vv + 1) * UP1 + g8 + 8] = __float2bfloat16_rn(acc[hh][3]);
+        }
+      }
     }
     __syncthreads();
-    for (int u = tid; u < C * K / 8; u += NT1)
-      *reinterpret_cast<uint4*>(wsr + OFF_W + u * 16) = *reinterpret_cast<const uint4*>(sWt + u * 8);
+    for (int u = tid; u < C * K / 8; u += NT1) {
+      const int i = u / (K / 8), ch = u % (K / 8);
+      *reinterpret_cast<uint4*>(wsr + OFF_W + (i * K + ch * 8) * 2) =
+          *reinterpret_cast<const uint4*>(sWst + i * KB1 + ch * 8);
+    }
+    for (int u = tid; u < V * 2; u += NT1) {
+      const int vv = u >> 1, hf = u & 1;
+      *reinterpret_cast<uint4*>(wsr + OFF_U + (vv * C + hf * 8) * 2) =
+          *reinterpret_cast<const uint4*>(sUst + vv * UP1 + hf * 8);
+    }
   }
 }
 #else
