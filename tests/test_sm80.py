@@ -86,12 +86,14 @@ def test_sm80_ptxas_reports_have_no_spills():
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
 @pytest.mark.parametrize("spec", [
-    Variant("sm80", 64, 128, 128, "bf16", "bounded", "fp32", 64),
+    Variant("sm80", 64, 128, 128, "bf16", "bounded", "fp32", 32),  # largest accepted at K = 128
+    Variant("sm80", 64, 64, 64, "bf16", "bounded", "fp32", 64),
     Variant("sm80", 16, 128, 128, "bf16", "precomputed", "fp32", 128),
     Variant("sm80", 16, 64, 64, "fp16", "unbounded", "bf16", 16),
 ], ids=lambda v: v.name)
 def test_sm80_compiles_without_spills(spec: Variant, tmp_path: Path):
-    """Render and compile two corner variants from scratch (largest and smallest footprint)."""
+    """Render and compile corner variants from scratch (largest and smallest footprints): every
+    one must fit the 163 KB shared-memory budget (a static_assert) and spill nothing."""
     import jinja2
     from kdagen.targets import TARGETS
 
@@ -331,3 +333,16 @@ def test_sm80_time_segments_plan(monkeypatch):
     assert la._segments(call(), var, 6000) == []  # too short
     none = Variant("sm80", 16, 128, 128, "bf16", "bounded", "none", 32)
     assert sm80.Sm80Launcher(none, Path("x"))._segments(call(), none, 65536) == []
+
+
+def test_sm80_shared_memory_check_names_kernel_and_sizes():
+    """A device with less shared memory per block than a kernel needs gets a clear refusal."""
+    from types import SimpleNamespace
+
+    from kdagen.targets.sm80 import check_shared_memory
+
+    a100 = SimpleNamespace(name="A100", shared_memory_per_block_optin=163 * 1024)
+    check_shared_memory("v", {"kda_prep": 150_000, "kda_recur": 163 * 1024}, a100)  # fits exactly
+    rtx = SimpleNamespace(name="RTX 4090", shared_memory_per_block_optin=99 * 1024)
+    with pytest.raises(RuntimeError, match=r"v: kda_recur needs 146\.5 KB .*RTX 4090 allows 99\.0 KB"):
+        check_shared_memory("v", {"kda_prep": 50_000, "kda_recur": 150_000}, rtx)

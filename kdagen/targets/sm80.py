@@ -23,6 +23,19 @@ _IN_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 _STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "none": torch.float32}
 
 
+def check_shared_memory(who: str, needs: dict[str, int], props) -> None:
+    """Refuse a variant whose kernels need more shared memory per block than the device gives
+    (sm80 kernels fit an A100's 163 KB; sm_86/89 allow 99 KB), naming kernel and sizes."""
+    limit = int(getattr(props, "shared_memory_per_block_optin", 0) or 0)
+    if limit <= 0:
+        return  # unknown: let the driver decide
+    over = {k: n for k, n in needs.items() if n > limit}
+    if over:
+        what = ", ".join(f"{k} needs {n / 1024:.1f} KB" for k, n in over.items())
+        raise RuntimeError(f"{who}: {what} of shared memory per block; {props.name} allows "
+                           f"{limit / 1024:.1f} KB. Use a variant with chunk 16 or a smaller block_v.")
+
+
 class KdaParams(ctypes.Structure):
     _fields_ = [
         ("q", ctypes.c_uint64), ("k", ctypes.c_uint64), ("v", ctypes.c_uint64), ("g", ctypes.c_uint64),
@@ -90,6 +103,8 @@ class Sm80Launcher:
             if chunk != self.variant.chunk or bv != self.variant.block_v:
                 raise RuntimeError(f"{self.variant.name}: artifact {self.artifact} was built for chunk={chunk} "
                                    f"block_v={bv}")
+            check_shared_memory(self.variant.name, {"kda_prep": smem1, "kda_recur": smem2},
+                                torch.cuda.get_device_properties(idx))
             f1 = mod.function("kda_prep", smem1)
             f2 = mod.function("kda_recur", smem2)
             meta = (mod, f1, f2, rec, smem1, smem2, nt1, nt2)

@@ -38,6 +38,11 @@ constexpr long long OFF_U = OFF_M + 1LL * C * C * 2;   // bf16 [V][C]  U0^T = (A
 constexpr long long OFF_GM = OFF_U + 1LL * V * C * 2;  // f32  [K]     Gamma_C
 constexpr long long REC = OFF_GM + 4LL * K;
 
+// Shared memory per block: an A100's opt-in maximum. Every image of the fatbin (sm_80, sm_90,
+// compute_80 PTX) comes from the same compute_80 source, so one budget holds for all of them;
+// the launcher checks the device's own limit (sm_86/89 allow less) before a launch.
+constexpr int SMEM_MAX = 163 * 1024;
+
 // ---- kernel 1 ----
 constexpr int NT1 = K + V;  // one thread per column of [Kd | v] in the substitution
 constexpr int NW1 = NT1 / 32;
@@ -45,7 +50,7 @@ constexpr int KP = K + 4;   // fp32 row pitch (bank spread, 16-byte aligned rows
 constexpr int CP = C + 4;
 // c16 blocks are short-lived and latency-bound: keep four per SM (caps registers at 64).
 constexpr int MINB1 = C == 16 ? 4 : 1;
-constexpr int VP = V + 4;
+constexpr int VP16 = V + 8;  // 16-bit v rows (chunk 64): 16-byte aligned
 // Chunk 16: L and Mqk are split over K in 16-column slices, SPW slices on each of NMW warps;
 // partials [NMW][2][16][16]. bf16 tiles have row pitches KB1, XB1, IP1, UP1 (16-byte shift
 // per row: conflict-free ldmatrix and 16-byte accesses).
@@ -57,8 +62,9 @@ constexpr int IP1 = 24;
 constexpr int UP1 = 24;
 constexpr int SMEM1 = C == 16
     ? (C * KP + NMW * 512 + C * CP + 3 * C) * 4 + (3 * C * KB1 + 2 * C * XB1 + 2 * 16 * IP1) * 2
-    // chunk 64: q, k, G (+ a zero row), L^T, Mqk, beta, v
-    : (3 * C * KP + KP + 2 * C * CP + C + C * VP) * 4;
+    // chunk 64: q, k, G (+ a zero row), L^T, Mqk, beta (fp32); v (input type)
+    : (3 * C * KP + KP + 2 * C * CP + C) * 4 + C * VP16 * 2;
+static_assert(SMEM1 <= SMEM_MAX, "kda_prep shared memory");
 static_assert(C != 16 || (K == V && C * (K / 8) == NT1 && NMW <= NW1 && V * UP1 <= 2 * C * KB1),
               "chunk 16 prep layout");
 
@@ -89,7 +95,6 @@ constexpr int OROWS = C / KSPLIT;
 constexpr int OP = 24;
 constexpr int OBUF = NW2 * OROWS * OP * 2;
 // Three stages where they fit: chunk c + 2 streams in while chunk c is worked on.
-constexpr int SMEM_MAX = 227 * 1024;
 constexpr int NSTAGE = 3 * STAGE + XBUF + OBUF <= SMEM_MAX ? 3 : 2;
 constexpr int SMEM2 = NSTAGE * STAGE + XBUF + OBUF;
 static_assert(STAGE % 16 == 0 && XBUF % 16 == 0 && SMEM2 <= SMEM_MAX, "kda_recur shared memory");
@@ -433,7 +438,7 @@ extern "C" __global__ void __launch_bounds__(kda::NT1, kda::MINB1) kda_prep(cons
   float* sLT = sG + (C + 1) * KP;  // L transposed: sLT[j][i] = L[i][j]
   float* sM = sLT + C * CP;  // Mqk[i][j]
   float* sb = sM + C * CP;
-  float* sv = sb + C;
+  in_t* sv = reinterpret_cast<in_t*>(sb + C);  // [C][VP16]
 
   const int c = blockIdx.x, n = blockIdx.y, h = blockIdx.z;
   int bos, len;
@@ -490,16 +495,9 @@ extern "C" __global__ void __launch_bounds__(kda::NT1, kda::MINB1) kda_prep(cons
     const in_t* vp = (const in_t*)p.v + bidx * p.v_s[0] + h * p.v_s[2];
     for (int u = tid; u < C * V / 8; u += NT1) {
       const int i = u / (V / 8), d = (u % (V / 8)) * 8;
-      float xv[8];
-      if (i < rows) {
-        load8(vp + (t0 + i) * p.v_s[1] + d, xv);
-      } else {
-#pragma unroll
-        for (int e = 0; e < 8; ++e) xv[e] = 0.f;
-      }
-      float4* dv = reinterpret_cast<float4*>(sv + i * VP + d);
-      dv[0] = make_float4(xv[0], xv[1], xv[2], xv[3]);
-      dv[1] = make_float4(xv[4], xv[5], xv[6], xv[7]);
+      // kept in the input type (exact): fp32 here would take the block past an A100's 163 KB
+      *reinterpret_cast<uint4*>(sv + i * VP16 + d) =
+          i < rows ? *reinterpret_cast<const uint4*>(vp + (t0 + i) * p.v_s[1] + d) : make_uint4(0, 0, 0, 0);
     }
   }
   if (tid < C) {
@@ -678,7 +676,7 @@ extern "C" __global__ void __launch_bounds__(kda::NT1, kda::MINB1) kda_prep(cons
       for (int i = 0; i < C; ++i) x[i] = sb[i] * sk[i * KP + col] * __expf(sG[i * KP + col]);
     } else {
 #pragma unroll
-      for (int i = 0; i < C; ++i) x[i] = sb[i] * sv[i * VP + col - K];
+      for (int i = 0; i < C; ++i) x[i] = sb[i] * to_f(sv[i * VP16 + col - K]);
     }
 #pragma unroll
     for (int j = 0; j < C - 1; ++j) {
