@@ -101,6 +101,8 @@ TARGETS: dict[str, TargetInfo] = {
         # H200, 2026-11-30 (split-K recurrence, 2 or 4 warps per 16 V rows): at B1 T8192 H96
         # block_v 64 (192 programs) beat 32 and 128; at B1 T65536 H24 block_v 32 (96 programs)
         # beat 16 and 64. Both are the widest block with at least ~0.7 programs per SM.
+        # With the one-barrier recurrence (2400980) block_v 32 and 64 are within 0-6% of each
+        # other at T8192 H96, which one leads depending on the run; 32 still wins at H24.
         vsplit_min_waves=0.7,
     ),
     "ascend": TargetInfo(
