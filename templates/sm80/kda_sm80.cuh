@@ -109,6 +109,49 @@ __device__ __forceinline__ float gate_act(float x, float aexp, float lb) {
 #endif
 }
 
+// x <- (I + L)^-1 x for unit lower-triangular I + L, L given transposed (sLT[j][i] = L[i][j],
+// row pitch CP): right-looking forward substitution, one right-hand side per thread.
+__device__ __forceinline__ void forward_subst(float (&x)[C], const float* sLT) {
+#pragma unroll
+  for (int j = 0; j < C - 1; ++j) {
+    const float xj = x[j];
+#pragma unroll
+    for (int i4 = (j + 1) / 4; i4 < C / 4; ++i4) {
+      const float4 l = *reinterpret_cast<const float4*>(sLT + j * CP + 4 * i4);
+      if (4 * i4 + 0 > j) x[4 * i4 + 0] -= l.x * xj;
+      if (4 * i4 + 1 > j) x[4 * i4 + 1] -= l.y * xj;
+      if (4 * i4 + 2 > j) x[4 * i4 + 2] -= l.z * xj;
+      if (4 * i4 + 3 > j) x[4 * i4 + 3] -= l.w * xj;
+    }
+  }
+}
+
+// What a kda_prep block works on: chunk blockIdx.x of sequence blockIdx.y, value head
+// blockIdx.z. False when the chunk lies past the end of its sequence.
+struct PrepChunk {
+  int h, rows;
+  long long bidx, t0;  // batch index (0 with cu_seqlens), first token of the chunk
+  char* wsr;           // the chunk's workspace record
+  const in_t* qp;      // q and k of the query head (GQA) at the batch index
+  const in_t* kp;
+};
+__device__ __forceinline__ bool prep_chunk(const KdaParams& p, PrepChunk& w) {
+  const int c = blockIdx.x, n = blockIdx.y;
+  w.h = blockIdx.z;
+  int bos, len;
+  seq_bounds(p, n, bos, len);
+  if (c * C >= len) return false;
+  w.rows = min(C, len - c * C);
+  w.bidx = p.cu_seqlens ? 0 : n;
+  w.t0 = (long long)(p.cu_seqlens ? bos : 0) + (long long)c * C;
+  const long long rec = (long long)bos / C + n + c;
+  w.wsr = (char*)p.ws + (rec * p.HV + w.h) * REC;
+  const int hq = w.h / p.group;
+  w.qp = (const in_t*)p.q + w.bidx * p.q_s[0] + hq * p.q_s[2];
+  w.kp = (const in_t*)p.k + w.bidx * p.k_s[0] + hq * p.k_s[2];
+  return true;
+}
+
 }  // namespace kda
 
 extern "C" __device__ int kda_meta[8] = {(int)kda::REC, kda::SMEM1, kda::SMEM2, kda::NT1,
@@ -143,19 +186,12 @@ extern "C" __global__ void __launch_bounds__(kda::NT1, kda::MINB1) kda_prep(cons
   bf16* sIh = sXl + C * XB1;                     // [16][IP1] (I + L)^-1, high part
   bf16* sIl = sIh + 16 * IP1;
 
-  const int c = blockIdx.x, n = blockIdx.y, h = blockIdx.z;
-  int bos, len;
-  seq_bounds(p, n, bos, len);
-  if (c * C >= len) return;
-  const int rows = min(C, len - c * C);
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const long long bidx = p.cu_seqlens ? 0 : n;
-  const long long t0 = (long long)(p.cu_seqlens ? bos : 0) + (long long)c * C;
-  const int hq = h / p.group;
-  const long long rec = (long long)bos / C + n + c;
-  char* wsr = (char*)p.ws + (rec * p.HV + h) * REC;
-  const in_t* qp = (const in_t*)p.q + bidx * p.q_s[0] + hq * p.q_s[2];
-  const in_t* kp = (const in_t*)p.k + bidx * p.k_s[0] + hq * p.k_s[2];
+  PrepChunk w;
+  if (!prep_chunk(p, w)) return;
+  const int h = w.h, rows = w.rows, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const long long bidx = w.bidx, t0 = w.t0;
+  char* wsr = w.wsr;
+  const in_t *qp = w.qp, *kp = w.kp;
 
   // ---- 0. loads
   constexpr int GPR = K / 8;  // 8-column groups per row; C * GPR == NT1
@@ -356,18 +392,7 @@ extern "C" __global__ void __launch_bounds__(kda::NT1, kda::MINB1) kda_prep(cons
     float x[C];
 #pragma unroll
     for (int i = 0; i < C; ++i) x[i] = i == j ? 1.f : 0.f;
-#pragma unroll
-    for (int m = 0; m < C - 1; ++m) {
-      const float xm = x[m];
-#pragma unroll
-      for (int i4 = (m + 1) / 4; i4 < C / 4; ++i4) {
-        const float4 l = *reinterpret_cast<const float4*>(sLT + m * CP + 4 * i4);
-        if (4 * i4 + 0 > m) x[4 * i4 + 0] -= l.x * xm;
-        if (4 * i4 + 1 > m) x[4 * i4 + 1] -= l.y * xm;
-        if (4 * i4 + 2 > m) x[4 * i4 + 2] -= l.z * xm;
-        if (4 * i4 + 3 > m) x[4 * i4 + 3] -= l.w * xm;
-      }
-    }
+    forward_subst(x, sLT);
 #pragma unroll
     for (int i = 0; i < C; ++i) {
       const bf16 hi = __float2bfloat16_rn(x[i]);
@@ -440,20 +465,12 @@ extern "C" __global__ void __launch_bounds__(kda::NT1, kda::MINB1) kda_prep(cons
   float* sb = sM + C * CP;
   in_t* sv = reinterpret_cast<in_t*>(sb + C);  // [C][VP16]
 
-  const int c = blockIdx.x, n = blockIdx.y, h = blockIdx.z;
-  int bos, len;
-  seq_bounds(p, n, bos, len);
-  if (c * C >= len) return;
-  const int rows = min(C, len - c * C);
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const long long bidx = p.cu_seqlens ? 0 : n;
-  const long long t0 = (long long)(p.cu_seqlens ? bos : 0) + (long long)c * C;
-  const int hq = h / p.group;
-  const long long rec = (long long)bos / C + n + c;
-  char* wsr = (char*)p.ws + (rec * p.HV + h) * REC;
-
-  const in_t* qp = (const in_t*)p.q + bidx * p.q_s[0] + hq * p.q_s[2];
-  const in_t* kp = (const in_t*)p.k + bidx * p.k_s[0] + hq * p.k_s[2];
+  PrepChunk w;
+  if (!prep_chunk(p, w)) return;
+  const int h = w.h, rows = w.rows, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const long long bidx = w.bidx, t0 = w.t0;
+  char* wsr = w.wsr;
+  const in_t *qp = w.qp, *kp = w.kp;
   const long long goff = bidx * p.g_s[0] + h * p.g_s[2];
 #if KDA_GATE != 2
   const float aexp = __expf(p.A_log[h]);
@@ -678,18 +695,7 @@ extern "C" __global__ void __launch_bounds__(kda::NT1, kda::MINB1) kda_prep(cons
 #pragma unroll
       for (int i = 0; i < C; ++i) x[i] = sb[i] * to_f(sv[i * VP16 + col - K]);
     }
-#pragma unroll
-    for (int j = 0; j < C - 1; ++j) {
-      const float xj = x[j];
-#pragma unroll
-      for (int i4 = (j + 1) / 4; i4 < C / 4; ++i4) {
-        const float4 l = *reinterpret_cast<const float4*>(sLT + j * CP + 4 * i4);
-        if (4 * i4 + 0 > j) x[4 * i4 + 0] -= l.x * xj;
-        if (4 * i4 + 1 > j) x[4 * i4 + 1] -= l.y * xj;
-        if (4 * i4 + 2 > j) x[4 * i4 + 2] -= l.z * xj;
-        if (4 * i4 + 3 > j) x[4 * i4 + 3] -= l.w * xj;
-      }
-    }
+    forward_subst(x, sLT);
     // W goes out through shared memory (the q tile is free by now) as 16-byte row pieces.
     bf16* sWt = reinterpret_cast<bf16*>(sq);
     if (col < K) {
