@@ -1,0 +1,106 @@
+"""Read the machine code (SASS) of a built CUDA fatbin without a GPU.
+
+Used to check a kernel's structure where only a GPU could time it: instruction mix per kernel,
+the barriers it executes, and whether a source change altered the code at all (compare the
+mixes of two builds). Needs `cuobjdump` and the `nvdisasm` it calls: on PATH, or from the
+`nvidia-cuda-cuobjdump` and `nvidia-cuda-nvdisasm` wheels (the test extra installs them).
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import re
+import shutil
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+
+_INSTR = re.compile(r"^\s*/\*(?P<addr>[0-9a-f]{4,})\*/\s+(?P<text>[^;]*);")
+_FUNC = re.compile(r"Function : (?P<name>\S+)")
+_PRED = re.compile(r"^@!?U?P[T0-9]+\s+")
+
+# opcode prefix -> class (first match wins; order matters)
+_CLASSES = (
+    ("mma", ("HMMA", "HGMMA", "IMMA")),
+    ("ldmatrix", ("LDSM",)),
+    ("barrier", ("BAR", "DEPBAR", "LDGDEPBAR", "WARPSYNC", "BSSY", "BSYNC")),
+    ("async copy", ("LDGSTS",)),
+    ("global load", ("LDG",)),
+    ("global store", ("STG", "RED", "ATOM")),
+    ("shared load", ("LDS",)),
+    ("shared store", ("STS",)),
+    ("shuffle", ("SHFL",)),
+    ("transcendental", ("MUFU",)),
+    ("convert", ("F2F", "F2I", "I2F", "F2FP", "PRMT")),
+    ("fp32", ("FFMA", "FMUL", "FADD", "FMNMX", "FSEL", "FSETP", "FCHK")),
+    ("control", ("BRA", "EXIT", "RET", "CALL", "BRX", "JMP", "NOP")),
+    ("uniform", ("U", "R2UR", "S2UR")),
+)
+
+
+@dataclass
+class KernelSass:
+    name: str
+    instructions: list[str] = field(default_factory=list)  # opcode text, predicate removed
+
+    def opcodes(self) -> collections.Counter:
+        return collections.Counter(i.split()[0] for i in self.instructions)
+
+    def mix(self) -> dict[str, int]:
+        """Instruction count per class (integer/other ALU work is "int/other")."""
+        out: collections.Counter = collections.Counter()
+        for op, n in self.opcodes().items():
+            for cls, prefixes in _CLASSES:
+                if op.startswith(prefixes):
+                    out[cls] += n
+                    break
+            else:
+                out["int/other"] += n
+        return dict(out)
+
+    def barriers(self) -> list[str]:
+        """The `BAR.SYNC` instructions in program order, e.g. 'BAR.SYNC.DEFER_BLOCKING 0x0'."""
+        return [i for i in self.instructions if i.startswith("BAR.SYNC")]
+
+
+def _find_tool(name: str) -> str | None:
+    exe = shutil.which(name)
+    if exe:
+        return exe
+    try:
+        import nvidia  # namespace package of NVIDIA's PyPI wheels
+    except ImportError:
+        return None
+    for root in getattr(nvidia, "__path__", []):
+        for cand in sorted(Path(root).glob(f"cu*/bin/{name}")):
+            return str(cand)
+    return None
+
+
+def find_cuobjdump() -> str | None:
+    """cuobjdump, if it and the nvdisasm it runs are both available."""
+    exe, dis = _find_tool("cuobjdump"), _find_tool("nvdisasm")
+    return exe if exe and dis else None
+
+
+def disassemble(artifact: Path, arch: str = "sm_90") -> dict[str, KernelSass]:
+    """Kernels of `artifact` (fatbin or cubin) for `arch`, by name."""
+    exe = find_cuobjdump()
+    if exe is None:
+        raise RuntimeError("cuobjdump/nvdisasm not found: install the CUDA toolkit's, or "
+                           "`pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm`")
+    env = dict(os.environ, NVDISASM_PATH=str(Path(_find_tool("nvdisasm")).parent))
+    r = subprocess.run([exe, "-sass", "-arch", arch, str(artifact)], capture_output=True, text=True, env=env)
+    if r.returncode != 0:
+        raise RuntimeError(f"cuobjdump -sass -arch {arch} {artifact} failed: {r.stderr.strip()}")
+    kernels: dict[str, KernelSass] = {}
+    cur: KernelSass | None = None
+    for line in r.stdout.splitlines():
+        if (m := _FUNC.search(line)):
+            cur = kernels.setdefault(m.group("name"), KernelSass(m.group("name")))
+        elif cur is not None and (m := _INSTR.match(line)):
+            cur.instructions.append(_PRED.sub("", m.group("text").strip()))
+    if not kernels:
+        raise RuntimeError(f"{artifact}: no {arch} machine code found")
+    return kernels
