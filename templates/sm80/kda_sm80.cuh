@@ -188,10 +188,8 @@ extern "C" __global__ void __launch_bounds__(kda::NT1, kda::MINB1) kda_prep(cons
 
   PrepChunk w;
   if (!prep_chunk(p, w)) return;
-  const int h = w.h, rows = w.rows, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const long long bidx = w.bidx, t0 = w.t0;
-  char* wsr = w.wsr;
-  const in_t *qp = w.qp, *kp = w.kp;
+  const auto [h, rows, bidx, t0, wsr, qp, kp] = w;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
 
   // ---- 0. loads
   constexpr int GPR = K / 8;  // 8-column groups per row; C * GPR == NT1
@@ -467,10 +465,8 @@ extern "C" __global__ void __launch_bounds__(kda::NT1, kda::MINB1) kda_prep(cons
 
   PrepChunk w;
   if (!prep_chunk(p, w)) return;
-  const int h = w.h, rows = w.rows, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const long long bidx = w.bidx, t0 = w.t0;
-  char* wsr = w.wsr;
-  const in_t *qp = w.qp, *kp = w.kp;
+  const auto [h, rows, bidx, t0, wsr, qp, kp] = w;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const long long goff = bidx * p.g_s[0] + h * p.g_s[2];
 #if KDA_GATE != 2
   const float aexp = __expf(p.A_log[h]);
