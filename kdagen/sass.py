@@ -9,6 +9,7 @@ mixes of two builds). Needs `cuobjdump` and the `nvdisasm` it calls: on PATH, or
 from __future__ import annotations
 
 import collections
+import functools
 import os
 import re
 import shutil
@@ -78,19 +79,27 @@ def _find_tool(name: str) -> str | None:
     return None
 
 
+@functools.lru_cache(maxsize=1)
+def _tools() -> tuple[str, str] | None:
+    """(cuobjdump, nvdisasm), or None unless both are available."""
+    exe, dis = _find_tool("cuobjdump"), _find_tool("nvdisasm")
+    return (exe, dis) if exe and dis else None
+
+
 def find_cuobjdump() -> str | None:
     """cuobjdump, if it and the nvdisasm it runs are both available."""
-    exe, dis = _find_tool("cuobjdump"), _find_tool("nvdisasm")
-    return exe if exe and dis else None
+    tools = _tools()
+    return tools[0] if tools else None
 
 
 def disassemble(artifact: Path, arch: str = "sm_90") -> dict[str, KernelSass]:
     """Kernels of `artifact` (fatbin or cubin) for `arch`, by name."""
-    exe = find_cuobjdump()
-    if exe is None:
+    tools = _tools()
+    if tools is None:
         raise RuntimeError("cuobjdump/nvdisasm not found: install the CUDA toolkit's, or "
                            "`pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm`")
-    env = dict(os.environ, NVDISASM_PATH=str(Path(_find_tool("nvdisasm")).parent))
+    exe, dis = tools
+    env = dict(os.environ, NVDISASM_PATH=str(Path(dis).parent))
     r = subprocess.run([exe, "-sass", "-arch", arch, str(artifact)], capture_output=True, text=True, env=env)
     if r.returncode != 0:
         raise RuntimeError(f"cuobjdump -sass -arch {arch} {artifact} failed: {r.stderr.strip()}")
