@@ -222,18 +222,23 @@ extern "C" __global__ void __launch_bounds__(kda::NT1, kda::MINB1) kda_prep(cons
 #endif
     float a[8];
     float run = 0.f;
+    // One pointer walk per thread (no per-row 64-bit index products), the input type chosen once
+    // for the whole loop, and no per-row bounds test for full chunks (all but the last).
+    auto gate_rows = [&](auto tag) {
+      using GT = decltype(tag);
+      const long long gsb = p.g_s[1] * (long long)sizeof(GT);  // row stride in bytes
+      const char* gp = reinterpret_cast<const char*>(reinterpret_cast<const GT*>(p.g) + goff) + (t0 + 8 * half) * gsb;
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const int r = 8 * half + j;
-      float x = 0.f;  // rows past the end: no decay
-      if (r < rows) {
-        const long long go = goff + (t0 + r) * p.g_s[1];
-        x = p.g_fp32 ? ((const float*)p.g)[go] : to_f(((const in_t*)p.g)[go]);
-        x = gate_act(x + bias, aexp, p.lower_bound);
+      for (int j = 0; j < 8; ++j) {
+        if (rows == C || 8 * half + j < rows)  // rows past the end: no decay
+          run += gate_act(to_f(__ldg(reinterpret_cast<const GT*>(gp))) + bias, aexp, p.lower_bound);
+        a[j] = run;
+        gp += gsb;
+        asm("" : "+l"(gp));  // keep the walk: otherwise each row gets its own 64-bit product
       }
-      run += x;
-      a[j] = run;
-    }
+    };
+    if (p.g_fp32) gate_rows(0.f);
+    else gate_rows(in_t{});
     const float first = __shfl_up_sync(0xffffffffu, run, 16);
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
@@ -846,9 +851,6 @@ extern "C" __global__ void __launch_bounds__(kda::NT2) kda_recur(const KdaParams
     // The one block-wide barrier of a step: chunk c has landed for every thread, and every warp
     // is done with step c - 1 (its stage can be refilled, the exchange slots reused).
     __syncthreads();
-    if (c + NSTAGE - 1 < nc)
-      prefetch_chunk(smem2 + ((c + NSTAGE - 1) % NSTAGE) * STAGE, rec_c + (c + NSTAGE - 1) * rstride, vb, tid);
-    cp_async_commit();
 
     const bf16* sW = reinterpret_cast<const bf16*>(smem2 + (c % NSTAGE) * STAGE);
     const bf16* sQ = sW + C * KS;
@@ -857,7 +859,10 @@ extern "C" __global__ void __launch_bounds__(kda::NT2) kda_recur(const KdaParams
     const bf16* sU = sMq + C * CS;
     const float* sGam = reinterpret_cast<const float*>(sU + BV * CS);
 
-    // S slice as bf16 A fragments (accumulator layout == A layout).
+    // Issue order matters: one warp per scheduler issues in program order, so the step is laid
+    // out along its dependency chain (S -> S W^T -> exchange -> U -> S update); independent work
+    // (prefetch, o) sits where it fills the tensor-core latency instead of delaying the chain.
+    // S slice as bf16 A fragments (accumulator layout == A layout), then S <- S diag(Gamma_C).
     uint32_t sa[KH / 16][4];
 #pragma unroll
     for (int ks = 0; ks < KH / 16; ++ks) {
@@ -866,20 +871,8 @@ extern "C" __global__ void __launch_bounds__(kda::NT2) kda_recur(const KdaParams
       sa[ks][2] = pack_bf16(s[2 * ks + 1][0], s[2 * ks + 1][1]);
       sa[ks][3] = pack_bf16(s[2 * ks + 1][2], s[2 * ks + 1][3]);
     }
-    // -U^T = S W^T - U0^T ([16 v, C]); the kh = 0 warp brings -U0^T, the others start at 0.
-    float ut[C / 8][4];
-    const int ur = vt * 16 + g8;
-#pragma unroll
-    for (int nt = 0; nt < C / 8; ++nt) {
-      if (kh == 0) {
-        const __nv_bfloat162 x0 = *reinterpret_cast<const __nv_bfloat162*>(sU + ur * CS + 8 * nt + 2 * t4);
-        const __nv_bfloat162 x1 = *reinterpret_cast<const __nv_bfloat162*>(sU + (ur + 8) * CS + 8 * nt + 2 * t4);
-        ut[nt][0] = -__low2float(x0); ut[nt][1] = -__high2float(x0);
-        ut[nt][2] = -__low2float(x1); ut[nt][3] = -__high2float(x1);
-      } else {
-        ut[nt][0] = ut[nt][1] = ut[nt][2] = ut[nt][3] = 0.f;
-      }
-    }
+    // Partial S W^T ([16 v, C]) over this warp's K slice.
+    float ut[C / 8][4] = {};
 #pragma unroll
     for (int ntp = 0; ntp < C / 16; ++ntp)
 #pragma unroll
@@ -890,59 +883,122 @@ extern "C" __global__ void __launch_bounds__(kda::NT2) kda_recur(const KdaParams
         mma_bf16(ut[2 * ntp], sa[ks], b[0], b[1]);
         mma_bf16(ut[2 * ntp + 1], sa[ks], b[2], b[3]);
       }
-    // S Qd^T over this warp's K slice. The o^T n-tiles (8 time steps each) are split between the
-    // two warps of a V tile, n-tile 2 ntp + kh to warp kh: it keeps those partials and hands the
-    // others to its partner. Split this way, the triangular U^T Mqk^T work is balanced too.
-    constexpr int NH = KSPLIT == 1 ? 2 : 1;  // n-tiles per 16 time steps this warp finishes
-    float ok[C / 16][NH][4];
-    float4* xw = xbuf + warp * XW4 * 32 + lane;
+    // Partial S Qd^T over this warp's K slice (off the chain: o only).
+    float oq[C / 16][2][4] = {};
 #pragma unroll
-    for (int ntp = 0; ntp < C / 16; ++ntp) {
-      float oq[2][4] = {};
+    for (int ntp = 0; ntp < C / 16; ++ntp)
 #pragma unroll
       for (int ks = 0; ks < KH / 16; ++ks) {
         const int row = 16 * ntp + 8 * (lm >> 1) + lr, col = k0 + 16 * ks + 8 * (lm & 1);
         uint32_t bq[4];
         ldsm_x4(bq, sQ + row * KS + col);
-        mma_bf16(oq[0], sa[ks], bq[0], bq[1]);
-        mma_bf16(oq[1], sa[ks], bq[2], bq[3]);
+        mma_bf16(oq[ntp][0], sa[ks], bq[0], bq[1]);
+        mma_bf16(oq[ntp][1], sa[ks], bq[2], bq[3]);
       }
-      if constexpr (KSPLIT == 1) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) { ok[ntp][0][e] = oq[0][e]; ok[ntp][1][e] = oq[1][e]; }
-      } else {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) ok[ntp][0][e] = kh ? oq[1][e] : oq[0][e];
-        xw[(XU4 + ntp) * 32] = kh ? make_float4(oq[0][0], oq[0][1], oq[0][2], oq[0][3])
-                                  : make_float4(oq[1][0], oq[1][1], oq[1][2], oq[1][3]);
-      }
+    for (int nt = 0; nt < KH / 8; ++nt) {
+      const float2 gm = *reinterpret_cast<const float2*>(sGam + k0 + 8 * nt + 2 * t4);
+      s[nt][0] *= gm.x; s[nt][1] *= gm.y; s[nt][2] *= gm.x; s[nt][3] *= gm.y;
     }
-    if constexpr (KSPLIT > 1) {
+    // The next stage's copies go out while the tensor cores work.
+    if (c + NSTAGE - 1 < nc)
+      prefetch_chunk(smem2 + ((c + NSTAGE - 1) % NSTAGE) * STAGE, rec_c + (c + NSTAGE - 1) * rstride, vb, tid);
+    cp_async_commit();
+    // Operands of the chain's second half, loaded before the exchange barrier (a barrier also
+    // fences shared-memory loads, so after it they would sit on the chain): U0^T of this warp's
+    // 16 V rows and, at chunk 16, the Kr fragments of the S update.
+    const int ur = vt * 16 + g8;
+    constexpr int NU0 = C == 16 ? C / 8 : 1;  // preloaded U0 n-tiles (registers allow at C = 16)
+    float u0r[NU0][4];
+    auto u0_at = [&](int nt, int e) {
+      return __bfloat162float(sU[(ur + 8 * (e >> 1)) * CS + 8 * nt + 2 * t4 + (e & 1)]);
+    };
+    if constexpr (C == 16) {
+#pragma unroll
+      for (int nt = 0; nt < C / 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) u0r[nt][e] = u0_at(nt, e);
+    }
+    auto u0 = [&](int nt, int e) {
+      if constexpr (C == 16) return u0r[nt][e];
+      else return u0_at(nt, e);
+    };
+    constexpr int NKR = C == 16 ? KH / 16 : 1;  // preloaded Kr fragments (registers allow at C = 16)
+    uint32_t kr[NKR][4];
+    auto load_kr = [&](uint32_t (&b)[4], int ntp, int kc) {
+      const int row = 16 * kc + 8 * (lm & 1) + lr, col = k0 + 16 * ntp + 8 * (lm >> 1);
+      ldsm_x4_t(b, sR + row * KS + col);
+    };
+    if constexpr (C == 16) {
+#pragma unroll
+      for (int ntp = 0; ntp < KH / 16; ++ntp) load_kr(kr[ntp], ntp, 0);
+    }
+    // The o^T n-tiles (8 time steps each) are split between the two warps of a V tile, n-tile
+    // 2 ntp + kh to warp kh: it keeps those partials and hands the others to its partner. Split
+    // this way, the triangular U^T Mqk^T work is balanced too.
+    constexpr int NH = KSPLIT == 1 ? 2 : 1;  // n-tiles per 16 time steps this warp finishes
+    float ok[C / 16][NH][4];
+    if constexpr (KSPLIT == 1) {
+#pragma unroll
+      for (int ntp = 0; ntp < C / 16; ++ntp)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) { ok[ntp][0][e] = oq[ntp][0][e]; ok[ntp][1][e] = oq[ntp][1][e]; }
+#pragma unroll
+      for (int nt = 0; nt < C / 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) ut[nt][e] = u0(nt, e) - ut[nt][e];
+    } else {
+      float4* xw = xbuf + warp * XW4 * 32 + lane;
 #pragma unroll
       for (int nt = 0; nt < C / 8; ++nt) xw[nt * 32] = make_float4(ut[nt][0], ut[nt][1], ut[nt][2], ut[nt][3]);
+#pragma unroll
+      for (int ntp = 0; ntp < C / 16; ++ntp) {
+        xw[(XU4 + ntp) * 32] = kh ? make_float4(oq[ntp][0][0], oq[ntp][0][1], oq[ntp][0][2], oq[ntp][0][3])
+                                  : make_float4(oq[ntp][1][0], oq[ntp][1][1], oq[ntp][1][2], oq[ntp][1][3]);
+      }
       bar_tile<0>(vt);  // the two warps of this V tile
-      // Own + partner's partial: the same two addends on both warps, so the same U bit for bit.
+      // U = U0 - (own partial + partner's): floating-point addition commutes, so both warps hold
+      // the same U bit for bit.
       const float4* xp = xbuf + ((1 - kh) * NWV + vt) * XW4 * 32 + lane;
 #pragma unroll
       for (int nt = 0; nt < C / 8; ++nt) {
         const float4 b = xp[nt * 32];
-        ut[nt][0] += b.x; ut[nt][1] += b.y; ut[nt][2] += b.z; ut[nt][3] += b.w;
+        const float o4[4] = {b.x, b.y, b.z, b.w};
+#pragma unroll
+        for (int e = 0; e < 4; ++e) ut[nt][e] = u0(nt, e) - (ut[nt][e] + o4[e]);
       }
 #pragma unroll
       for (int ntp = 0; ntp < C / 16; ++ntp) {
         const float4 b = xp[(XU4 + ntp) * 32];
-        ok[ntp][0][0] += b.x; ok[ntp][0][1] += b.y; ok[ntp][0][2] += b.z; ok[ntp][0][3] += b.w;
+        const float o4[4] = {b.x, b.y, b.z, b.w};
+#pragma unroll
+        for (int e = 0; e < 4; ++e) ok[ntp][0][e] = (kh ? oq[ntp][1][e] : oq[ntp][0][e]) + o4[e];
       }
     }
     // U^T as bf16 A fragments.
     uint32_t ua[C / 16][4];
 #pragma unroll
     for (int kc = 0; kc < C / 16; ++kc) {
-      ua[kc][0] = pack_bf16(-ut[2 * kc][0], -ut[2 * kc][1]);
-      ua[kc][1] = pack_bf16(-ut[2 * kc][2], -ut[2 * kc][3]);
-      ua[kc][2] = pack_bf16(-ut[2 * kc + 1][0], -ut[2 * kc + 1][1]);
-      ua[kc][3] = pack_bf16(-ut[2 * kc + 1][2], -ut[2 * kc + 1][3]);
+      ua[kc][0] = pack_bf16(ut[2 * kc][0], ut[2 * kc][1]);
+      ua[kc][1] = pack_bf16(ut[2 * kc][2], ut[2 * kc][3]);
+      ua[kc][2] = pack_bf16(ut[2 * kc + 1][0], ut[2 * kc + 1][1]);
+      ua[kc][3] = pack_bf16(ut[2 * kc + 1][2], ut[2 * kc + 1][3]);
     }
+    // S += U^T Kr (this warp's K slice): the end of the chain, issued before the o work.
+#pragma unroll
+    for (int ntp = 0; ntp < KH / 16; ++ntp)
+#pragma unroll
+      for (int kc = 0; kc < C / 16; ++kc) {
+        uint32_t b[4];
+        if constexpr (C == 16) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) b[e] = kr[ntp][e];
+        } else {
+          load_kr(b, ntp, kc);
+        }
+        mma_bf16(s[2 * ntp], ua[kc], b[0], b[1]);
+        mma_bf16(s[2 * ntp + 1], ua[kc], b[2], b[3]);
+      }
     // o^T += U^T Mqk^T on this warp's n-tiles (Mqk lower triangular: blocks kc <= ntp), staged in
     // this warp's slice of shared memory.
 #pragma unroll
@@ -982,22 +1038,6 @@ extern "C" __global__ void __launch_bounds__(kda::NT2) kda_recur(const KdaParams
           *reinterpret_cast<uint4*>(oc + t * ostride + half * 8) = *reinterpret_cast<const uint4*>(so + r * OP + half * 8);
       }
     }
-    // S = S diag(Gamma_C) + U^T Kr (this warp's K slice)
-#pragma unroll
-    for (int nt = 0; nt < KH / 8; ++nt) {
-      const float2 gm = *reinterpret_cast<const float2*>(sGam + k0 + 8 * nt + 2 * t4);
-      s[nt][0] *= gm.x; s[nt][1] *= gm.y; s[nt][2] *= gm.x; s[nt][3] *= gm.y;
-    }
-#pragma unroll
-    for (int ntp = 0; ntp < KH / 16; ++ntp)
-#pragma unroll
-      for (int kc = 0; kc < C / 16; ++kc) {
-        const int row = 16 * kc + 8 * (lm & 1) + lr, col = k0 + 16 * ntp + 8 * (lm >> 1);
-        uint32_t b[4];
-        ldsm_x4_t(b, sR + row * KS + col);
-        mma_bf16(s[2 * ntp], ua[kc], b[0], b[1]);
-        mma_bf16(s[2 * ntp + 1], ua[kc], b[2], b[3]);
-      }
     // state "bf16": bf16 in memory (initial / final / chunk states); the register-held state
     // stays fp32 between chunks (rounding it every chunk costs accuracy and saves nothing).
   }
