@@ -224,7 +224,7 @@ extern "C" __global__ void __launch_bounds__(kda::NT1, kda::MINB1) kda_prep(cons
     float run = 0.f;
     // One pointer walk per thread (no per-row 64-bit index products), the input type chosen once
     // for the whole loop, and no per-row bounds test for full chunks (all but the last).
-    auto gate_rows = [&](auto tag) {
+    auto gate_rows = [&, t0 = t0, rows = rows](auto tag) {
       using GT = decltype(tag);
       const long long gsb = p.g_s[1] * (long long)sizeof(GT);  // row stride in bytes
       const char* gp = reinterpret_cast<const char*>(reinterpret_cast<const GT*>(p.g) + goff) + (t0 + 8 * half) * gsb;
@@ -871,8 +871,11 @@ extern "C" __global__ void __launch_bounds__(kda::NT2) kda_recur(const KdaParams
       sa[ks][2] = pack_bf16(s[2 * ks + 1][0], s[2 * ks + 1][1]);
       sa[ks][3] = pack_bf16(s[2 * ks + 1][2], s[2 * ks + 1][3]);
     }
-    // Partial S W^T ([16 v, C]) over this warp's K slice.
+    // Partial S W^T ([16 v, C]) over this warp's K slice. At chunk 16 the K steps alternate
+    // between two accumulators, halving the dependent tensor-core chain at the head of the step.
+    constexpr int NACC = C == 16 && KH >= 32 ? 2 : 1;
     float ut[C / 8][4] = {};
+    float ut2[C / 8][4] = {};  // unused (and dropped) when NACC == 1
 #pragma unroll
     for (int ntp = 0; ntp < C / 16; ++ntp)
 #pragma unroll
@@ -880,9 +883,20 @@ extern "C" __global__ void __launch_bounds__(kda::NT2) kda_recur(const KdaParams
         const int row = 16 * ntp + 8 * (lm >> 1) + lr, col = k0 + 16 * ks + 8 * (lm & 1);
         uint32_t b[4];
         ldsm_x4(b, sW + row * KS + col);
-        mma_bf16(ut[2 * ntp], sa[ks], b[0], b[1]);
-        mma_bf16(ut[2 * ntp + 1], sa[ks], b[2], b[3]);
+        if (NACC > 1 && (ks & 1)) {
+          mma_bf16(ut2[2 * ntp], sa[ks], b[0], b[1]);
+          mma_bf16(ut2[2 * ntp + 1], sa[ks], b[2], b[3]);
+        } else {
+          mma_bf16(ut[2 * ntp], sa[ks], b[0], b[1]);
+          mma_bf16(ut[2 * ntp + 1], sa[ks], b[2], b[3]);
+        }
       }
+    if constexpr (NACC > 1) {
+#pragma unroll
+      for (int nt = 0; nt < C / 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) ut[nt][e] += ut2[nt][e];
+    }
     // Partial S Qd^T over this warp's K slice (off the chain: o only).
     float oq[C / 16][2][4] = {};
 #pragma unroll
