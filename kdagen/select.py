@@ -87,8 +87,12 @@ def preference(v: Variant, c: CallInfo, sms: int) -> tuple:
     # figure, measured where the target says so); on CPU, the widest.
     programs = c.N * c.HV * (v.v // v.block_v)
     waves = TARGETS[v.target].vsplit_min_waves if v.target in TARGETS else 2.0
+    preferred_bv = TARGETS[v.target].preferred_block_v if v.target in TARGETS else None
     enough = programs >= waves * sms
-    bv_rank = (0, -v.block_v) if enough else (1, v.block_v)
+    if enough:
+        bv_rank = (0, 0) if v.block_v == preferred_bv else (1, -v.block_v)
+    else:
+        bv_rank = (2, v.block_v)
     return (rank, state_rank, chunk_rank, bv_rank, v.name)
 
 

@@ -34,8 +34,11 @@ class TargetInfo:
     nvcc_flags: tuple[str, ...] = ()
     # Extra include folders under templates/ whose files every variant's source hashes.
     includes: tuple[str, ...] = ()
-    # Selection takes the widest block_v that gives at least this many programs per SM.
+    # Selection takes the widest block_v that gives at least this many programs per SM
+    # (preferred_block_v first, when it does).
     vsplit_min_waves: float = 2.0
+    # block_v measured best on this target wherever it gives vsplit_min_waves programs per SM.
+    preferred_block_v: int | None = None
     # Combinations this target cannot build: ({field: value}, reason), shown by `kdagen list -v`.
     rejects: tuple[tuple[tuple[tuple[str, Any], ...], str], ...] = ()
     # A target whose numerics cannot be run here names a twin target implementing the
@@ -103,7 +106,11 @@ TARGETS: dict[str, TargetInfo] = {
         # beat 16 and 64. Both are the widest block with at least ~0.7 programs per SM.
         # With the one-barrier recurrence (2400980) block_v 32 and 64 are within 0-6% of each
         # other at T8192 H96, which one leads depending on the run; 32 still wins at H24.
+        # With the chain-ordered recurrence step (5347342) block_v 32 beats 64 at T8192 H96 by
+        # 10% in two runs (1.407 vs 1.561, 1.399 vs 1.552 ms), so 32 is preferred where it gives
+        # 0.7 programs per SM; at T65536 H24, 16 and 32 trade places between runs (within 7%).
         vsplit_min_waves=0.7,
+        preferred_block_v=32,
     ),
     "ascend": TargetInfo(
         name="ascend",
