@@ -1,7 +1,7 @@
 """Structure of the built sm80 kernels, read from their SASS (no GPU needed).
 
 These pin design properties that only a GPU could otherwise reveal (as time): the recurrence
-meets the whole block once per chunk, the split-K warps of a V tile meet at named barriers,
+meets the whole block once per chunk, the split-K warp pairs meet at 64-thread named barriers,
 and the chunk-16 prep does its matrix products on tensor cores.
 """
 
@@ -27,18 +27,16 @@ pytestmark = [
 
 @pytest.mark.parametrize("var,art", ARTIFACTS, ids=[v.name for v, _ in ARTIFACTS])
 def test_recurrence_barriers(var: Variant, art: Path):
-    """One block-wide barrier per chunk step; at K = 128 one named barrier per V tile for its
-    split-K warps: two (64 threads), or four (128) at chunk 16 with block_v 16."""
+    """One block-wide barrier per chunk step; at K = 128 one 64-thread named barrier per V tile."""
     for arch in ("sm_80", "sm_90"):
         bars = disassemble(art, arch)["kda_recur"].barriers()
-        assert sum(b.endswith(" 0x0") for b in bars) == 1, f"{var.name} {arch}: {bars}"
+        assert sum(b.endswith(" 0x0") for b in bars) == 1, f"{entry['name']} {arch}: {bars}"
         named = [b for b in bars if not b.endswith(" 0x0")]
-        if var.k >= 128:  # split K: warps vt, vt + NWV, ... meet under ids 1..NWV
-            split = 4 if var.chunk == 16 and var.block_v == 16 else 2
-            want = [f"BAR.SYNC.DEFER_BLOCKING {hex(i + 1)}, {hex(32 * split)}" for i in range(var.block_v // 16)]
-            assert named == want, f"{var.name} {arch}: {named}"
+        if var.k >= 128:  # split K: warps vt and vt + NWV pair up under ids 1..NWV
+            want = [f"BAR.SYNC.DEFER_BLOCKING {hex(i + 1)}, 0x40" for i in range(var.block_v // 16)]
+            assert named == want, f"{entry['name']} {arch}: {named}"
         else:
-            assert named == [], f"{var.name} {arch}: {named}"
+            assert named == [], f"{entry['name']} {arch}: {named}"
 
 
 @pytest.mark.parametrize("var,art", C16, ids=[v.name for v, _ in C16])

@@ -71,12 +71,10 @@ static_assert(C != 16 || (K == V && C * (K / 8) == NT1 && NMW <= NW1 && V * UP1 
 // ---- kernel 2 ----
 // Split-K: at K = 128 two warps share 16 rows of V, each holding K/2 state columns. Per warp
 // this halves the MMAs and the dependent chain of a step (the recurrence is issue-bound with
-// one warp per scheduler) and doubles the warps in flight when there are few heads; the
+// one warp per scheduler) and doubles the warps in flight when there are few heads; the two
 // partial sums of S W^T and S Qd^T are exchanged through shared memory once per chunk.
-// Chunk 16 with block_v 16 (the few-heads, long-sequence shape) splits K four ways: each warp
-// holds 16 x 32 of the state, which shortens the serial step once more.
-constexpr int KSPLIT = K >= 128 ? (C == 16 && BV == 16 ? 4 : 2) : 1;
-static_assert(KSPLIT == 1 || KSPLIT == 2 || (KSPLIT == 4 && C == 16), "split-K: 2 warps, or 4 at chunk 16");
+constexpr int KSPLIT = K >= 128 ? 2 : 1;
+static_assert(KSPLIT <= 2, "the split-K exchange pairs two warps");
 constexpr int KH = K / KSPLIT;  // state columns per warp
 constexpr int NWV = BV / 16;    // warps along V
 constexpr int NW2 = NWV * KSPLIT;
@@ -85,17 +83,15 @@ constexpr int KS = K + 8;  // bf16 row pitch: 16-byte shift per row, conflict-fr
 constexpr int CS = C + 8;
 constexpr int STAGE = (3 * C * KS + C * CS + BV * CS) * 2 + K * 4;
 // Split-K exchange, per warp: its partial U^T [16 v, C] (C/8 float4 per lane) and the partial
-// S Qd^T n-tiles its partner finishes (C/16 float4 per lane; with four warps all C/8 n-tiles,
-// of which each partner takes a quarter). Float4 j of lane l of warp w sits at
+// S Qd^T n-tiles its partner finishes (C/16 float4 per lane). Float4 j of lane l of warp w sits at
 // (w * XW4 + j) * 32 + l: conflict-free.
 constexpr int XU4 = C / 8;
-constexpr int XO4 = KSPLIT == 4 ? C / 8 : C / 16;
+constexpr int XO4 = C / 16;
 constexpr int XW4 = XU4 + XO4;
 constexpr int XBUF = KSPLIT > 1 ? NW2 * 32 * XW4 * 16 : 0;
-// o: each warp finishes C / KSPLIT time steps of its 16 V columns (four-way: 8 time steps of
-// 8 V columns), staged in its own slice of shared memory for 16-byte stores (48-byte rows: the
-// 2-byte writes hit distinct banks).
-constexpr int OROWS = KSPLIT == 4 ? 8 : C / KSPLIT;
+// o: each warp finishes C / KSPLIT time steps of its 16 V columns, staged in its own slice of
+// shared memory for 16-byte stores (48-byte rows: the 2-byte writes hit distinct banks).
+constexpr int OROWS = C / KSPLIT;
 constexpr int OP = 24;
 constexpr int OBUF = NW2 * OROWS * OP * 2;
 // Three stages where they fit: chunk c + 2 streams in while chunk c is worked on.
@@ -755,12 +751,12 @@ __device__ __forceinline__ void prefetch_chunk(char* stage, const char* rec, int
   copy_rows<1, K / 4, 0, 0>(su + BV * CS * 2, rec + OFF_GM, tid);
 }
 
-// Barrier of the KSPLIT warps of V tile vt (id 1 + vt). Immediate ids: with a register id ptxas
+// Barrier of the two warps of V tile vt (id 1 + vt). Immediate ids: with a register id ptxas
 // reserves all 16 hardware barriers per block, which caps the blocks per SM.
 template <int I>
 __device__ __forceinline__ void bar_tile(int vt) {
   if constexpr (I < NWV) {
-    if (vt == I) asm volatile("bar.sync %0, %1;\n" ::"n"(I + 1), "n"(KSPLIT * 32) : "memory");
+    if (vt == I) asm volatile("bar.sync %0, 64;\n" ::"n"(I + 1) : "memory");
     bar_tile<I + 1>(vt);
   }
 }
@@ -969,37 +965,12 @@ extern "C" __global__ void __launch_bounds__(kda::NT2) kda_recur(const KdaParams
       float4* xw = xbuf + warp * XW4 * 32 + lane;
 #pragma unroll
       for (int nt = 0; nt < C / 8; ++nt) xw[nt * 32] = make_float4(ut[nt][0], ut[nt][1], ut[nt][2], ut[nt][3]);
-      if constexpr (KSPLIT == 2) {
 #pragma unroll
-        for (int ntp = 0; ntp < C / 16; ++ntp) {
-          xw[(XU4 + ntp) * 32] = kh ? make_float4(oq[ntp][0][0], oq[ntp][0][1], oq[ntp][0][2], oq[ntp][0][3])
-                                    : make_float4(oq[ntp][1][0], oq[ntp][1][1], oq[ntp][1][2], oq[ntp][1][3]);
-        }
-      } else {
-#pragma unroll
-        for (int nt = 0; nt < 2; ++nt)
-          xw[(XU4 + nt) * 32] = make_float4(oq[0][nt][0], oq[0][nt][1], oq[0][nt][2], oq[0][nt][3]);
+      for (int ntp = 0; ntp < C / 16; ++ntp) {
+        xw[(XU4 + ntp) * 32] = kh ? make_float4(oq[ntp][0][0], oq[ntp][0][1], oq[ntp][0][2], oq[ntp][0][3])
+                                  : make_float4(oq[ntp][1][0], oq[ntp][1][1], oq[ntp][1][2], oq[ntp][1][3]);
       }
-      bar_tile<0>(vt);  // the KSPLIT warps of this V tile
-    }
-    if constexpr (KSPLIT == 4) {
-      // U = U0 - (((p0 + p1) + p2) + p3): the same sums in the same order on all four warps,
-      // so all hold the same U bit for bit.
-      float sum[C / 8][4] = {};
-#pragma unroll
-      for (int w = 0; w < KSPLIT; ++w) {
-        const float4* xp = xbuf + (w * NWV + vt) * XW4 * 32 + lane;
-#pragma unroll
-        for (int nt = 0; nt < C / 8; ++nt) {
-          const float4 b = xp[nt * 32];
-          sum[nt][0] += b.x; sum[nt][1] += b.y; sum[nt][2] += b.z; sum[nt][3] += b.w;
-        }
-      }
-#pragma unroll
-      for (int nt = 0; nt < C / 8; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) ut[nt][e] = u0(nt, e) - sum[nt][e];
-    } else if constexpr (KSPLIT == 2) {
+      bar_tile<0>(vt);  // the two warps of this V tile
       // U = U0 - (own partial + partner's): floating-point addition commutes, so both warps hold
       // the same U bit for bit.
       const float4* xp = xbuf + ((1 - kh) * NWV + vt) * XW4 * 32 + lane;
@@ -1042,70 +1013,43 @@ extern "C" __global__ void __launch_bounds__(kda::NT2) kda_recur(const KdaParams
         mma_bf16(s[2 * ntp], ua[kc], b[0], b[1]);
         mma_bf16(s[2 * ntp + 1], ua[kc], b[2], b[3]);
       }
-    if constexpr (KSPLIT == 4) {
-      // This warp's quarter of o^T: n-tile kh >> 1 (time steps 8 (kh >> 1) + [0, 8)), rows
-      // g8 + 8 (kh & 1) (V columns 8 (kh & 1) + [0, 8)). The four warps' S Qd^T partials in
-      // warp order, then U^T Mqk^T on the tensor cores (whole n-tile, this warp keeps its half).
-      const int nq = kh >> 1, hq = kh & 1;
-      float2 po = make_float2(0.f, 0.f);
+    // o^T += U^T Mqk^T on this warp's n-tiles (Mqk lower triangular: blocks kc <= ntp), staged in
+    // this warp's slice of shared memory.
 #pragma unroll
-      for (int w = 0; w < KSPLIT; ++w) {
-        const float2 b = reinterpret_cast<const float2*>(xbuf + ((w * NWV + vt) * XW4 + XU4 + nq) * 32 + lane)[hq];
-        po.x += b.x;
-        po.y += b.y;
+    for (int ntp = 0; ntp < C / 16; ++ntp) {
+#pragma unroll
+      for (int kc = 0; kc <= ntp; ++kc) {
+        if constexpr (KSPLIT == 1) {
+          const int row = 16 * ntp + 8 * (lm >> 1) + lr, col = 16 * kc + 8 * (lm & 1);
+          uint32_t b[4];
+          ldsm_x4(b, sMq + row * CS + col);
+          mma_bf16(ok[ntp][0], ua[kc], b[0], b[1]);
+          mma_bf16(ok[ntp][NH - 1], ua[kc], b[2], b[3]);
+        } else {
+          const int row = 16 * ntp + 8 * kh + lr, col = 16 * kc + 8 * (lm & 1);
+          uint32_t b[2];
+          ldsm_x2(b, sMq + row * CS + col);
+          mma_bf16(ok[ntp][0], ua[kc], b[0], b[1]);
+        }
       }
-      float acc[4] = {hq ? 0.f : po.x, hq ? 0.f : po.y, hq ? po.x : 0.f, hq ? po.y : 0.f};
-      uint32_t bm[2];
-      ldsm_x2(bm, sMq + (8 * nq + lr) * CS + 8 * (lm & 1));
-      mma_bf16(acc, ua[0], bm[0], bm[1]);
-      so[(2 * t4) * OP + g8] = from_f<in_t>(hq ? acc[2] : acc[0]);
-      so[(2 * t4 + 1) * OP + g8] = from_f<in_t>(hq ? acc[3] : acc[1]);
-      __syncwarp();
-      // 16-byte stores: a staged row is 8 V columns of one time step.
+#pragma unroll
+      for (int hh = 0; hh < NH; ++hh) {
+        const int r0 = (KSPLIT == 1 ? 16 * ntp + 8 * hh : 8 * ntp) + 2 * t4;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) so[(r0 + (e & 1)) * OP + g8 + (e >> 1) * 8] = from_f<in_t>(ok[ntp][hh][e]);
+      }
+    }
+    __syncwarp();
+    {
+      // 16-byte stores: a staged row is this warp's 16 V columns of one time step (32 bytes).
       const int rows = min(C, len - c * C);
       in_t* oc = op + (tb + (long long)c * C) * ostride;
-      const int t = 8 * nq + lane;
-      if (lane < 8 && t < rows)
-        *reinterpret_cast<uint4*>(oc + t * ostride + 8 * hq) = *reinterpret_cast<const uint4*>(so + lane * OP);
-    } else {
-      // o^T += U^T Mqk^T on this warp's n-tiles (Mqk lower triangular: blocks kc <= ntp), staged in
-      // this warp's slice of shared memory.
 #pragma unroll
-      for (int ntp = 0; ntp < C / 16; ++ntp) {
-#pragma unroll
-        for (int kc = 0; kc <= ntp; ++kc) {
-          if constexpr (KSPLIT == 1) {
-            const int row = 16 * ntp + 8 * (lm >> 1) + lr, col = 16 * kc + 8 * (lm & 1);
-            uint32_t b[4];
-            ldsm_x4(b, sMq + row * CS + col);
-            mma_bf16(ok[ntp][0], ua[kc], b[0], b[1]);
-            mma_bf16(ok[ntp][NH - 1], ua[kc], b[2], b[3]);
-          } else {
-            const int row = 16 * ntp + 8 * kh + lr, col = 16 * kc + 8 * (lm & 1);
-            uint32_t b[2];
-            ldsm_x2(b, sMq + row * CS + col);
-            mma_bf16(ok[ntp][0], ua[kc], b[0], b[1]);
-          }
-        }
-#pragma unroll
-        for (int hh = 0; hh < NH; ++hh) {
-          const int r0 = (KSPLIT == 1 ? 16 * ntp + 8 * hh : 8 * ntp) + 2 * t4;
-#pragma unroll
-          for (int e = 0; e < 4; ++e) so[(r0 + (e & 1)) * OP + g8 + (e >> 1) * 8] = from_f<in_t>(ok[ntp][hh][e]);
-        }
-      }
-      __syncwarp();
-      {
-        // 16-byte stores: a staged row is this warp's 16 V columns of one time step (32 bytes).
-        const int rows = min(C, len - c * C);
-        in_t* oc = op + (tb + (long long)c * C) * ostride;
-#pragma unroll
-        for (int u = lane; u < OROWS * 2; u += 32) {
-          const int r = u >> 1, half = u & 1;
-          const int t = KSPLIT == 1 ? r : 16 * (r >> 3) + 8 * kh + (r & 7);
-          if (t < rows)
-            *reinterpret_cast<uint4*>(oc + t * ostride + half * 8) = *reinterpret_cast<const uint4*>(so + r * OP + half * 8);
-        }
+      for (int u = lane; u < OROWS * 2; u += 32) {
+        const int r = u >> 1, half = u & 1;
+        const int t = KSPLIT == 1 ? r : 16 * (r >> 3) + 8 * kh + (r & 7);
+        if (t < rows)
+          *reinterpret_cast<uint4*>(oc + t * ostride + half * 8) = *reinterpret_cast<const uint4*>(so + r * OP + half * 8);
       }
     }
     // state "bf16": bf16 in memory (initial / final / chunk states); the register-held state
