@@ -30,13 +30,13 @@ def test_recurrence_barriers(var: Variant, art: Path):
     """One block-wide barrier per chunk step; at K = 128 one 64-thread named barrier per V tile."""
     for arch in ("sm_80", "sm_90"):
         bars = disassemble(art, arch)["kda_recur"].barriers()
-        assert sum(b.endswith(" 0x0") for b in bars) == 1, f"{entry['name']} {arch}: {bars}"
+        assert sum(b.endswith(" 0x0") for b in bars) == 1, f"{var.name} {arch}: {bars}"
         named = [b for b in bars if not b.endswith(" 0x0")]
         if var.k >= 128:  # split K: warps vt and vt + NWV pair up under ids 1..NWV
             want = [f"BAR.SYNC.DEFER_BLOCKING {hex(i + 1)}, 0x40" for i in range(var.block_v // 16)]
-            assert named == want, f"{entry['name']} {arch}: {named}"
+            assert named == want, f"{var.name} {arch}: {named}"
         else:
-            assert named == [], f"{entry['name']} {arch}: {named}"
+            assert named == [], f"{var.name} {arch}: {named}"
 
 
 @pytest.mark.parametrize("var,art", C16, ids=[v.name for v, _ in C16])
