@@ -42,7 +42,8 @@ for stage in $STAGES; do
     sanitize)
       # --report-api-errors no: torch/cuda-bindings probe driver symbols with cuGetProcAddress,
       # which memcheck counts as errors (34 of them, none in a kernel); only kernel errors count.
-      compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 python3 scripts/sanitize_case.py 2>&1 \
+      timeout "${SANITIZE_TIMEOUT:-300}" compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 \
+        python3 scripts/sanitize_case.py 2>&1 \
         | tail -n 40 | tee "$OUT/sanitizer.log"
       [ "${PIPESTATUS[0]}" = 0 ] || rc=1 ;;
     bench)
