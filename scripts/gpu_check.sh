@@ -43,7 +43,7 @@ for stage in $STAGES; do
       # --report-api-errors no: torch/cuda-bindings probe driver symbols with cuGetProcAddress,
       # which memcheck counts as errors (34 of them, none in a kernel); only kernel errors count.
       timeout "${SANITIZE_TIMEOUT:-300}" compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 \
-        python3 scripts/sanitize_case.py 2>&1 \
+        python3 scripts/sanitize_case.py ${SANITIZE_ARGS:-} 2>&1 \
         | tail -n 40 | tee "$OUT/sanitizer.log"
       [ "${PIPESTATUS[0]}" = 0 ] || rc=1 ;;
     bench)
