@@ -806,7 +806,9 @@ extern "C" __global__ void __launch_bounds__(kda::NT2) kda_recur(const KdaParams
   const int k0 = kh * KH;
   const int g8 = lane >> 2, t4 = lane & 3, lm = lane >> 3, lr = lane & 7;
   const int vr0 = vb * BV + vt * 16 + g8;
-  const long long st_off = ((long long)n * p.HV + h) * V * K;
+#if KDA_STATE != 0
+  const long long st_off = ((long long)n * p.HV + h) * V * K;  // initial / final state
+#endif
   const bool kv = p.state_kv != 0;
   in_t* so = reinterpret_cast<in_t*>(smem2 + NSTAGE * STAGE + XBUF) + warp * OROWS * OP;
 
