@@ -17,7 +17,8 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
-_INSTR = re.compile(r"^\s*/\*(?P<addr>[0-9a-f]{4,})\*/\s+(?P<text>[^;]*);")
+_INSTR = re.compile(r"^\s*/\*(?P<addr>[0-9a-f]{4,})\*/\s+(?P<text>[^;]*);\s*/\* (?P<lo>0x[0-9a-f]+) \*/")
+_HI = re.compile(r"^\s*/\* (?P<hi>0x[0-9a-f]+) \*/\s*$")
 _FUNC = re.compile(r"Function : (?P<name>\S+)")
 _PRED = re.compile(r"^@!?U?P[T0-9]+\s+")
 
@@ -41,9 +42,28 @@ _CLASSES = (
 
 
 @dataclass
+class Control:
+    """Scheduling bits the compiler set on one instruction (sm_70 and later): cycles to stall
+    before the next instruction issues, the scoreboards a variable-latency result or operand
+    read signals (7: none), and the scoreboards this instruction waits for (bit mask)."""
+    stall: int
+    write_sb: int
+    read_sb: int
+    wait_mask: int
+
+    @classmethod
+    def decode(cls, hi: int) -> "Control":
+        c = hi >> 41
+        return cls(stall=c & 0xF, write_sb=(c >> 5) & 7, read_sb=(c >> 8) & 7, wait_mask=(c >> 11) & 0x3F)
+
+
+@dataclass
 class KernelSass:
     name: str
     instructions: list[str] = field(default_factory=list)  # opcode text, predicate removed
+    addresses: list[int] = field(default_factory=list)     # byte offset of each instruction
+    raw: list[str] = field(default_factory=list)           # text with its predicate
+    controls: list[Control] = field(default_factory=list)  # scheduling bits (where decoded)
 
     def opcodes(self) -> collections.Counter:
         return collections.Counter(i.split()[0] for i in self.instructions)
@@ -105,11 +125,19 @@ def disassemble(artifact: Path, arch: str = "sm_90") -> dict[str, KernelSass]:
         raise RuntimeError(f"cuobjdump -sass -arch {arch} {artifact} failed: {r.stderr.strip()}")
     kernels: dict[str, KernelSass] = {}
     cur: KernelSass | None = None
-    for line in r.stdout.splitlines():
+    lines = r.stdout.splitlines()
+    for i, line in enumerate(lines):
         if (m := _FUNC.search(line)):
             cur = kernels.setdefault(m.group("name"), KernelSass(m.group("name")))
         elif cur is not None and (m := _INSTR.match(line)):
-            cur.instructions.append(_PRED.sub("", m.group("text").strip()))
+            text = m.group("text").strip()
+            cur.instructions.append(_PRED.sub("", text))
+            cur.raw.append(text)
+            cur.addresses.append(int(m.group("addr"), 16))
+            # Volta and later: a 128-bit instruction prints as two 64-bit words, the control
+            # bits in the upper one (the next line).
+            hi = _HI.match(lines[i + 1]) if i + 1 < len(lines) else None
+            cur.controls.append(Control.decode(int(hi.group("hi"), 16)) if hi else Control(1, 7, 7, 0))
     if not kernels:
         raise RuntimeError(f"{artifact}: no {arch} machine code found")
     return kernels
