@@ -46,3 +46,14 @@ def test_chunk16_prep_on_tensor_cores(var: Variant, art: Path):
     prep = disassemble(art, "sm_90")["kda_prep"]
     hmma = sum(n for op, n in prep.opcodes().items() if op.startswith("HMMA"))
     assert hmma == 4 * (var.k // 64) + 12, (var.name, hmma)
+
+
+def test_control_bits_decode():
+    """The scheduling bits of three upper words cuobjdump printed for kda_recur (sm_90): a block
+    barrier (stall 1, no scoreboards), an LDSM that signals scoreboard 1, and the HMMA that
+    waits for it before issuing (its top bits are operand-reuse flags, not scoreboards)."""
+    from kdagen.sass import Control
+
+    assert Control.decode(0x000FE20000010000) == Control(stall=1, write_sb=7, read_sb=7, wait_mask=0)
+    assert Control.decode(0x000E680000000200) == Control(stall=4, write_sb=1, read_sb=7, wait_mask=0)
+    assert Control.decode(0x042FEC00000418FF) == Control(stall=6, write_sb=7, read_sb=7, wait_mask=0b000010)
