@@ -3,7 +3,7 @@
     python scripts/segment_sweep.py [--T 65536 --H 24 --filter c16_k128_v128_bf16_gb_sfp32_bv32]
 
 Prints the median ms of the full call for: one piece, and each (min_segment_tokens,
-max_segments, prioritize_recurrence) setting, so the launcher's defaults rest on a measurement."""
+max_segments) setting, so the launcher's defaults rest on a measurement."""
 
 from __future__ import annotations
 
@@ -23,8 +23,7 @@ from test_sm80 import _strides, sm80_variants  # noqa: E402
 from kdagen.abi import KdaCall  # noqa: E402
 from kdagen.targets.sm80 import Sm80Launcher  # noqa: E402
 
-SETTINGS = [(None, 1, False), (4096, 8, False), (4096, 8, True), (2048, 16, True), (1024, 32, True),
-            (2048, 32, True)]
+SETTINGS = [(None, 1), (4096, 8), (2048, 16), (2048, 32), (1024, 32)]
 
 
 def main() -> int:
@@ -56,13 +55,13 @@ def main() -> int:
         la = Sm80Launcher(var, art)
         ref = None
         row = [f"{var.name} T{T} H{H}"]
-        for tokens, segs, prio in SETTINGS:
-            la.min_segment_tokens, la.max_segments, la.prioritize_recurrence = tokens, segs, prio
+        for tokens, segs in SETTINGS:
+            la.min_segment_tokens, la.max_segments = tokens, segs
             t = timeit(lambda: la(call), warmup=3, iters=15)
             o_now = o.float().clone()
             ref = o_now if ref is None else ref
             diff = ((o_now - ref).norm() / ref.norm()).item()
-            row.append(f"seg {tokens}/{segs}{' prio' if prio else ''} [{la.last_segments}]: {t:.3f} ms (d {diff:.0e})")
+            row.append(f"seg {tokens}/{segs} [{la.last_segments}]: {t:.3f} ms (d {diff:.0e})")
         print("\n  ".join(row), flush=True)
     return 0
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from ..abi import KdaCall
+from ..select import _sm_count
 from ..variant import Variant
 from .cuda_driver import load_module
 
@@ -56,10 +57,6 @@ class KdaParams(ctypes.Structure):
 assert ctypes.sizeof(KdaParams) == 320
 
 
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def _ptr(t) -> int:
     return 0 if t is None else int(t.data_ptr())
 
@@ -91,11 +88,7 @@ class Sm80Launcher:
         # least this many tokens, at most max_segments of them; None turns it off.
         self.min_segment_tokens: int | None = 4096
         self.max_segments = 8
-        # Option (off: measured slower, 4.05 vs 3.83 ms at T65536 H24 on an H200): recurrences on a
-        # high-priority stream, and the prep of segment s + 1 held until the recurrence of s - 1
-        # is done, so that at most one prep shares the GPU with the serial chain.
-        self.prioritize_recurrence = False
-        self._side_streams: dict[int, tuple[torch.cuda.Stream, torch.cuda.Stream]] = {}
+        self._side_streams: dict[int, torch.cuda.Stream] = {}
         self.last_segments = 0  # segments of the last call (0: one piece); for tests and logs
 
     def _module(self, device: torch.device):
@@ -221,24 +214,19 @@ class Sm80Launcher:
     def _launch_segmented(self, call, p, segs, *, ws_bytes, dev, mod, f1, f2, nt1, nt2, smem1, smem2, elsize):
         v, C = self.variant, self.variant.chunk
         main = torch.cuda.current_stream(dev)
-        streams = self._side_streams.get(dev.index)
-        if streams is None:
-            hi, _ = torch.cuda.Stream.priority_range()  # (greatest, least): greatest is the lower number
-            streams = self._side_streams[dev.index] = (torch.cuda.Stream(dev), torch.cuda.Stream(dev, priority=hi))
-        side, rec = streams
-        if not self.prioritize_recurrence:
-            rec = main
-        # Both streams start after everything already queued on the caller's stream (inputs, and
-        # earlier users of the memory the allocator hands out below).
+        side = self._side_streams.get(dev.index)
+        if side is None:
+            side = self._side_streams[dev.index] = torch.cuda.Stream(dev)
+        # The prep stream starts after everything already queued on the caller's stream (inputs,
+        # and earlier users of the memory the allocator hands out below). Recurrences stay on the
+        # caller's stream: a high-priority stream for them, with each prep held back a segment,
+        # measured slower on an H200 (4.03 vs 3.76-3.83 ms at T65536 H24, 2026-11-30).
         start = torch.cuda.Event()
         start.record(main)
         side.wait_event(start)
-        if rec is not main:
-            rec.wait_event(start)
         N, HV, V, K = call.N, call.HV, v.v, v.k
         carry = torch.empty((len(segs) - 1, N, HV, V, K), dtype=torch.float32, device=dev)
-        keep = []
-        recur_done: list[torch.cuda.Event] = []
+        work = []
         for i, (a, b) in enumerate(segs):
             ps = KdaParams.from_buffer_copy(p)
             for nm, key, strides in (("q", "q", "q_s"), ("k", "k", "k_s"), ("v", "v", "v_s"), ("g", "g", "g_s"),
@@ -249,19 +237,12 @@ class Sm80Launcher:
             ps.ht = p.ht if i == len(segs) - 1 else int(carry[i].data_ptr())
             ws = torch.empty(((call.B * (b - a)) // C + N + 1) * HV * ws_bytes, dtype=torch.uint8, device=dev)
             ps.ws = int(ws.data_ptr())
-            keep.append(ws)
-            if self.prioritize_recurrence and i >= 2:
-                side.wait_event(recur_done[i - 2])
             mod.launch(f1, (-(-(b - a) // C), N, HV), (nt1, 1, 1), smem1, side.cuda_stream, ps, "kda_prep")
             done = torch.cuda.Event()
             done.record(side)
-            rec.wait_event(done)
-            mod.launch(f2, (V // v.block_v, N, HV), (nt2, 1, 1), smem2, rec.cuda_stream, ps, "kda_recur")
-            if rec is not main:
-                ev = torch.cuda.Event()
-                ev.record(rec)
-                recur_done.append(ev)
-        if rec is not main:
-            main.wait_event(recur_done[-1])
-        # carry and the workspaces were allocated on the caller's stream, which now waits for the
-        # last recurrence (after every prep and recurrence): no record_stream needed.
+            work.append((ps, ws, done))
+        for ps, _ws, done in work:
+            main.wait_event(done)
+            mod.launch(f2, (V // v.block_v, N, HV), (nt2, 1, 1), smem2, main.cuda_stream, ps, "kda_recur")
+        # carry and the workspaces were allocated on the caller's stream and their last use is
+        # there (each recurrence waits for its prep): no record_stream needed.
