@@ -60,10 +60,14 @@ class Control:
 @dataclass
 class KernelSass:
     name: str
-    instructions: list[str] = field(default_factory=list)  # opcode text, predicate removed
+    raw: list[str] = field(default_factory=list)           # instruction text, with its predicate
     addresses: list[int] = field(default_factory=list)     # byte offset of each instruction
-    raw: list[str] = field(default_factory=list)           # text with its predicate
     controls: list[Control] = field(default_factory=list)  # scheduling bits (where decoded)
+
+    @property
+    def instructions(self) -> list[str]:
+        """Instruction text with the predicate removed."""
+        return [_PRED.sub("", t) for t in self.raw]
 
     def opcodes(self) -> collections.Counter:
         return collections.Counter(i.split()[0] for i in self.instructions)
@@ -130,9 +134,7 @@ def disassemble(artifact: Path, arch: str = "sm_90") -> dict[str, KernelSass]:
         if (m := _FUNC.search(line)):
             cur = kernels.setdefault(m.group("name"), KernelSass(m.group("name")))
         elif cur is not None and (m := _INSTR.match(line)):
-            text = m.group("text").strip()
-            cur.instructions.append(_PRED.sub("", text))
-            cur.raw.append(text)
+            cur.raw.append(m.group("text").strip())
             cur.addresses.append(int(m.group("addr"), 16))
             # Volta and later: a 128-bit instruction prints as two 64-bit words, the control
             # bits in the upper one (the next line).

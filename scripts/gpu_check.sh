@@ -3,7 +3,7 @@
 #   scripts/gpu_check.sh [build] [test] [sanitize] [bench] [profile]   (default: the first four)
 # profile: PROFILE_VARIANTS="name ..." PROFILE_ARGS="--T 16384 --H 24" (ncu, one file per variant)
 # Time on an H200 (2026-11-30): tests/test_triton.py ~280 s (Triton compiles each variant),
-# tests/test_sm80.py ~200 s (851 tests), sanitize ~90 s, bench ~120 s (fla's first call compiles):
+# tests/test_sm80.py ~200 s (804 tests), sanitize ~90 s, bench ~120 s (fla's first call compiles):
 # more than one 600 s call holds, so split with PYTEST_ARGS (e.g. tests/test_sm80.py) across calls.
 # build is cheap there when build/ is carried: artifacts whose content key matches are kept.
 # Logs go under $OUT (the device tool brings them back). Runs from the source tree:

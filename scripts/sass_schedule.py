@@ -33,11 +33,6 @@ LATENCY = {"LDSM": 33, "LDS": 33, "LDC": 30, "LDG": 600, "S2UR": 20, "S2R": 20, 
 _BRA = re.compile(r"^(?P<pred>@!?P\w+\s+)?BRA\s+(?:[!A-Z0-9a-z]+,\s*)?(?P<target>0x[0-9a-f]+)")
 
 
-def opcode(raw: str) -> str:
-    parts = raw.split()
-    return parts[1] if parts[0].startswith("@") else parts[0]
-
-
 def latency(op: str, table: dict[str, int]) -> int:
     for key in sorted(table, key=len, reverse=True):
         if op.startswith(key):
@@ -58,6 +53,7 @@ def main() -> int:
     a = ap.parse_args()
     table = dict(LATENCY, **{k: int(v) for k, v in (x.split("=") for x in a.lat)})
     k = disassemble(a.artifact, a.arch)[a.kernel]
+    ops = [text.split()[0] for text in k.instructions]
     index = {addr: i for i, addr in enumerate(k.addresses)}
     loops = [(i, int(m.group("target"), 16)) for i, raw in enumerate(k.raw)
              if (m := _BRA.match(raw)) and int(m.group("target"), 16) < k.addresses[i]]
@@ -70,8 +66,7 @@ def main() -> int:
     stalls = waits = bars = n = 0
     branches = []  # predicated forward branches met on the path, and whether taken
     while i <= end:
-        raw, c = k.raw[i], k.controls[i]
-        op = opcode(raw)
+        raw, c, op = k.raw[i], k.controls[i], ops[i]
         ready = max([sb[j] for j in range(6) if c.wait_mask >> j & 1] + [t])
         waits += ready - t
         t = ready
