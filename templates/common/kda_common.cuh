@@ -57,6 +57,14 @@ __device__ __forceinline__ void split_bf16(float x0, float x1, uint32_t& hi, uin
   lo = pack_bf16(x0 - __low2float(h), x1 - __high2float(h));
 }
 __device__ __forceinline__ float round_bf16(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
+// Two m16n8 fp32 accumulator tiles (n columns 0-7 and 8-15) as the bf16 A fragment of an
+// m16n8k16 MMA: the accumulator layout of a lane is its A layout.
+__device__ __forceinline__ void acc_to_a(const float (&lo)[4], const float (&hi)[4], uint32_t (&a)[4]) {
+  a[0] = pack_bf16(lo[0], lo[1]);
+  a[1] = pack_bf16(lo[2], lo[3]);
+  a[2] = pack_bf16(hi[0], hi[1]);
+  a[3] = pack_bf16(hi[2], hi[3]);
+}
 
 // Eight consecutive 16-bit (bf16 / fp16) or 32-bit values -> float[8]; 16-byte aligned loads.
 template <typename T>

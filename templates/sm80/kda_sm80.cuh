@@ -867,12 +867,7 @@ extern "C" __global__ void __launch_bounds__(kda::NT2) kda_recur(const KdaParams
     // S slice as bf16 A fragments (accumulator layout == A layout), then S <- S diag(Gamma_C).
     uint32_t sa[KH / 16][4];
 #pragma unroll
-    for (int ks = 0; ks < KH / 16; ++ks) {
-      sa[ks][0] = pack_bf16(s[2 * ks][0], s[2 * ks][1]);
-      sa[ks][1] = pack_bf16(s[2 * ks][2], s[2 * ks][3]);
-      sa[ks][2] = pack_bf16(s[2 * ks + 1][0], s[2 * ks + 1][1]);
-      sa[ks][3] = pack_bf16(s[2 * ks + 1][2], s[2 * ks + 1][3]);
-    }
+    for (int ks = 0; ks < KH / 16; ++ks) acc_to_a(s[2 * ks], s[2 * ks + 1], sa[ks]);
     // Partial S W^T ([16 v, C]) over this warp's K slice. At chunk 16 the K steps alternate
     // between two accumulators, halving the dependent tensor-core chain at the head of the step.
     constexpr int NACC = C == 16 && KH >= 32 ? 2 : 1;
@@ -994,12 +989,7 @@ extern "C" __global__ void __launch_bounds__(kda::NT2) kda_recur(const KdaParams
     // U^T as bf16 A fragments.
     uint32_t ua[C / 16][4];
 #pragma unroll
-    for (int kc = 0; kc < C / 16; ++kc) {
-      ua[kc][0] = pack_bf16(ut[2 * kc][0], ut[2 * kc][1]);
-      ua[kc][1] = pack_bf16(ut[2 * kc][2], ut[2 * kc][3]);
-      ua[kc][2] = pack_bf16(ut[2 * kc + 1][0], ut[2 * kc + 1][1]);
-      ua[kc][3] = pack_bf16(ut[2 * kc + 1][2], ut[2 * kc + 1][3]);
-    }
+    for (int kc = 0; kc < C / 16; ++kc) acc_to_a(ut[2 * kc], ut[2 * kc + 1], ua[kc]);
     // S += U^T Kr (this warp's K slice): the end of the chain, issued before the o work.
 #pragma unroll
     for (int ntp = 0; ntp < KH / 16; ++ntp)
