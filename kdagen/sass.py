@@ -84,9 +84,30 @@ class KernelSass:
                 out["int/other"] += n
         return dict(out)
 
-    def barriers(self) -> list[str]:
-        """The `BAR.SYNC` instructions in program order, e.g. 'BAR.SYNC.DEFER_BLOCKING 0x0'."""
-        return [i for i in self.instructions if i.startswith("BAR.SYNC")]
+    def barriers(self, lo: int = 0, hi: int | None = None) -> list[str]:
+        """The `BAR.SYNC` instructions in program order, e.g. 'BAR.SYNC.DEFER_BLOCKING 0x0'
+        (those at addresses lo..hi, inclusive, when given)."""
+        return [i for a, i in zip(self.addresses, self.instructions)
+                if i.startswith("BAR.SYNC") and lo <= a and (hi is None or a <= hi)]
+
+    def loops(self) -> list[tuple[int, int]]:
+        """(first, last) address of each loop body: a branch back to an earlier address."""
+        out = []
+        for a, i in zip(self.addresses, self.instructions):
+            m = re.match(r"BRA\s+(?:`?\(?)(0x[0-9a-f]+)", i)
+            if m and int(m.group(1), 16) < a:
+                out.append((int(m.group(1), 16), a))
+        return out
+
+    def loop_with(self, opcode_prefix: str) -> tuple[int, int]:
+        """The loop holding the most instructions that start with opcode_prefix (e.g. 'HMMA')."""
+        def count(lo_hi):
+            return sum(lo_hi[0] <= a <= lo_hi[1] and i.startswith(opcode_prefix)
+                       for a, i in zip(self.addresses, self.instructions))
+        loops = self.loops()
+        if not loops:
+            raise ValueError(f"{self.name}: no loop")
+        return max(loops, key=count)
 
 
 def _find_tool(name: str) -> str | None:

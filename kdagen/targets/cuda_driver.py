@@ -94,21 +94,25 @@ class LoadedModule:
         self.device_index = device_index
         self._image = image  # keep the bytes alive as long as the module
         self._funcs: dict[str, Any] = {}
+        self._smem: dict[str, int] = {}  # dynamic shared memory each function is allowed
         with PrimaryContext(device_index, who):
             self.module = check(driver().cuModuleLoadData(image), "cuModuleLoadData", who)
 
     def function(self, name: str, max_dynamic_smem: int = 0):
+        """The kernel `name`, allowed at least `max_dynamic_smem` bytes of dynamic shared memory
+        (the attribute is raised when a later caller asks for more)."""
         f = self._funcs.get(name)
-        if f is None:
-            drv = driver()
-            with PrimaryContext(self.device_index, self.who):
+        drv = driver()
+        with PrimaryContext(self.device_index, self.who):
+            if f is None:
                 f = check(drv.cuModuleGetFunction(self.module, name.encode()), f"cuModuleGetFunction({name})",
                           self.who)
-                if max_dynamic_smem > 48 * 1024:
-                    attr = drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-                    check(drv.cuFuncSetAttribute(f, attr, int(max_dynamic_smem)),
-                          f"cuFuncSetAttribute({name}, smem={max_dynamic_smem})", self.who)
-            self._funcs[name] = f
+                self._funcs[name] = f
+            if max_dynamic_smem > max(48 * 1024, self._smem.get(name, 0)):
+                attr = drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+                check(drv.cuFuncSetAttribute(f, attr, int(max_dynamic_smem)),
+                      f"cuFuncSetAttribute({name}, smem={max_dynamic_smem})", self.who)
+                self._smem[name] = max_dynamic_smem
         return f
 
     def read_global(self, name: str, nbytes: int) -> bytes:

@@ -76,26 +76,46 @@ static_assert(C != 16 || (K == V && C * (K / 8) == NT1 && NMW <= NW1 && V * UP1 
 constexpr int KSPLIT = K >= 128 ? 2 : 1;
 static_assert(KSPLIT <= 2, "the split-K exchange pairs two warps");
 constexpr int KH = K / KSPLIT;  // state columns per warp
-constexpr int NWV = BV / 16;    // warps along V
-constexpr int NW2 = NWV * KSPLIT;
-constexpr int NT2 = NW2 * 32;
+// V rows per warp: 16 * MT. The step is bound by the shared-memory pipe (ncu, 2026-11-30: a
+// third of the stall samples wait on shared-memory results, queued behind every warp's
+// ldmatrix traffic). With two 16-row tiles per warp each W / Qd / Kr fragment loaded feeds two
+// MMAs, halving that traffic per V row. Chunk 16 only: at chunk 64 the registers do not allow it.
+#ifdef KDA_MT
+constexpr int MT = KDA_MT;
+#else
+constexpr int MT = C == 16 && BV >= 32 ? 2 : 1;
+#endif
+constexpr int NWV = BV / (16 * MT);  // warps along V
+static_assert(NWV >= 1 && BV % (16 * MT) == 0, "block_v must hold whole warp tiles");
+constexpr int NW2 = NWV * KSPLIT;  // compute warps
+// Plus one copy warp that issues every cp.async of the workspace stream. Measured on an H200
+// (c16 bv32, T65536 H24): the copies cost the compute warps 0.21 of 0.65 us per step when they
+// issued them themselves (instructions, and stalls until a queued copy has read its address
+// registers); a warp of its own takes that off the compute warps' in-order instruction stream.
+constexpr int NT2 = (NW2 + 1) * 32;
 constexpr int KS = K + 8;  // bf16 row pitch: 16-byte shift per row, conflict-free ldmatrix
 constexpr int CS = C + 8;
 constexpr int STAGE = (3 * C * KS + C * CS + BV * CS) * 2 + K * 4;
-// Split-K exchange, per warp: its partial U^T [16 v, C] (C/8 float4 per lane) and the partial
-// S Qd^T n-tiles its partner finishes (C/16 float4 per lane). Float4 j of lane l of warp w sits at
-// (w * XW4 + j) * 32 + l: conflict-free.
+// Split-K exchange, per warp and 16-row tile: its partial U^T [16 v, C] (C/8 float4 per lane) and
+// the partial S Qd^T n-tiles its partner finishes (C/16 float4 per lane). Float4 j of tile m of
+// lane l of warp w sits at ((w * MT + m) * XW4 + j) * 32 + l: conflict-free.
 constexpr int XU4 = C / 8;
 constexpr int XO4 = C / 16;
 constexpr int XW4 = XU4 + XO4;
-constexpr int XBUF = KSPLIT > 1 ? NW2 * 32 * XW4 * 16 : 0;
-// o: each warp finishes C / KSPLIT time steps of its 16 V columns, staged in its own slice of
-// shared memory for 16-byte stores (48-byte rows: the 2-byte writes hit distinct banks).
+constexpr int XBUF = KSPLIT > 1 ? NW2 * MT * 32 * XW4 * 16 : 0;
+// o: each warp finishes C / KSPLIT time steps of its 16 * MT V columns, staged per 16-row tile in
+// its own slice of shared memory for 16-byte stores (48-byte rows: the 2-byte writes hit distinct
+// banks).
 constexpr int OROWS = C / KSPLIT;
 constexpr int OP = 24;
-constexpr int OBUF = NW2 * OROWS * OP * 2;
-// Three stages where they fit: chunk c + 2 streams in while chunk c is worked on.
-constexpr int NSTAGE = 3 * STAGE + XBUF + OBUF <= SMEM_MAX ? 3 : 2;
+constexpr int OBUF = NW2 * MT * OROWS * OP * 2;
+// Four stages where they fit (chunk c + 3 streams in while chunk c is worked on), else fewer.
+// KDA_NSTAGE (a compile-time -D) overrides, for measuring the prefetch depth.
+#ifdef KDA_NSTAGE
+constexpr int NSTAGE = KDA_NSTAGE;
+#else
+constexpr int NSTAGE = 4 * STAGE + XBUF + OBUF <= SMEM_MAX ? 4 : 3 * STAGE + XBUF + OBUF <= SMEM_MAX ? 3 : 2;
+#endif
 constexpr int SMEM2 = NSTAGE * STAGE + XBUF + OBUF;
 static_assert(STAGE % 16 == 0 && XBUF % 16 == 0 && SMEM2 <= SMEM_MAX, "kda_recur shared memory");
 
@@ -720,20 +740,21 @@ extern "C" __global__ void __launch_bounds__(kda::NT1, kda::MINB1) kda_prep(cons
 
 namespace kda {
 
-// cp.async ROWS rows of PER_ROW 16-byte pieces (row pitches in bytes). The addresses advance
+// cp.async ROWS rows of PER_ROW 16-byte pieces (row pitches in bytes), by the 32 lanes of the
+// copy warp (lane = its lane). The addresses advance
 // by a constant per copy and are kept opaque to the compiler: otherwise it precomputes every
 // copy's address for the whole chunk loop, which costs over a hundred registers at chunk 64.
 template <int ROWS, int PER_ROW, int DST_PITCH, int SRC_PITCH>
-__device__ __forceinline__ void copy_rows(char* dst, const char* src, int tid) {
+__device__ __forceinline__ void copy_rows(char* dst, const char* src, int lane) {
   constexpr int TOTAL = ROWS * PER_ROW;
-  static_assert(NT2 % PER_ROW == 0, "copy_rows: whole rows per pass");
-  constexpr int RSTEP = NT2 / PER_ROW;
-  const int r = tid / PER_ROW, ch = tid % PER_ROW;
+  static_assert(32 % PER_ROW == 0, "copy_rows: whole rows per pass");
+  constexpr int RSTEP = 32 / PER_ROW;
+  const int r = lane / PER_ROW, ch = lane % PER_ROW;
   uint32_t d = smem_u32(dst) + r * DST_PITCH + ch * 16;
   const char* g = src + r * SRC_PITCH + ch * 16;
 #pragma unroll
-  for (int i = 0; i < (TOTAL + NT2 - 1) / NT2; ++i) {
-    if (TOTAL % NT2 == 0 || tid + i * NT2 < TOTAL) cp_async16_s(d, g);
+  for (int i = 0; i < (TOTAL + 31) / 32; ++i) {
+    if (TOTAL % 32 == 0 || lane + i * 32 < TOTAL) cp_async16_s(d, g);
     d += RSTEP * DST_PITCH;
     g += RSTEP * SRC_PITCH;
     asm volatile("" : "+r"(d), "+l"(g));
@@ -741,14 +762,14 @@ __device__ __forceinline__ void copy_rows(char* dst, const char* src, int tid) {
 }
 
 // Issue the cp.async copies of one chunk record (this block's V slice of U0^T) into a stage.
-__device__ __forceinline__ void prefetch_chunk(char* stage, const char* rec, int vb, int tid) {
+__device__ __forceinline__ void prefetch_chunk(char* stage, const char* rec, int vb, int lane) {
   // W, Qd, Kr rows back to back: [3C][K] in the record, pitch KS in shared memory.
-  copy_rows<3 * C, K / 8, KS * 2, K * 2>(stage, rec, tid);
+  copy_rows<3 * C, K / 8, KS * 2, K * 2>(stage, rec, lane);
   char* sm = stage + 3 * C * KS * 2;
-  copy_rows<C, C / 8, CS * 2, C * 2>(sm, rec + OFF_M, tid);
+  copy_rows<C, C / 8, CS * 2, C * 2>(sm, rec + OFF_M, lane);
   char* su = sm + C * CS * 2;
-  copy_rows<BV, C / 8, CS * 2, C * 2>(su, rec + OFF_U + (long long)vb * BV * C * 2, tid);
-  copy_rows<1, K / 4, 0, 0>(su + BV * CS * 2, rec + OFF_GM, tid);
+  copy_rows<BV, C / 8, CS * 2, C * 2>(su, rec + OFF_U + (long long)vb * BV * C * 2, lane);
+  copy_rows<1, K / 4, 0, 0>(su + BV * CS * 2, rec + OFF_GM, lane);
 }
 
 // Barrier of the two warps of V tile vt (id 1 + vt). Immediate ids: with a register id ptxas
@@ -802,56 +823,80 @@ extern "C" __global__ void __launch_bounds__(kda::NT2) kda_recur(const KdaParams
   seq_bounds(p, n, bos, len);
   const int nc = (len + C - 1) / C;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int vt = warp % NWV, kh = warp / NWV;  // 16-row V tile and K slice of this warp
+  const char* rec_c = (const char*)p.ws + (((long long)bos / C + n) * p.HV + h) * REC;  // chunk 0
+  const long long rstride = (long long)p.HV * REC;
+
+  if (warp == NW2) {
+    // The copy warp: stage c + NSTAGE - 1 is refilled in step c, once every warp has passed the
+    // step's barrier (so is done with chunk c - 1, which that stage held). It waits for chunk
+    // c + 1 before the next barrier, which then publishes it to the compute warps.
+#pragma unroll
+    for (int j = 0; j < NSTAGE - 1; ++j) {
+      if (j < nc) prefetch_chunk(smem2 + j * STAGE, rec_c + j * rstride, vb, lane);
+      cp_async_commit();
+    }
+    for (int c = 0; c < nc; ++c) {
+      cp_async_wait<NSTAGE - 2>();
+      __syncthreads();
+      if (c + NSTAGE - 1 < nc)
+        prefetch_chunk(smem2 + ((c + NSTAGE - 1) % NSTAGE) * STAGE, rec_c + (c + NSTAGE - 1) * rstride, vb, lane);
+      cp_async_commit();
+    }
+    return;
+  }
+
+  const int vt = warp % NWV, kh = warp / NWV;  // (16 * MT)-row V tile and K slice of this warp
   const int k0 = kh * KH;
   const int g8 = lane >> 2, t4 = lane & 3, lm = lane >> 3, lr = lane & 7;
-  const int vr0 = vb * BV + vt * 16 + g8;
+  const int vw = vt * 16 * MT;       // this warp's first V row within the block's slice
+  const int vr0 = vb * BV + vw + g8;  // state row of tile 0 (tile m: + 16 m)
 #if KDA_STATE != 0
   const long long st_off = ((long long)n * p.HV + h) * V * K;  // initial / final state
 #endif
   const bool kv = p.state_kv != 0;
-  in_t* so = reinterpret_cast<in_t*>(smem2 + NSTAGE * STAGE + XBUF) + warp * OROWS * OP;
+  in_t* so = reinterpret_cast<in_t*>(smem2 + NSTAGE * STAGE + XBUF) + warp * MT * OROWS * OP;
 
-  float s[KH / 8][4];
+  float s[MT][KH / 8][4];
 #if KDA_STATE != 0
   if (p.h0) {
     const state_t* h0 = (const state_t*)p.h0 + st_off;
-    if (kv) load_state_l<true>(h0, s, vr0, k0, t4);
-    else load_state_l<false>(h0, s, vr0, k0, t4);
+#pragma unroll
+    for (int m = 0; m < MT; ++m) {
+      if (kv) load_state_l<true>(h0, s[m], vr0 + 16 * m, k0, t4);
+      else load_state_l<false>(h0, s[m], vr0 + 16 * m, k0, t4);
+    }
   } else
 #endif
   {
 #pragma unroll
-    for (int nt = 0; nt < KH / 8; ++nt)
+    for (int m = 0; m < MT; ++m)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) s[nt][e] = 0.f;
+      for (int nt = 0; nt < KH / 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[m][nt][e] = 0.f;
   }
 
   const long long bidx = p.cu_seqlens ? 0 : n;
   const long long tb = p.cu_seqlens ? bos : 0;
-  in_t* op = (in_t*)p.o + bidx * p.o_s[0] + h * p.o_s[2] + vb * BV + vt * 16;
+  in_t* op = (in_t*)p.o + bidx * p.o_s[0] + h * p.o_s[2] + vb * BV + vw;
   const long long ostride = p.o_s[1];
   const int coff = p.hc ? p.chunk_offsets[n] : 0;
-  const char* rec_c = (const char*)p.ws + (((long long)bos / C + n) * p.HV + h) * REC;  // chunk 0
-  const long long rstride = (long long)p.HV * REC;
 
-#pragma unroll
-  for (int j = 0; j < NSTAGE - 1; ++j) {
-    if (j < nc) prefetch_chunk(smem2 + j * STAGE, rec_c + j * rstride, vb, tid);
-    cp_async_commit();
-  }
 
   for (int c = 0; c < nc; ++c) {
     if (p.hc) {
+#pragma unroll
+      for (int m = 0; m < MT; ++m) {
 #if KDA_STATE == 2
-      store_state((bf16*)p.hc + ((long long)(coff + c) * p.HV + h) * V * K, s, vr0, k0, t4, kv);
+        store_state((bf16*)p.hc + ((long long)(coff + c) * p.HV + h) * V * K, s[m], vr0 + 16 * m, k0, t4, kv);
 #else
-      store_state((float*)p.hc + ((long long)(coff + c) * p.HV + h) * V * K, s, vr0, k0, t4, kv);
+        store_state((float*)p.hc + ((long long)(coff + c) * p.HV + h) * V * K, s[m], vr0 + 16 * m, k0, t4, kv);
 #endif
+      }
     }
-    cp_async_wait<NSTAGE - 2>();
-    // The one block-wide barrier of a step: chunk c has landed for every thread, and every warp
-    // is done with step c - 1 (its stage can be refilled, the exchange slots reused).
+    // The one block-wide barrier of a step: chunk c has landed (the copy warp waited for it),
+    // and every warp is done with step c - 1 (its stage can be refilled, the exchange slots
+    // reused).
     __syncthreads();
 
     const bf16* sW = reinterpret_cast<const bf16*>(smem2 + (c % NSTAGE) * STAGE);
@@ -863,15 +908,18 @@ extern "C" __global__ void __launch_bounds__(kda::NT2) kda_recur(const KdaParams
 
     // Issue order matters: one warp per scheduler issues in program order, so the step is laid
     // out along its dependency chain (S -> S W^T -> exchange -> U -> S update); independent work
-    // (prefetch, o) sits where it fills the tensor-core latency instead of delaying the chain.
+    // (o) sits where it fills the tensor-core latency instead of delaying the chain.
     // S slice as bf16 A fragments (accumulator layout == A layout), then S <- S diag(Gamma_C).
-    uint32_t sa[KH / 16][4];
+    uint32_t sa[MT][KH / 16][4];
 #pragma unroll
-    for (int ks = 0; ks < KH / 16; ++ks) acc_to_a(s[2 * ks], s[2 * ks + 1], sa[ks]);
-    // Partial S W^T ([16 v, C]) over this warp's K slice. At chunk 16 the K steps alternate
-    // between two accumulators, halving the dependent tensor-core chain at the head of the step.
-    constexpr int NACC = C == 16 && KH >= 32 ? 2 : 1;
-    float ut[C / 8][4] = {};
+    for (int m = 0; m < MT; ++m)
+#pragma unroll
+      for (int ks = 0; ks < KH / 16; ++ks) acc_to_a(s[m][2 * ks], s[m][2 * ks + 1], sa[m][ks]);
+    // Partial S W^T ([16 v, C] per tile) over this warp's K slice. At chunk 16 with one tile the
+    // K steps alternate between two accumulators, halving the dependent tensor-core chain at the
+    // head of the step (two tiles are two independent chains already).
+    constexpr int NACC = C == 16 && KH >= 32 && MT == 1 ? 2 : 1;
+    float ut[MT][C / 8][4] = {};
     float ut2[C / 8][4] = {};  // unused (and dropped) when NACC == 1
 #pragma unroll
     for (int ntp = 0; ntp < C / 16; ++ntp)
@@ -881,21 +929,24 @@ extern "C" __global__ void __launch_bounds__(kda::NT2) kda_recur(const KdaParams
         uint32_t b[4];
         ldsm_x4(b, sW + row * KS + col);
         if (NACC > 1 && (ks & 1)) {
-          mma_bf16(ut2[2 * ntp], sa[ks], b[0], b[1]);
-          mma_bf16(ut2[2 * ntp + 1], sa[ks], b[2], b[3]);
+          mma_bf16(ut2[2 * ntp], sa[0][ks], b[0], b[1]);
+          mma_bf16(ut2[2 * ntp + 1], sa[0][ks], b[2], b[3]);
         } else {
-          mma_bf16(ut[2 * ntp], sa[ks], b[0], b[1]);
-          mma_bf16(ut[2 * ntp + 1], sa[ks], b[2], b[3]);
+#pragma unroll
+          for (int m = 0; m < MT; ++m) {
+            mma_bf16(ut[m][2 * ntp], sa[m][ks], b[0], b[1]);
+            mma_bf16(ut[m][2 * ntp + 1], sa[m][ks], b[2], b[3]);
+          }
         }
       }
     if constexpr (NACC > 1) {
 #pragma unroll
       for (int nt = 0; nt < C / 8; ++nt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) ut[nt][e] += ut2[nt][e];
+        for (int e = 0; e < 4; ++e) ut[0][nt][e] += ut2[nt][e];
     }
     // Partial S Qd^T over this warp's K slice (off the chain: o only).
-    float oq[C / 16][2][4] = {};
+    float oq[MT][C / 16][2][4] = {};
 #pragma unroll
     for (int ntp = 0; ntp < C / 16; ++ntp)
 #pragma unroll
@@ -903,36 +954,39 @@ extern "C" __global__ void __launch_bounds__(kda::NT2) kda_recur(const KdaParams
         const int row = 16 * ntp + 8 * (lm >> 1) + lr, col = k0 + 16 * ks + 8 * (lm & 1);
         uint32_t bq[4];
         ldsm_x4(bq, sQ + row * KS + col);
-        mma_bf16(oq[ntp][0], sa[ks], bq[0], bq[1]);
-        mma_bf16(oq[ntp][1], sa[ks], bq[2], bq[3]);
+#pragma unroll
+        for (int m = 0; m < MT; ++m) {
+          mma_bf16(oq[m][ntp][0], sa[m][ks], bq[0], bq[1]);
+          mma_bf16(oq[m][ntp][1], sa[m][ks], bq[2], bq[3]);
+        }
       }
 #pragma unroll
     for (int nt = 0; nt < KH / 8; ++nt) {
       const float2 gm = *reinterpret_cast<const float2*>(sGam + k0 + 8 * nt + 2 * t4);
-      s[nt][0] *= gm.x; s[nt][1] *= gm.y; s[nt][2] *= gm.x; s[nt][3] *= gm.y;
+#pragma unroll
+      for (int m = 0; m < MT; ++m) {
+        s[m][nt][0] *= gm.x; s[m][nt][1] *= gm.y; s[m][nt][2] *= gm.x; s[m][nt][3] *= gm.y;
+      }
     }
-    // The next stage's copies go out while the tensor cores work.
-    if (c + NSTAGE - 1 < nc)
-      prefetch_chunk(smem2 + ((c + NSTAGE - 1) % NSTAGE) * STAGE, rec_c + (c + NSTAGE - 1) * rstride, vb, tid);
-    cp_async_commit();
     // Operands of the chain's second half, loaded before the exchange barrier (a barrier also
     // fences shared-memory loads, so after it they would sit on the chain): U0^T of this warp's
-    // 16 V rows and, at chunk 16, the Kr fragments of the S update.
-    const int ur = vt * 16 + g8;
+    // V rows and, at chunk 16, the Kr fragments of the S update.
     constexpr int NU0 = C == 16 ? C / 8 : 1;  // preloaded U0 n-tiles (registers allow at C = 16)
-    float u0r[NU0][4];
-    auto u0_at = [&](int nt, int e) {
-      return __bfloat162float(sU[(ur + 8 * (e >> 1)) * CS + 8 * nt + 2 * t4 + (e & 1)]);
+    float u0r[MT][NU0][4];
+    auto u0_at = [&](int m, int nt, int e) {
+      return __bfloat162float(sU[(vw + 16 * m + g8 + 8 * (e >> 1)) * CS + 8 * nt + 2 * t4 + (e & 1)]);
     };
     if constexpr (C == 16) {
 #pragma unroll
-      for (int nt = 0; nt < C / 8; ++nt)
+      for (int m = 0; m < MT; ++m)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) u0r[nt][e] = u0_at(nt, e);
+        for (int nt = 0; nt < C / 8; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) u0r[m][nt][e] = u0_at(m, nt, e);
     }
-    auto u0 = [&](int nt, int e) {
-      if constexpr (C == 16) return u0r[nt][e];
-      else return u0_at(nt, e);
+    auto u0 = [&](int m, int nt, int e) {
+      if constexpr (C == 16) return u0r[m][nt][e];
+      else return u0_at(m, nt, e);
     };
     constexpr int NKR = C == 16 ? KH / 16 : 1;  // preloaded Kr fragments (registers allow at C = 16)
     uint32_t kr[NKR][4];
@@ -948,48 +1002,60 @@ extern "C" __global__ void __launch_bounds__(kda::NT2) kda_recur(const KdaParams
     // 2 ntp + kh to warp kh: it keeps those partials and hands the others to its partner. Split
     // this way, the triangular U^T Mqk^T work is balanced too.
     constexpr int NH = KSPLIT == 1 ? 2 : 1;  // n-tiles per 16 time steps this warp finishes
-    float ok[C / 16][NH][4];
+    float ok[MT][C / 16][NH][4];
     if constexpr (KSPLIT == 1) {
 #pragma unroll
-      for (int ntp = 0; ntp < C / 16; ++ntp)
+      for (int m = 0; m < MT; ++m) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) { ok[ntp][0][e] = oq[ntp][0][e]; ok[ntp][1][e] = oq[ntp][1][e]; }
+        for (int ntp = 0; ntp < C / 16; ++ntp)
 #pragma unroll
-      for (int nt = 0; nt < C / 8; ++nt)
+          for (int e = 0; e < 4; ++e) { ok[m][ntp][0][e] = oq[m][ntp][0][e]; ok[m][ntp][1][e] = oq[m][ntp][1][e]; }
 #pragma unroll
-        for (int e = 0; e < 4; ++e) ut[nt][e] = u0(nt, e) - ut[nt][e];
+        for (int nt = 0; nt < C / 8; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) ut[m][nt][e] = u0(m, nt, e) - ut[m][nt][e];
+      }
     } else {
-      float4* xw = xbuf + warp * XW4 * 32 + lane;
 #pragma unroll
-      for (int nt = 0; nt < C / 8; ++nt) xw[nt * 32] = make_float4(ut[nt][0], ut[nt][1], ut[nt][2], ut[nt][3]);
+      for (int m = 0; m < MT; ++m) {
+        float4* xw = xbuf + (warp * MT + m) * XW4 * 32 + lane;
 #pragma unroll
-      for (int ntp = 0; ntp < C / 16; ++ntp) {
-        xw[(XU4 + ntp) * 32] = kh ? make_float4(oq[ntp][0][0], oq[ntp][0][1], oq[ntp][0][2], oq[ntp][0][3])
-                                  : make_float4(oq[ntp][1][0], oq[ntp][1][1], oq[ntp][1][2], oq[ntp][1][3]);
+        for (int nt = 0; nt < C / 8; ++nt)
+          xw[nt * 32] = make_float4(ut[m][nt][0], ut[m][nt][1], ut[m][nt][2], ut[m][nt][3]);
+#pragma unroll
+        for (int ntp = 0; ntp < C / 16; ++ntp) {
+          xw[(XU4 + ntp) * 32] = kh ? make_float4(oq[m][ntp][0][0], oq[m][ntp][0][1], oq[m][ntp][0][2], oq[m][ntp][0][3])
+                                    : make_float4(oq[m][ntp][1][0], oq[m][ntp][1][1], oq[m][ntp][1][2], oq[m][ntp][1][3]);
+        }
       }
       bar_tile<0>(vt);  // the two warps of this V tile
       // U = U0 - (own partial + partner's): floating-point addition commutes, so both warps hold
       // the same U bit for bit.
-      const float4* xp = xbuf + ((1 - kh) * NWV + vt) * XW4 * 32 + lane;
 #pragma unroll
-      for (int nt = 0; nt < C / 8; ++nt) {
-        const float4 b = xp[nt * 32];
-        const float o4[4] = {b.x, b.y, b.z, b.w};
+      for (int m = 0; m < MT; ++m) {
+        const float4* xp = xbuf + (((1 - kh) * NWV + vt) * MT + m) * XW4 * 32 + lane;
 #pragma unroll
-        for (int e = 0; e < 4; ++e) ut[nt][e] = u0(nt, e) - (ut[nt][e] + o4[e]);
-      }
+        for (int nt = 0; nt < C / 8; ++nt) {
+          const float4 b = xp[nt * 32];
+          const float o4[4] = {b.x, b.y, b.z, b.w};
 #pragma unroll
-      for (int ntp = 0; ntp < C / 16; ++ntp) {
-        const float4 b = xp[(XU4 + ntp) * 32];
-        const float o4[4] = {b.x, b.y, b.z, b.w};
+          for (int e = 0; e < 4; ++e) ut[m][nt][e] = u0(m, nt, e) - (ut[m][nt][e] + o4[e]);
+        }
 #pragma unroll
-        for (int e = 0; e < 4; ++e) ok[ntp][0][e] = (kh ? oq[ntp][1][e] : oq[ntp][0][e]) + o4[e];
+        for (int ntp = 0; ntp < C / 16; ++ntp) {
+          const float4 b = xp[(XU4 + ntp) * 32];
+          const float o4[4] = {b.x, b.y, b.z, b.w};
+#pragma unroll
+          for (int e = 0; e < 4; ++e) ok[m][ntp][0][e] = (kh ? oq[m][ntp][1][e] : oq[m][ntp][0][e]) + o4[e];
+        }
       }
     }
     // U^T as bf16 A fragments.
-    uint32_t ua[C / 16][4];
+    uint32_t ua[MT][C / 16][4];
 #pragma unroll
-    for (int kc = 0; kc < C / 16; ++kc) acc_to_a(ut[2 * kc], ut[2 * kc + 1], ua[kc]);
+    for (int m = 0; m < MT; ++m)
+#pragma unroll
+      for (int kc = 0; kc < C / 16; ++kc) acc_to_a(ut[m][2 * kc], ut[m][2 * kc + 1], ua[m][kc]);
     // S += U^T Kr (this warp's K slice): the end of the chain, issued before the o work.
 #pragma unroll
     for (int ntp = 0; ntp < KH / 16; ++ntp)
@@ -1002,11 +1068,14 @@ extern "C" __global__ void __launch_bounds__(kda::NT2) kda_recur(const KdaParams
         } else {
           load_kr(b, ntp, kc);
         }
-        mma_bf16(s[2 * ntp], ua[kc], b[0], b[1]);
-        mma_bf16(s[2 * ntp + 1], ua[kc], b[2], b[3]);
+#pragma unroll
+        for (int m = 0; m < MT; ++m) {
+          mma_bf16(s[m][2 * ntp], ua[m][kc], b[0], b[1]);
+          mma_bf16(s[m][2 * ntp + 1], ua[m][kc], b[2], b[3]);
+        }
       }
     // o^T += U^T Mqk^T on this warp's n-tiles (Mqk lower triangular: blocks kc <= ntp), staged in
-    // this warp's slice of shared memory.
+    // this warp's slice of shared memory ([MT][OROWS][OP]).
 #pragma unroll
     for (int ntp = 0; ntp < C / 16; ++ntp) {
 #pragma unroll
@@ -1015,39 +1084,50 @@ extern "C" __global__ void __launch_bounds__(kda::NT2) kda_recur(const KdaParams
           const int row = 16 * ntp + 8 * (lm >> 1) + lr, col = 16 * kc + 8 * (lm & 1);
           uint32_t b[4];
           ldsm_x4(b, sMq + row * CS + col);
-          mma_bf16(ok[ntp][0], ua[kc], b[0], b[1]);
-          mma_bf16(ok[ntp][NH - 1], ua[kc], b[2], b[3]);
+#pragma unroll
+          for (int m = 0; m < MT; ++m) {
+            mma_bf16(ok[m][ntp][0], ua[m][kc], b[0], b[1]);
+            mma_bf16(ok[m][ntp][NH - 1], ua[m][kc], b[2], b[3]);
+          }
         } else {
           const int row = 16 * ntp + 8 * kh + lr, col = 16 * kc + 8 * (lm & 1);
           uint32_t b[2];
           ldsm_x2(b, sMq + row * CS + col);
-          mma_bf16(ok[ntp][0], ua[kc], b[0], b[1]);
+#pragma unroll
+          for (int m = 0; m < MT; ++m) mma_bf16(ok[m][ntp][0], ua[m][kc], b[0], b[1]);
         }
       }
 #pragma unroll
-      for (int hh = 0; hh < NH; ++hh) {
-        const int r0 = (KSPLIT == 1 ? 16 * ntp + 8 * hh : 8 * ntp) + 2 * t4;
+      for (int m = 0; m < MT; ++m)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) so[(r0 + (e & 1)) * OP + g8 + (e >> 1) * 8] = from_f<in_t>(ok[ntp][hh][e]);
-      }
+        for (int hh = 0; hh < NH; ++hh) {
+          const int r0 = (KSPLIT == 1 ? 16 * ntp + 8 * hh : 8 * ntp) + 2 * t4;
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            so[(m * OROWS + r0 + (e & 1)) * OP + g8 + (e >> 1) * 8] = from_f<in_t>(ok[m][ntp][hh][e]);
+        }
     }
     __syncwarp();
     {
-      // 16-byte stores: a staged row is this warp's 16 V columns of one time step (32 bytes).
+      // 16-byte stores: a staged row is 16 V columns of one time step (32 bytes).
       const int rows = min(C, len - c * C);
       in_t* oc = op + (tb + (long long)c * C) * ostride;
 #pragma unroll
-      for (int u = lane; u < OROWS * 2; u += 32) {
-        const int r = u >> 1, half = u & 1;
+      for (int u = lane; u < MT * OROWS * 2; u += 32) {
+        const int m = u / (OROWS * 2), r = (u >> 1) % OROWS, half = u & 1;
         const int t = KSPLIT == 1 ? r : 16 * (r >> 3) + 8 * kh + (r & 7);
         if (t < rows)
-          *reinterpret_cast<uint4*>(oc + t * ostride + half * 8) = *reinterpret_cast<const uint4*>(so + r * OP + half * 8);
+          *reinterpret_cast<uint4*>(oc + t * ostride + 16 * m + half * 8) =
+              *reinterpret_cast<const uint4*>(so + (m * OROWS + r) * OP + half * 8);
       }
     }
     // state "bf16": bf16 in memory (initial / final / chunk states); the register-held state
     // stays fp32 between chunks (rounding it every chunk costs accuracy and saves nothing).
   }
 #if KDA_STATE != 0
-  if (p.ht) store_state((state_t*)p.ht + st_off, s, vr0, k0, t4, kv);
+  if (p.ht) {
+#pragma unroll
+    for (int m = 0; m < MT; ++m) store_state((state_t*)p.ht + st_off, s[m], vr0 + 16 * m, k0, t4, kv);
+  }
 #endif
 }

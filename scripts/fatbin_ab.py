@@ -1,0 +1,141 @@
+"""A/B timing of alternative builds of one sm80 variant on the same inputs (GPU).
+
+    python scripts/fatbin_ab.py --variant kda_fwd_sm80_c16_k128_v128_bf16_gb_sfp32_bv32 \
+        [--T 65536 --H 24] base=build/h800/V/V.fatbin ns4=/tmp/ab/ns4.fatbin ...
+
+Builds are made on the CPU machine with `scripts/fatbin_ab.py --build LABEL -D...` (below), so a
+kernel experiment costs one GPU call. For each build: the median ms of the full call (the
+launcher's default segmentation), of kda_prep alone and of kda_recur alone, and the relative
+difference of o and the final state from the first build's (a changed kernel must not change
+the result beyond rounding). --recur-only N runs the recurrence N times after one prep, for ncu.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT / "tests"))
+
+
+def _entry(variant: str):
+    from kdagen.registry import Registry
+
+    entry = Registry.load().entries.get(variant)
+    if entry is None:
+        raise SystemExit(f"{variant} is not in any generated spec: run `kdagen generate` first")
+    return entry
+
+
+def build(variant: str, out: Path, defines: list[str], includes: list[str] = ()) -> None:
+    """Compile the generated source of `variant` with extra -D flags into `out` (CPU machine)."""
+    from kdagen.build import nvcc_command
+
+    entry = _entry(variant)
+    cmd = nvcc_command(entry.variant, entry.source_dir / "kernel.cu", out)
+    cmd[1:1] = [f"-D{d}" for d in defines] + [f"-I{d}" for d in includes]  # -I first: an experimental header copy wins
+    out.parent.mkdir(parents=True, exist_ok=True)
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    (out.with_suffix(".log")).write_text(r.stdout + r.stderr)
+    if r.returncode:
+        raise SystemExit(r.stdout + r.stderr)
+    regs = [ln.strip() for ln in (r.stdout + r.stderr).splitlines() if "registers" in ln or "spill" in ln]
+    print(f"built {out} ({' '.join(defines)})\n  " + "\n  ".join(regs[-4:]))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--variant", required=True)
+    ap.add_argument("--T", type=int, default=65536)
+    ap.add_argument("--H", type=int, default=24)
+    ap.add_argument("--iters", type=int, default=15)
+    ap.add_argument("--recur-only", type=int, default=0, help="run kda_recur this many times (for ncu)")
+    ap.add_argument("--reserve", default="", help="comma-separated KB: also time each build's full call "
+                    "with kda_recur launched with this much dynamic shared memory (fewer prep blocks beside it)")
+    ap.add_argument("--build", metavar="OUT", help="compile the variant with -D flags into OUT and exit")
+    ap.add_argument("-D", dest="defines", action="append", default=[])
+    ap.add_argument("-I", dest="includes", action="append", default=[], help="searched before templates/ (--build)")
+    ap.add_argument("builds", nargs="*", help="LABEL=PATH.fatbin[@VARIANT] (default: --variant)")
+    a = ap.parse_args()
+    if a.build:
+        build(a.variant, Path(a.build), a.defines, a.includes)
+        return 0
+
+    import torch
+    from bench_sm80 import timeit
+    from test_sm80 import _strides
+
+    from kdagen.abi import KdaCall
+    from kdagen.targets.sm80 import Sm80Launcher
+    var0 = _entry(a.variant).variant
+    T, H, D = a.T, a.H, var0.k
+    torch.manual_seed(0)
+    dev = "cuda"
+    q, k, v, g = (torch.randn(1, T, H, D, device=dev, dtype=torch.bfloat16) for _ in range(4))
+    beta = torch.randn(1, T, H, device=dev, dtype=torch.bfloat16)
+    A_log = torch.rand(H, device=dev) * 2 - 1
+    dt_bias = torch.randn(H * D, device=dev) * 0.5
+    h0 = torch.randn(1, H, D, D, device=dev) * 0.1
+    ref = None
+    print(f"{a.variant} B1 T{T} H{H} D{D} on {torch.cuda.get_device_name()}", flush=True)
+    for item in a.builds:
+        label, _, path = item.partition("=")
+        path, _, vname = path.partition("@")  # LABEL=PATH[@VARIANT]: another variant of the same shape
+        var = _entry(vname).variant if vname else var0
+        o = torch.full_like(v, float("nan"))
+        ht = torch.full((1, H, D, D), float("nan"), device=dev)
+        call = KdaCall(q=q, k=k, v=v, g=g, beta=beta, o=o, q_strides=_strides(q, "BSND"),
+                       k_strides=_strides(k, "BSND"), v_strides=_strides(v, "BSND"), g_strides=_strides(g, "BSND"),
+                       beta_strides=_strides(beta.unsqueeze(-1), "BSND"), o_strides=_strides(o, "BSND"),
+                       B=1, T=T, N=1, H=H, HV=H, K=D, V=D, cu_seqlens=None, A_log=A_log,
+                       dt_bias=dt_bias.view(H, D), scale=D ** -0.5, lower_bound=-5.0, use_qk_l2norm=True,
+                       allow_neg_eigval=False, initial_state=h0, final_state=ht, state_kv=False,
+                       chunk_states=None, chunk_offsets=None, max_len=T)
+        la = Sm80Launcher(var, Path(path))
+        if a.recur_only:
+            la.min_segment_tokens = None
+            la.parts = ("prep",)
+            la(call)  # fills a workspace that the recur-only calls below do not see; timing only
+            la.parts = ("recur",)
+            for _ in range(a.recur_only):
+                la(call)
+            torch.cuda.synchronize()
+            print(f"{label}: ran kda_recur x{a.recur_only}", flush=True)
+            continue
+        t = timeit(lambda: la(call), warmup=3, iters=a.iters)
+        nseg = la.last_segments
+        res = torch.cat([o.float().flatten(), ht.flatten()])
+        diff = "" if ref is None else f"  d(o, ht) vs first {((res - ref).norm() / ref.norm()).item():.1e}"
+        ok = bool(torch.isfinite(res).all())
+        ref = res if ref is None else ref
+        la.min_segment_tokens = None
+        la.parts = ("prep",)
+        t1 = timeit(lambda: la(call), warmup=2, iters=a.iters)
+        la.parts = ("recur",)
+        t2 = timeit(lambda: la(call), warmup=2, iters=a.iters)
+        for kb in [int(x) for x in a.reserve.split(",") if x]:
+            la2 = Sm80Launcher(var, Path(path))
+            idx, meta = la2._module(torch.device(dev))
+            nbytes = max(kb * 1024, meta[5])
+            from kdagen.targets.cuda_driver import PrimaryContext, check, driver
+
+            drv = driver()
+            with PrimaryContext(idx, "fatbin_ab"):  # the module caches kda_recur set up for its own size
+                check(drv.cuFuncSetAttribute(meta[2], drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                             nbytes), "cuFuncSetAttribute", "fatbin_ab")
+            la2._meta[idx] = meta[:5] + (nbytes,) + meta[6:]
+            tr = timeit(lambda: la2(call), warmup=3, iters=a.iters)
+            print(f"{label:10s} full {tr:7.3f} ms [{la2.last_segments} seg] with kda_recur at {nbytes / 1024:.0f} KB "
+                  "shared memory", flush=True)
+        print(f"{label:10s} full {t:7.3f} ms [{nseg} seg]  prep {t1:.3f}  recur {t2:.3f} "
+              f"({t2 * 1e3 / -(-T // var.chunk):.3f} us/step){diff}{'' if ok else '  NON-FINITE'}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
