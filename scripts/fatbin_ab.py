@@ -55,8 +55,6 @@ def main() -> int:
     ap.add_argument("--H", type=int, default=24)
     ap.add_argument("--iters", type=int, default=15)
     ap.add_argument("--recur-only", type=int, default=0, help="run kda_recur this many times (for ncu)")
-    ap.add_argument("--reserve", default="", help="comma-separated KB: also time each build's full call "
-                    "with kda_recur launched with this much dynamic shared memory (fewer prep blocks beside it)")
     ap.add_argument("--build", metavar="OUT", help="compile the variant with -D flags into OUT and exit")
     ap.add_argument("-D", dest="defines", action="append", default=[])
     ap.add_argument("-I", dest="includes", action="append", default=[], help="searched before templates/ (--build)")
@@ -118,21 +116,12 @@ def main() -> int:
         t1 = timeit(lambda: la(call), warmup=2, iters=a.iters)
         la.parts = ("recur",)
         t2 = timeit(lambda: la(call), warmup=2, iters=a.iters)
-        for kb in [int(x) for x in a.reserve.split(",") if x]:
+        tn = ""
+        if nseg:  # the same call without the launcher's limit on prep blocks beside the recurrence
             la2 = Sm80Launcher(var, Path(path))
-            idx, meta = la2._module(torch.device(dev))
-            nbytes = max(kb * 1024, meta[5])
-            from kdagen.targets.cuda_driver import PrimaryContext, check, driver
-
-            drv = driver()
-            with PrimaryContext(idx, "fatbin_ab"):  # the module caches kda_recur set up for its own size
-                check(drv.cuFuncSetAttribute(meta[2], drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                                             nbytes), "cuFuncSetAttribute", "fatbin_ab")
-            la2._meta[idx] = meta[:5] + (nbytes,) + meta[6:]
-            tr = timeit(lambda: la2(call), warmup=3, iters=a.iters)
-            print(f"{label:10s} full {tr:7.3f} ms [{la2.last_segments} seg] with kda_recur at {nbytes / 1024:.0f} KB "
-                  "shared memory", flush=True)
-        print(f"{label:10s} full {t:7.3f} ms [{nseg} seg]  prep {t1:.3f}  recur {t2:.3f} "
+            la2.limit_prep_beside_recur = False
+            tn = f" ({timeit(lambda: la2(call), warmup=3, iters=a.iters):.3f} without the prep limit)"
+        print(f"{label:10s} full {t:7.3f} ms [{nseg} seg]{tn}  prep {t1:.3f}  recur {t2:.3f} "
               f"({t2 * 1e3 / -(-T // var.chunk):.3f} us/step){diff}{'' if ok else '  NON-FINITE'}", flush=True)
     return 0
 

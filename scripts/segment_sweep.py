@@ -23,7 +23,7 @@ from test_sm80 import _strides, sm80_variants  # noqa: E402
 from kdagen.abi import KdaCall  # noqa: E402
 from kdagen.targets.sm80 import Sm80Launcher  # noqa: E402
 
-SETTINGS = [(None, 1), (4096, 8), (2048, 16), (2048, 32), (1024, 32)]
+SETTINGS = [(None, 1), (8192, 4), (4096, 8), (4096, 12), (2048, 16), (2048, 24), (2048, 32)]
 
 
 def main() -> int:
