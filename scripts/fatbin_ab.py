@@ -119,7 +119,7 @@ def main() -> int:
         tn = ""
         if nseg:  # the same call without the launcher's limit on prep blocks beside the recurrence
             la2 = Sm80Launcher(var, Path(path))
-            la2.limit_prep_beside_recur = False
+            la2.prep_blocks_beside_recur = None
             tn = f" ({timeit(lambda: la2(call), warmup=3, iters=a.iters):.3f} without the prep limit)"
         print(f"{label:10s} full {t:7.3f} ms [{nseg} seg]{tn}  prep {t1:.3f}  recur {t2:.3f} "
               f"({t2 * 1e3 / -(-T // var.chunk):.3f} us/step){diff}{'' if ok else '  NON-FINITE'}", flush=True)

@@ -3,7 +3,8 @@
     python scripts/segment_sweep.py [--T 65536 --H 24 --filter c16_k128_v128_bf16_gb_sfp32_bv32]
 
 Prints the median ms of the full call for: one piece, and each (min_segment_tokens,
-max_segments) setting, so the launcher's defaults rest on a measurement."""
+max_segments) setting, so the launcher's defaults rest on a measurement; with --beside 0,1,2,none
+also for each limit on the prep blocks beside a recurrence block."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from test_sm80 import _strides, sm80_variants  # noqa: E402
 from kdagen.abi import KdaCall  # noqa: E402
 from kdagen.targets.sm80 import Sm80Launcher  # noqa: E402
 
-SETTINGS = [(None, 1), (8192, 4), (4096, 8), (4096, 12), (2048, 16), (2048, 24), (2048, 32)]
+SETTINGS = [(None, 1), (8192, 4), (4096, 8), (4096, 12), (2048, 16), (2048, 32)]
 
 
 def main() -> int:
@@ -31,6 +32,8 @@ def main() -> int:
     ap.add_argument("--T", type=int, default=65536)
     ap.add_argument("--H", type=int, default=24)
     ap.add_argument("--filter", default="c16_k128_v128_bf16_gb_sfp32_bv32")
+    ap.add_argument("--beside", default="", help="comma-separated prep blocks allowed beside a recurrence "
+                    "block (or 'none'), timed at the default segments")
     a = ap.parse_args()
     T, H, D = a.T, a.H, 128
     torch.manual_seed(0)
@@ -62,6 +65,12 @@ def main() -> int:
             ref = o_now if ref is None else ref
             diff = ((o_now - ref).norm() / ref.norm()).item()
             row.append(f"seg {tokens}/{segs} [{la.last_segments}]: {t:.3f} ms (d {diff:.0e})")
+        la.min_segment_tokens, la.max_segments = 4096, 8
+        for kb in [x for x in a.beside.split(",") if x]:
+            la.prep_blocks_beside_recur = None if kb == "none" else int(kb)
+            t = timeit(lambda: la(call), warmup=3, iters=15)
+            diff = ((o.float() - ref).norm() / ref.norm()).item()
+            row.append(f"seg 4096/8, prep blocks beside a recurrence block {kb}: {t:.3f} ms (d {diff:.0e})")
         print("\n  ".join(row), flush=True)
     return 0
 

@@ -350,17 +350,18 @@ def test_sm80_shared_memory_check_names_kernel_and_sizes():
 
 @pytest.mark.parametrize("total,optin", [(228 * 1024, 227 * 1024), (164 * 1024, 163 * 1024), (100 * 1024, 99 * 1024)],
                          ids=["H100/H200", "A100", "sm86"])
-def test_sm80_recur_shared_memory_leaves_room_for_one_prep_block(total, optin):
-    """In a segmented call a recurrence block claims enough shared memory that one prep block,
-    not two, fits beside it (1 KB reserved per block); never less than it needs."""
+@pytest.mark.parametrize("k", [0, 1, 2])
+def test_sm80_recur_shared_memory_leaves_room_for_k_prep_blocks(total, optin, k):
+    """In a segmented call a recurrence block claims enough shared memory that k prep blocks,
+    not k + 1, fit beside it (1 KB reserved per block); never less than it needs."""
     from types import SimpleNamespace
 
-    from kdagen.targets.sm80 import recur_smem_beside_one_prep
+    from kdagen.targets.sm80 import recur_smem_beside_prep
 
     props = SimpleNamespace(shared_memory_per_multiprocessor=total, shared_memory_per_block_optin=optin)
     for smem1, smem2 in [(49_600, 72_000), (20_000, 40_000), (30_000, 16_000)]:
-        r = recur_smem_beside_one_prep(smem1, smem2, props)
+        r = recur_smem_beside_prep(smem1, smem2, props, k)
         assert smem2 <= r <= optin
-        if r > smem2:  # the claim is what limits the prep blocks
-            assert r + 1024 + (smem1 + 1024) <= total < r + 1024 + 2 * (smem1 + 1024)
-    assert recur_smem_beside_one_prep(49_600, 72_000, SimpleNamespace()) == 72_000  # sizes unknown
+        if smem2 < r < optin:  # the claim is what limits the prep blocks
+            assert r + 1024 + k * (smem1 + 1024) <= total < r + 1024 + (k + 1) * (smem1 + 1024)
+    assert recur_smem_beside_prep(49_600, 72_000, SimpleNamespace()) == 72_000  # sizes unknown

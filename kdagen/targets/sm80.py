@@ -37,17 +37,17 @@ def check_shared_memory(who: str, needs: dict[str, int], props) -> None:
                            f"{limit / 1024:.1f} KB. Use a variant with chunk 16 or a smaller block_v.")
 
 
-def recur_smem_beside_one_prep(smem1: int, smem2: int, props) -> int:
-    """Dynamic shared memory for a kda_recur block such that one kda_prep block (smem1 bytes)
-    still fits on its SM but two do not; smem2 where the device does not say its sizes or the
-    recurrence needs more anyway."""
+def recur_smem_beside_prep(smem1: int, smem2: int, props, k: int = 1) -> int:
+    """Dynamic shared memory for a kda_recur block such that k kda_prep blocks (smem1 bytes
+    each) still fit on its SM but k + 1 do not; smem2 where the device does not say its sizes
+    or the recurrence needs more anyway."""
     total = int(getattr(props, "shared_memory_per_multiprocessor", 0) or 0)
     optin = int(getattr(props, "shared_memory_per_block_optin", 0) or 0)
     if total <= 0 or optin <= 0:
         return smem2
     per_block = 1024  # shared memory the driver reserves per resident block (sm_80 and later)
-    # one prep block fits: r + 2 per_block + smem1 <= total; two do not: r + 3 per_block + 2 smem1 > total
-    r = total - 2 * per_block - smem1 - smem1 // 2
+    # k fit: r + per_block + k (smem1 + per_block) <= total; k + 1 do not: half a prep block of margin
+    r = total - per_block - k * (smem1 + per_block) - smem1 // 2
     return max(smem2, min(r, optin))
 
 
@@ -103,9 +103,10 @@ class Sm80Launcher:
         self.min_segment_tokens: int | None = 4096
         self.max_segments = 8
         # In a segmented call, kda_recur blocks ask for enough (unused) shared memory that at most
-        # one kda_prep block fits beside them on an SM: prep blocks otherwise fill those SMs and
-        # take the issue slots of the serial chain. H200, T65536 H24: 3.50 -> 3.08 ms.
-        self.limit_prep_beside_recur = True
+        # this many kda_prep blocks fit beside them on an SM (None: no limit): prep blocks
+        # otherwise fill those SMs and take the issue slots of the serial chain. H200, T65536
+        # H24, one beside: 3.50 -> 3.08 and 3.45 -> 3.03 ms (two runs).
+        self.prep_blocks_beside_recur: int | None = 1
         self._side_streams: dict[int, torch.cuda.Stream] = {}
         self.last_segments = 0  # segments of the last call (0: one piece); for tests and logs
 
@@ -260,8 +261,9 @@ class Sm80Launcher:
             done.record(side)
             work.append((ps, ws, done))
         smem_r = smem2
-        if self.limit_prep_beside_recur:
-            smem_r = recur_smem_beside_one_prep(smem1, smem2, torch.cuda.get_device_properties(dev))
+        if self.prep_blocks_beside_recur is not None:
+            smem_r = recur_smem_beside_prep(smem1, smem2, torch.cuda.get_device_properties(dev),
+                                            self.prep_blocks_beside_recur)
             mod.function("kda_recur", smem_r)
         for ps, _ws, done in work:
             main.wait_event(done)

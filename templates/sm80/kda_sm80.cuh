@@ -814,7 +814,18 @@ __device__ __forceinline__ void load_state_l(const ST* base, float (*s)[4], int 
 
 }  // namespace kda
 
-extern "C" __global__ void __launch_bounds__(kda::NT2) kda_recur(const KdaParams p) {
+// Register budgets, measured per build (ptxas 13.0, sm_80 and sm_90 images), not derived. Left to
+// itself ptxas caps some shapes below what they need and spills loop invariants: chunk 64 at 168
+// registers, block_v 16 (three warps) at 96. Asking for one block per SM lifts the cap; at chunk
+// 64, K = 64 ptxas then schedules more aggressively and spills on sm_90, so 232 registers there.
+#if KDA_C == 64 && KDA_K == 64
+#define KDA_RECUR_BOUNDS __maxnreg__(232)
+#elif KDA_C == 64 || KDA_BV == 16
+#define KDA_RECUR_BOUNDS __launch_bounds__(kda::NT2, 1)
+#else
+#define KDA_RECUR_BOUNDS __launch_bounds__(kda::NT2)
+#endif
+extern "C" __global__ void KDA_RECUR_BOUNDS kda_recur(const KdaParams p) {
   using namespace kda;
   extern __shared__ __align__(16) char smem2[];
   float4* xbuf = reinterpret_cast<float4*>(smem2 + NSTAGE * STAGE);
