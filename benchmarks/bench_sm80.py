@@ -38,6 +38,32 @@ MORE = {
 }
 
 
+def make_inputs(T: int, H: int, N: int = 1, D: int = 128, dev: str = "cuda") -> dict:
+    """The benchmark inputs (seed 0): bf16 q, k, v, g [1, T, H, D], beta [1, T, H], A_log, dt_bias,
+    and h0 [N, H, D, D]; the scripts that time sm80 builds use the same ones."""
+    torch.manual_seed(0)
+    q, k, v, g = (torch.randn(1, T, H, D, device=dev, dtype=torch.bfloat16) for _ in range(4))
+    beta = torch.randn(1, T, H, device=dev, dtype=torch.bfloat16)
+    A_log = torch.rand(H, device=dev) * 2 - 1
+    dt_bias = torch.randn(H * D, device=dev) * 0.5
+    h0 = torch.randn(N, H, D, D, device=dev) * 0.1  # [N, HV, V, K]
+    return dict(q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, h0=h0)
+
+
+def make_call(inp: dict, o: torch.Tensor, ht: torch.Tensor, cu: torch.Tensor | None = None,
+              max_len: int | None = None) -> KdaCall:
+    """An sm80 launcher call on make_inputs' tensors (BSND, lower_bound -5, q/k L2 norm in kernel)."""
+    q, k, v, g, beta = (inp[n] for n in ("q", "k", "v", "g", "beta"))
+    _, T, H, D = q.shape
+    return KdaCall(q=q, k=k, v=v, g=g, beta=beta, o=o, q_strides=_strides(q, "BSND"),
+                   k_strides=_strides(k, "BSND"), v_strides=_strides(v, "BSND"), g_strides=_strides(g, "BSND"),
+                   beta_strides=_strides(beta.unsqueeze(-1), "BSND"), o_strides=_strides(o, "BSND"),
+                   B=1, T=T, N=inp["h0"].shape[0], H=H, HV=H, K=D, V=D, cu_seqlens=cu, A_log=inp["A_log"],
+                   dt_bias=inp["dt_bias"].view(H, D), scale=D ** -0.5, lower_bound=-5.0, use_qk_l2norm=True,
+                   allow_neg_eigval=False, initial_state=inp["h0"], final_state=ht, state_kv=False,
+                   chunk_states=None, chunk_offsets=None, max_len=T if max_len is None else max_len)
+
+
 def timeit(fn, warmup=3, iters=10):
     for _ in range(warmup):
         fn()
@@ -79,15 +105,9 @@ def main():
         T = sum(lens) if lens else c["T"]
         H = c["H"]
         N = len(lens) if lens else 1
-        torch.manual_seed(0)
-        q = torch.randn(1, T, H, D, device=dev, dtype=torch.bfloat16)
-        k = torch.randn(1, T, H, D, device=dev, dtype=torch.bfloat16)
-        v = torch.randn(1, T, H, D, device=dev, dtype=torch.bfloat16)
-        g = torch.randn(1, T, H, D, device=dev, dtype=torch.bfloat16)
-        beta = torch.randn(1, T, H, device=dev, dtype=torch.bfloat16)
-        A_log = torch.rand(H, device=dev) * 2 - 1
-        dt_bias = torch.randn(H * D, device=dev) * 0.5
-        h0 = torch.randn(N, H, D, D, device=dev) * 0.1  # [N, HV, V, K]
+        inp = make_inputs(T, H, N, D, dev)
+        q, k, v, g, beta = (inp[n] for n in ("q", "k", "v", "g", "beta"))
+        A_log, dt_bias, h0 = inp["A_log"], inp["dt_bias"], inp["h0"]
         cu = None
         if lens:
             cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=dev)
@@ -107,13 +127,7 @@ def main():
         for var, art in variants:
             o = torch.empty_like(v)
             ht = torch.empty(N, H, D, D, device=dev)
-            call = KdaCall(q=q, k=k, v=v, g=g, beta=beta, o=o, q_strides=_strides(q, "BSND"),
-                           k_strides=_strides(k, "BSND"), v_strides=_strides(v, "BSND"), g_strides=_strides(g, "BSND"),
-                           beta_strides=_strides(beta.unsqueeze(-1), "BSND"), o_strides=_strides(o, "BSND"),
-                           B=1, T=T, N=N, H=H, HV=H, K=D, V=D, cu_seqlens=cu, A_log=A_log,
-                           dt_bias=dt_bias.view(H, D), scale=D ** -0.5, lower_bound=-5.0, use_qk_l2norm=True,
-                           allow_neg_eigval=False, initial_state=h0, final_state=ht, state_kv=False,
-                           chunk_states=None, chunk_offsets=None, max_len=max(lens) if lens else T)
+            call = make_call(inp, o, ht, cu, max(lens) if lens else T)
             launcher = Sm80Launcher(var, art)
             t = timeit(lambda: launcher(call))
             err = ""

@@ -21,6 +21,8 @@ _INSTR = re.compile(r"^\s*/\*(?P<addr>[0-9a-f]{4,})\*/\s+(?P<text>[^;]*);\s*/\* 
 _HI = re.compile(r"^\s*/\* (?P<hi>0x[0-9a-f]+) \*/\s*$")
 _FUNC = re.compile(r"Function : (?P<name>\S+)")
 _PRED = re.compile(r"^@!?U?P[T0-9]+\s+")
+# A branch with an address target, on the raw text (optional predicate, optional condition operand).
+BRANCH = re.compile(r"^(?P<pred>@!?P\w+\s+)?BRA\s+(?:[!A-Z0-9a-z]+,\s*)?(?P<target>0x[0-9a-f]+)")
 
 # opcode prefix -> class (first match wins; order matters)
 _CLASSES = (
@@ -93,10 +95,10 @@ class KernelSass:
     def loops(self) -> list[tuple[int, int]]:
         """(first, last) address of each loop body: a branch back to an earlier address."""
         out = []
-        for a, i in zip(self.addresses, self.instructions):
-            m = re.match(r"BRA\s+(?:`?\(?)(0x[0-9a-f]+)", i)
-            if m and int(m.group(1), 16) < a:
-                out.append((int(m.group(1), 16), a))
+        for a, raw in zip(self.addresses, self.raw):
+            m = BRANCH.match(raw)
+            if m and int(m.group("target"), 16) < a:
+                out.append((int(m.group("target"), 16), a))
         return out
 
     def loop_with(self, opcode_prefix: str) -> tuple[int, int]:

@@ -65,35 +65,22 @@ def main() -> int:
         return 0
 
     import torch
-    from bench_sm80 import timeit
-    from test_sm80 import _strides
+    from bench_sm80 import make_call, make_inputs, timeit
 
-    from kdagen.abi import KdaCall
     from kdagen.targets.sm80 import Sm80Launcher
     var0 = _entry(a.variant).variant
     T, H, D = a.T, a.H, var0.k
-    torch.manual_seed(0)
     dev = "cuda"
-    q, k, v, g = (torch.randn(1, T, H, D, device=dev, dtype=torch.bfloat16) for _ in range(4))
-    beta = torch.randn(1, T, H, device=dev, dtype=torch.bfloat16)
-    A_log = torch.rand(H, device=dev) * 2 - 1
-    dt_bias = torch.randn(H * D, device=dev) * 0.5
-    h0 = torch.randn(1, H, D, D, device=dev) * 0.1
+    inp = make_inputs(T, H, 1, D, dev)
     ref = None
     print(f"{a.variant} B1 T{T} H{H} D{D} on {torch.cuda.get_device_name()}", flush=True)
     for item in a.builds:
         label, _, path = item.partition("=")
         path, _, vname = path.partition("@")  # LABEL=PATH[@VARIANT]: another variant of the same shape
         var = _entry(vname).variant if vname else var0
-        o = torch.full_like(v, float("nan"))
+        o = torch.full_like(inp["v"], float("nan"))
         ht = torch.full((1, H, D, D), float("nan"), device=dev)
-        call = KdaCall(q=q, k=k, v=v, g=g, beta=beta, o=o, q_strides=_strides(q, "BSND"),
-                       k_strides=_strides(k, "BSND"), v_strides=_strides(v, "BSND"), g_strides=_strides(g, "BSND"),
-                       beta_strides=_strides(beta.unsqueeze(-1), "BSND"), o_strides=_strides(o, "BSND"),
-                       B=1, T=T, N=1, H=H, HV=H, K=D, V=D, cu_seqlens=None, A_log=A_log,
-                       dt_bias=dt_bias.view(H, D), scale=D ** -0.5, lower_bound=-5.0, use_qk_l2norm=True,
-                       allow_neg_eigval=False, initial_state=h0, final_state=ht, state_kv=False,
-                       chunk_states=None, chunk_offsets=None, max_len=T)
+        call = make_call(inp, o, ht)
         la = Sm80Launcher(var, Path(path))
         if a.recur_only:
             la.min_segment_tokens = None

@@ -19,18 +19,17 @@ bank conflicts and cp.async data arriving late. Use it to compare two builds of 
 from __future__ import annotations
 
 import argparse
-import re
 import signal
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from kdagen.sass import BRANCH as _BRA  # noqa: E402
 from kdagen.sass import disassemble  # noqa: E402
 
 LATENCY = {"LDSM": 33, "LDS": 33, "LDC": 30, "LDG": 600, "S2UR": 20, "S2R": 20, "LDGSTS": 20,
            "STS": 20, "STG": 20, "SHFL": 24, "MUFU": 18, "I2F": 18, "F2I": 18}
-_BRA = re.compile(r"^(?P<pred>@!?P\w+\s+)?BRA\s+(?:[!A-Z0-9a-z]+,\s*)?(?P<target>0x[0-9a-f]+)")
 
 
 def latency(op: str, table: dict[str, int]) -> int:
@@ -55,12 +54,12 @@ def main() -> int:
     k = disassemble(a.artifact, a.arch)[a.kernel]
     ops = [text.split()[0] for text in k.instructions]
     index = {addr: i for i, addr in enumerate(k.addresses)}
-    loops = [(i, int(m.group("target"), 16)) for i, raw in enumerate(k.raw)
-             if (m := _BRA.match(raw)) and int(m.group("target"), 16) < k.addresses[i]]
+    loops = k.loops()
     if not loops:
         print(f"{a.kernel}: no loop")
         return 1
-    end, head = max(loops, key=lambda x: k.addresses[x[0]] - x[1])
+    head, last = max(loops, key=lambda x: x[1] - x[0])
+    end = index[last]
     taken = {int(x, 16) for x in a.taken}
     t, sb, i = 0, [0] * 6, index[head]
     stalls = waits = bars = n = 0

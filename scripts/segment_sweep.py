@@ -18,10 +18,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from bench_sm80 import timeit  # noqa: E402
-from test_sm80 import _strides, sm80_variants  # noqa: E402
+from bench_sm80 import make_call, make_inputs, timeit  # noqa: E402
+from test_sm80 import sm80_variants  # noqa: E402
 
-from kdagen.abi import KdaCall  # noqa: E402
 from kdagen.targets.sm80 import Sm80Launcher  # noqa: E402
 
 SETTINGS = [(None, 1), (8192, 4), (4096, 8), (4096, 12), (2048, 16), (2048, 32)]
@@ -36,25 +35,14 @@ def main() -> int:
                     "block (or 'none'), timed at the default segments")
     a = ap.parse_args()
     T, H, D = a.T, a.H, 128
-    torch.manual_seed(0)
     dev = "cuda"
-    q, k, v, g = (torch.randn(1, T, H, D, device=dev, dtype=torch.bfloat16) for _ in range(4))
-    beta = torch.randn(1, T, H, device=dev, dtype=torch.bfloat16)
-    A_log = torch.rand(H, device=dev) * 2 - 1
-    dt_bias = torch.randn(H * D, device=dev) * 0.5
-    h0 = torch.randn(1, H, D, D, device=dev) * 0.1
+    inp = make_inputs(T, H, 1, D, dev)
     for var, art in sm80_variants():
         if a.filter not in var.name:
             continue
-        o = torch.empty_like(v)
+        o = torch.empty_like(inp["v"])
         ht = torch.empty(1, H, D, D, device=dev)
-        call = KdaCall(q=q, k=k, v=v, g=g, beta=beta, o=o, q_strides=_strides(q, "BSND"),
-                       k_strides=_strides(k, "BSND"), v_strides=_strides(v, "BSND"), g_strides=_strides(g, "BSND"),
-                       beta_strides=_strides(beta.unsqueeze(-1), "BSND"), o_strides=_strides(o, "BSND"),
-                       B=1, T=T, N=1, H=H, HV=H, K=D, V=D, cu_seqlens=None, A_log=A_log,
-                       dt_bias=dt_bias.view(H, D), scale=D ** -0.5, lower_bound=-5.0, use_qk_l2norm=True,
-                       allow_neg_eigval=False, initial_state=h0, final_state=ht, state_kv=False,
-                       chunk_states=None, chunk_offsets=None, max_len=T)
+        call = make_call(inp, o, ht)
         la = Sm80Launcher(var, art)
         ref = None
         row = [f"{var.name} T{T} H{H}"]

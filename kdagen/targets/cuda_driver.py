@@ -102,13 +102,16 @@ class LoadedModule:
         """The kernel `name`, allowed at least `max_dynamic_smem` bytes of dynamic shared memory
         (the attribute is raised when a later caller asks for more)."""
         f = self._funcs.get(name)
+        raise_smem = max_dynamic_smem > max(48 * 1024, self._smem.get(name, 0))
+        if f is not None and not raise_smem:
+            return f  # the per-call path: no context switch
         drv = driver()
         with PrimaryContext(self.device_index, self.who):
             if f is None:
                 f = check(drv.cuModuleGetFunction(self.module, name.encode()), f"cuModuleGetFunction({name})",
                           self.who)
                 self._funcs[name] = f
-            if max_dynamic_smem > max(48 * 1024, self._smem.get(name, 0)):
+            if raise_smem:
                 attr = drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
                 check(drv.cuFuncSetAttribute(f, attr, int(max_dynamic_smem)),
                       f"cuFuncSetAttribute({name}, smem={max_dynamic_smem})", self.who)
