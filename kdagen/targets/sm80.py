@@ -105,8 +105,10 @@ class Sm80Launcher:
         # In a segmented call, kda_recur blocks ask for enough (unused) shared memory that at most
         # this many kda_prep blocks fit beside them on an SM (None: no limit): prep blocks
         # otherwise fill those SMs and take the issue slots of the serial chain. H200, T65536
-        # H24, one beside: 3.50 -> 3.08 and 3.45 -> 3.03 ms (two runs).
-        self.prep_blocks_beside_recur: int | None = 1
+        # H24: one beside took 3.50 -> 3.08 ms with the earlier prep; with the prep that issues
+        # all its loads at once, none beside is faster than one (2.97-3.17 vs 3.18-3.34 ms over
+        # two runs, scripts/segment_sweep.py).
+        self.prep_blocks_beside_recur: int | None = 0
         self._side_streams: dict[int, torch.cuda.Stream] = {}
         self.last_segments = 0  # segments of the last call (0: one piece); for tests and logs
 

@@ -82,6 +82,22 @@ __device__ __forceinline__ void load8<float>(const float* p, float* out) {
   out[4] = b.x; out[5] = b.y; out[6] = b.z; out[7] = b.w;
 }
 
+// Eight 16-bit values from one 16-byte load, to fp32 (the load issued apart from the conversion).
+template <typename T>
+__device__ __forceinline__ void unpack8(const uint4& r, float* out) {
+  static_assert(sizeof(T) == 2, "16-bit input type");
+  const T* e = reinterpret_cast<const T*>(&r);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) out[i] = to_f(e[i]);
+}
+
+// The low 16 bits of a raw load as a bf16 / fp16 value.
+template <typename T> __device__ __forceinline__ T bits_as(uint32_t x);
+template <> __device__ __forceinline__ __nv_bfloat16 bits_as<__nv_bfloat16>(uint32_t x) {
+  return __ushort_as_bfloat16((unsigned short)x);
+}
+template <> __device__ __forceinline__ __half bits_as<__half>(uint32_t x) { return __ushort_as_half((unsigned short)x); }
+
 // D = A * B + D, m16n8k16, bf16 inputs, fp32 accumulators. Not volatile: a pure register
 // operation, so the compiler may interleave independent MMAs with other work.
 __device__ __forceinline__ void mma_bf16(float* d, const uint32_t* a, uint32_t b0, uint32_t b1) {

@@ -211,37 +211,30 @@ extern "C" __global__ void __launch_bounds__(kda::NT1, kda::MINB1) kda_prep(cons
   const auto [h, rows, bidx, t0, wsr, qp, kp] = w;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
 
-  // ---- 0. loads
+  // ---- 0. loads. Every global load of the phase is issued before any result is used, so a
+  // block waits for one memory round trip, not one per input: written in the order of use, the
+  // compiler converted q/k/v before loading beta, and evaluated beta and A_log before loading
+  // g (ncu, H200: four waits in turn, a fifth of the prep's stall samples).
   constexpr int GPR = K / 8;  // 8-column groups per row; C * GPR == NT1
   const int ri = tid / GPR, d = (tid % GPR) * 8;
   const bool live = ri < rows;
-  float xq[8], xk[8], xv[8];
-  float b = 0.f;
-  if (live) {
-    const long long t = t0 + ri;
-    load8(qp + t * p.q_s[1] + d, xq);
-    load8(kp + t * p.k_s[1] + d, xk);
-    load8((const in_t*)p.v + bidx * p.v_s[0] + h * p.v_s[2] + t * p.v_s[1] + d, xv);
-    const long long bo = bidx * p.b_s[0] + t * p.b_s[1] + h * p.b_s[2];
-    const float x = p.beta_fp32 ? ((const float*)p.beta)[bo] : to_f(((const in_t*)p.beta)[bo]);
-    b = sigmoidf_(x) * (p.neg_eigval ? 2.f : 1.f);
-  } else {
-#pragma unroll
-    for (int e = 0; e < 8; ++e) xq[e] = xk[e] = xv[e] = 0.f;
-  }
-  {
-    // Gate, column-major: lanes 0-15 of a warp take rows 0-7 of 16 columns, lanes 16-31 rows
-    // 8-15 of the same columns; the second half adds the first half's total (one shuffle).
-    const int col = (lane & 15) + 16 * warp, half = lane >> 4;
-    const long long goff = bidx * p.g_s[0] + h * p.g_s[2] + col;
+  const long long t = t0 + (live ? ri : rows - 1);  // rows past the end load a live row, zeroed below
+  const uint4 rq = __ldg(reinterpret_cast<const uint4*>(qp + t * p.q_s[1] + d));
+  const uint4 rk = __ldg(reinterpret_cast<const uint4*>(kp + t * p.k_s[1] + d));
+  const uint4 rv = __ldg(reinterpret_cast<const uint4*>((const in_t*)p.v + bidx * p.v_s[0] + h * p.v_s[2] + t * p.v_s[1] + d));
+  const long long bo = bidx * p.b_s[0] + t * p.b_s[1] + h * p.b_s[2];
+  const uint32_t rb = p.beta_fp32 ? __ldg(reinterpret_cast<const unsigned*>(p.beta) + bo)
+                                  : (uint32_t)__ldg(reinterpret_cast<const unsigned short*>(p.beta) + bo);
+  // Gate, column-major: lanes 0-15 of a warp take rows 0-7 of 16 columns, lanes 16-31 rows 8-15
+  // of the same columns (raw bits here; activated and summed below).
+  const int col = (lane & 15) + 16 * warp, half = lane >> 4;
 #if KDA_GATE != 2
-    const float aexp = __expf(p.A_log[h]);
-    const float bias = p.dt_bias ? p.dt_bias[h * K + col] : 0.f;
-#else
-    const float aexp = 0.f, bias = 0.f;
+  const float alog = __ldg(p.A_log + h);
+  const float bias = p.dt_bias ? __ldg(p.dt_bias + h * K + col) : 0.f;
 #endif
-    float a[8];
-    float run = 0.f;
+  uint32_t rg[8];
+  {
+    const long long goff = bidx * p.g_s[0] + h * p.g_s[2] + col;
     // One pointer walk per thread (no per-row 64-bit index products), the input type chosen once
     // for the whole loop, and no per-row bounds test for full chunks (all but the last).
     auto gate_rows = [&, t0 = t0, rows = rows](auto tag) {
@@ -250,15 +243,46 @@ extern "C" __global__ void __launch_bounds__(kda::NT1, kda::MINB1) kda_prep(cons
       const char* gp = reinterpret_cast<const char*>(reinterpret_cast<const GT*>(p.g) + goff) + (t0 + 8 * half) * gsb;
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
-        if (rows == C || 8 * half + j < rows)  // rows past the end: no decay
-          run += gate_act(to_f(__ldg(reinterpret_cast<const GT*>(gp))) + bias, aexp, p.lower_bound);
-        a[j] = run;
+        rg[j] = rows == C || 8 * half + j < rows ? (uint32_t)__ldg(reinterpret_cast<const GT*>(gp)) : 0u;
         gp += gsb;
         asm("" : "+l"(gp));  // keep the walk: otherwise each row gets its own 64-bit product
       }
     };
-    if (p.g_fp32) gate_rows(0.f);
-    else gate_rows(in_t{});
+    if (p.g_fp32) gate_rows(0u);
+    else gate_rows((unsigned short)0);
+  }
+
+  float xq[8], xk[8], xv[8];
+  unpack8<in_t>(rq, xq);
+  unpack8<in_t>(rk, xk);
+  unpack8<in_t>(rv, xv);
+  if (!live) {
+#pragma unroll
+    for (int e = 0; e < 8; ++e) xq[e] = xk[e] = xv[e] = 0.f;
+  }
+  float b = 0.f;
+  if (live) {
+    const float x = p.beta_fp32 ? __uint_as_float(rb) : to_f(bits_as<in_t>(rb));
+    b = sigmoidf_(x) * (p.neg_eigval ? 2.f : 1.f);
+  }
+  {
+#if KDA_GATE != 2
+    const float aexp = __expf(alog);
+#else
+    const float aexp = 0.f, bias = 0.f;
+#endif
+    float a[8];
+    float run = 0.f;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      // Activated unconditionally and then selected: a branch per row would serialize the
+      // rows' exp / reciprocal chains.
+      const float x = p.g_fp32 ? __uint_as_float(rg[j]) : to_f(bits_as<in_t>(rg[j]));
+      const float act = gate_act(x + bias, aexp, p.lower_bound);
+      run += rows == C || 8 * half + j < rows ? act : 0.f;  // rows past the end: no decay
+      a[j] = run;
+    }
+    // The second half adds the first half's total (one shuffle).
     const float first = __shfl_up_sync(0xffffffffu, run, 16);
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
