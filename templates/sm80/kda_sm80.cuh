@@ -182,9 +182,8 @@ extern "C" __device__ int kda_meta[8] = {(int)kda::REC, kda::SMEM1, kda::SMEM2, 
 // phase needs; shared memory carries only what crosses threads:
 //   0. row-major: thread = (row, 8 columns) loads q, k, v, beta and L2-normalises q, k (shuffles
 //      within the row); column-major: two threads per column activate the gate and cumsum it.
-//   1. row-major: e^G, e^-G, e^(G_C - G) once per element (G kept times log2 e, so each is one
-//      exp2) -> Qd, Kr (workspace), the bf16 MMA operands k e^G, Qd = scale q e^G, k e^-G, and
-//      X = [b k e^G | b v] split into bf16 hi + lo.
+//   1. row-major: e^G, e^-G, e^(G_C - G) once per element -> Qd, Kr (workspace), the bf16 MMA
+//      operands k e^G, q e^G, k e^-G, and X = [b k e^G | b v] split into bf16 hi + lo.
 //   2. L and Mqk on tensor cores, split over K (two 16-column slices per warp at K = 128).
 //   3. partial sums in warp order (deterministic) -> L^T (shared), Mqk (workspace).
 //   4. (I + L)^-1 by forward substitution, 16 threads, one column each, split into hi + lo.
@@ -193,14 +192,14 @@ extern "C" __device__ int kda_meta[8] = {(int)kda::REC, kda::SMEM1, kda::SMEM2, 
 extern "C" __global__ void __launch_bounds__(kda::NT1, kda::MINB1) kda_prep(const KdaParams p) {
   using namespace kda;
   extern __shared__ __align__(16) float smem1[];
-  float* sG = smem1;                // [C][KP] cumulative gate, times log2 e (exp2 without a scaling)
+  float* sG = smem1;                // [C][KP] cumulative gate
   float* spart = sG + C * KP;       // [NMW][2][16][16] per-warp partial L, Mqk
   float* sLT = spart + NMW * 512;   // [C][CP] L transposed (times b)
   float* sb = sLT + C * CP;         // [C] beta
   float* srq = sb + C;              // [C] L2-norm factors of q and k (exact fallback)
   float* srk = srq + C;
   bf16* sAK = reinterpret_cast<bf16*>(srk + C);  // [C][KB1] k e^G      (later: W staging)
-  bf16* sAQ = sAK + C * KB1;                     // [C][KB1] scale q e^G (later: U0^T staging)
+  bf16* sAQ = sAK + C * KB1;                     // [C][KB1] q e^G      (later: U0^T staging)
   bf16* sBK = sAQ + C * KB1;                     // [C][KB1] k e^-G
   bf16* sXh = sBK + C * KB1;                     // [C][XB1] X, high bf16 part
   bf16* sXl = sXh + C * XB1;                     // [C][XB1] X - high part
@@ -279,13 +278,7 @@ extern "C" __global__ void __launch_bounds__(kda::NT1, kda::MINB1) kda_prep(cons
       // Activated unconditionally and then selected: a branch per row would serialize the
       // rows' exp / reciprocal chains.
       const float x = p.g_fp32 ? __uint_as_float(rg[j]) : to_f(bits_as<in_t>(rg[j]));
-#if KDA_GATE == 0
-      const float act = gate_act(x + bias, aexp, p.lower_bound * LOG2E);  // log2 units
-#elif KDA_GATE == 1
-      const float act = gate_act(x + bias, aexp * LOG2E, 0.f);
-#else
-      const float act = x * LOG2E;
-#endif
+      const float act = gate_act(x + bias, aexp, p.lower_bound);
       run += rows == C || 8 * half + j < rows ? act : 0.f;  // rows past the end: no decay
       a[j] = run;
     }
@@ -301,7 +294,7 @@ extern "C" __global__ void __launch_bounds__(kda::NT1, kda::MINB1) kda_prep(cons
       const int jr = half ? ((j + 4) & 7) : j;
       sG[(8 * half + jr) * KP + col] = half ? a[(j + 4) & 7] : a[j];
     }
-    if (half) reinterpret_cast<float*>(wsr + OFF_GM)[col] = ex2f_(a[7]);
+    if (half) reinterpret_cast<float*>(wsr + OFF_GM)[col] = __expf(a[7]);
   }
   {
     float aq = 1.f, ak = 1.f;
@@ -316,12 +309,9 @@ extern "C" __global__ void __launch_bounds__(kda::NT1, kda::MINB1) kda_prep(cons
       }
       aq = rsqrtf(aq + 1e-6f);
       ak = rsqrtf(ak + 1e-6f);
-    }
-    // q carries the scale from here on: Qd = scale q e^G is also the Mqk operand (Mqk comes out
-    // scaled), so phase 1 needs no multiply by it.
-    const float qs = aq * p.scale;
 #pragma unroll
-    for (int e = 0; e < 8; ++e) { xq[e] *= qs; xk[e] *= ak; }
+      for (int e = 0; e < 8; ++e) { xq[e] *= aq; xk[e] *= ak; }
+    }
     if (d == 0) {
       sb[ri] = b;
       srq[ri] = aq;
@@ -338,27 +328,28 @@ extern "C" __global__ void __launch_bounds__(kda::NT1, kda::MINB1) kda_prep(cons
     float4 x0 = gp[0], x1 = gp[1], y0 = gl[0], y1 = gl[1];
     G[0] = x0.x; G[1] = x0.y; G[2] = x0.z; G[3] = x0.w; G[4] = x1.x; G[5] = x1.y; G[6] = x1.z; G[7] = x1.w;
     GL[0] = y0.x; GL[1] = y0.y; GL[2] = y0.z; GL[3] = y0.w; GL[4] = y1.x; GL[5] = y1.y; GL[6] = y1.z; GL[7] = y1.w;
-    uint32_t pk[4], pb[4], pqd[4], pkr[4], xkh[4], xkl[4], xvh[4], xvl[4];
+    uint32_t pk[4], pq[4], pb[4], pqd[4], pkr[4], xkh[4], xkl[4], xvh[4], xvl[4];
 #pragma unroll
     for (int e = 0; e < 8; e += 2) {
-      const float e0 = ex2f_(G[e]), e1 = ex2f_(G[e + 1]);
-      const float i0 = ex2f_(-G[e]), i1 = ex2f_(-G[e + 1]);
+      const float e0 = __expf(G[e]), e1 = __expf(G[e + 1]);
+      const float i0 = __expf(-G[e]), i1 = __expf(-G[e + 1]);
       const float k0 = xk[e] * e0, k1 = xk[e + 1] * e1, q0 = xq[e] * e0, q1 = xq[e + 1] * e1;
       pk[e / 2] = pack_bf16(k0, k1);
-      pqd[e / 2] = pack_bf16(q0, q1);  // scale q e^G
+      pq[e / 2] = pack_bf16(q0, q1);
+      pqd[e / 2] = pack_bf16(p.scale * q0, p.scale * q1);
       pb[e / 2] = pack_bf16(xk[e] * i0, xk[e + 1] * i1);
-      pkr[e / 2] = pack_bf16(xk[e] * ex2f_(GL[e] - G[e]), xk[e + 1] * ex2f_(GL[e + 1] - G[e + 1]));
+      pkr[e / 2] = pack_bf16(xk[e] * __expf(GL[e] - G[e]), xk[e + 1] * __expf(GL[e + 1] - G[e + 1]));
       split_bf16(b * k0, b * k1, xkh[e / 2], xkl[e / 2]);
       split_bf16(b * xv[e], b * xv[e + 1], xvh[e / 2], xvl[e / 2]);
     }
     *reinterpret_cast<uint4*>(sAK + ri * KB1 + d) = make_uint4(pk[0], pk[1], pk[2], pk[3]);
-    *reinterpret_cast<uint4*>(sAQ + ri * KB1 + d) = make_uint4(pqd[0], pqd[1], pqd[2], pqd[3]);
-    *reinterpret_cast<uint4*>(wsr + OFF_Q + (ri * K + d) * 2) = make_uint4(pqd[0], pqd[1], pqd[2], pqd[3]);
+    *reinterpret_cast<uint4*>(sAQ + ri * KB1 + d) = make_uint4(pq[0], pq[1], pq[2], pq[3]);
     *reinterpret_cast<uint4*>(sBK + ri * KB1 + d) = make_uint4(pb[0], pb[1], pb[2], pb[3]);
     *reinterpret_cast<uint4*>(sXh + ri * XB1 + d) = make_uint4(xkh[0], xkh[1], xkh[2], xkh[3]);
     *reinterpret_cast<uint4*>(sXl + ri * XB1 + d) = make_uint4(xkl[0], xkl[1], xkl[2], xkl[3]);
     *reinterpret_cast<uint4*>(sXh + ri * XB1 + K + d) = make_uint4(xvh[0], xvh[1], xvh[2], xvh[3]);
     *reinterpret_cast<uint4*>(sXl + ri * XB1 + K + d) = make_uint4(xvl[0], xvl[1], xvl[2], xvl[3]);
+    *reinterpret_cast<uint4*>(wsr + OFF_Q + (ri * K + d) * 2) = make_uint4(pqd[0], pqd[1], pqd[2], pqd[3]);
     *reinterpret_cast<uint4*>(wsr + OFF_R + (ri * K + d) * 2) = make_uint4(pkr[0], pkr[1], pkr[2], pkr[3]);
   }
   __syncthreads();
@@ -374,10 +365,10 @@ extern "C" __global__ void __launch_bounds__(kda::NT1, kda::MINB1) kda_prep(cons
 #pragma unroll
     for (int sl = 0; sl < SPW; ++sl) {
       const int c0 = 16 * (warp * SPW + sl);
-      float span = lane < 16 ? -sG[(C - 1) * KP + c0 + lane] : 0.f;  // log2 units
+      float span = lane < 16 ? -sG[(C - 1) * KP + c0 + lane] : 0.f;
 #pragma unroll
       for (int o = 16; o > 0; o >>= 1) span = fmaxf(span, __shfl_xor_sync(0xffffffffu, span, o));
-      if (span <= 80.f * LOG2E) {
+      if (span <= 80.f) {
         uint32_t ak[4], aq[4], bk[4];
         ldsm_x4(ak, sAK + (lr + 8 * (lm & 1)) * KB1 + c0 + 8 * (lm >> 1));
         ldsm_x4(aq, sAQ + (lr + 8 * (lm & 1)) * KB1 + c0 + 8 * (lm >> 1));
@@ -416,12 +407,12 @@ extern "C" __global__ void __launch_bounds__(kda::NT1, kda::MINB1) kda_prep(cons
           const in_t* kj = kp + (t0 + j) * p.k_s[1];
           float l = 0.f, m = 0.f;
           for (int dd = c0; dd < c0 + 16; ++dd) {
-            const float w = ex2f_(sG[i * KP + dd] - sG[j * KP + dd]) * to_f(kj[dd]);
+            const float w = __expf(sG[i * KP + dd] - sG[j * KP + dd]) * to_f(kj[dd]);
             l += to_f(ki[dd]) * w;
             m += to_f(qi[dd]) * w;
           }
           pL[i * 16 + j] += l * srk[i] * srk[j];
-          pM[i * 16 + j] += m * p.scale * srq[i] * srk[j];  // Mqk partials carry the scale
+          pM[i * 16 + j] += m * srq[i] * srk[j];
         }
       }
     }
@@ -438,7 +429,7 @@ extern "C" __global__ void __launch_bounds__(kda::NT1, kda::MINB1) kda_prep(cons
       m += spart[w * 512 + 256 + u];
     }
     if (i > j) sLT[j * CP + i] = sb[i] * l;
-    reinterpret_cast<bf16*>(wsr + OFF_M)[u] = __float2bfloat16_rn(i >= j ? m : 0.f);  // scale already in
+    reinterpret_cast<bf16*>(wsr + OFF_M)[u] = __float2bfloat16_rn(i >= j ? p.scale * m : 0.f);
   }
   __syncthreads();
 
