@@ -31,6 +31,8 @@ def main() -> int:
     ap.add_argument("--T", type=int, default=65536)
     ap.add_argument("--H", type=int, default=24)
     ap.add_argument("--filter", default="c16_k128_v128_bf16_gb_sfp32_bv32")
+    ap.add_argument("--tails", default="", help="comma-separated last-segment lengths in tokens (0: equal "
+                    "segments), timed at the default segments and limit")
     ap.add_argument("--beside", default="", help="comma-separated prep blocks allowed beside a recurrence "
                     "block (or 'none'), timed at the default segments")
     a = ap.parse_args()
@@ -54,6 +56,12 @@ def main() -> int:
             diff = ((o_now - ref).norm() / ref.norm()).item()
             row.append(f"seg {tokens}/{segs} [{la.last_segments}]: {t:.3f} ms (d {diff:.0e})")
         la.min_segment_tokens, la.max_segments = 4096, 8
+        for tl in [int(x) for x in a.tails.split(",") if x]:
+            la.last_segment_tokens = tl or None
+            t = timeit(lambda: la(call), warmup=3, iters=15)
+            diff = ((o.float() - ref).norm() / ref.norm()).item()
+            row.append(f"seg 4096/8, last segment {tl or 'equal'} [{la.last_segments}]: {t:.3f} ms (d {diff:.0e})")
+        la.last_segment_tokens = None
         for kb in [x for x in a.beside.split(",") if x]:
             la.prep_blocks_beside_recur = None if kb == "none" else int(kb)
             t = timeit(lambda: la(call), warmup=3, iters=15)

@@ -102,6 +102,9 @@ class Sm80Launcher:
         # least this many tokens, at most max_segments of them; None turns it off.
         self.min_segment_tokens: int | None = 4096
         self.max_segments = 8
+        # The last segment's recurrence has no prep left to overlap, so the SMs outside it idle;
+        # a last segment of this many tokens (whole chunks; None: all segments equal) shortens that.
+        self.last_segment_tokens: int | None = None
         # In a segmented call, kda_recur blocks ask for enough (unused) shared memory that at most
         # this many kda_prep blocks fit beside them on an SM (None: no limit): prep blocks
         # otherwise fill those SMs and take the issue slots of the serial chain. H200, T65536
@@ -228,9 +231,15 @@ class Sm80Launcher:
         if programs >= _sm_count(call.q.device) or max_len < 2 * self.min_segment_tokens:
             return []
         S = min(self.max_segments, max_len // self.min_segment_tokens)
-        step = -(-max_len // S)
+        tail = self.last_segment_tokens
+        body = max_len
+        if tail is not None and S > 2 and 0 < tail < max_len // S:
+            tail = -(-tail // 64) * 64
+            body, S = max_len - tail, S - 1
+        step = -(-body // S)
         step = -(-step // 64) * 64  # whole chunks (64 is a multiple of every chunk size)
-        return [(a, min(a + step, max_len)) for a in range(0, max_len, step)]
+        segs = [(a, min(a + step, body)) for a in range(0, body, step)]
+        return segs + ([(body, max_len)] if body < max_len else [])
 
     def _launch_segmented(self, call, p, segs, *, ws_bytes, dev, mod, f1, f2, nt1, nt2, smem1, smem2, elsize):
         v, C = self.variant, self.variant.chunk
