@@ -307,7 +307,7 @@ def test_sm80_time_segments_match_one_piece(va, state_layout):
     split.min_segment_tokens = 192  # 1000 tokens -> 4 segments of 256 (whole chunks)
     split.last_segment_tokens = None
     tail = Sm80Launcher(variant, art)
-    tail.min_segment_tokens, tail.last_segment_tokens = 192, 64  # 256 x 3, 168, then a short 64
+    tail.min_segment_tokens, tail.last_segment_tokens = 192, 64  # 256 x 3, 128, then 104 from token 896
     call_kw = dict(initial_state=h0, state_layout=state_layout)
     o1, h1, _ = run_sm80(variant, art, inp, launcher=whole, **call_kw)
     o2, h2, _ = run_sm80(variant, art, inp, launcher=split, **call_kw)
@@ -336,8 +336,13 @@ def test_sm80_time_segments_plan(monkeypatch):
     assert la._segments(call(cu_seqlens=torch.zeros(2)), var, 65536) == []
     assert la._segments(call(chunk_states=torch.zeros(1)), var, 65536) == []
     assert la._segments(call(), var, 6000) == []  # too short
-    la.last_segment_tokens = 2000  # rounded up to whole 64-token pieces; the rest in 7 equal segments
+    la.last_segment_tokens = 2000  # the last starts on a whole 64 (2048 tokens); the rest in 7 segments
     assert [b - a for a, b in la._segments(call(), var, 65536)] == [9088] * 6 + [8960, 2048]
+    la.min_segment_tokens = 192
+    assert la._segments(call(), var, 1000) == [(0, 256), (256, 512), (512, 768), (768, 1000)]  # tail too long
+    la.last_segment_tokens = 64
+    assert la._segments(call(), var, 1000) == [(0, 256), (256, 512), (512, 768), (768, 896), (896, 1000)]
+    la.min_segment_tokens = 4096
     assert la._segments(call(), var, 10000) == [(0, 5056), (5056, 10000)]  # too few segments for a tail
     none = Variant("sm80", 16, 128, 128, "bf16", "bounded", "none", 32)
     assert sm80.Sm80Launcher(none, Path("x"))._segments(call(), none, 65536) == []

@@ -103,7 +103,8 @@ class Sm80Launcher:
         self.min_segment_tokens: int | None = 4096
         self.max_segments = 8
         # The last segment's recurrence has no prep left to overlap, so the SMs outside it idle;
-        # a last segment of this many tokens (whole chunks; None: all segments equal) shortens that.
+        # a last segment of about this many tokens (at least this many, the boundary on a whole
+        # 64; None: all segments equal) shortens that.
         self.last_segment_tokens: int | None = None
         # In a segmented call, kda_recur blocks ask for enough (unused) shared memory that at most
         # this many kda_prep blocks fit beside them on an SM (None: no limit): prep blocks
@@ -234,8 +235,9 @@ class Sm80Launcher:
         tail = self.last_segment_tokens
         body = max_len
         if tail is not None and S > 2 and 0 < tail < max_len // S:
-            tail = -(-tail // 64) * 64
-            body, S = max_len - tail, S - 1
+            # the last segment starts on a whole 64 tokens, like every other boundary, so that
+            # the chunking (and each rounding) is the one-piece call's
+            body, S = (max_len - tail) // 64 * 64, S - 1
         step = -(-body // S)
         step = -(-step // 64) * 64  # whole chunks (64 is a multiple of every chunk size)
         segs = [(a, min(a + step, body)) for a in range(0, body, step)]
