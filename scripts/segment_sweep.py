@@ -4,7 +4,8 @@
 
 Prints the median ms of the full call for: one piece, and each (min_segment_tokens,
 max_segments) setting, so the launcher's defaults rest on a measurement; with --beside 0,1,2,none
-also for each limit on the prep blocks beside a recurrence block."""
+also for each limit on the prep blocks beside a recurrence block, and with --tails 0,2048,1024 for
+each length of a shorter last segment (0: equal segments)."""
 
 from __future__ import annotations
 
