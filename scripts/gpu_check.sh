@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one call on the H200 (device tool):
 #   scripts/gpu_check.sh [build] [test] [sanitize] [bench] [profile]   (default: the first four)
-# profile: PROFILE_VARIANTS="name ..." PROFILE_ARGS="--T 16384 --H 24" (ncu, one file per variant)
+# profile: PROFILE_VARIANTS="name ..." PROFILE_ARGS="--T 16384 --H 24" (ncu, one report per variant,
+#   with its text details and a per-phase table from scripts/ncu_phases.py)
 # Time on an H200 (2026-11-30): tests/test_triton.py ~280 s (Triton compiles each variant),
 # tests/test_sm80.py ~200 s (804 tests), sanitize ~90 s, bench ~120 s (fla's first call compiles):
 # more than one 600 s call holds, so split with PYTEST_ARGS (e.g. tests/test_sm80.py) across calls.
@@ -56,8 +57,14 @@ for stage in $STAGES; do
           --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy \
           --section LaunchStats --section ComputeWorkloadAnalysis --section SchedulerStats \
           --section SourceCounters --section InstructionStats \
-          python3 scripts/profile_case.py ${PROFILE_ARGS:-} "$pv" > "$OUT/ncu_${PROFILE_TAG:-}$pv.txt" 2>&1 || rc=1
+          -o "$OUT/ncu_${PROFILE_TAG:-}$pv" --force-overwrite \
+          python3 scripts/profile_case.py ${PROFILE_ARGS:-} "$pv" > "$OUT/ncu_run_${PROFILE_TAG:-}$pv.txt" 2>&1 || rc=1
+        ncu -i "$OUT/ncu_${PROFILE_TAG:-}$pv.ncu-rep" > "$OUT/ncu_${PROFILE_TAG:-}$pv.txt" 2>&1
         grep -E "Duration|Throughput|Registers|Achieved Occupancy|Theoretical Occupancy|Stall|Issued Ipc|Block Limit|One or More|No Eligible" "$OUT/ncu_${PROFILE_TAG:-}$pv.txt" | head -60
+        # instructions and stall samples per phase (between block barriers), from the SASS source page
+        ncu -i "$OUT/ncu_${PROFILE_TAG:-}$pv.ncu-rep" --page source --print-source sass --csv \
+          > "$OUT/ncu_src_${PROFILE_TAG:-}$pv.csv" 2>&1 \
+          && python3 scripts/ncu_phases.py "$OUT/ncu_src_${PROFILE_TAG:-}$pv.csv" | tee "$OUT/ncu_phases_${PROFILE_TAG:-}$pv.txt"
       done ;;
     *) echo "unknown stage $stage"; rc=2 ;;
   esac
