@@ -54,7 +54,8 @@ def phases(rows: list[dict[str, str]]) -> list[Phase]:
         ph.executed += int(r.get("Instructions Executed") or 0)
         ph.samples += int(r.get("# Samples") or 0)
         for c in stall_cols:
-            ph.stalls[c[len("stall_"):]] = ph.stalls.get(c[len("stall_"):], 0) + int(r.get(c) or 0)
+            reason = c[len("stall_"):]
+            ph.stalls[reason] = ph.stalls.get(reason, 0) + int(r.get(c) or 0)
         if "BAR.SYNC" in r.get("Source", ""):
             out.append(Phase())
     return [p for p in out if p.static]
