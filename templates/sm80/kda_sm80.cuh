@@ -93,9 +93,9 @@ constexpr int NW2 = NWV * KSPLIT;  // compute warps
 // issued them themselves (instructions, and stalls until a queued copy has read its address
 // registers); a warp of its own takes that off the compute warps' in-order instruction stream.
 constexpr int NT2 = (NW2 + 1) * 32;
-constexpr int KS = K + 8;  // bf16 row pitch: 16-byte shift per row, conflict-free ldmatrix
-constexpr int CS = C + 8;
-constexpr int STAGE = (3 * C * KS + C * CS + BV * CS) * 2 + K * 4;
+// A stage: W, Qd, Kr [C][K], Mqk [C][C], this block's U0^T [BV][C] (16-bit, rows unpadded,
+// 16-byte chunks swizzled: see tile_at), Gamma_C [K] (fp32).
+constexpr int STAGE = (3 * C * K + C * C + BV * C) * 2 + K * 4;
 // Split-K exchange, per warp and 16-row tile: its partial U^T [16 v, C] (C/8 float4 per lane) and
 // the partial S Qd^T n-tiles its partner finishes (C/16 float4 per lane). Float4 j of tile m of
 // lane l of warp w sits at ((w * MT + m) * XW4 + j) * 32 + l: conflict-free.
@@ -104,11 +104,17 @@ constexpr int XO4 = C / 16;
 constexpr int XW4 = XU4 + XO4;
 constexpr int XBUF = KSPLIT > 1 ? NW2 * MT * 32 * XW4 * 16 : 0;
 // o: each warp finishes C / KSPLIT time steps of its 16 * MT V columns, staged per 16-row tile in
-// its own slice of shared memory for 16-byte stores (48-byte rows: the 2-byte writes hit distinct
-// banks).
+// its own slice of shared memory (48-byte rows: the 2-byte writes hit distinct banks) for 16-byte
+// stores. At chunk 16 the copy warp stores chunk c's o during step c + 1 (so the staging is
+// double buffered): stored by the compute warps, the stores held their data registers (long
+// scoreboard) into the next step and their address arithmetic sat in the in-order stream (ncu,
+// H200, c16 bv32 T16384 H24: about a seventh of the step's stall samples). At chunk 64 the
+// stages leave no room for a second slot (K = 128), and the compute warps store their own.
+constexpr bool O_BY_COPY = C == 16;
 constexpr int OROWS = C / KSPLIT;
 constexpr int OP = 24;
-constexpr int OBUF = NW2 * MT * OROWS * OP * 2;
+constexpr int OSLOT = NW2 * MT * OROWS * OP;  // elements of one chunk's staging
+constexpr int OBUF = (O_BY_COPY ? 2 : 1) * OSLOT * 2;
 // Four stages where they fit (chunk c + 3 streams in while chunk c is worked on), else fewer.
 // KDA_NSTAGE (a compile-time -D) overrides, for measuring the prefetch depth.
 #ifdef KDA_NSTAGE
@@ -764,6 +770,47 @@ extern "C" __global__ void __launch_bounds__(kda::NT1, kda::MINB1) kda_prep(cons
 
 namespace kda {
 
+// Stage tiles keep the record's unpadded rows with their 16-byte chunks XOR-swizzled by row:
+// the 8 rows one ldmatrix reads fall on distinct banks, and a cp.async pass writes whole
+// 128-byte lines. With rows padded by 16 bytes instead (the earlier layout) the cp.async writes
+// took 2-6x the ideal shared-memory wavefronts (ncu, H200, c16 bv32: about 240 extra per step,
+// beside some 260 of the compute warps), and the recurrence ran 14% faster with the copies
+// removed altogether, so the fills' share of the shared-memory pipe was on the step's path.
+// NCH: 16-byte chunks per row.
+template <int NCH>
+__device__ __forceinline__ int swz(int row, int ch) {
+  if constexpr (NCH >= 8) return ch ^ (row & 7);
+  else return ch ^ ((row / (8 / NCH)) & (NCH - 1));
+}
+// Element offset of (row, col) in a swizzled tile of 16-bit elements.
+template <int NCH>
+__device__ __forceinline__ int tile_at(int row, int col) {
+  return row * NCH * 8 + swz<NCH>(row, col >> 3) * 8 + (col & 7);
+}
+
+// cp.async a swizzled tile of ROWS rows of NCH 16-byte chunks (contiguous rows in global) by the
+// 32 lanes of the copy warp. The swizzle of a lane's chunk repeats every PER passes; each of the
+// PER destination addresses and the source address advance by a constant and are kept opaque to
+// the compiler (see copy_rows).
+template <int ROWS, int NCH>
+__device__ __forceinline__ void copy_tile(char* dst, const char* src, int lane) {
+  static_assert(32 % NCH == 0, "copy_tile: whole rows per pass");
+  constexpr int RB = NCH * 16, RSTEP = 32 / NCH, TOTAL = ROWS * NCH;
+  constexpr int PER = NCH >= 8 ? NCH / 4 : 1;
+  const int r = lane / NCH, ch = lane % NCH;
+  uint32_t d[PER];
+#pragma unroll
+  for (int q = 0; q < PER; ++q) d[q] = smem_u32(dst) + (r + q * RSTEP) * RB + swz<NCH>(r + q * RSTEP, ch) * 16;
+  const char* g = src + r * RB + ch * 16;
+#pragma unroll
+  for (int i = 0; i < (TOTAL + 31) / 32; ++i) {
+    if (TOTAL % 32 == 0 || lane + i * 32 < TOTAL) cp_async16_s(d[i % PER], g);
+    d[i % PER] += PER * RSTEP * RB;
+    g += RSTEP * RB;
+    asm volatile("" : "+r"(d[i % PER]), "+l"(g));
+  }
+}
+
 // cp.async ROWS rows of PER_ROW 16-byte pieces (row pitches in bytes), by the 32 lanes of the
 // copy warp (lane = its lane). The addresses advance
 // by a constant per copy and are kept opaque to the compiler: otherwise it precomputes every
@@ -787,13 +834,32 @@ __device__ __forceinline__ void copy_rows(char* dst, const char* src, int lane) 
 
 // Issue the cp.async copies of one chunk record (this block's V slice of U0^T) into a stage.
 __device__ __forceinline__ void prefetch_chunk(char* stage, const char* rec, int vb, int lane) {
-  // W, Qd, Kr rows back to back: [3C][K] in the record, pitch KS in shared memory.
-  copy_rows<3 * C, K / 8, KS * 2, K * 2>(stage, rec, lane);
-  char* sm = stage + 3 * C * KS * 2;
-  copy_rows<C, C / 8, CS * 2, C * 2>(sm, rec + OFF_M, lane);
-  char* su = sm + C * CS * 2;
-  copy_rows<BV, C / 8, CS * 2, C * 2>(su, rec + OFF_U + (long long)vb * BV * C * 2, lane);
-  copy_rows<1, K / 4, 0, 0>(su + BV * CS * 2, rec + OFF_GM, lane);
+  // W, Qd, Kr rows back to back: [3C][K] in the record and in shared memory (C % 8 == 0, so a
+  // row's swizzle is the same counted from W or from its own tile).
+  copy_tile<3 * C, K / 8>(stage, rec, lane);
+  char* sm = stage + 3 * C * K * 2;
+  copy_tile<C, C / 8>(sm, rec + OFF_M, lane);
+  char* su = sm + C * C * 2;
+  copy_tile<BV, C / 8>(su, rec + OFF_U + (long long)vb * BV * C * 2, lane);
+  copy_rows<1, K / 4, 0, 0>(su + BV * C * 2, rec + OFF_GM, lane);
+}
+
+// Store one chunk's staged o (OSLOT elements; see OROWS) with the copy warp: 16-byte pieces,
+// rows past the end of the sequence skipped. obase is o at the chunk's first token and this
+// block's first V column.
+__device__ __forceinline__ void store_o_chunk(const in_t* so, in_t* obase, long long ostride, int rows, int lane) {
+  constexpr int PIECES = NW2 * MT * OROWS * 2;
+#pragma unroll
+  for (int i = 0; i < (PIECES + 31) / 32; ++i) {
+    const int u = lane + 32 * i;
+    if (PIECES % 32 != 0 && u >= PIECES) break;
+    const int half = u & 1, r = (u >> 1) % OROWS, m = (u >> 1) / OROWS % MT, w = u / (2 * OROWS * MT);
+    const int vt = w % NWV, kh = w / NWV;
+    const int t = KSPLIT == 1 ? r : 16 * (r >> 3) + 8 * kh + (r & 7);
+    if (t < rows)
+      *reinterpret_cast<uint4*>(obase + t * ostride + vt * 16 * MT + 16 * m + half * 8) =
+          *reinterpret_cast<const uint4*>(so + ((w * MT + m) * OROWS + r) * OP + half * 8);
+  }
 }
 
 // Barrier of the two warps of V tile vt (id 1 + vt). Immediate ids: with a register id ptxas
@@ -841,9 +907,10 @@ __device__ __forceinline__ void load_state_l(const ST* base, float (*s)[4], int 
 // Register budgets, measured per build (ptxas 13.0, sm_80 and sm_90 images), not derived. Left to
 // itself ptxas caps some shapes below what they need and spills loop invariants: chunk 64 at 168
 // registers, block_v 16 (three warps) at 96. Asking for one block per SM lifts the cap; at chunk
-// 64, K = 64 ptxas then schedules more aggressively and spills on sm_90, so 232 registers there.
+// 64, K = 64 ptxas then schedules more aggressively and spills on sm_90, so an explicit cap there
+// (232 until the stage tiles were swizzled; since then 232, 240 and 248 spill and 255 does not).
 #if KDA_C == 64 && KDA_K == 64
-#define KDA_RECUR_BOUNDS __maxnreg__(232)
+#define KDA_RECUR_BOUNDS __maxnreg__(255)
 #elif KDA_C == 64 || KDA_BV == 16
 #define KDA_RECUR_BOUNDS __launch_bounds__(kda::NT2, 1)
 #else
@@ -861,10 +928,19 @@ extern "C" __global__ void KDA_RECUR_BOUNDS kda_recur(const KdaParams p) {
   const char* rec_c = (const char*)p.ws + (((long long)bos / C + n) * p.HV + h) * REC;  // chunk 0
   const long long rstride = (long long)p.HV * REC;
 
+  const long long bidx = p.cu_seqlens ? 0 : n;
+  const long long tb = p.cu_seqlens ? bos : 0;
+  const in_t* so_all = reinterpret_cast<const in_t*>(smem2 + NSTAGE * STAGE + XBUF);
+
   if (warp == NW2) {
     // The copy warp: stage c + NSTAGE - 1 is refilled in step c, once every warp has passed the
     // step's barrier (so is done with chunk c - 1, which that stage held). It waits for chunk
-    // c + 1 before the next barrier, which then publishes it to the compute warps.
+    // c + 1 before the next barrier, which then publishes it to the compute warps. After the
+    // barrier of step c it also stores chunk c - 1's o (staged in slot (c - 1) & 1 before that
+    // barrier; the compute warps write the other slot in step c), and the last chunk's after one
+    // more barrier past the loop.
+    in_t* ob = (in_t*)p.o + bidx * p.o_s[0] + h * p.o_s[2] + vb * BV + tb * p.o_s[1];
+    const long long ostride = p.o_s[1];
 #pragma unroll
     for (int j = 0; j < NSTAGE - 1; ++j) {
       if (j < nc) prefetch_chunk(smem2 + j * STAGE, rec_c + j * rstride, vb, lane);
@@ -876,6 +952,14 @@ extern "C" __global__ void KDA_RECUR_BOUNDS kda_recur(const KdaParams p) {
       if (c + NSTAGE - 1 < nc)
         prefetch_chunk(smem2 + ((c + NSTAGE - 1) % NSTAGE) * STAGE, rec_c + (c + NSTAGE - 1) * rstride, vb, lane);
       cp_async_commit();
+      if (O_BY_COPY && c > 0)
+        store_o_chunk(so_all + ((c - 1) & 1) * OSLOT, ob + (long long)(c - 1) * C * ostride, ostride, C, lane);
+    }
+    if constexpr (O_BY_COPY) {
+      __syncthreads();
+      if (nc > 0)
+        store_o_chunk(so_all + ((nc - 1) & 1) * OSLOT, ob + (long long)(nc - 1) * C * ostride, ostride,
+                      len - (nc - 1) * C, lane);
     }
     return;
   }
@@ -889,7 +973,6 @@ extern "C" __global__ void KDA_RECUR_BOUNDS kda_recur(const KdaParams p) {
   const long long st_off = ((long long)n * p.HV + h) * V * K;  // initial / final state
 #endif
   const bool kv = p.state_kv != 0;
-  in_t* so = reinterpret_cast<in_t*>(smem2 + NSTAGE * STAGE + XBUF) + warp * MT * OROWS * OP;
 
   float s[MT][KH / 8][4];
 #if KDA_STATE != 0
@@ -911,9 +994,7 @@ extern "C" __global__ void KDA_RECUR_BOUNDS kda_recur(const KdaParams p) {
         for (int e = 0; e < 4; ++e) s[m][nt][e] = 0.f;
   }
 
-  const long long bidx = p.cu_seqlens ? 0 : n;
-  const long long tb = p.cu_seqlens ? bos : 0;
-  in_t* op = (in_t*)p.o + bidx * p.o_s[0] + h * p.o_s[2] + vb * BV + vw;
+  in_t* op = (in_t*)p.o + bidx * p.o_s[0] + h * p.o_s[2] + vb * BV + vw;  // (chunk 64)
   const long long ostride = p.o_s[1];
   const int coff = p.hc ? p.chunk_offsets[n] : 0;
 
@@ -935,11 +1016,11 @@ extern "C" __global__ void KDA_RECUR_BOUNDS kda_recur(const KdaParams p) {
     __syncthreads();
 
     const bf16* sW = reinterpret_cast<const bf16*>(smem2 + (c % NSTAGE) * STAGE);
-    const bf16* sQ = sW + C * KS;
-    const bf16* sR = sQ + C * KS;
-    const bf16* sMq = sR + C * KS;
-    const bf16* sU = sMq + C * CS;
-    const float* sGam = reinterpret_cast<const float*>(sU + BV * CS);
+    const bf16* sQ = sW + C * K;
+    const bf16* sR = sQ + C * K;
+    const bf16* sMq = sR + C * K;
+    const bf16* sU = sMq + C * C;
+    const float* sGam = reinterpret_cast<const float*>(sU + BV * C);
 
     // Issue order matters: one warp per scheduler issues in program order, so the step is laid
     // out along its dependency chain (S -> S W^T -> exchange -> U -> S update); independent work
@@ -962,7 +1043,7 @@ extern "C" __global__ void KDA_RECUR_BOUNDS kda_recur(const KdaParams p) {
       for (int ks = 0; ks < KH / 16; ++ks) {
         const int row = 16 * ntp + 8 * (lm >> 1) + lr, col = k0 + 16 * ks + 8 * (lm & 1);
         uint32_t b[4];
-        ldsm_x4(b, sW + row * KS + col);
+        ldsm_x4(b, sW + tile_at<K / 8>(row, col));
         if (NACC > 1 && (ks & 1)) {
           mma_bf16(ut2[2 * ntp], sa[0][ks], b[0], b[1]);
           mma_bf16(ut2[2 * ntp + 1], sa[0][ks], b[2], b[3]);
@@ -988,7 +1069,7 @@ extern "C" __global__ void KDA_RECUR_BOUNDS kda_recur(const KdaParams p) {
       for (int ks = 0; ks < KH / 16; ++ks) {
         const int row = 16 * ntp + 8 * (lm >> 1) + lr, col = k0 + 16 * ks + 8 * (lm & 1);
         uint32_t bq[4];
-        ldsm_x4(bq, sQ + row * KS + col);
+        ldsm_x4(bq, sQ + tile_at<K / 8>(row, col));
 #pragma unroll
         for (int m = 0; m < MT; ++m) {
           mma_bf16(oq[m][ntp][0], sa[m][ks], bq[0], bq[1]);
@@ -1009,15 +1090,23 @@ extern "C" __global__ void KDA_RECUR_BOUNDS kda_recur(const KdaParams p) {
     constexpr int NU0 = C == 16 ? C / 8 : 1;  // preloaded U0 n-tiles (registers allow at C = 16)
     float u0r[MT][NU0][4];
     auto u0_at = [&](int m, int nt, int e) {
-      return __bfloat162float(sU[(vw + 16 * m + g8 + 8 * (e >> 1)) * CS + 8 * nt + 2 * t4 + (e & 1)]);
+      return __bfloat162float(sU[tile_at<C / 8>(vw + 16 * m + g8 + 8 * (e >> 1), 8 * nt + 2 * t4 + (e & 1))]);
     };
     if constexpr (C == 16) {
+      // One ldmatrix per 16-row tile: its four 8x8 matrices in A-fragment order hold the bf16
+      // pairs of the accumulator layout (register 2 nt + e / 2, low half for even e).
 #pragma unroll
-      for (int m = 0; m < MT; ++m)
+      for (int m = 0; m < MT; ++m) {
+        uint32_t b[4];
+        ldsm_x4(b, sU + tile_at<C / 8>(vw + 16 * m + (lane & 15), 8 * (lane >> 4)));
 #pragma unroll
         for (int nt = 0; nt < C / 8; ++nt)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) u0r[m][nt][e] = u0_at(m, nt, e);
+          for (int e = 0; e < 4; ++e) {
+            const uint32_t pr = b[2 * nt + (e >> 1)];
+            u0r[m][nt][e] = __uint_as_float((e & 1) ? (pr & 0xffff0000u) : (pr << 16));
+          }
+      }
     }
     auto u0 = [&](int m, int nt, int e) {
       if constexpr (C == 16) return u0r[m][nt][e];
@@ -1027,7 +1116,7 @@ extern "C" __global__ void KDA_RECUR_BOUNDS kda_recur(const KdaParams p) {
     uint32_t kr[NKR][4];
     auto load_kr = [&](uint32_t (&b)[4], int ntp, int kc) {
       const int row = 16 * kc + 8 * (lm & 1) + lr, col = k0 + 16 * ntp + 8 * (lm >> 1);
-      ldsm_x4_t(b, sR + row * KS + col);
+      ldsm_x4_t(b, sR + tile_at<K / 8>(row, col));
     };
     if constexpr (C == 16) {
 #pragma unroll
@@ -1110,7 +1199,8 @@ extern "C" __global__ void KDA_RECUR_BOUNDS kda_recur(const KdaParams p) {
         }
       }
     // o^T += U^T Mqk^T on this warp's n-tiles (Mqk lower triangular: blocks kc <= ntp), staged in
-    // this warp's slice of shared memory ([MT][OROWS][OP]).
+    // this warp's slice of the chunk's o slot ([MT][OROWS][OP]) for the copy warp to store.
+    in_t* so = const_cast<in_t*>(so_all) + (O_BY_COPY ? (c & 1) * OSLOT : 0) + warp * MT * OROWS * OP;
 #pragma unroll
     for (int ntp = 0; ntp < C / 16; ++ntp) {
 #pragma unroll
@@ -1118,7 +1208,7 @@ extern "C" __global__ void KDA_RECUR_BOUNDS kda_recur(const KdaParams p) {
         if constexpr (KSPLIT == 1) {
           const int row = 16 * ntp + 8 * (lm >> 1) + lr, col = 16 * kc + 8 * (lm & 1);
           uint32_t b[4];
-          ldsm_x4(b, sMq + row * CS + col);
+          ldsm_x4(b, sMq + tile_at<C / 8>(row, col));
 #pragma unroll
           for (int m = 0; m < MT; ++m) {
             mma_bf16(ok[m][ntp][0], ua[m][kc], b[0], b[1]);
@@ -1127,7 +1217,7 @@ extern "C" __global__ void KDA_RECUR_BOUNDS kda_recur(const KdaParams p) {
         } else {
           const int row = 16 * ntp + 8 * kh + lr, col = 16 * kc + 8 * (lm & 1);
           uint32_t b[2];
-          ldsm_x2(b, sMq + row * CS + col);
+          ldsm_x2(b, sMq + tile_at<C / 8>(row, col));
 #pragma unroll
           for (int m = 0; m < MT; ++m) mma_bf16(ok[m][ntp][0], ua[m][kc], b[0], b[1]);
         }
@@ -1142,9 +1232,9 @@ extern "C" __global__ void KDA_RECUR_BOUNDS kda_recur(const KdaParams p) {
             so[(m * OROWS + r0 + (e & 1)) * OP + g8 + (e >> 1) * 8] = from_f<in_t>(ok[m][ntp][hh][e]);
         }
     }
-    __syncwarp();
-    {
-      // 16-byte stores: a staged row is 16 V columns of one time step (32 bytes).
+    if constexpr (!O_BY_COPY) {
+      __syncwarp();
+      // A staged row is 16 V columns of one time step (32 bytes).
       const int rows = min(C, len - c * C);
       in_t* oc = op + (tb + (long long)c * C) * ostride;
 #pragma unroll
@@ -1159,6 +1249,7 @@ extern "C" __global__ void KDA_RECUR_BOUNDS kda_recur(const KdaParams p) {
     // state "bf16": bf16 in memory (initial / final / chunk states); the register-held state
     // stays fp32 between chunks (rounding it every chunk costs accuracy and saves nothing).
   }
+  if constexpr (O_BY_COPY) __syncthreads();  // the last chunk's o is staged: the copy warp stores it
 #if KDA_STATE != 0
   if (p.ht) {
 #pragma unroll
