@@ -77,13 +77,18 @@ constexpr int KSPLIT = K >= 128 ? 2 : 1;
 static_assert(KSPLIT <= 2, "the split-K exchange pairs two warps");
 constexpr int KH = K / KSPLIT;  // state columns per warp
 // V rows per warp: 16 * MT. With two 16-row tiles per warp each W / Qd / Kr fragment loaded from
-// shared memory feeds two MMAs, halving the ldmatrix traffic per V row (ncu, 2026-11-30: a third
-// of the step's stall samples waited on shared-memory results). H200, c16 bv32, T65536 H24, with
-// the copy warp: recurrence 2.37 -> 2.10 ms. Chunk 16 only: at chunk 64 the registers do not allow it.
+// shared memory feeds two MMAs, halving the ldmatrix traffic per V row: that pays where several
+// blocks share an SM's shared-memory pipe (block_v 64: four warps per block at MT 2, eight at
+// MT 1). With one block per SM the warps' own instruction streams bound a step instead, and
+// more warps with shorter streams win: H200, c16 block_v 32, B1 T65536 H24 (96 blocks),
+// recurrence 2.10 -> 1.86 ms and the full call 3.00 -> 2.78 ms with MT 1 (two V tiles, four
+// compute warps); B1 T8192 H96 (384 blocks) 0.64 -> 0.68 ms, where block_v 64 at MT 2 is the
+// faster variant. (Before the copy warp and the swizzled stages, MT 2 had won at block_v 32
+// too: 2.37 -> 2.10 ms.) Chunk 16 only: at chunk 64 the registers do not allow it.
 #ifdef KDA_MT
 constexpr int MT = KDA_MT;
 #else
-constexpr int MT = C == 16 && BV >= 32 ? 2 : 1;
+constexpr int MT = C == 16 && BV >= 64 ? 2 : 1;
 #endif
 constexpr int NWV = BV / (16 * MT);  // warps along V
 static_assert(NWV >= 1 && BV % (16 * MT) == 0, "block_v must hold whole warp tiles");
@@ -1076,6 +1081,20 @@ extern "C" __global__ void KDA_RECUR_BOUNDS kda_recur(const KdaParams p) {
           mma_bf16(oq[m][ntp][1], sa[m][ks], bq[2], bq[3]);
         }
       }
+    // With two tiles per warp, the partial U is written for the partner as soon as the S Qd^T
+    // MMAs are issued, ahead of this step's other shared-memory loads, which otherwise queue in
+    // front of the exchange: H200, c16 block_v 64, B1 T8192 H96, recurrence 0.63-0.65 -> 0.59 ms.
+    // With one tile per warp (block_v 32, B1 T65536 H24) it was slower, 1.86 -> 2.04 ms.
+    constexpr bool XCH_EARLY = KSPLIT > 1 && MT > 1;
+    if constexpr (XCH_EARLY) {
+#pragma unroll
+      for (int m = 0; m < MT; ++m) {
+        float4* xw = xbuf + (warp * MT + m) * XW4 * 32 + lane;
+#pragma unroll
+        for (int nt = 0; nt < C / 8; ++nt)
+          xw[nt * 32] = make_float4(ut[m][nt][0], ut[m][nt][1], ut[m][nt][2], ut[m][nt][3]);
+      }
+    }
 #pragma unroll
     for (int nt = 0; nt < KH / 8; ++nt) {
       const float2 gm = *reinterpret_cast<const float2*>(sGam + k0 + 8 * nt + 2 * t4);
@@ -1143,9 +1162,11 @@ extern "C" __global__ void KDA_RECUR_BOUNDS kda_recur(const KdaParams p) {
 #pragma unroll
       for (int m = 0; m < MT; ++m) {
         float4* xw = xbuf + (warp * MT + m) * XW4 * 32 + lane;
+        if constexpr (!XCH_EARLY) {
 #pragma unroll
-        for (int nt = 0; nt < C / 8; ++nt)
-          xw[nt * 32] = make_float4(ut[m][nt][0], ut[m][nt][1], ut[m][nt][2], ut[m][nt][3]);
+          for (int nt = 0; nt < C / 8; ++nt)
+            xw[nt * 32] = make_float4(ut[m][nt][0], ut[m][nt][1], ut[m][nt][2], ut[m][nt][3]);
+        }
 #pragma unroll
         for (int ntp = 0; ntp < C / 16; ++ntp) {
           xw[(XU4 + ntp) * 32] = kh ? make_float4(oq[m][ntp][0][0], oq[m][ntp][0][1], oq[m][ntp][0][2], oq[m][ntp][0][3])
