@@ -109,6 +109,8 @@ TARGETS: dict[str, TargetInfo] = {
         # With the chain-ordered recurrence step (5347342) block_v 32 beats 64 at T8192 H96 by
         # 10% in two runs (1.407 vs 1.561, 1.399 vs 1.552 ms), so 32 is preferred where it gives
         # 0.7 programs per SM; at T65536 H24, 16 and 32 trade places between runs (within 7%).
+        # With four compute warps at block_v 32 (eda65da) 32 leads both rows in one run:
+        # T8192 H96 1.237 (16: 1.350, 64: 1.423), T65536 H24 2.771 (16: 3.295, 64: 3.366).
         vsplit_min_waves=0.7,
         preferred_block_v=32,
     ),
