@@ -111,10 +111,10 @@ constexpr int XBUF = KSPLIT > 1 ? NW2 * MT * 32 * XW4 * 16 : 0;
 // o: each warp finishes C / KSPLIT time steps of its 16 * MT V columns, staged per 16-row tile in
 // its own slice of shared memory (48-byte rows: the 2-byte writes hit distinct banks) for 16-byte
 // stores. At chunk 16 the copy warp stores chunk c's o during step c + 1 (so the staging is
-// double buffered): stored by the compute warps, the stores held their data registers (long
-// scoreboard) into the next step and their address arithmetic sat in the in-order stream (ncu,
-// H200, c16 bv32 T16384 H24: about a seventh of the step's stall samples). At chunk 64 the
-// stages leave no room for a second slot (K = 128), and the compute warps store their own.
+// double buffered), which takes the stores' address arithmetic, and their hold on the data
+// registers into the next step, off the compute warps: H200, c16 block_v 64, B1 T8192 H96,
+// recurrence 0.71 -> 0.68 ms (block_v 32 at B1 T65536 H24: unchanged). At chunk 64 the stages
+// left no room for a second slot (K = 128), and the compute warps store their own.
 constexpr bool O_BY_COPY = C == 16;
 constexpr int OROWS = C / KSPLIT;
 constexpr int OP = 24;
@@ -779,8 +779,9 @@ namespace kda {
 // the 8 rows one ldmatrix reads fall on distinct banks, and a cp.async pass writes whole
 // 128-byte lines. With rows padded by 16 bytes instead (the earlier layout) the cp.async writes
 // took 2-6x the ideal shared-memory wavefronts (ncu, H200, c16 bv32: about 240 extra per step,
-// beside some 260 of the compute warps), and the recurrence ran 14% faster with the copies
-// removed altogether, so the fills' share of the shared-memory pipe was on the step's path.
+// beside some 260 of the compute warps). Measured on an H200: the recurrence of c16 block_v 64
+// at B1 T8192 H96 0.68 -> 0.64-0.66 ms and of c64 block_v 32 at B1 T65536 H24 1.94 -> 1.82 ms
+// (several warps per SM share the pipe there); c16 block_v 32 at H24 unchanged.
 // NCH: 16-byte chunks per row.
 template <int NCH>
 __device__ __forceinline__ int swz(int row, int ch) {
@@ -935,7 +936,7 @@ extern "C" __global__ void KDA_RECUR_BOUNDS kda_recur(const KdaParams p) {
 
   const long long bidx = p.cu_seqlens ? 0 : n;
   const long long tb = p.cu_seqlens ? bos : 0;
-  const in_t* so_all = reinterpret_cast<const in_t*>(smem2 + NSTAGE * STAGE + XBUF);
+  in_t* const so_all = reinterpret_cast<in_t*>(smem2 + NSTAGE * STAGE + XBUF);  // o staging
 
   if (warp == NW2) {
     // The copy warp: stage c + NSTAGE - 1 is refilled in step c, once every warp has passed the
@@ -1221,7 +1222,7 @@ extern "C" __global__ void KDA_RECUR_BOUNDS kda_recur(const KdaParams p) {
       }
     // o^T += U^T Mqk^T on this warp's n-tiles (Mqk lower triangular: blocks kc <= ntp), staged in
     // this warp's slice of the chunk's o slot ([MT][OROWS][OP]) for the copy warp to store.
-    in_t* so = const_cast<in_t*>(so_all) + (O_BY_COPY ? (c & 1) * OSLOT : 0) + warp * MT * OROWS * OP;
+    in_t* so = so_all + (O_BY_COPY ? (c & 1) * OSLOT : 0) + warp * MT * OROWS * OP;
 #pragma unroll
     for (int ntp = 0; ntp < C / 16; ++ntp) {
 #pragma unroll
