@@ -17,6 +17,7 @@ from pathlib import Path
 import jinja2
 
 from . import __version__
+from .dtypes import template_context
 from .paths import GENERATED_DIR, TEMPLATES_DIR, rel
 from .spec import Spec, expand
 from .targets import TARGETS
@@ -58,7 +59,7 @@ def render_variant(variant: Variant, env: jinja2.Environment | None = None) -> d
     info = TARGETS[variant.target]
     out = {}
     for template, fname in info.templates:
-        text = env.get_template(template).render(variant=variant, name=variant.name)
+        text = env.get_template(template).render(variant=variant, name=variant.name, **template_context())
         out[fname] = text.encode()
     return out
 

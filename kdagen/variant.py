@@ -6,8 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-# Short, filename-safe spellings used in canonical names.
-GATE_TAGS = {"bounded": "gb", "unbounded": "gu", "precomputed": "gp"}
+from .dtypes import GATE_TAGS
 
 
 @dataclass(frozen=True, order=True)

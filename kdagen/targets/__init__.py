@@ -154,7 +154,6 @@ TARGETS: dict[str, TargetInfo] = {
     ),
 }
 
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
 def get_target(name: str) -> TargetInfo:
