@@ -296,18 +296,15 @@ SEGMENT_VARIANTS = [va for va in VARIANTS if va[0].state == "fp32" and va[0].k =
 def test_sm80_time_segments_match_one_piece(va, state_layout):
     """Prep of segment s + 1 overlapping the recurrence of segment s (few heads, long sequences)
     gives the one-piece result bit for bit, and both match the reference."""
-    from kdagen.targets.sm80 import Sm80Launcher
+    from kdagen.targets.sm80 import Sm80Launcher, Sm80Settings
 
     variant, art = va
     inp = make_inputs(variant, T=1000, B=2, H=2, HV=4, seed=21)
     h0 = _initial_state(variant, 2, 4, state_layout)
-    whole = Sm80Launcher(variant, art)
-    whole.min_segment_tokens = None
-    split = Sm80Launcher(variant, art)
-    split.min_segment_tokens = 192  # 1000 tokens -> 4 segments of 256 (whole chunks)
-    split.last_segment_tokens = None
-    tail = Sm80Launcher(variant, art)
-    tail.min_segment_tokens, tail.last_segment_tokens = 192, 64  # 256 x 3, 128, then 104 from token 896
+    whole = Sm80Launcher(variant, art, Sm80Settings(min_segment_tokens=None))
+    split = Sm80Launcher(variant, art, Sm80Settings(min_segment_tokens=192))  # 1000 tokens -> 4 x 256
+    tail = Sm80Launcher(variant, art, Sm80Settings(min_segment_tokens=192, last_segment_tokens=64))
+    # tail: 256 x 3, 128, then 104 from token 896
     call_kw = dict(initial_state=h0, state_layout=state_layout)
     o1, h1, _ = run_sm80(variant, art, inp, launcher=whole, **call_kw)
     o2, h2, _ = run_sm80(variant, art, inp, launcher=split, **call_kw)
@@ -336,14 +333,16 @@ def test_sm80_time_segments_plan(monkeypatch):
     assert la._segments(call(cu_seqlens=torch.zeros(2)), var, 65536) == []
     assert la._segments(call(chunk_states=torch.zeros(1)), var, 65536) == []
     assert la._segments(call(), var, 6000) == []  # too short
-    la.last_segment_tokens = 2000  # the last starts on a whole 64 (2048 tokens); the rest in 7 segments
+    la = la.with_settings(last_segment_tokens=2000)  # the last starts on a whole 64 (2048 tokens)
     assert [b - a for a, b in la._segments(call(), var, 65536)] == [9088] * 6 + [8960, 2048]
-    la.min_segment_tokens = 192
+    la = la.with_settings(min_segment_tokens=192)
     assert la._segments(call(), var, 1000) == [(0, 256), (256, 512), (512, 768), (768, 1000)]  # tail too long
-    la.last_segment_tokens = 64
+    la = la.with_settings(last_segment_tokens=64)
     assert la._segments(call(), var, 1000) == [(0, 256), (256, 512), (512, 768), (768, 896), (896, 1000)]
-    la.min_segment_tokens = 4096
+    la = la.with_settings(min_segment_tokens=4096)
     assert la._segments(call(), var, 10000) == [(0, 5056), (5056, 10000)]  # too few segments for a tail
+    with pytest.raises(ValueError, match=r"Sm80Settings.parts: expected a non-empty subset"):
+        la.with_settings(parts=("recurrence",))
     none = Variant("sm80", 16, 128, 128, "bf16", "bounded", "none", 32)
     assert sm80.Sm80Launcher(none, Path("x"))._segments(call(), none, 65536) == []
 
