@@ -18,13 +18,12 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import kdagen  # noqa: E402
-from kdagen.inputs import check_call  # noqa: E402
-from kdagen.reference import rel_rmse  # noqa: E402
-from kdagen.runtime import registry  # noqa: E402
-from kdagen.select import select  # noqa: E402
+import kdagen
+from kdagen.cases import bench_case
+from kdagen.inputs import check_call
+from kdagen.reference import rel_rmse
+from kdagen.runtime import registry
+from kdagen.select import select
 
 CASES = {
     "B1 T8192 H96": dict(T=8192, H=96),
@@ -44,16 +43,9 @@ FLASHKDA_MS = {"B1 T8192 H96": 1.49, "B1 T8192 H64": 1.26, "varlen6 H96": 1.49, 
 
 
 def make_inputs(T=None, H=8, lens=None, D=128, seed=0, dev="cuda"):
-    gen = torch.Generator(device=dev).manual_seed(seed)
-    if lens is not None:
-        T = sum(lens)
-    r = lambda *s: torch.randn(*s, generator=gen, device=dev)  # noqa: E731
-    kw = dict(q=r(1, T, H, D).bfloat16(), k=r(1, T, H, D).bfloat16(), v=r(1, T, H, D).bfloat16(),
-              g=r(1, T, H, D).bfloat16(), beta=r(1, T, H).bfloat16(),
-              A_log=torch.rand(H, generator=gen, device=dev), dt_bias=r(H, D) * 0.1,
-              initial_state=r(len(lens) if lens else 1, H, D, D) * 0.1)
-    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0).tolist()), dtype=torch.int32, device=dev) if lens else None
-    return kw, cu
+    """bench_case's tensors and the offsets apart (the rows below pass them explicitly)."""
+    kw = bench_case(T, H, lens=lens, D=D, seed=seed, device=dev)
+    return kw, kw.get("cu_seqlens")
 
 
 def median_ms(fn, sets, warmup=5, iters=30) -> float:

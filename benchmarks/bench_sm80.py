@@ -10,18 +10,12 @@ Prints the median ms (CUDA events) per variant and fla, and the rel RMSE of o vs
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-
-from test_sm80 import _strides, sm80_variants  # noqa: E402
-
-from kdagen.abi import KdaCall  # noqa: E402
-from kdagen.targets.sm80 import Sm80Launcher  # noqa: E402
+from kdagen.cases import bench_case
+from kdagen.targets.sm80 import Sm80Launcher
+from kdagen_dev.launch import built_variants, capture_call, timeit
 
 CASES = {
     "B1 T8192 H96": dict(lens=None, T=8192, H=96),
@@ -38,48 +32,6 @@ MORE = {
 }
 
 
-def make_inputs(T: int, H: int, N: int = 1, D: int = 128, dev: str = "cuda") -> dict:
-    """The benchmark inputs (seed 0): bf16 q, k, v, g [1, T, H, D], beta [1, T, H], A_log, dt_bias,
-    and h0 [N, H, D, D]; the scripts that time sm80 builds use the same ones."""
-    torch.manual_seed(0)
-    q, k, v, g = (torch.randn(1, T, H, D, device=dev, dtype=torch.bfloat16) for _ in range(4))
-    beta = torch.randn(1, T, H, device=dev, dtype=torch.bfloat16)
-    A_log = torch.rand(H, device=dev) * 2 - 1
-    dt_bias = torch.randn(H * D, device=dev) * 0.5
-    h0 = torch.randn(N, H, D, D, device=dev) * 0.1  # [N, HV, V, K]
-    return dict(q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, h0=h0)
-
-
-def make_call(inp: dict, o: torch.Tensor, ht: torch.Tensor, cu: torch.Tensor | None = None,
-              max_len: int | None = None) -> KdaCall:
-    """An sm80 launcher call on make_inputs' tensors (BSND, lower_bound -5, q/k L2 norm in kernel)."""
-    q, k, v, g, beta = (inp[n] for n in ("q", "k", "v", "g", "beta"))
-    _, T, H, D = q.shape
-    return KdaCall(q=q, k=k, v=v, g=g, beta=beta, o=o, q_strides=_strides(q, "BSND"),
-                   k_strides=_strides(k, "BSND"), v_strides=_strides(v, "BSND"), g_strides=_strides(g, "BSND"),
-                   beta_strides=_strides(beta.unsqueeze(-1), "BSND"), o_strides=_strides(o, "BSND"),
-                   B=1, T=T, N=inp["h0"].shape[0], H=H, HV=H, K=D, V=D, cu_seqlens=cu, A_log=inp["A_log"],
-                   dt_bias=inp["dt_bias"].view(H, D), scale=D ** -0.5, lower_bound=-5.0, use_qk_l2norm=True,
-                   allow_neg_eigval=False, initial_state=inp["h0"], final_state=ht, state_kv=False,
-                   chunk_states=None, chunk_offsets=None, max_len=T if max_len is None else max_len)
-
-
-def timeit(fn, warmup=3, iters=10):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b))
-    ts.sort()
-    return ts[len(ts) // 2]
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--all", action="store_true")
@@ -89,7 +41,7 @@ def main():
     cases = dict(CASES, **(MORE if args.all else {}))
     if args.cases:
         cases = {n: c for n, c in cases.items() if any(x in n for x in args.cases.split(","))}
-    variants = [(v, a) for v, a in sm80_variants()
+    variants = [(v, a) for v, a in built_variants("sm80")
                 if v.k == 128 and v.dtype == "bf16" and v.gate == "bounded" and v.state == "fp32"
                 and args.filter in v.name]
     try:
@@ -104,13 +56,10 @@ def main():
         lens = c["lens"]
         T = sum(lens) if lens else c["T"]
         H = c["H"]
-        N = len(lens) if lens else 1
-        inp = make_inputs(T, H, N, D, dev)
+        inp = bench_case(T, H, lens=lens, D=D, device=dev)
         q, k, v, g, beta = (inp[n] for n in ("q", "k", "v", "g", "beta"))
-        A_log, dt_bias, h0 = inp["A_log"], inp["dt_bias"], inp["h0"]
-        cu = None
-        if lens:
-            cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=dev)
+        A_log, dt_bias, h0 = inp["A_log"], inp["dt_bias"].reshape(-1), inp["initial_state"]
+        cu = inp.get("cu_seqlens")
         row = [f"{cname:22s}"]
         o_fla = None
         if chunk_kda is not None:
@@ -125,9 +74,8 @@ def main():
                 t = timeit(run_fla)
             row.append(f"fla {t:7.3f} ms")
         for var, art in variants:
-            o = torch.empty_like(v)
-            ht = torch.empty(N, H, D, D, device=dev)
-            call = make_call(inp, o, ht, cu, max(lens) if lens else T)
+            call = capture_call(inp, var.name)
+            o = call.o
             launcher = Sm80Launcher(var, art)
             t = timeit(lambda: launcher(call))
             err = ""

@@ -9,8 +9,6 @@ import time
 
 from .spec import Spec, expand
 
-TOLERANCE = {"fp32": 1e-5, "bf16": 5e-3, "fp16": 5e-3}
-
 
 def _device():
     import torch
@@ -22,36 +20,10 @@ def _device():
     return torch.device("cpu")
 
 
-def random_case(variant, device, *, B=2, T=37, H=1, HV=2, seed=0) -> dict:
-    """Inputs that fit `variant`: ragged T, GQA, an initial state, random (never zero) data."""
-    import torch
-
-    gen = torch.Generator().manual_seed(seed)
-    dt = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[variant.dtype]
-
-    def rnd(*shape, s=1.0):
-        return (torch.randn(*shape, generator=gen) * s).to(device)
-
-    K, V = variant.k, variant.v
-    args = dict(
-        q=rnd(B, T, H, K).to(dt), k=rnd(B, T, H, K).to(dt), v=rnd(B, T, HV, V).to(dt),
-        g=rnd(B, T, HV, K, s=2.0), beta=rnd(B, T, HV),
-    )
-    kw: dict = dict(gate=variant.gate, output_final_state=variant.state != "none")
-    if variant.gate == "precomputed":
-        args["g"] = -torch.rand(B, T, HV, K, generator=gen).to(device) * 2.0
-    else:
-        kw.update(A_log=rnd(HV, s=0.5), dt_bias=rnd(HV, K), lower_bound=-5.0 if variant.gate == "bounded" else None)
-    if variant.state != "none":
-        st = torch.float32 if variant.state == "fp32" else torch.bfloat16
-        kw["initial_state"] = rnd(B, HV, V, K, s=0.5).to(st)
-    return {**args, **kw}
-
-
 def verify_spec(spec: Spec, pattern: str = "*") -> bool:
     """Check every variant of `spec` that runs here; return False if any check fails."""
-    from .reference import kda_reference, rel_rmse
-    from .runtime import kda_prefill, registry
+    from .cases import errors, make_case, run_poisoned, tolerances
+    from .runtime import registry
     from .select import device_reason
 
     device = _device()
@@ -69,24 +41,23 @@ def verify_spec(spec: Spec, pattern: str = "*") -> bool:
             print(f"  skip  {v.name}: {why}{note}")
             counts["skip"] += 1
             continue
-        case = random_case(v, device)
+        # ragged T, two sequences, GQA, initial and final state
+        case = make_case(v, device, B=2, T=37, H=1, HV=2, seed=0)
         t0 = time.perf_counter()
         try:
-            o, st = kda_prefill(**case, variant=v.name)
+            out = run_poisoned(v, case)
         except Exception as e:  # report and continue: verify summarises every variant
             print(f"  FAIL  {v.name}: {type(e).__name__}: {e}")
             counts["FAIL"] += 1
             ok = False
             continue
         secs = time.perf_counter() - t0
-        cpu = {key: (val.cpu() if hasattr(val, "cpu") else val) for key, val in case.items()}
-        ro, rs, _ = kda_reference(**cpu)
-        eo = rel_rmse(o.cpu(), ro)
-        es = rel_rmse(st.cpu(), rs) if st is not None else 0.0
-        tol = TOLERANCE[v.dtype] if v.state != "bf16" else 5e-3
-        good = eo < tol and es < tol
+        errs, tol = errors(v, case, out), tolerances(v, device)
+        good = all(e < tol[k] for k, e in errs.items())
         counts["pass" if good else "FAIL"] += 1
         ok &= good
-        print(f"  {'pass' if good else 'FAIL'}  {v.name}: rel RMSE o {eo:.2e}, state {es:.2e} (tol {tol:.0e}) {secs:.1f}s")
+        shown = ", ".join(f"{k} {e:.2e}" for k, e in errs.items())
+        bounds = ", ".join(f"{k} {tol[k]:.0e}" for k in errs)
+        print(f"  {'pass' if good else 'FAIL'}  {v.name}: rel RMSE {shown} (tol {bounds}) {secs:.1f}s")
     print(f"kdagen verify: {counts['pass']} passed, {counts['FAIL']} failed, {counts['skip']} skipped")
     return ok

@@ -13,39 +13,9 @@ the result beyond rounding). --recur-only N runs the recurrence N times after on
 from __future__ import annotations
 
 import argparse
-import subprocess
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-sys.path.insert(0, str(ROOT / "tests"))
-
-
-def _entry(variant: str):
-    from kdagen.registry import Registry
-
-    entry = Registry.load().entries.get(variant)
-    if entry is None:
-        raise SystemExit(f"{variant} is not in any generated spec: run `kdagen generate` first")
-    return entry
-
-
-def build(variant: str, out: Path, defines: list[str], includes: list[str] = ()) -> None:
-    """Compile the generated source of `variant` with extra -D flags into `out` (CPU machine)."""
-    from kdagen.build import nvcc_command
-
-    entry = _entry(variant)
-    cmd = nvcc_command(entry.variant, entry.source_dir / "kernel.cu", out)
-    cmd[1:1] = [f"-D{d}" for d in defines] + [f"-I{d}" for d in includes]  # -I first: an experimental header copy wins
-    out.parent.mkdir(parents=True, exist_ok=True)
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    (out.with_suffix(".log")).write_text(r.stdout + r.stderr)
-    if r.returncode:
-        raise SystemExit(r.stdout + r.stderr)
-    regs = [ln.strip() for ln in (r.stdout + r.stderr).splitlines() if "registers" in ln or "spill" in ln]
-    print(f"built {out} ({' '.join(defines)})\n  " + "\n  ".join(regs[-4:]))
+from kdagen_dev.ab import build, entry
 
 
 def main() -> int:
@@ -65,22 +35,22 @@ def main() -> int:
         return 0
 
     import torch
-    from bench_sm80 import make_call, make_inputs, timeit
 
+    from kdagen.cases import bench_case
     from kdagen.targets.sm80 import Sm80Launcher
-    var0 = _entry(a.variant).variant
+    from kdagen_dev.launch import capture_call, timeit
+
+    var0 = entry(a.variant).variant
     T, H, D = a.T, a.H, var0.k
-    dev = "cuda"
-    inp = make_inputs(T, H, 1, D, dev)
+    inp = bench_case(T, H, D=D)
     ref = None
     print(f"{a.variant} B1 T{T} H{H} D{D} on {torch.cuda.get_device_name()}", flush=True)
     for item in a.builds:
         label, _, path = item.partition("=")
         path, _, vname = path.partition("@")  # LABEL=PATH[@VARIANT]: another variant of the same shape
-        var = _entry(vname).variant if vname else var0
-        o = torch.full_like(inp["v"], float("nan"))
-        ht = torch.full((1, H, D, D), float("nan"), device=dev)
-        call = make_call(inp, o, ht)
+        var = entry(vname).variant if vname else var0
+        call = capture_call(inp, var.name)
+        o, ht = call.o.fill_(float("nan")), call.final_state.fill_(float("nan"))
         la = Sm80Launcher(var, Path(path))
         if a.recur_only:
             la.with_settings(min_segment_tokens=None, parts=("prep",))(call)  # timing only: the

@@ -4,14 +4,9 @@ built specs on a ragged GQA case with state, against the float64 reference."""
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-
-from kda_cases import make_case, run_and_compare  # noqa: E402
-
-from kdagen.runtime import registry  # noqa: E402
+from kdagen.cases import make_case, run_and_compare
+from kdagen.runtime import registry
 
 
 def main() -> int:

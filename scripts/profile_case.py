@@ -9,13 +9,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from kdagen import kda_prefill  # noqa: E402
+from kdagen import kda_prefill
+from kdagen.cases import bench_case
 
 
 def main() -> int:
@@ -25,16 +23,10 @@ def main() -> int:
     ap.add_argument("--H", type=int, default=24)
     ap.add_argument("--calls", type=int, default=3)
     a = ap.parse_args()
-    g = torch.Generator(device="cuda").manual_seed(0)
-    r = lambda *s: torch.randn(*s, generator=g, device="cuda")  # noqa: E731
-    T, H, D = a.T, a.H, 128
-    q, k, v, gg = (r(1, T, H, D).bfloat16() for _ in range(4))
-    beta = r(1, T, H).bfloat16()
-    A_log, dt_bias, h0 = torch.rand(H, generator=g, device="cuda"), r(H, D) * 0.1, r(1, H, D, D) * 0.1
+    kw = bench_case(a.T, a.H, D=128)
     for name in a.variants:
         for _ in range(a.calls):
-            kda_prefill(q, k, v, gg, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0, initial_state=h0,
-                        output_final_state=True, variant=name)
+            kda_prefill(**kw, variant=name)
         torch.cuda.synchronize()
         print(f"ran {name} x{a.calls}")
     return 0

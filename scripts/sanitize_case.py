@@ -5,17 +5,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-
-from kda_cases import make_case  # noqa: E402
-
-from kdagen import kda_prefill  # noqa: E402
-from kdagen.runtime import registry  # noqa: E402
+from kdagen import kda_prefill
+from kdagen.cases import make_case
+from kdagen.runtime import registry
 
 
 def main() -> int:

@@ -3,7 +3,7 @@
     python scripts/sass_mix.py build/h800/<variant>/<variant>.fatbin [OTHER.fatbin] [--arch sm_90]
 
 With two artifacts, prints both mixes side by side: a quick check of whether a source change
-altered the machine code, and where (see kdagen/sass.py).
+altered the machine code, and where (see kdagen_dev/sass.py).
 """
 
 from __future__ import annotations
@@ -12,9 +12,7 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from kdagen.sass import disassemble  # noqa: E402
+from kdagen_dev.sass import disassemble
 
 
 def main() -> int:

@@ -20,13 +20,10 @@ from __future__ import annotations
 
 import argparse
 import signal
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from kdagen.sass import BRANCH as _BRA  # noqa: E402
-from kdagen.sass import disassemble  # noqa: E402
+from kdagen_dev.sass import BRANCH as _BRA
+from kdagen_dev.sass import disassemble
 
 LATENCY = {"LDSM": 33, "LDS": 33, "LDC": 30, "LDG": 600, "S2UR": 20, "S2R": 20, "LDGSTS": 20,
            "STS": 20, "STG": 20, "SHFL": 24, "MUFU": 18, "I2F": 18, "F2I": 18}

@@ -10,19 +10,10 @@ each length of a shorter last segment (0: equal segments)."""
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
-import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-
-from bench_sm80 import make_call, make_inputs, timeit  # noqa: E402
-from test_sm80 import sm80_variants  # noqa: E402
-
-from kdagen.targets.sm80 import Sm80Launcher  # noqa: E402
+from kdagen.cases import bench_case
+from kdagen.targets.sm80 import Sm80Launcher
+from kdagen_dev.launch import built_variants, capture_call, timeit
 
 SETTINGS = [(None, 1), (8192, 4), (4096, 8), (4096, 12), (2048, 16), (2048, 32)]
 
@@ -37,15 +28,13 @@ def main() -> int:
     ap.add_argument("--beside", default="", help="comma-separated prep blocks allowed beside a recurrence "
                     "block (or 'none'), timed at the default segments")
     a = ap.parse_args()
-    T, H, D = a.T, a.H, 128
-    dev = "cuda"
-    inp = make_inputs(T, H, 1, D, dev)
-    for var, art in sm80_variants():
+    T, H = a.T, a.H
+    inp = bench_case(T, H, D=128)
+    for var, art in built_variants("sm80"):
         if a.filter not in var.name:
             continue
-        o = torch.empty_like(inp["v"])
-        ht = torch.empty(1, H, D, D, device=dev)
-        call = make_call(inp, o, ht)
+        call = capture_call(inp, var.name)
+        o = call.o
         la = Sm80Launcher(var, art)
         defaults = (la.settings.min_segment_tokens, la.settings.max_segments)
         ref = None

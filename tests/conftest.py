@@ -22,7 +22,60 @@ def _has_npu() -> bool:
         return False
 
 
+def pytest_addoption(parser):
+    parser.addoption("--shard", default=None, metavar="I/N",
+                     help="run the I-th (0-based) of N shards: parallel processes on one GPU machine "
+                          "(scripts/gpu_check.sh test). Tests of variants that share inputs stay in one "
+                          "shard, so each Triton kernel compiles once and each reference is computed once.")
+
+
+def _variant(item):
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    v = params.get("v", params.get("variant"))
+    return v if hasattr(v, "gate") else None
+
+
+def _shard_key(item) -> str:
+    v = _variant(item)
+    # the inputs of kdagen.cases depend on these fields only
+    return item.nodeid if v is None else f"{v.k}/{v.v}/{v.dtype}/{v.gate}/{v.state}"
+
+
+def _select_shard(config, items) -> None:
+    spec = config.getoption("--shard")
+    if not spec:
+        return
+    try:
+        index, count = (int(x) for x in spec.split("/"))
+        assert 0 <= index < count
+    except (ValueError, AssertionError):
+        raise pytest.UsageError(f"--shard: expected I/N with 0 <= I < N, found {spec!r}") from None
+    groups: dict[str, list] = {}
+    for item in items:
+        groups.setdefault(_shard_key(item), []).append(item)
+
+    def weight(key: str) -> int:
+        # a test costs a launch and (cached) a reference; a Triton variant also its JIT compiles,
+        # a few seconds each (about 40 tests' worth)
+        its = groups[key]
+        triton = {v.name for v in map(_variant, its) if v is not None and v.target.startswith("triton")}
+        return len(its) + 40 * len(triton)
+
+    # heaviest groups first onto the least loaded shard (every shard process computes the same plan)
+    load = [0] * count
+    mine = set()
+    for key in sorted(groups, key=lambda k: (-weight(k), k)):
+        s = min(range(count), key=lambda i: (load[i], i))
+        load[s] += weight(key)
+        if s == index:
+            mine.add(key)
+    kept = [it for it in items if _shard_key(it) in mine]
+    config.hook.pytest_deselected(items=[it for it in items if _shard_key(it) not in mine])
+    items[:] = kept
+
+
 def pytest_collection_modifyitems(config, items):
+    _select_shard(config, items)
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
     skip_npu = pytest.mark.skip(reason="needs an Ascend NPU with torch_npu")
     has_npu = None

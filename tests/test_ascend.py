@@ -23,7 +23,7 @@ from kdagen.paths import GENERATED_DIR
 from kdagen.variant import Variant
 
 from .conftest import HAS_CUDA
-from .kda_cases import make_case, run_and_compare
+from kdagen.cases import make_case, run_and_compare
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 HAS_NPU = importlib.util.find_spec("torch_npu") is not None

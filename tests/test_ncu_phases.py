@@ -1,11 +1,6 @@
-"""scripts/ncu_phases.py on a small synthetic ncu source export (CPU)."""
+"""kdagen_dev/ncu_phases.py (scripts/ncu_phases.py) on a small synthetic ncu source export (CPU)."""
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-
-import ncu_phases  # noqa: E402
+from kdagen_dev import ncu_phases
 
 HEADER = '"Address","Source","# Samples","Instructions Executed","stall_barrier","stall_long_sb","stall_long_sb (Not Issued)"'
 ROWS_A = [  # 4 warps: the first instruction runs 4 times

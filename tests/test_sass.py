@@ -11,13 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from kdagen.sass import disassemble, find_cuobjdump
 from kdagen.variant import Variant
+from kdagen_dev.launch import built_variants
+from kdagen_dev.sass import disassemble, find_cuobjdump
 
-from .test_sm80 import sm80_variants
-
-
-ARTIFACTS = sm80_variants()  # (Variant, fatbin) of the sm80 variants the specs name, where built
+ARTIFACTS = built_variants("sm80")  # (Variant, fatbin) of the sm80 variants the specs name, where built
 C16 = [(v, a) for v, a in ARTIFACTS if v.chunk == 16]
 pytestmark = [
     pytest.mark.skipif(find_cuobjdump() is None, reason="cuobjdump/nvdisasm not installed"),
@@ -56,7 +54,7 @@ def test_control_bits_decode():
     """The scheduling bits of three upper words cuobjdump printed for kda_recur (sm_90): a block
     barrier (stall 1, no scoreboards), an LDSM that signals scoreboard 1, and the HMMA that
     waits for it before issuing (its top bits are operand-reuse flags, not scoreboards)."""
-    from kdagen.sass import Control
+    from kdagen_dev.sass import Control
 
     assert Control.decode(0x000FE20000010000) == Control(stall=1, write_sb=7, read_sb=7, wait_mask=0)
     assert Control.decode(0x000E680000000200) == Control(stall=4, write_sb=1, read_sb=7, wait_mask=0)

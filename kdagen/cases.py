@@ -1,0 +1,364 @@
+"""KDA problems and their check against the float64 reference: the one harness of every target.
+
+The tests of every target, `kdagen verify`, the benchmarks and the scripts build their inputs
+with `make_case` (or `bench_case`) and check a variant's outputs with `run_and_compare`, so a
+path one of them exercises is exercised the same way everywhere. `PATHS` names the inputs that
+make one path of the contract matter (a stride, a head map, an optional argument); a bug on that
+path then changes a result instead of hiding behind inputs that never reach it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from collections import OrderedDict
+from typing import Any, Optional
+
+import torch
+
+from .dtypes import torch_dtype
+from .reference import kda_reference, rel_rmse
+from .variant import Variant
+
+# Gate scenarios: (how g is drawn, dt_bias mean or None for N(0, 1) biases)
+GATE_SCENARIOS: dict[str, tuple[str, Optional[float]]] = {
+    "normal": ("randn", None),
+    "g=-8": ("const:-8", None),
+    "g=0": ("const:0", None),
+    "g=+8": ("const:8", None),
+    "U(-8,8)": ("uniform:8", None),
+    "N(0,8)": ("randn:8", None),
+    "dt=+4": ("randn", 4.0),
+    "dt=-4": ("randn", -4.0),
+    "dt=+8": ("randn", 8.0),
+    "dt=-8": ("randn", -8.0),
+}
+
+# Inputs that make one path matter, each over several chunks with initial, final and chunk
+# states (where the variant has state I/O). `T` is in chunks of the variant: 2 means 2C + 5
+# tokens, so a partial last chunk follows whole ones.
+PATHS: dict[str, dict[str, Any]] = {
+    # q, k, v, g, beta as views of one projection buffer: every tensor has its own strides (k's
+    # heads 2K apart, g's K + 16 apart, batch rows padded), dt_bias flat [HV*K], int64 offsets.
+    "fused_varlen": dict(fused=True, H=2, HV=2, lens_chunks=(2, 1, 0)),
+    "fused_bnsd": dict(fused=True, H=2, HV=2, B=2, chunks=1, layout="BNSD", state_layout="KV"),
+    "gva_hv4": dict(H=2, HV=4, B=2, chunks=1),  # value head h reads q/k head h // (HV // H)
+    "gva_hv6": dict(H=2, HV=6, chunks=1, state_layout="KV"),
+    "no_dt_bias": dict(dt_bias=False),
+    "lower_bound_-2": dict(lower_bound=-2.0),
+    "lower_bound_-20": dict(lower_bound=-20.0),  # spans beyond exp(80) inside a chunk of 16
+    "custom_scale": dict(scale=0.37),
+    "no_l2norm": dict(use_qk_l2norm=False),
+    "neg_eigval": dict(allow_neg_eigval=True),
+    # Nearly parallel keys, beta near 1, decay near 1: L's entries near 1, so every factor of
+    # the chunk inverse matters (random keys make the system almost first order).
+    "ill_conditioned": dict(keys="correlated"),
+}
+
+
+# The ill-conditioned case amplifies fp32 rounding through the chunk-16 inverse (repeated
+# squaring of an L whose powers grow): measured 1.1e-5 to 4.0e-5 (o, states) at chunk 16 and
+# 4e-7 at chunk 64 (forward substitution); a dropped factor of the inverse gives ~1e-2.
+ILL_CONDITIONED_TOL = {16: 2e-4, 64: 1e-5}
+
+
+def path_tolerance(v: Variant, path: str) -> Optional[float]:
+    """A path's own bound where it differs from `tolerances` (None: the variant's)."""
+    return ILL_CONDITIONED_TOL[v.chunk] if path == "ill_conditioned" else None
+
+
+def path_reason(v: Variant, path: str) -> Optional[str]:
+    """Why `path` does not apply to `v` (None when it does)."""
+    if path.startswith("lower_bound") and v.gate != "bounded":
+        return "lower_bound is read by the bounded gate only"
+    if path == "no_dt_bias" and v.gate == "precomputed":
+        return "the precomputed gate takes no dt_bias"
+    if path == "ill_conditioned" and v.dtype != "fp32":
+        return "held to an fp32 bound; 16-bit inputs round more than the conditioning shows"
+    if (path.startswith("gva") and not v.gqa) or (path == "fused_varlen" and not v.varlen):
+        return "the variant has no GQA/varlen"
+    return None
+
+
+def path_case(v: Variant, device, path: str, seed: int = 0, max_chunks: Optional[int] = None) -> dict:
+    """kda_prefill kwargs of the named path for `v` (see PATHS); `max_chunks` caps the whole
+    chunks before the partial one (the CPU interpreter is slow at chunk 64)."""
+    kw = dict(PATHS[path])
+    C = v.chunk
+    cap = (lambda n: min(n, max_chunks)) if max_chunks is not None else (lambda n: n)
+    if "lens_chunks" in kw:
+        kw["lens"] = [cap(n) * C + r for n, r in zip(kw.pop("lens_chunks"), (5, 0, 3))]
+    else:
+        kw["T"] = cap(kw.pop("chunks", 2)) * C + 5
+    return make_case(v, device, chunk_states=True, seed=seed, **kw)
+
+
+def _cumsum(xs) -> list[int]:
+    out = [0]
+    for x in xs:
+        out.append(out[-1] + x)
+    return out
+
+
+def make_case(v: Variant, device, *, B: int = 1, T: int = 37, H: int = 1, HV: int = 2, layout: str = "BSND",
+              lens: Optional[list[int]] = None, gate_scenario: str = "normal", state_layout: str = "VK",
+              with_state: bool = True, chunk_states: bool = False, A_log_scale: float = 0.5,
+              fused: bool = False, gb_dtype: str = "fp32", dt_bias: bool = True, lower_bound: float = -5.0,
+              scale: Optional[float] = None, use_qk_l2norm: bool = True, allow_neg_eigval: bool = False,
+              keys: str = "random", seed: int = 0) -> dict:
+    """kda_prefill kwargs for variant `v`: random, never zero, deterministic in `seed`.
+
+    Chunk states are asked for only where the variant has state I/O ("none" variants have none).
+    `gb_dtype` is the dtype of g and beta ("fp32", or "input": the variant's); `fused` makes
+    every input a view of one projection buffer (so g and beta take the input dtype).
+    `keys="correlated"` gives the ill-conditioned problem (see PATHS). Without the L2 norm,
+    q and k are drawn with norms near 1, as a model would give them (b |k|^2 < 2 keeps the
+    delta rule stable). The gate form is left for kda_prefill to infer from A_log/lower_bound.
+    """
+    gen = torch.Generator().manual_seed(seed)
+
+    def r(*s, scale=1.0):
+        return torch.randn(*s, generator=gen) * scale
+
+    if lens is not None:
+        B, T = 1, sum(lens)
+    K, V = v.k, v.v
+    dt = torch_dtype(v.dtype)
+    kind, dt_val = GATE_SCENARIOS[gate_scenario]
+    if keys == "correlated":
+        # weak decay: the activated gate is near 0 for every form (see below)
+        g = -6.0 + 0.3 * r(B, T, HV, K)
+    elif kind == "randn":
+        g = r(B, T, HV, K)
+    elif kind.startswith("randn:"):
+        g = r(B, T, HV, K, scale=float(kind.split(":")[1]))
+    elif kind.startswith("uniform:"):
+        a = float(kind.split(":")[1])
+        g = (torch.rand(B, T, HV, K, generator=gen) * 2 - 1) * a
+    else:
+        g = torch.full((B, T, HV, K), float(kind.split(":")[1])) + 0.01 * r(B, T, HV, K)
+    kw: dict = {}
+    if v.gate == "precomputed":
+        # a log-decay: <= 0, as large as the bounded gate's range (weak for correlated keys)
+        g = -5.0 * torch.sigmoid(g) if keys != "correlated" else -0.01 * torch.rand(B, T, HV, K, generator=gen)
+        kw["A_log"] = None
+    else:
+        kw["A_log"] = r(HV, scale=A_log_scale) if keys != "correlated" else torch.zeros(HV)
+        bias = (r(HV, K) if dt_val is None else torch.full((HV, K), dt_val) + 0.1 * r(HV, K))
+        if keys == "correlated":
+            bias = 0.1 * r(HV, K)
+        kw["dt_bias"] = (bias.reshape(-1) if fused else bias) if dt_bias else None
+        kw["lower_bound"] = lower_bound if v.gate == "bounded" else None
+    q, k = r(B, T, H, K), r(B, T, H, K)
+    if keys == "correlated":
+        k = r(1, 1, H, K) + 0.3 * k  # cosine between two keys ~0.9 after the L2 norm
+    if not use_qk_l2norm:
+        q = q * (torch.rand(B, T, H, 1, generator=gen) + 0.5) / math.sqrt(K)
+        k = k / k.norm(dim=-1, keepdim=True) * (torch.rand(B, T, H, 1, generator=gen) * 0.5 + 0.5)
+    vv = r(B, T, HV, V)
+    beta = r(B, T, HV) if keys != "correlated" else 4.0 + 0.3 * r(B, T, HV)
+    gb_t = dt if (fused or gb_dtype == "input") else torch.float32
+    tensors = dict(q=q.to(dt), k=k.to(dt), v=vv.to(dt), g=g.to(gb_t), beta=beta.to(gb_t))
+    if fused:
+        tensors = _fused_views(tensors, K=K, V=V, pad_tokens=3)
+    if layout == "BNSD":
+        tensors = {n: (t.transpose(1, 2) if fused else t.transpose(1, 2).contiguous()) for n, t in tensors.items()}
+    kw.update(tensors)
+    kw["layout"] = layout
+    N = len(lens) if lens is not None else B
+    if lens is not None:
+        kw["cu_seqlens"] = torch.tensor(_cumsum(lens), dtype=torch.int64 if fused else torch.int32)
+    has_state = v.state != "none"
+    if with_state and has_state:
+        shape = (N, HV, V, K) if state_layout == "VK" else (N, HV, K, V)
+        kw["initial_state"] = r(*shape, scale=0.5).to(torch_dtype(v.state))
+        kw["output_final_state"] = True
+    kw["state_layout"] = state_layout
+    if chunk_states and has_state:
+        kw["return_chunk_states"] = True
+        kw["chunk_size"] = v.chunk
+        kw["state_dtype"] = torch_dtype(v.state)
+    if scale is not None:
+        kw["scale"] = scale
+    if not use_qk_l2norm:
+        kw["use_qk_l2norm"] = False
+    if allow_neg_eigval:
+        kw["allow_neg_eigval"] = True
+    return {n: (t.to(device) if isinstance(t, torch.Tensor) else t) for n, t in kw.items()}
+
+
+def _fused_views(t: dict, *, K: int, V: int, pad_tokens: int) -> dict:
+    """The same values as views of one [B, T + pad_tokens, W] buffer, BSND: q's heads K apart,
+    k's 2K apart, v's V apart, g's K + 16 apart, beta last; the gaps hold NaN, so a kernel that
+    reads a tensor with another one's strides reads NaN. Offsets stay 16-element aligned."""
+    B, T, H, _ = t["q"].shape
+    HV = t["v"].shape[2]
+    parts = [("q", H, K, K), ("k", H, 2 * K, K), ("v", HV, V, V), ("g", HV, K + 16, K)]
+    offs, W = {}, 0
+    for name, heads, step, _ in parts:
+        offs[name] = W
+        W += heads * step
+    offs["beta"] = W
+    W = -(-(W + HV) // 16) * 16 + 16
+    buf = torch.full((B, T + pad_tokens, W), float("nan"), dtype=t["q"].dtype)
+    out = {}
+    for name, heads, step, width in parts:
+        view = buf[:, :T, offs[name]:offs[name] + heads * step].view(B, T, heads, step)[..., :width]
+        view.copy_(t[name])
+        out[name] = view
+    out["beta"] = buf[:, :T, offs["beta"]:offs["beta"] + HV]
+    out["beta"].copy_(t["beta"])
+    return out
+
+
+# ----------------------------------------------------------------------------- tolerances
+
+
+def tolerances(v: Variant, device) -> dict[str, float]:
+    """Bound on the rel RMSE of each output, from measured errors (margins of 10x or more).
+
+    fp32 variants: measured <= 2e-7 on every case of the test suite (CPU interpreter). 16-bit
+    variants: o is rounded to 16 bits (bf16 alone gives ~3.3e-3), sm80 measured 3.2e-3 to
+    4.0e-3 on the H200; a bf16 state rounds the same way. The fp32 state of a 16-bit variant is
+    carried in fp32: under the CPU interpreter it measures ~1e-7 and is held to 1e-5; on a GPU the
+    kernels take 16-bit or tf32 products (sm80 measured 2.4e-3 to 2.9e-3), so it keeps 5e-3 there.
+    """
+    dev = torch.device(device).type
+    if v.dtype == "fp32":
+        state = 5e-3 if v.state == "bf16" else 1e-5
+        return {"o": 1e-5, "state": state, "chunk_states": state}
+    state = 5e-3 if (v.state == "bf16" or dev != "cpu") else 1e-5
+    return {"o": 5e-3, "state": state, "chunk_states": state}
+
+
+# ----------------------------------------------------------------------------- running
+
+
+def run_poisoned(v: Optional[Variant], kw: dict):
+    """kda_prefill on `kw` forced to `v` (None: the runtime's own choice), every output filled
+    with NaN before the launch (so an element a kernel forgets to write cannot pass as a
+    plausible value). The one place the tests poison outputs."""
+    import kdagen.runtime as rt
+
+    # TODO(issue 13): pass NaN-filled out=/final_state= buffers once kda_prefill takes them.
+    rt.POISON_OUTPUTS = True
+    try:
+        return rt.kda_prefill(**kw, variant=v.name if v is not None else None)
+    finally:
+        rt.POISON_OUTPUTS = False
+
+
+_REF_CACHE: "OrderedDict[str, tuple]" = OrderedDict()
+_REF_CACHE_BYTES = [0]
+REF_CACHE_LIMIT = 1 << 30  # bytes of cached reference outputs
+
+
+def _digest(kw: dict) -> str:
+    h = hashlib.sha1()
+    for name in sorted(kw):
+        val = kw[name]
+        if isinstance(val, torch.Tensor):
+            t = val.detach().cpu().contiguous()
+            h.update(f"{name}:{t.dtype}:{tuple(t.shape)}:".encode())
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+        else:
+            h.update(f"{name}={val!r};".encode())
+    return h.hexdigest()
+
+
+def reference(kw: dict) -> tuple:
+    """The float64 reference (o, final state, chunk states) of kda_prefill kwargs `kw`, computed
+    on the CPU; cached by the inputs' values, since variants that differ only in chunk, V-split
+    or target share their inputs."""
+    ref_kw = {n: (t.cpu() if isinstance(t, torch.Tensor) else t) for n, t in kw.items()}
+    ref_kw.pop("state_dtype", None)
+    cs = ref_kw.pop("chunk_size", None)
+    want_cs = ref_kw.pop("return_chunk_states", False)
+    ref_kw["chunk_states_size"] = cs if want_cs else None
+    key = _digest(ref_kw)
+    hit = _REF_CACHE.get(key)
+    if hit is not None:
+        _REF_CACHE.move_to_end(key)
+        return hit
+    out = kda_reference(**ref_kw)
+    nbytes = sum(t.numel() * 8 for t in out if t is not None)
+    _REF_CACHE[key] = out
+    _REF_CACHE_BYTES[0] += nbytes
+    while _REF_CACHE_BYTES[0] > REF_CACHE_LIMIT and len(_REF_CACHE) > 1:
+        _, old = _REF_CACHE.popitem(last=False)
+        _REF_CACHE_BYTES[0] -= sum(t.numel() * 8 for t in old if t is not None)
+    return out
+
+
+def errors(v: Variant, kw: dict, out) -> dict[str, float]:
+    """Rel RMSE of every output of a kda_prefill call (o, final state, chunk states) against the
+    reference; inf where an output is missing, misshapen or not finite."""
+    ro, rs, rc = reference(kw)
+
+    def err(x, ref) -> float:
+        if x is None or tuple(x.shape) != tuple(ref.shape):
+            return math.inf
+        return rel_rmse(x.cpu(), ref)
+
+    errs = {"o": err(out[0], ro)}
+    if rs is not None:
+        errs["state"] = err(out[1], rs)
+    if kw.get("return_chunk_states"):
+        errs["chunk_states"] = err(out[2] if len(out) > 2 else None, rc)
+    return errs
+
+
+def _record(v: Variant, kw: dict, errs: dict, tol: dict) -> None:
+    """KDAGEN_ERRORS=path appends one JSON line per comparison (the measured errors behind the
+    tolerances above; kdagen_dev/error_table.py summarises them)."""
+    path = os.environ.get("KDAGEN_ERRORS")
+    if not path:
+        return
+    dev = next(t.device.type for t in kw.values() if isinstance(t, torch.Tensor))
+    row = {"variant": v.name, "target": v.target, "dtype": v.dtype, "state": v.state, "device": dev,
+           "case": os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0], "errors": errs,
+           "tolerance": {k: tol[k] for k in errs}}
+    with open(path, "a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+def run_and_compare(v: Variant, kw: dict, tol: Optional[float | dict[str, float]] = None, out=None) -> dict:
+    """Run `v` on `kw` with poisoned outputs (or check `out`, the outputs of such a run) and assert
+    every output is within its tolerance of the float64 reference. Returns the errors."""
+    if out is None:
+        out = run_poisoned(v, kw)
+    dev = next(t.device for t in kw.values() if isinstance(t, torch.Tensor))
+    bounds = tolerances(v, dev)
+    if tol is not None:
+        bounds = {k: (tol[k] if isinstance(tol, dict) else tol) for k in bounds}
+    errs = errors(v, kw, out)
+    _record(v, kw, errs, bounds)
+    bad = {k: e for k, e in errs.items() if not e < bounds[k]}
+    assert not bad, (f"{v.name}: rel RMSE " + ", ".join(f"{k} {e:.3e} (bound {bounds[k]:.0e})" for k, e in errs.items()))
+    return errs
+
+
+# ----------------------------------------------------------------------------- benchmarks
+
+
+def bench_case(T: Optional[int] = None, H: int = 8, lens: Optional[list[int]] = None, D: int = 128, seed: int = 0,
+               device="cuda") -> dict:
+    """The benchmarks' inputs (kda_prefill kwargs): bf16 q, k, v, g [1, T, H, D], beta [1, T, H],
+    the bounded gate at lower_bound -5, an fp32 initial state [N, H, D, D] and the final state,
+    q/k L2 norm in the kernel (DESIGN.md section 5's setting). Drawn on `device`."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    if lens is not None:
+        T = sum(lens)
+
+    def r(*s):
+        return torch.randn(*s, generator=gen, device=device)
+
+    kw = dict(q=r(1, T, H, D).bfloat16(), k=r(1, T, H, D).bfloat16(), v=r(1, T, H, D).bfloat16(),
+              g=r(1, T, H, D).bfloat16(), beta=r(1, T, H).bfloat16(),
+              A_log=torch.rand(H, generator=gen, device=device), dt_bias=r(H, D) * 0.1, lower_bound=-5.0,
+              initial_state=r(len(lens) if lens else 1, H, D, D) * 0.1, output_final_state=True)
+    if lens is not None:
+        kw["cu_seqlens"] = torch.tensor(_cumsum(lens), dtype=torch.int32, device=device)
+    return kw

@@ -1,0 +1,34 @@
+"""A/B builds: one variant's generated source compiled with experimental -D flags or headers
+(on the CPU machine), for timing against the shipped build on the GPU (scripts/fatbin_ab.py)."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+from typing import Sequence
+
+
+def entry(variant: str):
+    """The registry entry of `variant` (exit with a message when no generated spec names it)."""
+    from kdagen.registry import Registry
+
+    e = Registry.load().entries.get(variant)
+    if e is None:
+        raise SystemExit(f"{variant} is not in any generated spec: run `kdagen generate` first")
+    return e
+
+
+def build(variant: str, out: Path, defines: Sequence[str], includes: Sequence[str] = ()) -> None:
+    """Compile the generated source of `variant` with extra -D flags into `out`."""
+    from kdagen.build import nvcc_command
+
+    e = entry(variant)
+    cmd = nvcc_command(e.variant, e.source_dir / "kernel.cu", out)
+    cmd[1:1] = [f"-D{d}" for d in defines] + [f"-I{d}" for d in includes]  # -I first: an experimental header copy wins
+    out.parent.mkdir(parents=True, exist_ok=True)
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    (out.with_suffix(".log")).write_text(r.stdout + r.stderr)
+    if r.returncode:
+        raise SystemExit(r.stdout + r.stderr)
+    regs = [ln.strip() for ln in (r.stdout + r.stderr).splitlines() if "registers" in ln or "spill" in ln]
+    print(f"built {out} ({' '.join(defines)})\n  " + "\n  ".join(regs[-4:]))

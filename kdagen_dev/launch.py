@@ -1,0 +1,66 @@
+"""Direct launches of one variant's kernels for timing and A/B experiments (GPU scripts).
+
+The call record comes from kda_prefill itself (`capture_call`), so the benchmarks and scripts
+that time a launcher alone pass it exactly what the runtime would.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+
+def built_variants(target: str = "sm80") -> list[tuple[Any, Path]]:
+    """(Variant, artifact) of every registered `target` variant whose artifact is built here."""
+    from kdagen.paths import ROOT
+    from kdagen.registry import Registry
+
+    try:
+        reg = Registry.load()
+    except Exception:  # no generated/ yet: nothing built
+        return []
+    out = []
+    for _, e in sorted(reg.entries.items()):
+        if e.variant.target == target and e.built and (ROOT / e.built["artifact"]).exists():
+            out.append((e.variant, ROOT / e.built["artifact"]))
+    return out
+
+
+def capture_call(kw: dict, variant: str):
+    """The KdaCall that kda_prefill(**kw, variant=variant) hands its launcher (nothing runs):
+    outputs are allocated as the runtime allocates them."""
+    import kdagen.runtime as rt
+
+    captured: list = []
+    reg = rt.registry()
+    dev = next(t.device for t in kw.values() if hasattr(t, "device"))
+    key = (variant, f"{dev.type}:{dev.index}")
+    saved = reg._launchers.get(key)
+    reg._launchers[key] = captured.append
+    try:
+        rt.kda_prefill(**kw, variant=variant)
+    finally:
+        if saved is None:
+            reg._launchers.pop(key, None)
+        else:
+            reg._launchers[key] = saved
+    return captured[0]
+
+
+def timeit(fn: Callable[[], Any], warmup: int = 3, iters: int = 10) -> float:
+    """Median milliseconds of `fn()` on the current CUDA stream (CUDA events, after warm-up)."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b))
+    ts.sort()
+    return ts[len(ts) // 2]

@@ -1,0 +1,208 @@
+"""The catalogue of the mutation check (kdagen_dev/mutate.py): plausible bugs in the Triton
+template, the runtime, the input checks, selection and the sm80 launcher's host-side plans, each
+with the CPU tests expected to kill it.
+
+Written as (file, exact snippet, replacement) so that an entry is retargeted by editing a string
+when the code it names moves; an entry whose snippet is gone is reported as stale. `kills` are
+pytest arguments (node ids); `scripts/mutate.py --suite` also runs the CPU suite on survivors.
+"""
+
+from __future__ import annotations
+
+from .mutate import Mutation
+
+TEMPLATE = "templates/triton/kda_fused.py.j2"
+RUNTIME = "kdagen/runtime.py"
+INPUTS = "kdagen/inputs.py"
+
+# fp32 variants of specs/ci.yaml (fp32: a bug cannot hide in 16-bit rounding)
+C16 = "kda_fwd_triton_c16_k32_v32_fp32_gb_sfp32_bv16"
+C64 = "kda_fwd_triton_c64_k32_v32_fp32_gb_sfp32_bv16"
+KV16 = "kda_fwd_triton_c16_k32_v64_fp32_gb_sfp32_bv16"  # K < V
+VK16 = "kda_fwd_triton_c16_k64_v32_fp32_gb_sfp32_bv16"  # K > V
+GU16 = "kda_fwd_triton_c16_k32_v32_fp32_gu_sfp32_bv16"
+BF16_SBF16 = "kda_fwd_triton_c16_k32_v32_bf16_gb_sbf16_bv16"
+
+
+def path(case: str, *variants: str) -> tuple[str, ...]:
+    return tuple(f"tests/test_kernels.py::test_paths[{v}-{case}-cpu]" for v in variants)
+
+
+def shape(case: str, *variants: str) -> tuple[str, ...]:
+    return tuple(f"tests/test_kernels.py::test_shapes[{v}-{case}-cpu]" for v in variants)
+
+
+def gates(case: str, *variants: str) -> tuple[str, ...]:
+    return tuple(f"tests/test_kernels.py::test_gates[{v}-{case}-cpu]" for v in variants)
+
+
+def errors(*ids: str) -> tuple[str, ...]:
+    return tuple(f"tests/test_runtime_errors.py::{i}" for i in ids)
+
+
+BAD_CALLS = "tests/test_runtime_errors.py::test_bad_call_messages"
+
+M = Mutation
+CATALOGUE: list[Mutation] = [
+    # ------------------------------------------------------------------ Triton template
+    M("kv_state_offset_k_for_v", TEMPLATE, "s_off = kk[None, :] * V + vv[:, None]",
+      "s_off = kk[None, :] * K + vv[:, None]", shape("varlen_bnsd_kv", KV16, VK16),
+      "[K, V] state offset with K where V belongs (issue 23 survivor: every variant had K == V)"),
+    M("k_loaded_with_q_strides", TEMPLATE, "k = tl.load(k_ptr + b * skb + t[:, None] * skt + hq * skh",
+      "k = tl.load(k_ptr + b * sqb + t[:, None] * sqt + hq * sqh", path("fused_varlen", C16),
+      "k read with q's strides (issue 23 survivor: q and k always had equal strides)"),
+    M("v_head_from_qk_head", TEMPLATE, "v_ptr + b * svb + t[:, None] * svt + h * svh",
+      "v_ptr + b * svb + t[:, None] * svt + hq * svh", path("gva_hv4", C16), "wrong head map for v"),
+    M("g_head_from_qk_head", TEMPLATE, "g_ptr + b * sgb + t[:, None] * sgt + h * sgh",
+      "g_ptr + b * sgb + t[:, None] * sgt + hq * sgh", path("gva_hv4", C16), "wrong head map for g"),
+    M("beta_head_from_qk_head", TEMPLATE, "beta_ptr + b * sbb + t * sbt + h * sbh",
+      "beta_ptr + b * sbb + t * sbt + hq * sbh", path("gva_hv4", C16), "wrong head map for beta"),
+    M("gqa_head_map_modulo", TEMPLATE, "hq = h // (HV // H)", "hq = h % H", path("gva_hv4", C16),
+      "value heads grouped round-robin instead of in blocks"),
+    M("dt_bias_head_from_qk_head", TEMPLATE, "dt_bias_ptr + h * K + kk", "dt_bias_ptr + hq * K + kk",
+      path("gva_hv4", C16), "wrong head map for dt_bias"),
+    M("a_log_head_from_qk_head", TEMPLATE, "tl.load(a_log_ptr + h)", "tl.load(a_log_ptr + hq)",
+      path("gva_hv4", C16), "wrong head map for A_log"),
+    M("v_time_stride_from_o", TEMPLATE, "t[:, None] * svt + h * svh", "t[:, None] * sot + h * svh",
+      path("fused_varlen", C16), "v indexed with o's time stride (equal when v is contiguous)"),
+    M("neumann_drops_last_factor", TEMPLATE,
+      '    P = tl.dot(P, P, input_precision="ieee")\n    A = A + tl.dot(A, P, input_precision="ieee")\n    return A',
+      "    return A", path("ill_conditioned", C16),
+      "(I + L)^-1 without its (I + L^8) factor (issue 23: 1e-7 on random keys)"),
+    M("forward_substitution_skips_last_row", TEMPLATE, "for i in range(1, C):", "for i in range(1, C - 1):",
+      path("ill_conditioned", C64), "chunk-64 solve leaves the last row of U unsolved"),
+    M("l_drops_beta", TEMPLATE, "Lm = Lm * bt[:, None]", "Lm = Lm", shape("ragged", C16), "dropped factor b_i in L"),
+    M("mqk_drops_scale", TEMPLATE, "Mqk = Mqk * scale", "Mqk = Mqk", shape("ragged", C16),
+      "dropped factor scale in Mqk"),
+    M("qd_drops_scale", TEMPLATE, "Qd = q * eG * scale", "Qd = q * eG", shape("ragged", C16),
+      "dropped factor scale in Qd"),
+    M("mqk_drops_diagonal", TEMPLATE, "Mqk += tl.where(pick, m_col[:, None], 0.0)",
+      "Mqk += tl.where(pick & (rows[:, None] > j), m_col[:, None], 0.0)", shape("ragged", C16),
+      "Mqk strictly lower (the token's own update missing from o)"),
+    M("pairwise_decay_off_by_one", TEMPLATE, "tl.where(rows[:, None] > j, a, 0.0), axis=0)",
+      "tl.where(rows[:, None] >= j, a, 0.0), axis=0)", shape("ragged", C16),
+      "decay exp(G_i - G_j) summed from j instead of j + 1"),
+    M("kr_suffix_off_by_one", TEMPLATE, "tl.exp(tl.cumsum(a, axis=0, reverse=True) - a)",
+      "tl.exp(tl.cumsum(a, axis=0, reverse=True))", shape("ragged", C16),
+      "Gamma_C / Gamma_j including step j"),
+    M("state_not_decayed_between_chunks", TEMPLATE, "S = S * tl.exp(G_end)[None, :] + tl.dot(",
+      "S = S + tl.dot(", shape("ragged", C16), "dropped factor Gamma_C on the carried state"),
+    M("padded_rows_decay", TEMPLATE, "a = tl.where(m_t[:, None], a, 0.0)", "a = a", shape("ragged", C16),
+      "the rows past a sequence's end decay the state (gate of g = 0 is not 0)"),
+    M("neg_eigval_ignored", TEMPLATE, "bt = bt * 2.0", "bt = bt * 1.0", path("neg_eigval", C16),
+      "allow_neg_eigval ignored"),
+    M("l2norm_flag_ignored", TEMPLATE, "if USE_L2NORM:", "if True:", path("no_l2norm", C16),
+      "use_qk_l2norm=False ignored"),
+    M("k_not_normalised", TEMPLATE, "k = k / tl.sqrt(tl.sum(k * k, axis=1) + 1e-6)[:, None]", "k = k",
+      shape("ragged", C16), "k not L2-normalised"),
+    M("bounded_gate_fixed_bound", TEMPLATE, "a = lower_bound * tl.sigmoid(", "a = -5.0 * tl.sigmoid(",
+      path("lower_bound_-2", C16), "the kernel's bounded gate at a fixed -5"),
+    M("softplus_sign", TEMPLATE, "tl.log(1.0 + tl.exp(-tl.abs(x)))", "tl.log(1.0 + tl.exp(-x))",
+      shape("ragged", GU16), "softplus wrong for negative arguments (unbounded gate)"),
+    M("chunk_state_stride_v_for_k", TEMPLATE, "cs_base = ((cs_first + c) * HV + h) * V * K",
+      "cs_base = ((cs_first + c) * HV + h) * V * V", shape("varlen_bnsd_kv", KV16, VK16),
+      "chunk-state record size with V where K belongs"),
+    M("varlen_end_off_by_one", TEMPLATE, "eos = tl.load(cu_ptr + n + 1).to(tl.int64)",
+      "eos = tl.load(cu_ptr + n + 1).to(tl.int64) - 1", shape("varlen_bnsd_kv", C16),
+      "off-by-one in the varlen offsets: each sequence's last token dropped"),
+    M("initial_state_ignored", TEMPLATE, "    if HAS_H0:\n", "    if False:\n", shape("ragged", C16),
+      "initial state not read"),
+    M("final_state_not_written", TEMPLATE, "    if HAS_HT:\n", "    if False:\n", shape("ragged", C16),
+      "final state never stored (poisoned outputs show it)"),
+    M("launch_dt_flag_from_a_log", TEMPLATE, "int(call.dt_bias is not None), int(call.state_kv)",
+      "int(call.A_log is not None), int(call.state_kv)", path("no_dt_bias", C16),
+      "the dt_bias flag taken from A_log's presence (issue 23 survivor: dt_bias was always given)"),
+    M("launch_state_kv_dropped", TEMPLATE, "int(call.state_kv), int(call.use_qk_l2norm)",
+      "int(False), int(call.use_qk_l2norm)", shape("varlen_bnsd_kv", C16), "[K, V] states read as [V, K]"),
+    M("launch_grid_k_for_v", TEMPLATE, "grid = (HEAD_V // BLOCK_V, call.N * call.HV)",
+      "grid = (HEAD_K // BLOCK_V, call.N * call.HV)", shape("ragged", KV16, VK16),
+      "V-split grid sized by K (half of V unwritten when K < V)"),
+    M("launch_o_strides_from_v", TEMPLATE, "*call.beta_strides, *call.o_strides,",
+      "*call.beta_strides, *call.v_strides,", path("fused_varlen", C16),
+      "o written with v's strides (equal when v is contiguous)"),
+    M("launch_h_for_hv", TEMPLATE, "call.T, call.H, call.HV, float(call.scale)",
+      "call.T, call.HV, call.HV, float(call.scale)", shape("ragged", C16), "GQA ignored: H passed as HV"),
+    # ------------------------------------------------------------------ runtime
+    M("runtime_fixed_lower_bound", RUNTIME, "lower_bound=float(lower_bound) if lower_bound is not None else 0.0,",
+      "lower_bound=-5.0,", path("lower_bound_-2", C16),
+      "a fixed -5 instead of the caller's lower_bound (issue 23 survivor: always -5 in the tests)"),
+    M("runtime_scale_ignored", RUNTIME, "scale=float(scale) if scale is not None else info.K ** -0.5,",
+      "scale=info.K ** -0.5,", path("custom_scale", C16), "the caller's scale ignored"),
+    M("runtime_default_scale_from_v", RUNTIME, "else info.K ** -0.5", "else info.V ** -0.5", shape("ragged", KV16),
+      "default scale 1/sqrt(V) instead of 1/sqrt(K)"),
+    M("runtime_k_strides_from_q", RUNTIME, "k_strides=_strides(k, info.layout)", "k_strides=_strides(q, info.layout)",
+      path("fused_varlen", C16), "k's strides taken from q"),
+    M("runtime_g_strides_from_v", RUNTIME, "g_strides=_strides(g, info.layout)", "g_strides=_strides(v, info.layout)",
+      path("fused_varlen", C16), "g's strides taken from v (equal when K == V and both contiguous)"),
+    M("runtime_bnsd_strides_swapped", RUNTIME, "return t.stride(0), t.stride(2), t.stride(1)",
+      "return t.stride(0), t.stride(1), t.stride(2)", shape("varlen_bnsd_kv", C16),
+      "BNSD strides read as BSND (swapped layout)"),
+    M("runtime_chunk_offsets_off_by_one", RUNTIME, "offs.append(offs[-1] + (n + C - 1) // C)",
+      "offs.append(offs[-1] + (n + C) // C)", path("fused_varlen", C16),
+      "off-by-one in the chunk-state offsets (sequences of whole chunks get one too many)"),
+    M("runtime_l2norm_forced", RUNTIME, "use_qk_l2norm=bool(use_qk_l2norm)", "use_qk_l2norm=True",
+      path("no_l2norm", C16), "use_qk_l2norm ignored"),
+    M("runtime_neg_eigval_dropped", RUNTIME, "allow_neg_eigval=bool(allow_neg_eigval)", "allow_neg_eigval=False",
+      path("neg_eigval", C16), "allow_neg_eigval ignored"),
+    M("runtime_dt_bias_dropped", RUNTIME, 'if dt_bias is not None and info.gate != "precomputed" else None)',
+      "if False else None)", shape("ragged", C16), "dt_bias never passed to the kernel"),
+    M("runtime_a_log_bounded_only", RUNTIME, 'if A_log is not None and info.gate != "precomputed" else None',
+      'if A_log is not None and info.gate == "bounded" else None', shape("ragged", GU16),
+      "A_log dropped for the unbounded gate"),
+    M("runtime_state_kv_dropped", RUNTIME, 'state_kv=state_layout == "KV"', "state_kv=False",
+      shape("varlen_bnsd_kv", C16), "[K, V] state layout ignored"),
+    M("runtime_final_state_shape_swapped", RUNTIME, 'if state_layout == "VK" else (info.N, info.HV, info.K, info.V)',
+      'if state_layout == "KV" else (info.N, info.HV, info.K, info.V)', shape("ragged", KV16),
+      "final state allocated in the other layout (same shape when K == V)"),
+    M("runtime_initial_state_ignored", RUNTIME, "h0 = initial_state.contiguous() if initial_state is not None else None",
+      "h0 = None", shape("ragged", C16), "initial state not passed on"),
+    # ------------------------------------------------------------------ input checks
+    M("inputs_hv_multiple_unchecked", INPUTS, "    if HV % H:\n", "    if False:\n", (BAD_CALLS,),
+      "HV not a multiple of H accepted"),
+    M("inputs_cu_end_unchecked", INPUTS, "cu_host[-1] != T", "cu_host[-1] > T", (BAD_CALLS,),
+      "cu_seqlens ending before T accepted"),
+    M("inputs_lower_bound_range_narrow", INPUTS, "-1e4 < float(lower_bound) <= 0", "-10 < float(lower_bound) <= 0",
+      path("lower_bound_-20", C16), "a valid lower_bound (-20) refused"),
+    M("inputs_dt_bias_size_from_v", INPUTS, "dt_bias.numel() != HV * K", "dt_bias.numel() != HV * V",
+      shape("ragged", KV16), "dt_bias checked against V (valid inputs refused when K != V)"),
+    M("inputs_g_shape_from_v", INPUTS, '("g", g, want(B, T, HV, K), "HV", "K")', '("g", g, want(B, T, HV, V), "HV", "K")',
+      shape("ragged", KV16), "g's shape checked against V"),
+    M("inputs_gate_inference_swapped", INPUTS, 'return "unbounded" if lower_bound is None else "bounded"',
+      'return "bounded" if lower_bound is None else "unbounded"', shape("ragged", C16),
+      "gate form inferred the wrong way round"),
+    M("inputs_state_dtype_ignored", INPUTS, "state = DTYPE_NAMES[initial_state.dtype]", 'state = "fp32"',
+      shape("ragged", BF16_SBF16), "a bf16 initial state selects an fp32-state variant"),
+    M("inputs_feature_stride_unchecked", INPUTS, "if t.stride(-1) != 1:", "if False:", (BAD_CALLS,),
+      "a non-contiguous feature dimension accepted"),
+    M("inputs_varlen_batch_unchecked", INPUTS, "        if B != 1:\n", "        if False:\n",
+      errors("test_varlen_needs_batch_one"), "cu_seqlens with B > 1 accepted"),
+    # ------------------------------------------------------------------ selection
+    M("select_head_dims_k_only", "kdagen/select.py", "if (v.k, v.v) != (c.K, c.V):", "if v.k != c.K:",
+      ("tests/test_select.py::test_rejection_reasons", "tests/test_kernels.py::test_auto_selection_matches_k_and_v"),
+      "a variant accepted for a call whose V differs"),
+    # ------------------------------------------------------------------ sm80 launcher (host-side plans)
+    M("sm80_segments_not_whole_chunks", "kdagen/targets/sm80.py", "step = -(-step // 64) * 64",
+      "step = -(-step // 16) * 16", ("tests/test_sm80.py::test_sm80_time_segments_plan",),
+      "segment boundaries off the 64-token grid (chunking would differ from the one-piece call)"),
+    M("sm80_recur_smem_margin_dropped", "kdagen/targets/sm80.py", "- k * (smem1 + per_block) - smem1 // 2",
+      "- k * (smem1 + per_block)", ("tests/test_sm80.py::test_sm80_recur_shared_memory_leaves_room_for_k_prep_blocks",),
+      "the shared-memory claim lets k + 1 prep blocks fit beside a recurrence block"),
+]
+
+# What CI runs (tests/test_mutations.py): the four survivors issue 23 names and one bug of each
+# other kind, each killed by a single fast test.
+SAMPLE = (
+    "kv_state_offset_k_for_v",
+    "k_loaded_with_q_strides",
+    "launch_dt_flag_from_a_log",
+    "runtime_fixed_lower_bound",
+    "neumann_drops_last_factor",
+    "gqa_head_map_modulo",
+    "runtime_chunk_offsets_off_by_one",
+    "inputs_hv_multiple_unchecked",
+)
+
+
+def by_name(names) -> list[Mutation]:
+    table = {m.name: m for m in CATALOGUE}
+    return [table[n] for n in names]

@@ -1,0 +1,168 @@
+"""Every kernel variant against the float64 reference, through kda_prefill and the one case
+harness (kdagen.cases), the same cases on every target.
+
+GPU (`pytest -m gpu`): every registered variant of the kernel targets (sm80, Triton, ...: every
+shipped spec) runs every case. CPU: the Triton interpreter runs the shape cases on every Triton
+variant of specs/ci.yaml and each path case on the variants that reach its code (a chunk-16 and
+a chunk-64 variant, plus the gate forms and head dims the path concerns), so that CI stays fast.
+Test ids carry the variant's canonical name, the case and the device.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kdagen.cases import (GATE_SCENARIOS, PATHS, errors, make_case, path_case, path_reason, path_tolerance,
+                          run_and_compare, run_poisoned, tolerances)
+from kdagen.registry import Registry
+from kdagen.select import device_reason
+from kdagen.variant import Variant
+
+from .conftest import HAS_CUDA
+
+REGISTRY = Registry.load()
+# Targets whose variants this module runs; the Ascend kernel and its Triton twin have their own
+# tests (tests/test_ascend.py: the twin's stage decomposition and limits).
+KERNEL_TARGETS = ("sm80", "sm90", "triton")
+GPU_VARIANTS = [v for v in REGISTRY.variants() if v.target in KERNEL_TARGETS]
+CPU_VARIANTS = [e.variant for _, e in sorted(REGISTRY.entries.items())
+                if e.variant.target == "triton" and e.spec == "ci"]
+_CPU_SKIP = pytest.mark.skipif(HAS_CUDA, reason="the interpreter runs only without a GPU")
+
+
+def _params(cases: dict, cpu_pick, gpu_pick=lambda v, case: True) -> list:
+    """(variant, device, case) parameters: the case loop outside, so that variants sharing inputs
+    (and so one cached reference) run one after the other."""
+    out = []
+    for case in cases:
+        for v in CPU_VARIANTS:
+            if cpu_pick(v, case):
+                out.append(pytest.param(v, "cpu", case, id=f"{v.name}-{case}-cpu", marks=_CPU_SKIP))
+        for v in GPU_VARIANTS:
+            if gpu_pick(v, case):
+                out.append(pytest.param(v, "cuda", case, id=f"{v.name}-{case}-cuda", marks=pytest.mark.gpu))
+    return out
+
+
+def _skip_unless_runs(v: Variant, dev: str) -> None:
+    why = device_reason(v.target, torch.device(dev))
+    if why:
+        pytest.skip(why)
+
+
+# ----------------------------------------------------------------------------- shapes
+
+def _lengths(T: int):
+    # two sequences, GQA 2 -> 4, layouts and state layouts alternating with T
+    return dict(B=2, T=T, H=2, HV=4, layout="BSND" if T % 2 else "BNSD", state_layout="KV" if T % 3 == 0 else "VK",
+                chunk_states=True, seed=T)
+
+
+SHAPES = {
+    # ragged for both chunk sizes, two sequences, GQA 1 -> 2, [V, K] states
+    "ragged": lambda v: dict(B=2, T=37, H=1, HV=2, seed=1),
+    # empty and length-1 sequences, one of C + 1, BNSD, [K, V] states and chunk states
+    "varlen_bnsd_kv": lambda v: dict(lens=[0, 1, v.chunk + 1, 0, 5], H=1, HV=1, layout="BNSD",
+                                     state_layout="KV", chunk_states=True, seed=2),
+    **{f"T{T}": (lambda v, T=T: _lengths(T)) for T in (1, 15, 16, 17, 63, 64, 65, 1000)},
+    "varlen6": lambda v: dict(lens=[1300, 547, 2048, 963, 271, 3063], H=2, HV=4, chunk_states=True, seed=6),
+    "varlen_empty": lambda v: dict(lens=[0, 5, 0, 64, 0, 130, 0], H=2, HV=2, chunk_states=True, seed=7),
+    "T8192": lambda v: dict(lens=[8192], H=1, HV=2, chunk_states=True, seed=8),
+}
+CPU_SHAPES = ("ragged", "varlen_bnsd_kv")
+
+
+@pytest.mark.parametrize("v,dev,case", _params(SHAPES, lambda v, case: case in CPU_SHAPES))
+def test_shapes(v, dev, case):
+    _skip_unless_runs(v, dev)
+    run_and_compare(v, make_case(v, dev, **SHAPES[case](v)))
+
+
+# ----------------------------------------------------------------------------- gate forms
+
+def _gate_applies(v: Variant, scenario: str) -> bool:
+    return not (v.gate == "precomputed" and scenario.startswith("dt"))  # no dt_bias there
+
+
+# Chunk 64 on the CPU: the scenarios with the longest decay spans (the activation is shared code).
+CPU_C64_GATES = ("g=-8", "g=+8", "N(0,8)")
+
+
+def _cpu_gate_pick(v: Variant, scenario: str) -> bool:
+    return (v.dtype == "fp32" and v.state == "fp32" and v.k == v.v == 32 and _gate_applies(v, scenario)
+            and (v.chunk == 16 or scenario in CPU_C64_GATES))
+
+
+@pytest.mark.parametrize("v,dev,case", _params(GATE_SCENARIOS, _cpu_gate_pick, _gate_applies))
+def test_gates(v, dev, case):
+    _skip_unless_runs(v, dev)
+    shape = dict(T=40, H=1, HV=1) if dev == "cpu" else dict(T=300, H=2, HV=2)
+    run_and_compare(v, make_case(v, dev, gate_scenario=case, seed=3, **shape))
+
+
+# ----------------------------------------------------------------------------- paths
+
+def _cpu_path_pick(v: Variant, path: str) -> bool:
+    """Where a path's code is on the CPU: the fp32 bounded variants at K = V = 32, chunk 16 for every
+    path and chunk 64 for the chunk-specific ones (the inverse, long decay spans, chunk offsets);
+    K != V for the strides and state offsets; the other gate forms where the path reads the gate."""
+    if path_reason(v, path) or v.dtype != "fp32":
+        return False
+    base = v.gate == "bounded" and v.k == v.v == 32
+    if base:
+        return v.chunk == 16 or path in ("ill_conditioned", "lower_bound_-20", "fused_varlen")
+    if v.chunk != 16:
+        return False
+    if v.k != v.v:
+        return path in ("fused_varlen", "fused_bnsd", "gva_hv6")
+    return path in ("no_dt_bias", "gva_hv4", "ill_conditioned") and v.gate != "bounded"
+
+
+@pytest.mark.parametrize("v,dev,case", _params(PATHS, _cpu_path_pick, lambda v, p: path_reason(v, p) is None))
+def test_paths(v, dev, case):
+    _skip_unless_runs(v, dev)
+    kw = path_case(v, dev, case, seed=4, max_chunks=1 if dev == "cpu" and v.chunk == 64 else None)
+    run_and_compare(v, kw, tol=path_tolerance(v, case))
+
+
+# ----------------------------------------------------------------------------- extremes
+
+EXTREMES = ("huge_decay", "single_tokens_no_state")
+
+
+def _extreme_case(v: Variant, dev: str, case: str) -> dict:
+    if case == "huge_decay":
+        # exp(A_log) ~ 50 and g + dt_bias ~ +4: a_t ~ -200 per step, exp(-12800) over a chunk of 64
+        kw = make_case(v, dev, B=1, T=70, H=1, HV=1, gate_scenario="dt=+4", chunk_states=True, seed=4)
+        kw["A_log"] = torch.full_like(kw["A_log"], 3.9)
+        return kw
+    # three sequences of one token without state I/O; unnormalised q/k, negative eigenvalues, scale
+    return make_case(v, dev, B=3, T=1, H=1, HV=1, with_state=False, use_qk_l2norm=False, allow_neg_eigval=True,
+                     scale=0.3, seed=5)
+
+
+def _extreme_applies(v: Variant, case: str) -> bool:
+    return v.gate == "unbounded" if case == "huge_decay" else True
+
+
+@pytest.mark.parametrize("v,dev,case", _params(
+    {c: None for c in EXTREMES},
+    lambda v, c: _extreme_applies(v, c) and v.dtype == "fp32" and v.k == v.v == 32 and v.gate != "precomputed",
+    _extreme_applies))
+def test_extremes(v, dev, case):
+    _skip_unless_runs(v, dev)
+    run_and_compare(v, _extreme_case(v, dev, case))
+
+
+# ----------------------------------------------------------------------------- selection
+
+@pytest.mark.skipif(HAS_CUDA, reason="the interpreter runs only without a GPU")
+@pytest.mark.parametrize("v", [pytest.param(v, id=v.name) for v in CPU_VARIANTS if v.k != v.v and v.chunk == 16])
+def test_auto_selection_matches_k_and_v(v):
+    """Without variant=, a K != V call runs a variant of its own K and V (every other test here
+    forces one), with the reference's result."""
+    kw = make_case(v, "cpu", B=1, T=20, H=1, HV=1, seed=9)
+    errs = errors(v, kw, run_poisoned(None, kw))
+    bound = tolerances(v, "cpu")
+    assert all(e < bound[k] for k, e in errs.items()), errs
