@@ -161,8 +161,8 @@ def make_case(v: Variant, device, *, B: int = 1, T: int = 37, H: int = 1, HV: in
     beta = r(B, T, HV) if keys != "correlated" else 4.0 + 0.3 * r(B, T, HV)
     gb_t = dt if (fused or gb_dtype == "input") else torch.float32
     tensors = dict(q=q.to(dt), k=k.to(dt), v=vv.to(dt), g=g.to(gb_t), beta=beta.to(gb_t))
-    if fused:
-        tensors = _fused_views(tensors, K=K, V=V, pad_tokens=3)
+    if fused:  # built where the kernel runs: a copy across devices would not keep the strides
+        tensors = _fused_views({n: t.to(device) for n, t in tensors.items()}, K=K, V=V, pad_tokens=3)
     if layout == "BNSD":
         tensors = {n: (t.transpose(1, 2) if fused else t.transpose(1, 2).contiguous()) for n, t in tensors.items()}
     kw.update(tensors)
@@ -202,7 +202,7 @@ def _fused_views(t: dict, *, K: int, V: int, pad_tokens: int) -> dict:
         W += heads * step
     offs["beta"] = W
     W = -(-(W + HV) // 16) * 16 + 16
-    buf = torch.full((B, T + pad_tokens, W), float("nan"), dtype=t["q"].dtype)
+    buf = torch.full((B, T + pad_tokens, W), float("nan"), dtype=t["q"].dtype, device=t["q"].device)
     out = {}
     for name, heads, step, width in parts:
         view = buf[:, :T, offs[name]:offs[name] + heads * step].view(B, T, heads, step)[..., :width]

@@ -3,9 +3,11 @@
 #   scripts/gpu_check.sh [build] [test] [sanitize] [bench] [profile]   (default: the first four)
 # profile: PROFILE_VARIANTS="name ..." PROFILE_ARGS="--T 16384 --H 24" (ncu, one report per variant,
 #   with its text details and a per-phase table from scripts/ncu_phases.py)
-# Time on an H200 (2026-11-30): tests/test_triton.py ~280 s (Triton compiles each variant),
-# tests/test_sm80.py ~200 s (804 tests), sanitize ~90 s, bench ~120 s (fla's first call compiles):
-# more than one 600 s call holds, so split with PYTEST_ARGS (e.g. tests/test_sm80.py) across calls.
+# test: SHARDS (default 8) pytest processes share the GPU (tests/conftest.py --shard; tests of
+#   variants with the same inputs stay in one shard, so each Triton kernel compiles once), each
+#   appending its measured errors to $OUT/errors_I.jsonl; a table of them follows (error_table).
+#   Before sharding (2026-11-30): test_triton.py ~280 s, test_sm80.py ~200 s (804 tests), serially.
+# sanitize ~90 s, bench ~120 s (fla's first call compiles).
 # build is cheap there when build/ is carried: artifacts whose content key matches are kept.
 # Logs go under $OUT (the device tool brings them back). Runs from the source tree:
 # the GPU machine has torch/triton/cuda-bindings; fla-core travels as a wheel in .whl/.
@@ -20,7 +22,7 @@ if compgen -G ".whl/*.whl" >/dev/null; then
     && export PYTHONPATH="/tmp/site:$PYTHONPATH"
 fi
 STAGES=${*:-build test sanitize bench}
-SPECS=${SPECS:-"specs/ci.yaml specs/a100.yaml specs/ascend950.yaml"}
+SPECS=${SPECS:-"specs/ci.yaml specs/a100.yaml specs/h800.yaml specs/ascend950.yaml"}
 rc=0
 {
   echo "date: $(date -u +%F) commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
@@ -37,9 +39,22 @@ for stage in $STAGES; do
       done ;;
     test)
       # -rfE and --tb=short: a failure's numbers must come back even when the run is cut short.
-      timeout "${TEST_TIMEOUT:-360}" python3 -m pytest -m gpu -q -rfE --tb=short --durations=15 \
-        -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest_gpu.log"
-      [ "${PIPESTATUS[0]}" = 0 ] || rc=1 ;;
+      n=${SHARDS:-8}
+      pids=()
+      rm -f "$OUT"/errors_*.jsonl
+      for i in $(seq 0 $((n - 1))); do
+        OMP_NUM_THREADS=2 KDAGEN_ERRORS="$OUT/errors_$i.jsonl" timeout "${TEST_TIMEOUT:-420}" \
+          python3 -m pytest -m gpu -q -rfE --tb=short --maxfail="${MAXFAIL:-10}" --durations=5 \
+          -p no:cacheprovider --shard="$i/$n" ${PYTEST_ARGS:-tests} > "$OUT/pytest_gpu_$i.log" 2>&1 &
+        pids+=($!)
+      done
+      for i in "${!pids[@]}"; do
+        wait "${pids[$i]}" || { rc=1; echo "shard $i/$n failed (pytest_gpu_$i.log)"; }
+        tail -n 1 "$OUT/pytest_gpu_$i.log"
+      done
+      grep -h "^FAILED\|^ERROR" "$OUT"/pytest_gpu_*.log | head -40
+      compgen -G "$OUT/errors_*.jsonl" >/dev/null && python3 -m kdagen_dev.error_table "$OUT"/errors_*.jsonl \
+        | tee "$OUT/errors_table.txt" ;;
     sanitize)
       # --report-api-errors no: torch/cuda-bindings probe driver symbols with cuGetProcAddress,
       # which memcheck counts as errors (34 of them, none in a kernel); only kernel errors count.
