@@ -94,14 +94,11 @@ def test_sm80_ptxas_reports_have_no_spills():
 def test_sm80_compiles_without_spills(spec: Variant, tmp_path: Path):
     """Render and compile corner variants from scratch (largest and smallest footprints): every
     one must fit the 163 KB shared-memory budget (a static_assert) and spill nothing."""
-    import jinja2
+    from kdagen.generate import render_variant
     from kdagen.targets import TARGETS
 
-    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(ROOT / "templates")),
-                             undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True,
-                             keep_trailing_newline=True)
     src = tmp_path / "kernel.cu"
-    src.write_text(env.get_template("sm80/kda_fwd.cu.j2").render(variant=spec, name=spec.name))
+    src.write_bytes(render_variant(spec)["kernel.cu"])
     cmd = ["nvcc", *TARGETS["sm80"].nvcc_flags, "-fatbin", "-Xptxas", "-v",
            f"-I{ROOT / 'templates/common'}", f"-I{ROOT / 'templates/sm80'}", str(src), "-o", str(tmp_path / "k.fatbin")]
     r = subprocess.run(cmd, capture_output=True, text=True)
