@@ -7,7 +7,8 @@
 #   variants with the same inputs stay in one shard, so each Triton kernel compiles once), each
 #   appending its measured errors to $OUT/errors_I.jsonl; a table of them follows (error_table).
 #   Before sharding (2026-11-30): test_triton.py ~280 s, test_sm80.py ~200 s (804 tests), serially.
-# sanitize ~90 s, bench ~120 s (fla's first call compiles).
+# sanitize (4 tools x ~25 variants, 6 at a time) ~300 s?, bench ~120 s (fla's first call compiles):
+# more than one 600 s call holds, so run the stages in separate calls.
 # build is cheap there when build/ is carried: artifacts whose content key matches are kept.
 # Logs go under $OUT (the device tool brings them back). Runs from the source tree:
 # the GPU machine has torch/triton/cuda-bindings; fla-core travels as a wheel in .whl/.
@@ -56,11 +57,20 @@ for stage in $STAGES; do
       compgen -G "$OUT/errors_*.jsonl" >/dev/null && python3 -m kdagen_dev.error_table "$OUT"/errors_*.jsonl \
         | tee "$OUT/errors_table.txt" ;;
     sanitize)
-      # --report-api-errors no: torch/cuda-bindings probe driver symbols with cuGetProcAddress,
-      # which memcheck counts as errors (34 of them, none in a kernel); only kernel errors count.
-      timeout "${SANITIZE_TIMEOUT:-300}" compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 \
-        python3 scripts/sanitize_case.py ${SANITIZE_ARGS:-} 2>&1 \
-        | tail -n 40 | tee "$OUT/sanitizer.log"
+      # Every compute-sanitizer tool on one ragged varlen case per kernel shape (sanitize_case.py
+      # --list), each (tool, variant) in its own process (synccheck aborts a process at its first
+      # error); fails on any error. --report-api-errors no: torch/cuda-bindings probe driver
+      # symbols with cuGetProcAddress, which memcheck counts as errors (none in a kernel).
+      # Summary: $OUT/sanitize_summary.md (copy it to benchmarks/results/).
+      mkdir -p "$OUT/sanitize"
+      python3 scripts/sanitize_case.py --list ${SANITIZE_ARGS:-} > "$OUT/sanitize/variants.txt" || rc=1
+      for tool in ${SANITIZE_TOOLS:-memcheck racecheck synccheck initcheck}; do
+        xargs -P "${SANITIZE_JOBS:-6}" -I{} sh -c "timeout 240 compute-sanitizer --tool $tool --report-api-errors no \
+          --error-exitcode 9 --print-limit 20 python3 scripts/sanitize_case.py --variant {} \
+          > '$OUT/sanitize/$tool-{}.log' 2>&1; echo \"\$? {}\" >> '$OUT/sanitize/$tool.rc'" \
+          < "$OUT/sanitize/variants.txt"
+      done
+      python3 scripts/sanitize_summary.py "$OUT/sanitize" | tee "$OUT/sanitize_summary.md"
       [ "${PIPESTATUS[0]}" = 0 ] || rc=1 ;;
     bench)
       timeout "${BENCH_TIMEOUT:-240}" python3 benchmarks/bench_kda.py ${BENCH_ARGS:---cases issue4} \
