@@ -115,7 +115,8 @@ _FIRST_FAIL = re.compile(r"^(FAILED|ERROR) (\S+)", re.M)
 
 def run_tests(tree: Path, args: Sequence[str], timeout: float) -> tuple[str, str, str]:
     """(status, first failing test, output) of pytest `args` in `tree`, stopping at the first failure."""
-    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-rfE", "--tb=line", "-p", "no:cacheprovider",
+    # -v names each test as it starts, so a test that crashes the process can still be named
+    cmd = [sys.executable, "-m", "pytest", "-x", "-v", "-rfE", "--tb=line", "-p", "no:cacheprovider",
            "-m", "not gpu and not npu and not mutation", *args]
     try:
         r = subprocess.run(cmd, cwd=tree, env=_env(tree), capture_output=True, text=True, timeout=timeout)
@@ -129,7 +130,8 @@ def run_tests(tree: Path, args: Sequence[str], timeout: float) -> tuple[str, str
         m = _FIRST_FAIL.search(out)
         return "failed", (m.group(2) if m else f"pytest exit {r.returncode}"), out
     if r.returncode < 0:  # a crash (e.g. a segfault from an out-of-bounds access) is a kill too
-        return "failed", f"crash (signal {-r.returncode})", out
+        started = re.findall(r"^(tests/\S+::\S+)", r.stdout, re.M)
+        return "failed", f"crash (signal {-r.returncode}) in {started[-1] if started else 'collection'}", out
     return "error", f"pytest exit {r.returncode}: {out.strip().splitlines()[-1] if out.strip() else ''}", out
 
 

@@ -62,8 +62,9 @@ def _lengths(T: int):
 SHAPES = {
     # ragged for both chunk sizes, two sequences, GQA 1 -> 2, [V, K] states
     "ragged": lambda v: dict(B=2, T=37, H=1, HV=2, seed=1),
-    # empty and length-1 sequences, one of C + 1, BNSD, [K, V] states and chunk states
-    "varlen_bnsd_kv": lambda v: dict(lens=[0, 1, v.chunk + 1, 0, 5], H=1, HV=1, layout="BNSD",
+    # empty and length-1 sequences, one of 17 tokens (two chunks of 16), BNSD, [K, V] states and
+    # chunk states; HV = 2 so the head stride of v, g and beta matters (a size-1 head axis has none)
+    "varlen_bnsd_kv": lambda v: dict(lens=[0, 1, 17, 0, 5], H=1, HV=2, layout="BNSD",
                                      state_layout="KV", chunk_states=True, seed=2),
     **{f"T{T}": (lambda v, T=T: _lengths(T)) for T in (1, 15, 16, 17, 63, 64, 65, 1000)},
     "varlen6": lambda v: dict(lens=[1300, 547, 2048, 963, 271, 3063], H=2, HV=4, chunk_states=True, seed=6),

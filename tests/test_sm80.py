@@ -171,4 +171,6 @@ def test_sm80_recur_shared_memory_leaves_room_for_k_prep_blocks(total, optin, k)
         assert smem2 <= r <= optin
         if smem2 < r < optin:  # the claim is what limits the prep blocks
             assert r + 1024 + k * (smem1 + 1024) <= total < r + 1024 + (k + 1) * (smem1 + 1024)
+            # k fit with half a prep block to spare (a driver reserving more per block still fits them)
+            assert total - (r + 1024 + k * (smem1 + 1024)) >= smem1 // 2
     assert recur_smem_beside_prep(49_600, 72_000, SimpleNamespace()) == 72_000  # sizes unknown

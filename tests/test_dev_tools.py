@@ -1,0 +1,64 @@
+"""Developer tools that the GPU runs rest on, checked on the CPU: the error table of a test run
+(kdagen_dev/error_table.py) and the GPU suite's sharding (tests/conftest.py --shard)."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from kdagen.variant import Variant
+from kdagen_dev.error_table import load, table
+
+from . import conftest
+
+
+def test_error_table_reports_worst_case_bound_and_margin(tmp_path):
+    rows = [
+        {"variant": "a", "target": "sm80", "dtype": "bf16", "state": "fp32", "device": "cuda", "case": "t1",
+         "errors": {"o": 3.0e-3, "state": 2.0e-3}, "tolerance": {"o": 5e-3, "state": 5e-3}},
+        {"variant": "b", "target": "sm80", "dtype": "bf16", "state": "fp32", "device": "cuda", "case": "t2",
+         "errors": {"o": 4.0e-3, "state": 1.0e-3}, "tolerance": {"o": 5e-3, "state": 5e-3}},
+        {"variant": "c", "target": "triton", "dtype": "fp32", "state": "fp32", "device": "cuda", "case": "t3",
+         "errors": {"o": 1.0e-7}, "tolerance": {"o": 1e-5}},
+    ]
+    path = tmp_path / "e.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    lines = table(load([path])).splitlines()
+    o_row = next(ln for ln in lines if ln.startswith("sm80") and " o " in ln).split()
+    assert o_row[5:9] == ["2", "4.00e-03", "5e-03", "1.2"] and o_row[9] == "t2"
+    st_row = next(ln for ln in lines if ln.startswith("sm80") and " state " in ln).split()
+    assert st_row[6] == "2.00e-03" and st_row[8] == "2.5" and st_row[9] == "t1"
+    assert lines[-1] == "3 variants, 3 checks: sm80 2 variants / 2 checks, triton 1 variants / 1 checks"
+
+
+def _item(nodeid, v=None):
+    return SimpleNamespace(nodeid=nodeid, callspec=SimpleNamespace(params={"v": v} if v else {}))
+
+
+@pytest.mark.parametrize("n", [1, 3, 5])
+def test_shards_partition_the_run_and_keep_shared_inputs_together(n):
+    a = Variant("triton", 16, 32, 32, "fp32", "bounded", "fp32", 16)
+    b = Variant("triton", 64, 32, 32, "fp32", "bounded", "fp32", 16)  # same inputs as a
+    c = Variant("sm80", 16, 64, 64, "bf16", "unbounded", "none", 32)
+    items = [_item(f"t[{v.name}-{case}]", v) for case in range(4) for v in (a, b, c)] + [_item("t_plain")]
+    shards = []
+    for i in range(n):
+        kept = list(items)
+        deselected = []
+        config = SimpleNamespace(getoption=lambda _, i=i: f"{i}/{n}",
+                                 hook=SimpleNamespace(pytest_deselected=lambda items: deselected.extend(items)))
+        conftest._select_shard(config, kept)
+        assert len(kept) + len(deselected) == len(items)
+        shards.append({it.nodeid for it in kept})
+    assert set().union(*shards) == {it.nodeid for it in items}
+    assert sum(len(s) for s in shards) == len(items)  # disjoint
+    home = [i for i, s in enumerate(shards) if f"t[{a.name}-0]" in s]
+    assert all(f"t[{v.name}-{case}]" in shards[home[0]] for v in (a, b) for case in range(4))
+
+
+def test_shard_option_is_checked():
+    config = SimpleNamespace(getoption=lambda _: "3/3", hook=None)
+    with pytest.raises(pytest.UsageError, match="--shard: expected I/N with 0 <= I < N, found '3/3'"):
+        conftest._select_shard(config, [])
