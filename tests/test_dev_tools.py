@@ -62,3 +62,24 @@ def test_shard_option_is_checked():
     config = SimpleNamespace(getoption=lambda _: "3/3", hook=None)
     with pytest.raises(pytest.UsageError, match="--shard: expected I/N with 0 <= I < N, found '3/3'"):
         conftest._select_shard(config, [])
+
+
+@pytest.mark.skipif(conftest.HAS_CUDA, reason="the interpreter runs only without a GPU")
+def test_capture_call_is_the_runtimes_call():
+    """kdagen_dev.launch.capture_call gives the KdaCall kda_prefill would launch (nothing runs), so
+    a launcher called on it directly computes the reference's result."""
+    from kdagen.cases import make_case, reference
+    from kdagen.reference import rel_rmse
+    from kdagen.runtime import registry
+    from kdagen_dev.launch import capture_call
+
+    v = next(v for v in registry().variants() if v.name == "kda_fwd_triton_c16_k32_v64_fp32_gb_sfp32_bv16")
+    kw = make_case(v, "cpu", B=1, T=20, H=1, HV=2, seed=3)
+    before = dict(registry()._launchers)
+    call = capture_call(kw, v.name)
+    assert registry()._launchers == before  # the recorder is gone again
+    assert (call.K, call.V, call.HV, call.T) == (32, 64, 2, 20) and call.final_state.shape == (1, 2, 64, 32)
+    call.o.fill_(float("nan"))
+    registry().launcher(v.name, "cpu:None")(call)
+    ro, rs, _ = reference(kw)
+    assert rel_rmse(call.o, ro) < 1e-5 and rel_rmse(call.final_state, rs) < 1e-5
