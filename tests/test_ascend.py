@@ -23,7 +23,7 @@ from kdagen.paths import GENERATED_DIR
 from kdagen.variant import Variant
 
 from .conftest import HAS_CUDA
-from kdagen.cases import make_case, run_and_compare
+from kdagen.cases import make_case, run_and_compare, run_poisoned
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 HAS_NPU = importlib.util.find_spec("torch_npu") is not None
@@ -180,11 +180,10 @@ def test_twin_chunk_groups(v, dev, monkeypatch):
     launcher = rt.registry().launcher(v.name, f"{d.type}:{d.index}")
     run_and_compare(v, kw)
     assert launcher.last_group_chunks == 8                       # the budget gives one group here
-    monkeypatch.setattr(rt, "POISON_OUTPUTS", True)
     outs = {}
     for G in (None, 3, 1):
         monkeypatch.setattr(triton_twin, "GROUP_CHUNKS", G)
-        outs[G] = rt.kda_prefill(**kw, variant=v.name)
+        outs[G] = run_poisoned(v, kw)
         assert launcher.last_group_chunks == (G or 8)
     for G in (3, 1):
         for a, b in zip(outs[None], outs[G]):
