@@ -59,14 +59,14 @@ PATHS: dict[str, dict[str, Any]] = {
 
 
 # The ill-conditioned case amplifies fp32 rounding through the chunk-16 inverse (repeated
-# squaring of an L whose powers grow): measured 1.1e-5 to 4.0e-5 (o, states) at chunk 16 and
-# 4e-7 at chunk 64 (forward substitution); a dropped factor of the inverse gives ~1e-2.
-ILL_CONDITIONED_TOL = {16: 2e-4, 64: 1e-5}
+# squaring of an L whose powers grow): measured up to 4.8e-5 (o, states) at chunk 16, against
+# 3.5e-7 at chunk 64 (forward substitution); a dropped factor of the inverse gives ~1e-2.
+ILL_CONDITIONED_C16_TOL = 2e-4
 
 
 def path_tolerance(v: Variant, path: str) -> Optional[float]:
     """A path's own bound where it differs from `tolerances` (None: the variant's)."""
-    return ILL_CONDITIONED_TOL[v.chunk] if path == "ill_conditioned" else None
+    return ILL_CONDITIONED_C16_TOL if path == "ill_conditioned" and v.chunk == 16 else None
 
 
 def path_reason(v: Variant, path: str) -> Optional[str]:
@@ -217,20 +217,23 @@ def _fused_views(t: dict, *, K: int, V: int, pad_tokens: int) -> dict:
 
 
 def tolerances(v: Variant, device) -> dict[str, float]:
-    """Bound on the rel RMSE of each output, from measured errors (margins of 10x or more).
+    """Bound on the rel RMSE of each output, from measured errors (kdagen_dev/error_table.py).
 
-    fp32 variants: measured <= 2e-7 on every case of the test suite (CPU interpreter). 16-bit
-    variants: o is rounded to 16 bits (bf16 alone gives ~3.3e-3), sm80 measured 3.2e-3 to
-    4.0e-3 on the H200; a bf16 state rounds the same way. The fp32 state of a 16-bit variant is
-    carried in fp32: under the CPU interpreter it measures ~1e-7 and is held to 1e-5; on a GPU the
-    kernels take 16-bit or tf32 products (sm80 measured 2.4e-3 to 2.9e-3), so it keeps 5e-3 there.
+    CPU (Triton interpreter, every case of the suite, 2026-12-01): fp32 outputs of fp32 variants
+    and the fp32 state of 16-bit variants measure <= 2.4e-7, held to 2e-6. 16-bit outputs carry
+    their own rounding (bf16 alone ~3.3e-3; measured up to 3.6e-3 for o, 3.4e-3 for a bf16 final
+    state), held to 5e-3. On a GPU the kernels take tf32 or 16-bit products (sm80 measured 2.4e-3
+    to 2.9e-3 for the fp32 state, 3.2e-3 to 4.0e-3 for o, on the H200), so 16-bit variants keep
+    5e-3 for every output and fp32 variants 1e-5 until a GPU run's error table says otherwise.
     """
-    dev = torch.device(device).type
+    cpu = torch.device(device).type == "cpu"
+    fp32 = 2e-6 if cpu else 1e-5  # an fp32-carried output
+    rounded = 5e-3  # a 16-bit output
     if v.dtype == "fp32":
-        state = 5e-3 if v.state == "bf16" else 1e-5
-        return {"o": 1e-5, "state": state, "chunk_states": state}
-    state = 5e-3 if (v.state == "bf16" or dev != "cpu") else 1e-5
-    return {"o": 5e-3, "state": state, "chunk_states": state}
+        state = rounded if v.state == "bf16" else fp32
+        return {"o": fp32, "state": state, "chunk_states": state}
+    state = rounded if (v.state == "bf16" or not cpu) else fp32
+    return {"o": rounded, "state": state, "chunk_states": state}
 
 
 # ----------------------------------------------------------------------------- running
