@@ -15,5 +15,7 @@ def __getattr__(name: str):
     if name in _RUNTIME:
         from . import runtime
 
-        return getattr(runtime, name)
+        value = getattr(runtime, name)
+        globals()[name] = value  # later lookups skip this function (it costs microseconds per call)
+        return value
     raise AttributeError(name)

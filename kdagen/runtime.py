@@ -57,10 +57,6 @@ def reset() -> Registry:
 reload_registry = reset
 
 
-def _sig(t: Optional[torch.Tensor]):
-    return None if t is None else (t.dtype, t.shape, t.stride(), t.device, t.requires_grad)
-
-
 def _strides(t: torch.Tensor, layout: str) -> tuple[int, int, int]:
     """(batch, time, head) element strides of a [B,T,H,...] / [B,H,T,...] tensor."""
     if layout == "bsnd":
@@ -142,11 +138,31 @@ def kda_prefill(
                               return_chunk_states=return_chunk_states, variant=variant, out=out,
                               final_state=final_state, chunk_states=chunk_states, workspace=workspace,
                               assume_valid=assume_valid)
-    key = (_sig(q), _sig(k), _sig(v), _sig(g), _sig(beta), _sig(A_log), _sig(dt_bias), _sig(initial_state),
-           _sig(cu_seqlens), _sig(cu_seqlens_cpu), _sig(out), _sig(final_state), _sig(chunk_states),
-           _sig(workspace), scale, lower_bound, gate, output_final_state, layout, state_layout, state_dtype,
-           use_qk_l2norm, allow_neg_eigval, chunk_size, return_chunk_states, variant, assume_valid,
-           torch.is_grad_enabled())
+    # The signature: everything validation and selection depend on but tensor values. Spelled
+    # out (no helper per tensor): this line is most of the host cost of a repeated call.
+    try:
+        key = (q.dtype, q.shape, q.stride(), q.device, k.dtype, k.shape, k.stride(), k.device,
+               v.dtype, v.shape, v.stride(), v.device, g.dtype, g.shape, g.stride(), g.device,
+               beta.dtype, beta.shape, beta.stride(), beta.device,
+               None if A_log is None else (A_log.dtype, A_log.shape, A_log.stride(), A_log.device),
+               None if dt_bias is None else (dt_bias.dtype, dt_bias.shape, dt_bias.stride(), dt_bias.device),
+               None if initial_state is None else (initial_state.dtype, initial_state.shape, initial_state.stride(),
+                                                   initial_state.device),
+               None if cu_seqlens is None else (cu_seqlens.dtype, cu_seqlens.shape, cu_seqlens.stride(),
+                                                cu_seqlens.device),
+               None if cu_seqlens_cpu is None else (cu_seqlens_cpu.dtype, cu_seqlens_cpu.shape, cu_seqlens_cpu.device),
+               None if out is None else (out.dtype, out.shape, out.stride(), out.device),
+               None if final_state is None else (final_state.dtype, final_state.shape, final_state.stride(),
+                                                 final_state.device),
+               None if chunk_states is None else (chunk_states.dtype, chunk_states.shape, chunk_states.stride(),
+                                                  chunk_states.device),
+               None if workspace is None else (workspace.dtype, workspace.shape, workspace.stride(), workspace.device),
+               torch.is_grad_enabled() and (q.requires_grad, k.requires_grad, v.requires_grad, g.requires_grad,
+                                            beta.requires_grad),
+               scale, lower_bound, gate, output_final_state, layout, state_layout, state_dtype, use_qk_l2norm,
+               allow_neg_eigval, chunk_size, return_chunk_states, variant, assume_valid)
+    except AttributeError:  # not a tensor: the checks below say which argument
+        key = None
     plan = _PLANS.get(key)
     if plan is None:
         plan = _make_plan(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, scale=scale, lower_bound=lower_bound,
@@ -159,7 +175,8 @@ def kda_prefill(
                           assume_valid=assume_valid)
         if len(_PLANS) >= _PLAN_LIMIT:
             _PLANS.pop(next(iter(_PLANS)))
-        _PLANS[key] = plan
+        if key is not None:
+            _PLANS[key] = plan
     return plan(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, out, final_state,
                 chunk_states, workspace)
 
