@@ -2,39 +2,55 @@
 
 kda_prep (grid: chunks x sequences x value heads) writes a per-chunk workspace record;
 kda_recur (grid: V/block_v x sequences x value heads) runs the chunk recurrence. Both take a
-`KdaParams` struct by value (mirrored below from templates/common/kda_common.cuh). Layout
+`KdaParams` struct by value (its ctypes mirror is derived from templates/common/kda_common.cuh
+in cuda_launch.py). Layout
 constants (workspace record size, shared memory, block sizes) are read from the module's
 `kda_meta` global, so they have a single source of truth: the header.
 """
 
 from __future__ import annotations
 
-import ctypes
 import struct
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from ..abi import KdaCall
+from ..dtypes import torch_dtype
 from ..select import _sm_count
 from ..variant import Variant
 from .cuda_driver import load_module
+from .cuda_launch import KdaParams, aligned_btH, check_shared_memory
+from .cuda_launch import ptr as _ptr
 
-_IN_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-_STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "none": torch.float32}
 
 
-def check_shared_memory(who: str, needs: dict[str, int], props) -> None:
-    """Refuse a variant whose kernels need more shared memory per block than the device gives
-    (sm80 kernels fit an A100's 163 KB; sm_86/89 allow 99 KB), naming kernel and sizes."""
-    limit = int(getattr(props, "shared_memory_per_block_optin", 0) or 0)
-    if limit <= 0:
-        return  # unknown: let the driver decide
-    over = {k: n for k, n in needs.items() if n > limit}
-    if over:
-        what = ", ".join(f"{k} needs {n / 1024:.1f} KB" for k, n in over.items())
-        raise RuntimeError(f"{who}: {what} of shared memory per block; {props.name} allows "
-                           f"{limit / 1024:.1f} KB. Use a variant with chunk 16 or a smaller block_v.")
+@dataclass(frozen=True)
+class Sm80Settings:
+    """How the sm80 launcher splits a call; measurements behind each default in benchmarks/NOTES.md."""
+
+    # Which kernels to launch; benchmarks time ("prep",) or ("recur",) alone.
+    parts: tuple[str, ...] = ("prep", "recur")
+    # Time segmentation (the prep of segment s + 1 overlaps the recurrence of segment s): segments
+    # of at least this many tokens, at most max_segments of them; None turns it off.
+    min_segment_tokens: int | None = 4096
+    max_segments: int = 8
+    # A last segment of about this many tokens (None: all segments equal): its recurrence has no
+    # prep left to overlap. Measured no gain on the H200, so off.
+    last_segment_tokens: int | None = None
+    # In a segmented call kda_recur blocks claim enough shared memory that at most this many
+    # kda_prep blocks fit beside them on an SM (None: no limit); 0 measured fastest with the
+    # current prep (T65536 H24).
+    prep_blocks_beside_recur: int | None = 0
+
+    def __post_init__(self) -> None:
+        if not self.parts or any(p not in ("prep", "recur") for p in self.parts):
+            raise ValueError(f"Sm80Settings.parts: expected a non-empty subset of ('prep', 'recur'), found {self.parts}")
+        if self.min_segment_tokens is not None and self.min_segment_tokens < 64:
+            raise ValueError(f"Sm80Settings.min_segment_tokens: expected None or >= 64, found {self.min_segment_tokens}")
+        if self.max_segments < 1:
+            raise ValueError(f"Sm80Settings.max_segments: expected >= 1, found {self.max_segments}")
 
 
 def recur_smem_beside_prep(smem1: int, smem2: int, props, k: int = 1) -> int:
@@ -51,70 +67,18 @@ def recur_smem_beside_prep(smem1: int, smem2: int, props, k: int = 1) -> int:
     return max(smem2, min(r, optin))
 
 
-class KdaParams(ctypes.Structure):
-    _fields_ = [
-        ("q", ctypes.c_uint64), ("k", ctypes.c_uint64), ("v", ctypes.c_uint64), ("g", ctypes.c_uint64),
-        ("beta", ctypes.c_uint64), ("o", ctypes.c_uint64), ("A_log", ctypes.c_uint64),
-        ("dt_bias", ctypes.c_uint64), ("cu_seqlens", ctypes.c_uint64), ("h0", ctypes.c_uint64),
-        ("ht", ctypes.c_uint64), ("hc", ctypes.c_uint64), ("chunk_offsets", ctypes.c_uint64),
-        ("ws", ctypes.c_uint64),
-        ("q_s", ctypes.c_int64 * 3), ("k_s", ctypes.c_int64 * 3), ("v_s", ctypes.c_int64 * 3),
-        ("g_s", ctypes.c_int64 * 3), ("b_s", ctypes.c_int64 * 3), ("o_s", ctypes.c_int64 * 3),
-        ("B", ctypes.c_int), ("T", ctypes.c_int), ("N", ctypes.c_int), ("H", ctypes.c_int),
-        ("HV", ctypes.c_int), ("group", ctypes.c_int), ("max_len", ctypes.c_int),
-        ("scale", ctypes.c_float), ("lower_bound", ctypes.c_float),
-        ("use_l2norm", ctypes.c_int), ("neg_eigval", ctypes.c_int), ("state_kv", ctypes.c_int),
-        ("g_fp32", ctypes.c_int), ("beta_fp32", ctypes.c_int), ("pad0", ctypes.c_int),
-    ]
-
-
-assert ctypes.sizeof(KdaParams) == 320
-
-
-def _ptr(t) -> int:
-    return 0 if t is None else int(t.data_ptr())
-
-
-def _aligned_btH(t: torch.Tensor, strides: tuple[int, int, int]):
-    """q/k/v/g are read 16 bytes at a time: data pointer and (batch, time, head) strides must be
-    16-byte multiples. Rarely false; then copy to a compact tensor and recompute the strides."""
-    eb = t.element_size()
-    if t.data_ptr() % 16 == 0 and all((s * eb) % 16 == 0 for s in strides):
-        return t, strides
-    dims = []
-    for s in strides:  # which tensor dim carries batch / time / head
-        cands = [d for d in range(t.dim() - 1) if t.stride(d) == s and d not in dims]
-        dims.append(cands[0] if cands else None)
-    c = t.contiguous()
-    if None in dims or c.data_ptr() % 16:
-        raise RuntimeError("sm80: cannot realign an input tensor")
-    return c, tuple(c.stride(d) for d in dims)
-
-
 class Sm80Launcher:
-    def __init__(self, variant: Variant, artifact: Path) -> None:
+    def __init__(self, variant: Variant, artifact: Path, settings: Sm80Settings | None = None) -> None:
         self.variant = variant
         self.artifact = Path(artifact)
+        self.settings = settings or Sm80Settings()
         self._meta: dict[int, tuple] = {}
-        # Which kernels to launch; benchmarks set ("prep",) or ("recur",) to time one alone.
-        self.parts = ("prep", "recur")
-        # Time segmentation (prep of the next segment overlaps the recurrence): segments of at
-        # least this many tokens, at most max_segments of them; None turns it off.
-        self.min_segment_tokens: int | None = 4096
-        self.max_segments = 8
-        # The last segment's recurrence has no prep left to overlap, so the SMs outside it idle;
-        # a last segment of about this many tokens (at least this many, the boundary on a whole
-        # 64; None: all segments equal) shortens that.
-        self.last_segment_tokens: int | None = None
-        # In a segmented call, kda_recur blocks ask for enough (unused) shared memory that at most
-        # this many kda_prep blocks fit beside them on an SM (None: no limit): prep blocks
-        # otherwise fill those SMs and take the issue slots of the serial chain. H200, T65536
-        # H24: one beside took 3.50 -> 3.08 ms with the earlier prep; with the prep that issues
-        # all its loads at once, none beside is faster than one (2.97-3.17 vs 3.18-3.34 ms over
-        # two runs, scripts/segment_sweep.py).
-        self.prep_blocks_beside_recur: int | None = 0
         self._side_streams: dict[int, torch.cuda.Stream] = {}
         self.last_segments = 0  # segments of the last call (0: one piece); for tests and logs
+
+    def with_settings(self, **changes) -> "Sm80Launcher":
+        """A launcher of the same variant and artifact with some settings changed."""
+        return Sm80Launcher(self.variant, self.artifact, replace(self.settings, **changes))
 
     def _module(self, device: torch.device):
         idx = device.index if device.index is not None else torch.cuda.current_device()
@@ -137,14 +101,14 @@ class Sm80Launcher:
         v = self.variant
         who = v.name
         dev = call.q.device
-        in_t = _IN_DTYPES[v.dtype]
+        in_t = torch_dtype(v.dtype)
         for nm in ("q", "k", "v", "o"):
             t = getattr(call, nm)
             if t.dtype != in_t:
                 raise RuntimeError(f"{who}: {nm} has dtype {t.dtype}, expected {in_t}")
         if (call.K, call.V) != (v.k, v.v):
             raise RuntimeError(f"{who}: K, V = {call.K}, {call.V}; variant has {v.k}, {v.v}")
-        st_t = _STATE_DTYPES[v.state]
+        st_t = torch_dtype(v.state)
         for nm in ("initial_state", "final_state", "chunk_states"):
             t = getattr(call, nm)
             if t is not None and (t.dtype != st_t or not t.is_contiguous()):
@@ -160,13 +124,13 @@ class Sm80Launcher:
             raise RuntimeError(f"{who}: o must have a unit last stride and 16-byte aligned rows "
                                f"(strides {tuple(o.stride())}, data_ptr % 16 = {o.data_ptr() % 16})")
         idx, (mod, f1, f2, rec, smem1, smem2, nt1, nt2) = self._module(dev)
-        q, q_s = _aligned_btH(call.q, call.q_strides)
-        k, k_s = _aligned_btH(call.k, call.k_strides)
-        vv, v_s = _aligned_btH(call.v, call.v_strides)
+        q, q_s = aligned_btH(call.q, call.q_strides)
+        k, k_s = aligned_btH(call.k, call.k_strides)
+        vv, v_s = aligned_btH(call.v, call.v_strides)
         g, g_s = call.g, call.g_strides
         if g.dtype not in (in_t, torch.float32):
             g = g.float()
-        g, g_s = _aligned_btH(g, g_s)
+        g, g_s = aligned_btH(g, g_s)
         beta = call.beta if call.beta.dtype in (in_t, torch.float32) else call.beta.float()
 
         C = v.chunk
@@ -213,9 +177,9 @@ class Sm80Launcher:
         ws = torch.empty(nrec * call.HV * rec, dtype=torch.uint8, device=dev)
         p.ws = _ptr(ws)
         stream = torch.cuda.current_stream(dev).cuda_stream
-        if max_len > 0 and "prep" in self.parts:
+        if max_len > 0 and "prep" in self.settings.parts:
             mod.launch(f1, ((max_len + C - 1) // C, call.N, call.HV), (nt1, 1, 1), smem1, stream, p, "kda_prep")
-        if "recur" in self.parts:
+        if "recur" in self.settings.parts:
             mod.launch(f2, (v.v // v.block_v, call.N, call.HV), (nt2, 1, 1), smem2, stream, p, "kda_recur")
         # ws and any realigned copies were allocated on this stream: the caching allocator only
         # hands their memory to later work on the same stream, so no record_stream is needed.
@@ -225,14 +189,15 @@ class Sm80Launcher:
         of segment s, or [] to run in one piece. Worth it only when the recurrence leaves most
         SMs idle (few heads, long sequences); needs the fp32 state carried between segments,
         equal-length sequences and no per-chunk states."""
-        if (self.min_segment_tokens is None or self.parts != ("prep", "recur") or call.cu_seqlens is not None
+        cfg = self.settings
+        if (cfg.min_segment_tokens is None or cfg.parts != ("prep", "recur") or call.cu_seqlens is not None
                 or call.chunk_states is not None or v.state != "fp32"):
             return []
         programs = call.N * call.HV * (v.v // v.block_v)
-        if programs >= _sm_count(call.q.device) or max_len < 2 * self.min_segment_tokens:
+        if programs >= _sm_count(call.q.device) or max_len < 2 * cfg.min_segment_tokens:
             return []
-        S = min(self.max_segments, max_len // self.min_segment_tokens)
-        tail = self.last_segment_tokens
+        S = min(cfg.max_segments, max_len // cfg.min_segment_tokens)
+        tail = cfg.last_segment_tokens
         body = max_len
         if tail is not None and S > 2 and 0 < tail < max_len // S:
             # the last segment starts on a whole 64 tokens, like every other boundary, so that
@@ -274,9 +239,9 @@ class Sm80Launcher:
             done.record(side)
             work.append((ps, ws, done))
         smem_r = smem2
-        if self.prep_blocks_beside_recur is not None:
+        if self.settings.prep_blocks_beside_recur is not None:
             smem_r = recur_smem_beside_prep(smem1, smem2, torch.cuda.get_device_properties(dev),
-                                            self.prep_blocks_beside_recur)
+                                            self.settings.prep_blocks_beside_recur)
             mod.function("kda_recur", smem_r)
         for ps, _ws, done in work:
             main.wait_event(done)
