@@ -146,7 +146,13 @@ def choose(cands: Iterable[Union[Variant, Candidate]], c: CallInfo) -> tuple[Opt
     if not fits:
         return None, rejected
     sms = _sm_count(c.device)
-    return min(fits, key=lambda x: preference(x, c, sms)), rejected
+    best = min(fits, key=lambda x: preference(x, c, sms))
+    if log.isEnabledFor(logging.DEBUG):
+        for cand in fits:
+            if cand is not best:
+                log.debug("kdagen: passed over %s: %s is preferred (target rank, readiness, state, chunk, block_v)",
+                          cand.variant.name, best.variant.name)
+    return best, rejected
 
 
 def select(cands: Iterable[Union[Variant, Candidate]], c: CallInfo) -> Variant:
