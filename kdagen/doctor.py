@@ -46,6 +46,7 @@ def report() -> list[str]:
     from .select import READY, device_reason
     from .targets import TARGETS
 
+    reg = registry()  # first: it renders into the cache when installed
     lines = [f"kdagen {__version__}: {'source tree ' + str(SOURCE_TREE) if SOURCE_TREE else 'installed'} "
              f"({Path(__file__).resolve().parent})"]
     lines.append(f"python {platform.python_version()}, torch {_version('torch')}, triton {_version('triton')}, "
@@ -64,7 +65,6 @@ def report() -> list[str]:
     for name, what in env.VARIABLES.items():
         if name in os.environ:
             lines.append(f"env {name}={os.environ[name]} ({what})")
-    reg = registry()
     by_target: dict[str, list[str]] = {}
     for n, e in reg.entries.items():
         by_target.setdefault(e.variant.target, []).append(n)

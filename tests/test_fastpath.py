@@ -264,3 +264,59 @@ def test_sm80_bound_launch_passes_the_general_paths_struct(monkeypatch, varlen):
                                 c2.initial_state, c2.final_state, None, None, ws, c2.max_len)
     finally:
         bound.lock.release()
+
+
+# ----------------------------------------------------------------------------- on a GPU (sm80)
+
+def _gpu_case(lens, H=2, HV=4, seed=0, chunk=False):
+    gen = torch.Generator().manual_seed(seed)
+    T, K = sum(lens), 128
+    r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    kw = dict(q=r(1, T, H, K).bfloat16(), k=r(1, T, H, K).bfloat16(), v=r(1, T, HV, K).bfloat16(),
+              g=r(1, T, HV, K), beta=r(1, T, HV), A_log=r(HV) * 0.5, dt_bias=r(HV, K),
+              initial_state=r(len(lens), HV, K, K) * 0.5)
+    kw = {n: t.cuda() for n, t in kw.items()}
+    kw["output_final_state"] = True
+    if len(lens) > 1:
+        kw["cu_seqlens"] = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32).cuda()
+    if chunk:
+        kw.update(return_chunk_states=True, chunk_size=16)
+    return kw
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("how", ["batch", "varlen_host_offsets", "varlen_assume_valid", "chunk_states",
+                                 "owned_buffers"])
+def test_gpu_bound_launch_equals_the_general_path(how):
+    from kdagen.targets.sm80 import Sm80Bound
+
+    lens = [64] if how in ("batch", "owned_buffers") else [300, 0, 17, 700]
+    kw = _gpu_case(lens, chunk=how == "chunk_states")
+    if how == "varlen_host_offsets":
+        kw["cu_seqlens_cpu"] = kw["cu_seqlens"].cpu()
+    if how == "varlen_assume_valid":
+        kw["assume_valid"] = True
+    if how == "owned_buffers":
+        ws = torch.empty(kdagen.workspace_size(**kw), dtype=torch.uint8, device="cuda")
+        kw.update(out=torch.empty_like(kw["v"]), final_state=torch.empty_like(kw["initial_state"]), workspace=ws)
+    first = [t.clone() for t in kdagen.kda_prefill(**kw)]  # the general path (and bind)
+    plan = next(iter(rt._PLANS.values()))
+    assert plan.entry.variant.target == "sm80" and isinstance(plan.fast, Sm80Bound), (plan.entry.name, plan.fast)
+    second = kdagen.kda_prefill(**kw)  # the bound launch
+    assert all(torch.equal(a, b) for a, b in zip(first, second)), how
+    ref = kda_reference(**{n: (t.cpu() if isinstance(t, torch.Tensor) else t) for n, t in kw.items()
+                           if n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state",
+                                    "output_final_state", "cu_seqlens")},
+                        chunk_states_size=16 if how == "chunk_states" else None)
+    for got, want in zip(second, ref):
+        if want is not None:
+            assert rel_rmse(got.cpu(), want) < 5e-3, how
+
+
+@pytest.mark.gpu
+def test_gpu_workspace_too_small_is_refused():
+    kw = _gpu_case([64])
+    need = kdagen.workspace_size(**kw)
+    assert need > 0
+    with pytest.raises(RuntimeError, match=rf"workspace has {need // 2} bytes, this call needs {need}"):
+        kdagen.kda_prefill(**kw, workspace=torch.empty(need // 2, dtype=torch.uint8, device="cuda"))
