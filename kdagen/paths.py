@@ -45,10 +45,6 @@ SPECS_DIR = _data_dir("specs")
 DEFAULT_SPEC = SPECS_DIR / "ci.yaml"
 # The committed generated/ of a checkout; None when installed.
 SOURCE_GENERATED_DIR: Path | None = SOURCE_TREE / "generated" if SOURCE_TREE else None
-# Kept for the developer tools and tests that read the checkout's folders directly.
-GENERATED_DIR = SOURCE_GENERATED_DIR if SOURCE_GENERATED_DIR is not None else Path("generated")
-BUILD_DIR = (SOURCE_TREE / "build") if SOURCE_TREE else Path("build")
-
 CACHE_ENV = "KDAGEN_CACHE_DIR"
 
 
@@ -68,6 +64,12 @@ def cache_generated_dir() -> Path:
 
 def cache_build_dir() -> Path:
     return cache_dir() / "build"
+
+
+# For the developer tools and tests that read the checkout's folders directly (installed: the
+# cache's, as they are at import).
+GENERATED_DIR = SOURCE_GENERATED_DIR if SOURCE_GENERATED_DIR is not None else cache_generated_dir()
+BUILD_DIR = (SOURCE_TREE / "build") if SOURCE_TREE else cache_build_dir()
 
 
 def generated_dir_for(spec_path: str | Path) -> Path:

@@ -165,14 +165,7 @@ def kda_prefill(
         key = None
     plan = _PLANS.get(key)
     if plan is None:
-        plan = _make_plan(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, scale=scale, lower_bound=lower_bound,
-                          gate=gate, initial_state=initial_state, output_final_state=output_final_state,
-                          cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, layout=layout,
-                          state_layout=state_layout, state_dtype=state_dtype, use_qk_l2norm=use_qk_l2norm,
-                          allow_neg_eigval=allow_neg_eigval, chunk_size=chunk_size,
-                          return_chunk_states=return_chunk_states, variant=variant, out=out,
-                          final_state=final_state, chunk_states=chunk_states, workspace=workspace,
-                          assume_valid=assume_valid)
+        plan = _make_plan(q, k, v, g, beta, **{n: val for n, val in locals().items() if n in _DEFAULTS})
         if len(_PLANS) >= _PLAN_LIMIT:
             _PLANS.pop(next(iter(_PLANS)))
         if key is not None:
@@ -443,7 +436,7 @@ class Plan:
             return torch.tensor(offs, dtype=torch.int32, device=dev), offs[-1]
         # no host offsets: computed on the device (capturable), rows unknown here
         co = torch.zeros(N + 1, dtype=torch.int32, device=dev)
-        torch.cumsum((cu32[1:] - cu32[:-1] + (C - 1)) // C, 0, out=co[1:])
+        torch.cumsum((cu32[1:] - cu32[:-1] + (C - 1)) // C, 0, dtype=torch.int32, out=co[1:])
         return co, -1
 
     def __call__(self, q, k, v, g, beta, A_log, dt_bias, h0, cu, cu_cpu, out, fs, cs, ws):

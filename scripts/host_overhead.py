@@ -1,7 +1,7 @@
 """Host cost of kdagen.kda_prefill on a GPU (issue 14): what an eager call costs the CPU, and
 how close eager calls come to the same work replayed from a CUDA graph.
 
-    PYTHONPATH=$PWD python scripts/host_overhead.py [--out DIR] [--calls 1000]
+    PYTHONPATH=$PWD python scripts/host_overhead.py [--out DIR] [--calls 1000]   (from the repository root)
 
 For each case (bf16, K = V = 128, bounded gate, fp32 state in and out):
 - host_us: median CPU wall time of one call over `--calls` back-to-back calls of a signature
@@ -29,6 +29,8 @@ import torch
 
 import kdagen
 import kdagen.runtime as rt
+from kdagen.variant import Variant
+from tests.kda_cases import make_case
 
 CASES = {
     # name: (sequence lengths, heads); one sequence unless several lengths
@@ -42,17 +44,12 @@ HOST_US_MAX = 20.0  # the tiny case
 EAGER_OVER_GRAPH_MAX = 1.3  # T2048 H8
 
 
-def make_case(lens: list[int], H: int, seed: int = 0) -> dict:
-    gen = torch.Generator().manual_seed(seed)
-    T, K = sum(lens), 128
-    r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
-    kw = dict(q=r(1, T, H, K).bfloat16(), k=r(1, T, H, K).bfloat16(), v=r(1, T, H, K).bfloat16(),
-              g=r(1, T, H, K), beta=r(1, T, H), A_log=r(H) * 0.5, dt_bias=r(H, K),
-              initial_state=r(len(lens), H, K, K) * 0.5)
-    kw = {n: t.cuda() for n, t in kw.items()}
+def make_inputs(lens: list[int], H: int, seed: int = 0) -> dict:
+    """The shared test case builder's inputs (random, never zero), with host offsets."""
+    kw = make_case(Variant("sm80", 16, 128, 128, "bf16", "bounded", "fp32", 32), "cuda", B=1, T=sum(lens), H=H,
+                   HV=H, lens=lens if len(lens) > 1 else None, seed=seed)
     if len(lens) > 1:
-        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
-        kw.update(cu_seqlens=cu.cuda(), cu_seqlens_cpu=cu)
+        kw["cu_seqlens_cpu"] = kw["cu_seqlens"].cpu()
     return kw
 
 
@@ -84,8 +81,8 @@ def gpu_ms(fn, n: int = 100) -> float:
 
 
 def measure(name: str, lens: list[int], H: int, calls: int) -> dict:
-    kw = make_case(lens, H)
-    call = lambda: kdagen.kda_prefill(**kw, output_final_state=True)  # noqa: E731
+    kw = make_inputs(lens, H)
+    call = lambda: kdagen.kda_prefill(**kw)  # noqa: E731
     # correctness of the fast path: the first call of a signature takes the general path
     rt.reset()
     o_general, s_general = call()
@@ -96,15 +93,16 @@ def measure(name: str, lens: list[int], H: int, calls: int) -> dict:
            "fast_equals_general": same}
     row["host_us"] = host_us(call, calls)
     out, fs = torch.empty_like(kw["v"]), torch.empty_like(kw["initial_state"])
-    ws = torch.empty(kdagen.workspace_size(**kw, output_final_state=True), dtype=torch.uint8, device="cuda")
+    ws = torch.empty(kdagen.workspace_size(**kw), dtype=torch.uint8, device="cuda")
     owned = lambda: kdagen.kda_prefill(**kw, out=out, final_state=fs, workspace=ws)  # noqa: E731
     row["host_us_owned_buffers"] = host_us(owned, calls)
     op_args = (kw["q"], kw["k"], kw["v"], kw["g"], kw["beta"], kw["A_log"], kw["dt_bias"], kw["initial_state"],
                kw.get("cu_seqlens"), kw.get("cu_seqlens_cpu"), out, fs, None, ws)
-    row["host_us_torch_op"] = host_us(lambda: torch.ops.kdagen.kda_prefill(*op_args), calls)
+    op = lambda: torch.ops.kdagen.kda_prefill(*op_args, gate=kw["gate"], layout=kw["layout"])  # noqa: E731
+    row["host_us_torch_op"] = host_us(op, calls)
     row["eager_ms"] = gpu_ms(owned)
     graph = torch.cuda.CUDAGraph()
-    gkw = {n: t for n, t in kw.items() if n != "cu_seqlens_cpu"}
+    gkw = {n: t for n, t in kw.items() if n not in ("cu_seqlens_cpu", "output_final_state")}
     step = lambda: kdagen.kda_prefill(**gkw, out=out, final_state=fs, workspace=ws, assume_valid=True)  # noqa: E731
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())

@@ -16,20 +16,11 @@ from kdagen import env
 from kdagen.errors import BuildError, KdagenError, NoVariantError
 from kdagen.paths import cache_dir
 
+from .runtime_env import fresh_runtime  # noqa: F401
 from .test_runtime_errors import inputs
 
 ROOT = Path(__file__).resolve().parents[1]
 
-
-@pytest.fixture(autouse=True)
-def fresh(monkeypatch, tmp_path):
-    monkeypatch.setenv("KDAGEN_CACHE_DIR", str(tmp_path / "cache"))
-    for name in env.VARIABLES:
-        if name not in ("KDAGEN_CACHE_DIR", "MAX_JOBS"):
-            monkeypatch.delenv(name, raising=False)
-    rt.reset()
-    yield
-    rt.reset()
 
 
 def _chosen() -> str:
@@ -134,12 +125,26 @@ def test_loglevel(tmp_path):
                                       "block_v)") for ln in passed)
     assert any(ln.endswith(": gate unbounded != bounded") for ln in rejected)
     assert any(ln.endswith(": dtype bf16 != fp32") for ln in rejected)
-    r1 = _run_with_loglevel("1", tmp_path)
-    assert [ln for ln in r1.stderr.splitlines() if ln.startswith("kdagen:")] == chosen
-    r0 = _run_with_loglevel("0", tmp_path)
-    assert "kdagen:" not in r0.stderr
-    bad = _run_with_loglevel("verbose", tmp_path)
-    assert bad.returncode != 0 and "KDAGEN_LOGLEVEL: expected 0, 1 or 2, found 'verbose'" in bad.stderr
+
+
+def test_loglevel_sets_the_kdagen_logger(monkeypatch):
+    import logging
+
+    logger = logging.getLogger("kdagen")
+    saved = (logger.level, list(logger.handlers), env._HANDLER)
+    try:
+        for val, level in (("0", logging.WARNING), ("1", logging.INFO), ("2", logging.DEBUG)):
+            monkeypatch.setenv("KDAGEN_LOGLEVEL", val)
+            assert env.configure_logging() == int(val) and logger.level == level
+        assert sum(h is env._HANDLER for h in logger.handlers) == 1  # one stderr handler, however often
+        monkeypatch.setenv("KDAGEN_LOGLEVEL", "verbose")
+        with pytest.raises(KdagenError, match="KDAGEN_LOGLEVEL: expected 0, 1 or 2, found 'verbose'"):
+            env.configure_logging()
+    finally:
+        monkeypatch.delenv("KDAGEN_LOGLEVEL")
+        logger.setLevel(saved[0])
+        logger.handlers[:] = saved[1]
+        env._HANDLER = saved[2]
 
 
 def test_max_jobs_is_read_by_the_build(monkeypatch):

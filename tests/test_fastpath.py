@@ -16,15 +16,9 @@ import kdagen
 import kdagen.runtime as rt
 from kdagen.reference import kda_reference, rel_rmse
 
+from .runtime_env import fresh_runtime  # noqa: F401
 from .test_runtime_errors import inputs
 
-
-@pytest.fixture(autouse=True)
-def fresh(monkeypatch, tmp_path):
-    monkeypatch.setenv("KDAGEN_CACHE_DIR", str(tmp_path / "cache"))
-    rt.reset()
-    yield
-    rt.reset()
 
 
 def _ref(kw, **extra):
@@ -268,20 +262,15 @@ def test_sm80_bound_launch_passes_the_general_paths_struct(monkeypatch, varlen):
 
 # ----------------------------------------------------------------------------- on a GPU (sm80)
 
-def _gpu_case(lens, H=2, HV=4, seed=0, chunk=False):
-    gen = torch.Generator().manual_seed(seed)
-    T, K = sum(lens), 128
-    r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
-    kw = dict(q=r(1, T, H, K).bfloat16(), k=r(1, T, H, K).bfloat16(), v=r(1, T, HV, K).bfloat16(),
-              g=r(1, T, HV, K), beta=r(1, T, HV), A_log=r(HV) * 0.5, dt_bias=r(HV, K),
-              initial_state=r(len(lens), HV, K, K) * 0.5)
-    kw = {n: t.cuda() for n, t in kw.items()}
-    kw["output_final_state"] = True
-    if len(lens) > 1:
-        kw["cu_seqlens"] = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32).cuda()
-    if chunk:
-        kw.update(return_chunk_states=True, chunk_size=16)
-    return kw
+def _gpu_case(lens, chunk=False):
+    from kdagen.variant import Variant
+
+    from .kda_cases import make_case
+
+    v = Variant("sm80", 16, 128, 128, "bf16", "bounded", "fp32", 32)
+    if len(lens) == 1:
+        return make_case(v, "cuda", B=1, T=lens[0], H=2, HV=4, chunk_states=chunk)
+    return make_case(v, "cuda", lens=lens, H=2, HV=4, chunk_states=chunk)
 
 
 @pytest.mark.gpu
@@ -305,8 +294,8 @@ def test_gpu_bound_launch_equals_the_general_path(how):
     second = kdagen.kda_prefill(**kw)  # the bound launch
     assert all(torch.equal(a, b) for a, b in zip(first, second)), how
     ref = kda_reference(**{n: (t.cpu() if isinstance(t, torch.Tensor) else t) for n, t in kw.items()
-                           if n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state",
-                                    "output_final_state", "cu_seqlens")},
+                           if n not in ("out", "final_state", "workspace", "assume_valid", "cu_seqlens_cpu",
+                                        "return_chunk_states", "chunk_size", "state_dtype")},
                         chunk_states_size=16 if how == "chunk_states" else None)
     for got, want in zip(second, ref):
         if want is not None:
@@ -320,3 +309,18 @@ def test_gpu_workspace_too_small_is_refused():
     assert need > 0
     with pytest.raises(RuntimeError, match=rf"workspace has {need // 2} bytes, this call needs {need}"):
         kdagen.kda_prefill(**kw, workspace=torch.empty(need // 2, dtype=torch.uint8, device="cuda"))
+
+
+def test_chunk_states_without_host_offsets_into_a_caller_buffer():
+    """assume_valid with chunk states: chunk offsets are computed on the device; the caller's
+    buffer has room for the most chunks T // C + N could need."""
+    cu = torch.tensor([0, 7, 7, 20], dtype=torch.int32)
+    kw = dict(inputs(), initial_state=torch.randn(3, 2, 32, 32), cu_seqlens=cu, chunk_size=16)
+    want = kdagen.kda_prefill(**kw, output_final_state=True, return_chunk_states=True)
+    rows = 20 // 16 + 3
+    buf = torch.full((rows, 2, 32, 32), float("nan"))
+    with pytest.raises(kdagen.runtime.KdaInputError, match="needs a chunk_states= buffer"):
+        kdagen.kda_prefill(**kw, output_final_state=True, return_chunk_states=True, assume_valid=True)
+    o, st, cs = kdagen.kda_prefill(**kw, output_final_state=True, chunk_states=buf, assume_valid=True)
+    assert cs is buf and torch.equal(o, want[0]) and torch.equal(st, want[1])
+    assert torch.equal(cs[:want[2].shape[0]], want[2]) and want[2].shape[0] == 2

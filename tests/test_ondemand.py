@@ -22,15 +22,9 @@ from kdagen.reference import kda_reference, rel_rmse
 from kdagen.registry import Registry
 from kdagen.variant import Variant
 
+from .runtime_env import fresh_runtime  # noqa: F401
 from .test_runtime_errors import inputs
 
-
-@pytest.fixture(autouse=True)
-def fresh(monkeypatch, tmp_path):
-    monkeypatch.setenv("KDAGEN_CACHE_DIR", str(tmp_path / "cache"))
-    rt.reset()
-    yield
-    rt.reset()
 
 
 def test_every_registered_name_parses_back_to_its_variant():

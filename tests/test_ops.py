@@ -14,16 +14,13 @@ import kdagen
 import kdagen.runtime as rt
 from kdagen.reference import kda_reference, rel_rmse
 
+from .runtime_env import fresh_runtime  # noqa: F401
 from .test_runtime_errors import inputs
 
 
 @pytest.fixture(autouse=True)
-def fresh(monkeypatch, tmp_path):
-    monkeypatch.setenv("KDAGEN_CACHE_DIR", str(tmp_path / "cache"))
-    rt.reset()
+def fresh_dynamo():
     torch._dynamo.reset()
-    yield
-    rt.reset()
 
 
 def _op_args(kw, cu, h0, out, fs):
