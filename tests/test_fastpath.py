@@ -251,6 +251,26 @@ def test_sm80_bound_launch_passes_the_general_paths_struct(monkeypatch, varlen):
                                                       c2.cu_seqlens, c2.initial_state, c2.final_state, None, None,
                                                       ws, c2.max_len)
     assert drv.launches == []
+    # without a caller workspace: one scratch buffer per stream, reused by the next call (not
+    # under capture, not while another call holds it)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    sm80.Sm80Bound._ARENAS.clear()
+    args = (c2.q, c2.k, c2.v, c2.g, c2.beta, c2.o, c2.A_log, c2.dt_bias, c2.cu_seqlens, c2.initial_state,
+            c2.final_state, None, None, None, c2.max_len)
+    drv.launches.clear()
+    assert bound.launch(*args) and bound.launch(*args)
+    ws_of = [KdaParams.from_buffer_copy(x[4]).ws for x in drv.launches]
+    assert len(set(ws_of)) == 1 and ws_of[0] == sm80.Sm80Bound._ARENAS[7].data_ptr()
+    assert sm80.Sm80Bound._ARENAS[7].numel() == ws_bytes
+    drv.launches.clear()
+    with sm80.Sm80Bound._ARENA_LOCK:
+        assert bound.launch(*args)
+    assert KdaParams.from_buffer_copy(drv.launches[0][4]).ws != ws_of[0]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    drv.launches.clear()
+    assert bound.launch(*args)
+    assert KdaParams.from_buffer_copy(drv.launches[0][4]).ws != ws_of[0]
+    sm80.Sm80Bound._ARENAS.clear()
     # a second thread holding the struct makes a call decline rather than wait
     bound.lock.acquire()
     try:

@@ -366,13 +366,15 @@ class Sm80Bound:
         qp, kp, vp, gp, op = q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), o.data_ptr()
         if (qp | kp | vp | gp | op) & 15:
             return False
-        if ws is None:
-            ws = torch.empty(self.ws_bytes, dtype=torch.uint8, device=self.device)
-        elif ws.data_ptr() % _WS_ALIGN or ws.numel() * ws.element_size() < self.ws_bytes:
+        if ws is not None and (ws.data_ptr() % _WS_ALIGN or ws.numel() * ws.element_size() < self.ws_bytes):
             return False  # the general path carves (and checks) a caller workspace
         if not self.lock.acquire(blocking=False):
             return False
+        arena = False
         try:
+            raw = current_stream_handle(self.idx)
+            if ws is None:
+                ws, arena = self._scratch(raw)
             struct.pack_into("<14Q", self.params, self.ptr_offset, qp, kp, vp, gp, beta.data_ptr(), op,
                              0 if A_log is None else A_log.data_ptr(), 0 if dt_bias is None else dt_bias.data_ptr(),
                              0 if cu_seqlens is None else cu_seqlens.data_ptr(), 0 if h0 is None else h0.data_ptr(),
@@ -380,7 +382,6 @@ class Sm80Bound:
                              0 if hc is None else chunk_offsets.data_ptr(), ws.data_ptr())
             if self.varlen:
                 struct.pack_into("<i", self.params, self.max_len_offset, max_len)
-            raw = current_stream_handle(self.idx)
             stream = self.streams.get(raw)
             if stream is None:
                 stream = self.streams[raw] = driver().CUstream(raw)
@@ -392,4 +393,25 @@ class Sm80Bound:
             return not self.launch_kernel(self.f2, gx, gy, gz, self.nt2, 1, 1, self.smem2, stream,
                                           self.argv_addr, 0)[0]
         finally:
+            if arena:
+                Sm80Bound._ARENA_LOCK.release()
             self.lock.release()
+
+    # Scratch per stream, shared by every bound launch: each call writes it (kda_prep) and reads it
+    # (kda_recur) on that stream under the arena lock, so consecutive calls are ordered by the
+    # stream and one buffer serves them all (one allocation less per call). Not under CUDA graph
+    # capture (the graph keeps its own), not above ARENA_MAX (long calls: noise), not while
+    # another thread holds it (then a fresh buffer).
+    ARENA_MAX = 64 << 20
+    _ARENA_LOCK = threading.Lock()
+    _ARENAS: dict[int, torch.Tensor] = {}
+
+    def _scratch(self, raw_stream: int) -> tuple[torch.Tensor, bool]:
+        if self.ws_bytes <= self.ARENA_MAX and not torch.cuda.is_current_stream_capturing() \
+                and Sm80Bound._ARENA_LOCK.acquire(blocking=False):
+            buf = Sm80Bound._ARENAS.get(raw_stream)
+            if buf is None or buf.numel() < self.ws_bytes:
+                buf = Sm80Bound._ARENAS[raw_stream] = torch.empty(self.ws_bytes, dtype=torch.uint8,
+                                                                  device=self.device)
+            return buf, True
+        return torch.empty(self.ws_bytes, dtype=torch.uint8, device=self.device), False
