@@ -91,3 +91,20 @@ def test_build_variant_ahead_of_time(tmp_path):
     assert (tmp_path / "cache" / "build" / ONDEMAND_SPEC / name / "checked.stamp").exists()
     res = CliRunner().invoke(main, ["build", "--variant", "kda_fwd_sm80_c16_k32_v32_bf16_gb_sfp32_bv16"])
     assert res.exit_code == 2 and "sm80 has no head dim K 32" in res.output
+
+
+def test_generation_is_blocked_where_its_compiler_is_missing(monkeypatch):
+    import importlib.util
+
+    import kdagen.build as kbuild
+
+    v = parse_name("kda_fwd_sm80_c16_k64_v64_fp16_gu_sfp32_bv16")
+    monkeypatch.setattr(kbuild, "nvcc_path", lambda: None)
+    assert rt._generate_blocked(v) == ("no spec lists it, and nvcc is not available (PATH, CUDACXX, "
+                                       "/usr/local/cuda/bin) to build it (`kdagen build --variant "
+                                       "kda_fwd_sm80_c16_k64_v64_fp16_gu_sfp32_bv16` elsewhere)")
+    assert rt._generate_blocked(parse_name("kda_fwd_triton_c16_k64_v64_fp16_gu_sfp32_bv16")) is None
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "cannbotdsl" else real(n, *a))
+    assert kbuild.compiler_reason("ascend") == "the CANNBot-DSL translator (pip install cannbot-dsl) is not installed"
+    assert kbuild.compiler_reason("jit") is None
