@@ -32,6 +32,22 @@ __device__ __forceinline__ void forward_subst(float (&x)[C], const float* sLT) {
   }
 }
 
+// One 16x8 n-tile of L (A = k e^G) and of Mqk (A = q e^G) against the same B fragment (k e^-G),
+// as both preps build their 16x16 blocks.
+__device__ __forceinline__ void l_mqk_mma(float (&accL)[4], float (&accM)[4], const uint32_t (&ak)[4],
+                                          const uint32_t (&aq)[4], uint32_t b0, uint32_t b1) {
+  mma_bf16(accL, ak, b0, b1);
+  mma_bf16(accM, aq, b0, b1);
+}
+
+// (i, j), j <= i, of the u-th entry of a lower triangle stored row by row (u = i (i + 1) / 2 + j).
+__device__ __forceinline__ void tri_pair(int u, int& i, int& j) {
+  i = (int)((sqrtf(8.f * u + 1.f) - 1.f) * 0.5f);
+  while ((i + 1) * (i + 2) / 2 <= u) ++i;  // the float root can be one off either way
+  while (i * (i + 1) / 2 > u) --i;
+  j = u - i * (i + 1) / 2;
+}
+
 // What a kda_prep block works on: chunk blockIdx.x of sequence blockIdx.y, value head
 // blockIdx.z. False when the chunk lies past the end of its sequence.
 struct PrepChunk {

@@ -198,10 +198,8 @@ extern "C" __global__ void __launch_bounds__(kda::NT1, kda::MINB1) kda_prep(cons
         ldsm_x4(ak, sAK + (lr + 8 * (lm & 1)) * KB1 + c0 + 8 * (lm >> 1));
         ldsm_x4(aq, sAQ + (lr + 8 * (lm & 1)) * KB1 + c0 + 8 * (lm >> 1));
         ldsm_x4(bk, sBK + (lr + 8 * (lm >> 1)) * KB1 + c0 + 8 * (lm & 1));
-        mma_bf16(accL[0], ak, bk[0], bk[1]);
-        mma_bf16(accL[1], ak, bk[2], bk[3]);
-        mma_bf16(accM[0], aq, bk[0], bk[1]);
-        mma_bf16(accM[1], aq, bk[2], bk[3]);
+        l_mqk_mma(accL[0], accM[0], ak, aq, bk[0], bk[1]);
+        l_mqk_mma(accL[1], accM[1], ak, aq, bk[2], bk[3]);
       } else {
         fallback |= 1u << sl;
       }
@@ -222,10 +220,8 @@ extern "C" __global__ void __launch_bounds__(kda::NT1, kda::MINB1) kda_prep(cons
         if (!(fallback >> sl & 1u)) continue;
         const int c0 = 16 * (warp * SPW + sl);
         for (int pi = lane; pi < 136; pi += 32) {
-          int i = (int)((sqrtf(8.f * pi + 1.f) - 1.f) * 0.5f);
-          while ((i + 1) * (i + 2) / 2 <= pi) ++i;
-          while (i * (i + 1) / 2 > pi) --i;
-          const int j = pi - i * (i + 1) / 2;
+          int i, j;
+          tri_pair(pi, i, j);
           if (i >= rows) continue;  // q_i = k_i = 0 (and j <= i)
           const in_t* qi = qp + (t0 + i) * p.q_s[1];
           const in_t* ki = kp + (t0 + i) * p.k_s[1];

@@ -140,10 +140,8 @@ extern "C" __global__ void __launch_bounds__(kda::NT1, kda::MINB1) kda_prep(cons
   {
   constexpr int NB = C / 16;
   for (int unit = warp; unit < NB * (NB + 1) / 2; unit += NW1) {
-    int r = (int)((sqrtf(8.f * unit + 1.f) - 1.f) * 0.5f);
-    while ((r + 1) * (r + 2) / 2 <= unit) ++r;
-    while (r * (r + 1) / 2 > unit) --r;
-    const int s = unit - r * (r + 1) / 2;
+    int r, s;
+    tri_pair(unit, r, s);
     const bool diag = (s == r);
     const float* ga = diag ? (r == 0 ? sG + C * KP : sG + (16 * r - 1) * KP) : sG + (16 * s + 15) * KP;
     bool use_mma = true;
@@ -184,8 +182,7 @@ extern "C" __global__ void __launch_bounds__(kda::NT1, kda::MINB1) kda_prep(cons
             const float2 kj = *reinterpret_cast<const float2*>(sk + j * KP + col);
             bb[hh] = pack_bf16(kj.x * __expf(gA.x - gj.x), kj.y * __expf(gA.y - gj.y));
           }
-          mma_bf16(accL[nt], aK, bb[0], bb[1]);
-          mma_bf16(accM[nt], aQ, bb[0], bb[1]);
+          l_mqk_mma(accL[nt], accM[nt], aK, aQ, bb[0], bb[1]);
         }
       }
 #pragma unroll
@@ -198,10 +195,8 @@ extern "C" __global__ void __launch_bounds__(kda::NT1, kda::MINB1) kda_prep(cons
         }
     } else {
       for (int pi = lane; pi < 136; pi += 32) {
-        int ii = (int)((sqrtf(8.f * pi + 1.f) - 1.f) * 0.5f);
-        while ((ii + 1) * (ii + 2) / 2 <= pi) ++ii;
-        while (ii * (ii + 1) / 2 > pi) --ii;
-        const int jj = pi - ii * (ii + 1) / 2;
+        int ii, jj;
+        tri_pair(pi, ii, jj);
         const int i = 16 * r + ii, j = 16 * r + jj;
         float l = 0.f, m = 0.f;
 #pragma unroll 4

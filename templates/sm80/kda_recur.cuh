@@ -163,36 +163,20 @@ extern "C" __global__ void KDA_RECUR_BOUNDS kda_recur(const KdaParams p) {
   const long long tb = p.cu_seqlens ? bos : 0;
   in_t* const so_all = reinterpret_cast<in_t*>(smem2 + NSTAGE * STAGE + XBUF);  // o staging
 
-  if (warp == NW2) {
-    // The copy warp: stage c + NSTAGE - 1 is refilled in step c, once every warp has passed the
-    // step's barrier (so is done with chunk c - 1, which that stage held). It waits for chunk
-    // c + 1 before the next barrier, which then publishes it to the compute warps. After the
-    // barrier of step c it also stores chunk c - 1's o (staged in slot (c - 1) & 1 before that
-    // barrier; the compute warps write the other slot in step c), and the last chunk's after one
-    // more barrier past the loop.
-    in_t* ob = (in_t*)p.o + bidx * p.o_s[0] + h * p.o_s[2] + vb * BV + tb * p.o_s[1];
-    const long long ostride = p.o_s[1];
+  // Warp NW2 is the copy warp: stage c + NSTAGE - 1 is refilled in step c, once every warp has
+  // passed the step's barrier (so is done with chunk c - 1, which that stage held); it waits for
+  // chunk c + 1 before the next barrier, which publishes it to the compute warps. After the
+  // barrier of step c it stores chunk c - 1's o (staged in slot (c - 1) & 1 before that barrier;
+  // the compute warps write the other slot in step c), and the last chunk's after one more
+  // barrier past the loop. Every warp reaches each block barrier at the same instruction (one
+  // loop for both roles): `bar.sync` is the aligned form, whose divergent use is undefined.
+  const bool copier = warp == NW2;
+  if (copier) {
 #pragma unroll
     for (int j = 0; j < NSTAGE - 1; ++j) {
       if (j < nc) prefetch_chunk(smem2 + j * STAGE, rec_c + j * rstride, vb, lane);
       cp_async_commit();
     }
-    for (int c = 0; c < nc; ++c) {
-      cp_async_wait<NSTAGE - 2>();
-      __syncthreads();
-      if (c + NSTAGE - 1 < nc)
-        prefetch_chunk(smem2 + ((c + NSTAGE - 1) % NSTAGE) * STAGE, rec_c + (c + NSTAGE - 1) * rstride, vb, lane);
-      cp_async_commit();
-      if (O_BY_COPY && c > 0)
-        store_o_chunk(so_all + ((c - 1) & 1) * OSLOT, ob + (long long)(c - 1) * C * ostride, ostride, C, lane);
-    }
-    if constexpr (O_BY_COPY) {
-      __syncthreads();
-      if (nc > 0)
-        store_o_chunk(so_all + ((nc - 1) & 1) * OSLOT, ob + (long long)(nc - 1) * C * ostride, ostride,
-                      len - (nc - 1) * C, lane);
-    }
-    return;
   }
 
   const int vt = warp % NWV, kh = warp / NWV;  // (16 * MT)-row V tile and K slice of this warp
@@ -207,7 +191,7 @@ extern "C" __global__ void KDA_RECUR_BOUNDS kda_recur(const KdaParams p) {
 
   float s[MT][KH / 8][4];
 #if KDA_STATE != 0
-  if (p.h0) {
+  if (p.h0 && !copier) {
     const state_t* h0 = (const state_t*)p.h0 + st_off;
 #pragma unroll
     for (int m = 0; m < MT; ++m) {
@@ -226,12 +210,15 @@ extern "C" __global__ void KDA_RECUR_BOUNDS kda_recur(const KdaParams p) {
   }
 
   in_t* op = (in_t*)p.o + bidx * p.o_s[0] + h * p.o_s[2] + vb * BV + vw;  // (chunk 64)
+  in_t* const op_copy = (in_t*)p.o + bidx * p.o_s[0] + h * p.o_s[2] + vb * BV + tb * p.o_s[1];  // (copy warp)
   const long long ostride = p.o_s[1];
   const int coff = p.hc ? p.chunk_offsets[n] : 0;
 
 
   for (int c = 0; c < nc; ++c) {
-    if (p.hc) {
+    if (copier) {
+      cp_async_wait<NSTAGE - 2>();
+    } else if (p.hc) {
 #pragma unroll
       for (int m = 0; m < MT; ++m) {
 #if KDA_STATE == 2
@@ -245,6 +232,14 @@ extern "C" __global__ void KDA_RECUR_BOUNDS kda_recur(const KdaParams p) {
     // and every warp is done with step c - 1 (its stage can be refilled, the exchange slots
     // reused).
     __syncthreads();
+    if (copier) {
+      if (c + NSTAGE - 1 < nc)
+        prefetch_chunk(smem2 + ((c + NSTAGE - 1) % NSTAGE) * STAGE, rec_c + (c + NSTAGE - 1) * rstride, vb, lane);
+      cp_async_commit();
+      if (O_BY_COPY && c > 0)
+        store_o_chunk(so_all + ((c - 1) & 1) * OSLOT, op_copy + (long long)(c - 1) * C * ostride, ostride, C, lane);
+      continue;
+    }
 
     const bf16* sW = reinterpret_cast<const bf16*>(smem2 + (c % NSTAGE) * STAGE);
     const bf16* sQ = sW + C * K;
@@ -310,14 +305,16 @@ extern "C" __global__ void KDA_RECUR_BOUNDS kda_recur(const KdaParams p) {
     // With two tiles per warp the partial U goes to the partner right after the S Qd^T MMAs,
     // ahead of the step's other shared-memory loads; with one tile per warp that measured slower.
     constexpr bool XCH_EARLY = KSPLIT > 1 && MT > 1;
+    // This warp's partial U^T of tile m, for its split-K partner.
+    auto send_partial_u = [&](int m) {
+      float4* xw = xbuf + (warp * MT + m) * XW4 * 32 + lane;
+#pragma unroll
+      for (int nt = 0; nt < C / 8; ++nt)
+        xw[nt * 32] = make_float4(ut[m][nt][0], ut[m][nt][1], ut[m][nt][2], ut[m][nt][3]);
+    };
     if constexpr (XCH_EARLY) {
 #pragma unroll
-      for (int m = 0; m < MT; ++m) {
-        float4* xw = xbuf + (warp * MT + m) * XW4 * 32 + lane;
-#pragma unroll
-        for (int nt = 0; nt < C / 8; ++nt)
-          xw[nt * 32] = make_float4(ut[m][nt][0], ut[m][nt][1], ut[m][nt][2], ut[m][nt][3]);
-      }
+      for (int m = 0; m < MT; ++m) send_partial_u(m);
     }
 #pragma unroll
     for (int nt = 0; nt < KH / 8; ++nt) {
@@ -386,11 +383,7 @@ extern "C" __global__ void KDA_RECUR_BOUNDS kda_recur(const KdaParams p) {
 #pragma unroll
       for (int m = 0; m < MT; ++m) {
         float4* xw = xbuf + (warp * MT + m) * XW4 * 32 + lane;
-        if constexpr (!XCH_EARLY) {
-#pragma unroll
-          for (int nt = 0; nt < C / 8; ++nt)
-            xw[nt * 32] = make_float4(ut[m][nt][0], ut[m][nt][1], ut[m][nt][2], ut[m][nt][3]);
-        }
+        if constexpr (!XCH_EARLY) send_partial_u(m);
 #pragma unroll
         for (int ntp = 0; ntp < C / 16; ++ntp) {
           xw[(XU4 + ntp) * 32] = kh ? make_float4(oq[m][ntp][0][0], oq[m][ntp][0][1], oq[m][ntp][0][2], oq[m][ntp][0][3])
@@ -494,7 +487,13 @@ extern "C" __global__ void KDA_RECUR_BOUNDS kda_recur(const KdaParams p) {
     // state "bf16": bf16 in memory (initial / final / chunk states); the register-held state
     // stays fp32 between chunks (rounding it every chunk costs accuracy and saves nothing).
   }
-  if constexpr (O_BY_COPY) __syncthreads();  // the last chunk's o is staged: the copy warp stores it
+  if constexpr (O_BY_COPY) {
+    __syncthreads();  // the last chunk's o is staged: the copy warp stores it
+    if (copier && nc > 0)
+      store_o_chunk(so_all + ((nc - 1) & 1) * OSLOT, op_copy + (long long)(nc - 1) * C * ostride, ostride,
+                    len - (nc - 1) * C, lane);
+  }
+  if (copier) return;
 #if KDA_STATE != 0
   if (p.ht) {
 #pragma unroll
