@@ -30,6 +30,9 @@ _REGISTRY: Optional[Registry] = None
 _PLANS: dict[tuple, "Plan"] = {}
 _PLAN_LIMIT = 4096  # signatures kept; an engine sees one per distinct token count
 _LOGGED: set = set()
+# Choices by what selection depends on (so a new token count with the same sequences and heads
+# skips the candidate scan): functional key, device, N, HV, and whether sequences average >= 512.
+_CHOICES: dict[tuple, str] = {}
 # Deprecated: tests used to set this to NaN-fill every output; pass NaN-filled out= /
 # final_state= / chunk_states= buffers instead (allocate_outputs(..., fill=nan) makes them).
 POISON_OUTPUTS = False
@@ -51,6 +54,7 @@ def reset() -> Registry:
     _REGISTRY = None
     _PLANS.clear()
     _LOGGED.clear()
+    _CHOICES.clear()
     return registry()
 
 
@@ -292,12 +296,23 @@ def _generate_blocked(v) -> Optional[str]:
 def _dispatch(info: CallInfo, variant: Optional[str]) -> Entry:
     """The registry entry that serves `info`: the forced one (variant= or KDAGEN_FORCE_VARIANT),
     else the preferred registered candidate, else one generated for this call."""
+    reg = registry()
+    forced = variant or env.force_variant()
+    memo = (info.dtype, info.K, info.V, info.layout, info.gate, info.state, info.varlen, info.H != info.HV,
+            info.chunk_size, info.device, info.N, info.HV, info.T * info.B >= 512 * max(info.N, 1), forced)
+    name = _CHOICES.get(memo)
+    if name is not None and name in reg.entries:
+        return reg.entries[name]
+    entry = _select_entry(reg, info, forced, variant)
+    _CHOICES[memo] = entry.name
+    return entry
+
+
+def _select_entry(reg: Registry, info: CallInfo, forced: Optional[str], variant: Optional[str]) -> Entry:
     from . import ondemand
     from .paths import cache_build_dir
     from .targets import TARGETS
 
-    reg = registry()
-    forced = variant or env.force_variant()
     if forced:
         best = _candidate_for_name(reg, forced)
         why = rejection(best, info)

@@ -344,3 +344,14 @@ def test_chunk_states_without_host_offsets_into_a_caller_buffer():
     o, st, cs = kdagen.kda_prefill(**kw, output_final_state=True, chunk_states=buf, assume_valid=True)
     assert cs is buf and torch.equal(o, want[0]) and torch.equal(st, want[1])
     assert torch.equal(cs[:want[2].shape[0]], want[2]) and want[2].shape[0] == 2
+
+
+def test_a_new_token_count_reuses_the_choice(monkeypatch):
+    kdagen.kda_prefill(**inputs(T=20))
+    scans = []
+    real = rt._select_entry
+    monkeypatch.setattr(rt, "_select_entry", lambda *a: scans.append(1) or real(*a))
+    kdagen.kda_prefill(**inputs(T=23))  # new signature, same choice inputs: no candidate scan
+    assert scans == [] and len(rt._PLANS) == 2
+    kdagen.kda_prefill(**inputs(T=600))  # sequences now average >= 512 tokens: chunk preference may change
+    assert scans == [1]
