@@ -47,6 +47,13 @@ class TargetInfo:
     # Chunk size to prefer when several fit, from this target's measurements; None: the
     # selection's length heuristic (64 for long sequences, 16 for short ones).
     preferred_chunk: int | None = None
+    # How dispatch sees the target (select.py names none); tests require every entry to say.
+    devices: tuple[str, ...] | None = None  # torch device types it runs on
+    min_compute_capability: tuple[int, int] | None = None  # on CUDA devices
+    rank: int | None = None  # lower is preferred among the targets that fit a call
+    # (device type, variable, value): on that device type the target needs the variable set
+    device_env: tuple[tuple[str, str, str], ...] = ()
+    on_demand: bool = True  # may be generated for a call that no spec lists
 
     def load_launcher(self):
         mod, _, cls = self.launcher.partition(":")
@@ -69,6 +76,9 @@ TARGETS: dict[str, TargetInfo] = {
         templates=(("triton/kda_fused.py.j2", "kernel.py"),),
         build="jit",
         launcher="kdagen.targets.triton:TritonLauncher",
+        # bf16/fp16 tl.dot needs sm_80 MMA; validated on an H200 (sm_90)
+        devices=("cuda", "cpu"), min_compute_capability=(8, 0), rank=2,
+        device_env=(("cpu", "TRITON_INTERPRET", "1"),),
     ),
     "sm80": TargetInfo(
         name="sm80",
@@ -113,6 +123,7 @@ TARGETS: dict[str, TargetInfo] = {
         # T8192 H96 1.237 (16: 1.350, 64: 1.423), T65536 H24 2.771 (16: 3.295, 64: 3.366).
         vsplit_min_waves=0.7,
         preferred_block_v=32,
+        devices=("cuda",), min_compute_capability=(8, 0), rank=1,
     ),
     "ascend": TargetInfo(
         name="ascend",
@@ -131,6 +142,7 @@ TARGETS: dict[str, TargetInfo] = {
         launcher="kdagen.targets.ascend:AscendLauncher",
         hardware_validated=False,
         twin="triton_twin",
+        devices=("npu",), rank=0,
     ),
     # The Ascend kernel's stage decomposition (token-parallel stage 1 into a workspace,
     # V-split recurrence in stage 2) in Triton: checks its numerics on CPU and GPU.
@@ -151,6 +163,9 @@ TARGETS: dict[str, TargetInfo] = {
         templates=(("triton/kda_twostage.py.j2", "kernel.py"),),
         build="jit",
         launcher="kdagen.targets.triton_twin:TritonTwinLauncher",
+        # a numerics check of the Ascend kernel: serves calls only as the last resort
+        devices=("cuda", "cpu"), min_compute_capability=(8, 0), rank=3,
+        device_env=(("cpu", "TRITON_INTERPRET", "1"),), on_demand=False,
     ),
 }
 
