@@ -106,7 +106,16 @@ class Block:
         self.grid = grid
         self.bid = bid
         self.in_vf = 0
-        self.allocated: Counter = Counter()  # memory space -> bytes
+        self.storages: list = []  # on-chip allocations, in declaration order
+
+    @property
+    def allocated(self) -> Counter:
+        """Bytes per memory space of the on-chip buffers the program used."""
+        out: Counter = Counter()
+        for st in self.storages:
+            if st.touched:
+                out[st.space] += st.n * st.dtype.nbytes
+        return out
 
     @property
     def phase(self) -> int:

@@ -89,6 +89,7 @@ class Storage:
             data = np.full((units, n), NAN_BITS[dtype], dtype=dtype.storage)
         self.data = data
         self.n = data.shape[1]
+        self.touched = False  # read or written by the program (the translation drops unused buffers)
         # GM only: who wrote each element last, and in which phase (-1: before the launch)
         self.wunit: np.ndarray | None = None
         self.wphase: np.ndarray | None = None
@@ -151,6 +152,7 @@ class View:
 
     def flat(self, s: int = 0) -> np.ndarray:
         """Flat storage offsets of the logical elements, [rows, cols], for subblock s."""
+        self.st.touched = True
         key = s if self.per_sub else 0
         idx = self._idx.get(key)
         if idx is None:
@@ -236,9 +238,9 @@ def alloc(space: MemLoc, shape, dtype: DType, fmt: str | None, name: str) -> Vie
         fmt = "nd" if space == MemLoc.UB else "nz"
     rows, cols = shape
     n = rows * cols if fmt == "nd" else nz_elements(rows, cols, c0_of(space, dtype))
-    blk = current()
-    blk.allocated[space] += n * dtype.nbytes
-    return root_view(Storage(space, dtype, n, name), fmt, shape)
+    st = Storage(space, dtype, n, name)
+    current().storages.append(st)
+    return root_view(st, fmt, shape)
 
 
 def gm_tensor(arr: np.ndarray, dtype: DType, name: str) -> View:

@@ -79,6 +79,7 @@ def _ub(view: View, what: str) -> View:
 
 
 def _addr(view: View, offset, s: int, n: int, what: str, lanes: np.ndarray | None = None) -> int:
+    view.st.touched = True
     o = view.origin(s) + at(offset, s)
     if (o * view.dtype.nbytes) % 32:
         raise ModelError(f"{what} at element {o} of {view.describe()} is not 32-byte aligned")
@@ -155,6 +156,7 @@ def vload_broadcast(tensor: View, offset=0, **kw) -> Reg:
     if tensor.dtype != M.float32:
         raise ModelError("vload_broadcast: only fp32 is modelled")
     out = np.empty((SUBBLOCKS, LANES), dtype=np.float32)
+    tensor.st.touched = True
     for s in range(SUBBLOCKS):
         o = tensor.origin(s) + at(offset, s)
         if o < 0 or o >= tensor.st.n:

@@ -122,7 +122,9 @@ TARGETS: dict[str, TargetInfo] = {
         dtypes=("bf16",),
         gates=("bounded",),
         states=("fp32",),
-        block_v=(64,),
+        # The seed's adaptive Dv split: one variant per width, selection takes the widest that
+        # still gives every AI core a stage-2 task (vsplit_min_waves below).
+        block_v=(16, 32, 64, 128),
         layouts=("bnsd", "bsnd"),
         varlen=False,
         gqa=True,
@@ -130,6 +132,11 @@ TARGETS: dict[str, TargetInfo] = {
         build="ascend",
         launcher="kdagen.targets.ascend:AscendLauncher",
         hardware_validated=False,
+        # Stage 2 runs one (batch x head, V slice) task per AI core (both vector subblocks share it):
+        # the widest block_v with at least 32 tasks (the 32 AI cores the launcher starts).
+        vsplit_min_waves=32.0,
+        rejects=((((("k", 64), ("v", 128)), "the Ascend kernel implements K == V"),
+                 ((("k", 128), ("v", 64)), "the Ascend kernel implements K == V"))),
         twin="triton_twin",
     ),
     # The Ascend kernel's stage decomposition (token-parallel stage 1 into a workspace,
@@ -144,7 +151,7 @@ TARGETS: dict[str, TargetInfo] = {
         dtypes=("bf16", "fp16"),
         gates=("bounded", "precomputed"),
         states=("fp32",),
-        block_v=(16, 32, 64),
+        block_v=(16, 32, 64, 128),
         layouts=("bnsd", "bsnd"),
         varlen=True,
         gqa=True,
