@@ -31,18 +31,21 @@ class PerSub:
     __slots__ = ("v",)
 
     def __init__(self, v):
-        self.v = tuple(v)
+        self.v = v if type(v) is tuple else tuple(v)
 
     def at(self, s: int):
         return self.v[s]
 
     def _op(self, other, f):
+        a0, a1 = self.v
         if isinstance(other, PerSub):
-            return PerSub(f(a, b) for a, b in zip(self.v, other.v))
-        return PerSub(f(a, other) for a in self.v)
+            b0, b1 = other.v
+            return PerSub((f(a0, b0), f(a1, b1)))
+        return PerSub((f(a0, other), f(a1, other)))
 
     def _rop(self, other, f):
-        return PerSub(f(other, a) for a in self.v)
+        a0, a1 = self.v
+        return PerSub((f(other, a0), f(other, a1)))
 
     def __add__(self, o): return self._op(o, lambda a, b: a + b)
     def __radd__(self, o): return self._rop(o, lambda a, b: a + b)
@@ -185,7 +188,10 @@ class Grid:
             except _Abort:
                 return
         try:
-            body(blk)
+            import numpy as np
+
+            with np.errstate(all="ignore"):  # the kernel's inf/NaN follow IEEE, as on the NPU
+                body(blk)
         except _Abort:
             return
         except BaseException as exc:  # noqa: BLE001 - re-raised by run()

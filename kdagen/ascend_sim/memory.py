@@ -25,8 +25,10 @@ class MemLoc(IntEnum):
     L0C = 5
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class DType:
+    """A dtype singleton (compared by identity)."""
+
     name: str
     bits: int
 

@@ -132,9 +132,10 @@ TARGETS: dict[str, TargetInfo] = {
         build="ascend",
         launcher="kdagen.targets.ascend:AscendLauncher",
         hardware_validated=False,
-        # Stage 2 runs one (batch x head, V slice) task per AI core (both vector subblocks share it):
-        # the widest block_v with at least 32 tasks (the 32 AI cores the launcher starts).
-        vsplit_min_waves=32.0,
+        # Stage 2 runs one (batch x head, V slice) task per AI core (both vector subblocks share it).
+        # The seed's measured rule (get_dv_base_config: 16/32/64/128 for B*HV <= 4/8/16/more at
+        # V = 128): the widest block_v that still gives more than half of the 32 AI cores a task.
+        vsplit_min_waves=17.0,
         rejects=((((("k", 64), ("v", 128)), "the Ascend kernel implements K == V"),
                  ((("k", 128), ("v", 64)), "the Ascend kernel implements K == V"))),
         twin="triton_twin",

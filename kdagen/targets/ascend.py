@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from ..errors import KdaInputError
+from ..paths import ROOT, rel
+from .ascend_cost import Ascend950, format_estimates, seed_estimates, static_costs
 from .loader import load_generated_module
 
 # On-chip capacities of dav-3510 (Ascend 950PR/DT) in bytes, as cannbotdsl 0.7.1 reports them
@@ -152,7 +154,8 @@ def translate(variant, source: pathlib.Path, out_dir: pathlib.Path) -> dict:
     out_dir = pathlib.Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     log_lines: list[str] = []
-    facts: dict[str, Any] = {"variant": variant.name, "hardware_validated": False, "layouts": {}}
+    facts: dict[str, Any] = {"variant": variant.name, "hardware_validated": False, "layouts": {},
+                             "source": rel(source)}
     C, K, V = variant.chunk, variant.k, variant.v
     facts["workspace"] = {
         "bytes_per_chunk_head": ws_bytes_per_chunk_head(C, K, V),
@@ -192,10 +195,18 @@ def translate(variant, source: pathlib.Path, out_dir: pathlib.Path) -> dict:
                 f"log: {out_dir / 'translate.log'}\n{tail}"
             )
         lf = mlir_facts(mlir.read_text())
+        lf["costs"] = static_costs(mlir.read_text())
         lf["ascendc_bytes"] = asc.stat().st_size
         lf["ascendc_has_mmad"] = "asc_mmad" in asc.read_text()
         lf["seconds"] = round(dt, 2)
         facts["layouts"][layout] = lf
+    if K == 128:  # the seed's configurations are D128
+        rows = seed_estimates(variant, facts["layouts"]["bsnd"]["costs"])
+        facts["estimates"] = rows
+        facts["estimate_assumptions"] = " ".join(Ascend950.__doc__.split())
+        # what `kdagen build` prints and records in the build manifest
+        facts["summary"] = format_estimates(variant.name, rows)
+        facts["manifest"] = {"ascend950_estimates_ms": {f"N{r['N']}_S{r['S']}": r["ms"] for r in rows if r["selected"]}}
     (out_dir / "facts.json").write_text(json.dumps(facts, indent=2, sort_keys=True) + "\n")
     return facts
 
@@ -205,12 +216,15 @@ class AscendLauncher:
     first call), or on the CPU model of the DSL (``settings.backend == "model"``), with the same
     argument preparation either way.
 
-    ``artifact``: the generated kernel.py path, or the directory containing it.
+    ``artifact``: the generated kernel.py path, the directory containing it, or the build's
+    translated.json (which names its source).
     """
 
     def __init__(self, variant, artifact, settings: Optional[AscendSettings] = None):
         self.variant = variant
         path = pathlib.Path(artifact)
+        if path.suffix == ".json":
+            path = ROOT / json.loads(path.read_text())["source"]
         self.source = path / "kernel.py" if path.is_dir() else path
         self.settings = settings or AscendSettings()
         self._hosts: dict = {}
