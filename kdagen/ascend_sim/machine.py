@@ -58,7 +58,7 @@ class PerSub:
     def __mod__(self, o): return self._op(o, lambda a, b: a % b)
     def __neg__(self): return PerSub(-a for a in self.v)
 
-    def _cmp(self, o, f):
+    def _cmp(self, o=None, f=None):
         raise ModelError("a comparison of a subblock-dependent value (get_subblock_id) decides control "
                          "flow: the model requires both vector subblocks to run the same statements")
 
