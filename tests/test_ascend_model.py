@@ -38,10 +38,10 @@ def prefill_on_model(v: Variant, source, settings: AscendSettings):
 
 CASES = {
     # name: (make_case arguments, lower_bound, allow_neg_eigval, settings)
-    "bsnd_gqa_batch2_groups": (dict(B=2, T=128, H=1, HV=2, layout="BSND", gate_scenario="normal"), -5.0, False,
-                               AscendSettings(group_chunks=1, blocks=3)),
-    "bnsd_lbmin_strongest_decay": (dict(B=1, T=128, H=2, HV=2, layout="BNSD", gate_scenario="dt=+8"),
-                                   LOWER_BOUND_MIN, False, AscendSettings(blocks=2)),
+    "bsnd_batch2_groups": (dict(B=2, T=128, H=1, HV=1, layout="BSND", gate_scenario="normal"), -5.0, False,
+                           AscendSettings(group_chunks=1, blocks=3)),
+    "bnsd_gqa_lbmin_strongest_decay": (dict(B=1, T=128, H=1, HV=2, layout="BNSD", gate_scenario="dt=+8"),
+                                       LOWER_BOUND_MIN, False, AscendSettings(blocks=2)),
     "bsnd_uniform_gates_no_h0_negeig": (dict(B=1, T=192, H=1, HV=1, layout="BSND", gate_scenario="U(-8,8)",
                                              with_state=False), -5.0, True, AscendSettings(group_chunks=2, blocks=4)),
 }
@@ -151,3 +151,10 @@ def test_model_catches_a_missing_global_sync(tmp_path):
     kw.pop("gate")
     with pytest.raises(ModelError, match="same phase|global syncs"):
         model_prefill(v, path, settings=AscendSettings(blocks=2), **kw)
+
+
+def test_many_heads_k64():
+    """K = 64 with HV > 64 (the per-head A_log and dt_bias rows no longer share a scratch row)."""
+    v = _variant(64, 64)
+    kw = make_case(v, "cpu", B=1, T=64, H=3, HV=66, seed=12)
+    run_and_compare(v, kw, prefill=prefill_on_model(v, SPEC_DIR / v.name / "kernel.py", AscendSettings(blocks=8)))

@@ -2,10 +2,11 @@
 
 The twin runs the Ascend kernel's stage decomposition (stage 1 per (chunk, head) into an fp32
 workspace, stage 2 the V-split recurrence) under the Triton CPU interpreter
-(TRITON_INTERPRET=1) or on a GPU, so the algorithm the Ascend kernel encodes is checked
-against the float64 reference in CI. Like the Ascend kernel it works in groups of G chunks
-(G from ``ascend.group_chunks``, the same rule): stage 1 for the group's chunks, stage 2 over
-them, with one group-sized workspace reused and the fp32 state carried between groups.
+(TRITON_INTERPRET=1) or on a GPU. It is a separate implementation of the algorithm: the Ascend
+kernel itself is checked by running its own program on the DSL model (kdagen.ascend_sim).
+Like the Ascend kernel it works in groups of G chunks (G from ``ascend.group_chunks``, the same
+rule): stage 1 for the group's chunks, stage 2 over them, with one group-sized workspace reused
+and the fp32 state carried between groups.
 """
 
 from __future__ import annotations
