@@ -15,7 +15,7 @@ import numpy as np
 
 from . import memory as M
 from . import reg  # noqa: F401  (``from cannbotdsl import reg``)
-from .machine import AIC, SUBBLOCKS, Grid, ModelError, PerSub, Stats, at, current, uniform
+from .machine import AIC, SUBBLOCKS, Grid, ModelError, PerSub, Stats, current, uniform
 from .memory import MemLoc, View
 
 dtypes = SimpleNamespace(float32=M.float32, bfloat16=M.bfloat16, float16=M.float16)
