@@ -281,8 +281,22 @@ def _build_locked(spec_name: str, build_root: Path, steps: list[Step], gen_manif
     if proc.returncode != 0:
         raise BuildError(f"build of spec {spec_name} failed (see the quoted log above; logs are in {rel(build_root)}/<variant>/build.log)")
     if not quiet:
+        for s in steps:  # a step's own report (the Ascend translation's time estimates)
+            summary = _step_json(s).get("summary")
+            if summary:
+                print(summary, flush=True)
         print(f"kdagen: spec {spec_name} done in {time.monotonic() - t0:.1f} s", flush=True)
     return write_build_manifest(spec_name, build_root, steps, known)
+
+
+def _step_json(s: Step) -> dict:
+    """A JSON artifact's contents ({} for binaries and stamps)."""
+    if s.artifact.suffix != ".json" or not s.artifact.exists():
+        return {}
+    try:
+        return json.loads(s.artifact.read_text())
+    except json.JSONDecodeError:
+        return {}
 
 
 def _trust_content_keys(build_root: Path, steps: list[Step]) -> None:
@@ -316,6 +330,7 @@ def write_build_manifest(spec_name: str, build_root: Path, steps: list[Step], kn
             entry["toolchain"] = nvcc_version()  # lets a machine without nvcc check the key
             if s.log.exists():
                 entry["ptxas"] = parse_ptxas(s.log.read_text())
+        entry.update(_step_json(s).get("manifest", {}))
         entries[s.variant.name] = entry
     manifest = {"kdagen_version": __version__, "spec": spec_name, "nvcc": nvcc_version(), "variants": entries}
     write_if_different(path, (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode())

@@ -133,7 +133,9 @@ TARGETS: dict[str, TargetInfo] = {
         dtypes=("bf16",),
         gates=("bounded",),
         states=("fp32",),
-        block_v=(64,),
+        # The seed's adaptive Dv split: one variant per width, selection takes the widest that
+        # still gives every AI core a stage-2 task (vsplit_min_waves below).
+        block_v=(16, 32, 64, 128),
         layouts=("bnsd", "bsnd"),
         varlen=False,
         gqa=True,
@@ -141,6 +143,12 @@ TARGETS: dict[str, TargetInfo] = {
         build="ascend",
         launcher="kdagen.targets.ascend:AscendLauncher",
         hardware_validated=False,
+        # Stage 2 runs one (batch x head, V slice) task per AI core (both vector subblocks share it).
+        # The seed's measured rule (get_dv_base_config: 16/32/64/128 for B*HV <= 4/8/16/more at
+        # V = 128): the widest block_v that still gives more than half of the 32 AI cores a task.
+        vsplit_min_waves=17.0,
+        rejects=((((("k", 64), ("v", 128)), "the Ascend kernel implements K == V"),
+                 ((("k", 128), ("v", 64)), "the Ascend kernel implements K == V"))),
         twin="triton_twin",
         devices=("npu",), rank=0,
     ),
@@ -156,7 +164,7 @@ TARGETS: dict[str, TargetInfo] = {
         dtypes=("bf16", "fp16"),
         gates=("bounded", "precomputed"),
         states=("fp32",),
-        block_v=(16, 32, 64),
+        block_v=(16, 32, 64, 128),
         layouts=("bnsd", "bsnd"),
         varlen=True,
         gqa=True,
