@@ -120,5 +120,7 @@ constexpr int BAR_PREP = 1;
 
 // Read by the launcher: (shared memory bytes, threads, chunk, K, V, consumer warpgroups (BV / 64),
 // NIN, NREC).
+#ifndef KDA_LAYOUT_ONLY  // (host-side tools that print the layout define it)
 extern "C" __device__ int kda_meta[8] = {kda::SMEM_BYTES, kda::NT, kda::C, kda::K, kda::V, kda::NCONS, kda::NIN,
                                           kda::NREC};
+#endif

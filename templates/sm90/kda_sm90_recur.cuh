@@ -78,6 +78,8 @@ __device__ __forceinline__ void consumer_role(const KdaParams& p, const SeqInfo&
   // ldmatrix.x4.trans of v^T (A fragment: m = V rows of this warp, k = the chunk's 16 time steps):
   // matrix mi = lane / 8 holds time steps 8 (mi >> 1) .. + 7 and V columns v0 + 8 (mi & 1) .. + 7.
   const int vt_row = ((lane >> 3) >> 1) * 8 + (lane & 7), vt_col = v0 + ((lane >> 3) & 1) * 8;
+  // U^T and o^T accumulators (m64n16: 8 per thread); each step overwrites them (scale-d = 0).
+  float au[8] = {}, ao[8] = {};
 
   for (int c = 0; c < si.nc; ++c) {
     const int r = c % NREC, vs = c % NV;
@@ -102,10 +104,8 @@ __device__ __forceinline__ void consumer_role(const KdaParams& p, const SeqInfo&
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
       const int k0 = 2 * t4 + 8 * (q >> 1);
-      uint32_t x = to_bf16x2(va[q]);
-      if (k0 >= rows) x &= 0xffff0000u;
-      if (k0 + 1 >= rows) x &= 0x0000ffffu;
-      va[q] = x;
+      const uint32_t keep = (k0 < rows ? 0x0000ffffu : 0u) | (k0 + 1 < rows ? 0xffff0000u : 0u);
+      va[q] = to_bf16x2(va[q]) & keep;
     }
     sm90::mbar_arrive(bars + B_V_EMPTY + vs);
 
@@ -130,7 +130,6 @@ __device__ __forceinline__ void consumer_role(const KdaParams& p, const SeqInfo&
       return sm90::make_desc(ra + tile + (ks >> 2) * (C * 128) + (ks & 3) * 32, 16, 1024, sm90::LAYOUT_SW128);
     };
 
-    float au[8], ao[8];
     sm90::reg_fence(s);
     sm90::reg_fence(sa);
     sm90::reg_fence(va);
