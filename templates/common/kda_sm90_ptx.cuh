@@ -28,13 +28,24 @@ __device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t by
 // Wait until the phase with the given parity has completed (acquire at CTA scope). A freshly
 // initialised barrier is in phase 0, so waiting for parity 1 returns at once: "empty" barriers
 // are waited with the flipped parity and need no initial arrival.
+// A wait that spins far longer than any legitimate one (2^28 retries: seconds, where waits here
+// take microseconds, milliseconds under compute-sanitizer) traps: a protocol error becomes a
+// launch failure the caller sees, not a hang. Written as one asm block: a C++ loop around
+// try_wait changed the schedule enough to spill (ptxas 13.0, 512-thread variants).
 __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
   asm volatile(
       "{\n"
-      ".reg .pred done;\n"
+      ".reg .pred done, stuck;\n"
+      ".reg .u32 tries;\n"
+      "mov.u32 tries, 0;\n"
       "WAIT_%=:\n"
       "mbarrier.try_wait.parity.acquire.cta.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra WAIT_%=;\n"
+      "@done bra DONE_%=;\n"
+      "add.u32 tries, tries, 1;\n"
+      "setp.eq.u32 stuck, tries, 268435456;\n"
+      "@stuck trap;\n"
+      "bra WAIT_%=;\n"
+      "DONE_%=:\n"
       "}\n" ::"r"(saddr(bar)),
       "r"(parity)
       : "memory");

@@ -78,8 +78,6 @@ __device__ __forceinline__ void consumer_role(const KdaParams& p, const SeqInfo&
   // ldmatrix.x4.trans of v^T (A fragment: m = V rows of this warp, k = the chunk's 16 time steps):
   // matrix mi = lane / 8 holds time steps 8 (mi >> 1) .. + 7 and V columns v0 + 8 (mi & 1) .. + 7.
   const int vt_row = ((lane >> 3) >> 1) * 8 + (lane & 7), vt_col = v0 + ((lane >> 3) & 1) * 8;
-  // U^T and o^T accumulators (m64n16: 8 per thread); each step overwrites them (scale-d = 0).
-  float au[8] = {}, ao[8] = {};
 
   for (int c = 0; c < si.nc; ++c) {
     const int r = c % NREC, vs = c % NV;
@@ -130,6 +128,9 @@ __device__ __forceinline__ void consumer_role(const KdaParams& p, const SeqInfo&
       return sm90::make_desc(ra + tile + (ks >> 2) * (C * 128) + (ks & 3) * 32, 16, 1024, sm90::LAYOUT_SW128);
     };
 
+    // U^T and o^T accumulators (m64n16: 8 per thread), local to the step (the first product of
+    // each overwrites them: scale-d = 0).
+    float au[8], ao[8];
     sm90::reg_fence(s);
     sm90::reg_fence(sa);
     sm90::reg_fence(va);
