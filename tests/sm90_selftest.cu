@@ -2,7 +2,7 @@
 // nvcc and checks each result against torch on the GPU). Each kernel is one warpgroup exercising
 // one operand form exactly as templates/sm90 uses it, so a failure names the broken piece:
 //   t_k16:  D[64x16]  = sum_ks A_ks B_ks^T, A from registers, B K-major 128B-swizzled [16][128]
-//           (8 k-steps: the Qd / W descriptors), scale-a = +1 or -1
+//           (8 k-steps: the Qd / W descriptors), scale-a +1 (t_k16n: -1)
 //   t_mn:   D[64x128] = A B, A [64x16] from registers, B MN-major 128B-swizzled [16][128] (Kr)
 //   t_vt:   D[64x16]  = v^T Bil^T: v [16][64] bulk-copied (mbarrier complete_tx) into rows of
 //           144 bytes, A = v^T by ldmatrix.trans with time steps >= rows zeroed, B interleaved
@@ -19,7 +19,7 @@ struct SelfTestArgs {
   const __nv_bfloat16* a;  // A operand, row-major
   const __nv_bfloat16* b;  // B operand, row-major as described per kernel
   float* d;                // result, row-major
-  int flag;                // t_k16: 1 -> scale-a = -1; t_vt: valid time steps
+  int flag;                // t_vt: valid time steps
   int pad;
 };
 
@@ -50,7 +50,8 @@ __device__ __forceinline__ void store_acc(float* D, const float (&acc)[NT][4]) {
     for (int e = 0; e < 4; ++e) D[(16 * w + g8 + 8 * (e >> 1)) * (8 * NT) + 8 * nt + 2 * t4 + (e & 1)] = acc[nt][e];
 }
 
-extern "C" __global__ void __launch_bounds__(128) t_k16(const SelfTestArgs p) {
+template <int SCALE_A>
+__device__ __forceinline__ void k16_body(const SelfTestArgs& p) {
   __shared__ __align__(16) char sraw[16 * 128 * 2 + 1024];
   char* sb = align1024(sraw);
   for (int e = threadIdx.x; e < 16 * 128; e += 128) {
@@ -69,14 +70,16 @@ extern "C" __global__ void __launch_bounds__(128) t_k16(const SelfTestArgs p) {
 #pragma unroll
   for (int ks = 0; ks < 8; ++ks) {
     const uint64_t desc = sm90::make_desc(ra + (ks >> 2) * (16 * 128) + (ks & 3) * 32, 16, 1024, sm90::LAYOUT_SW128);
-    if (p.flag) sm90::wgmma_m64n16_rs<-1>(acc, a[ks], desc, ks > 0);
-    else sm90::wgmma_m64n16_rs<1>(acc, a[ks], desc, ks > 0);
+    sm90::wgmma_m64n16_rs<SCALE_A>(acc, a[ks], desc, ks > 0);
   }
   sm90::wgmma_commit();
   sm90::wgmma_wait<0>();
   sm90::reg_fence(acc);
   store_acc<2>(p.d, *reinterpret_cast<const float(*)[2][4]>(acc));
 }
+
+extern "C" __global__ void __launch_bounds__(128) t_k16(const SelfTestArgs p) { k16_body<1>(p); }
+extern "C" __global__ void __launch_bounds__(128) t_k16n(const SelfTestArgs p) { k16_body<-1>(p); }
 
 extern "C" __global__ void __launch_bounds__(128) t_mn(const SelfTestArgs p) {
   __shared__ __align__(16) char sraw[16 * 128 * 2 + 1024];
