@@ -66,12 +66,13 @@ constexpr int CP = C + 4;
 constexpr int SPW = K >= 128 ? 2 : 1;  // 16-column K slices per L/Mqk warp
 constexpr int NMW = K / 16 / SPW;      // warps computing L/Mqk partials
 constexpr int KB1 = K + 8;             // bf16 row pitch (conflict-free ldmatrix)
-constexpr int IP1 = 24;
+constexpr int IPF = 20;                // fp32 row pitch of (I+L)^-1 (16-byte rows)
 constexpr int S_G = 0;                          // f32 [C][KP] cumulative gate
 constexpr int S_PART = S_G + C * KP * 4;        // f32 [NMW][2][16][16] partial L, Mqk
 constexpr int S_LT = S_PART + NMW * 512 * 4;    // f32 [C][CP] L^T (times b)
-constexpr int S_B = S_LT + C * CP * 4;          // f32 [C] beta
-constexpr int S_RQ = S_B + C * 4;               // f32 [C] L2-norm factors of q, k
+constexpr int S_B = S_LT + C * CP * 4;          // f32 [2][C] beta (by chunk parity: phase 5 of
+                                                //   chunk c reads it while chunk c + 1 starts)
+constexpr int S_RQ = S_B + 2 * C * 4;           // f32 [C] L2-norm factors of q, k
 constexpr int S_RK = S_RQ + C * 4;
 constexpr int S_DG = S_RK + C * 4;              // f32 [C] <q^_i, k^_i> (Mqk's diagonal, exact)
 constexpr int S_AK = S_DG + C * 4;              // bf16 [C][KB1] k e^G
@@ -79,9 +80,8 @@ constexpr int S_AQ = S_AK + C * KB1 * 2;        // bf16 [C][KB1] q e^G
 constexpr int S_BK = S_AQ + C * KB1 * 2;        // bf16 [C][KB1] k e^-G
 constexpr int S_XH = S_BK + C * KB1 * 2;        // bf16 [C][KB1] b k e^G, high part
 constexpr int S_XL = S_XH + C * KB1 * 2;        //                       low part
-constexpr int S_IH = S_XL + C * KB1 * 2;        // bf16 [16][IP1] (I+L)^-1 high
-constexpr int S_IL = S_IH + 16 * IP1 * 2;       //                        low
-constexpr int SCR_BYTES = (S_IL + 16 * IP1 * 2 + 15) / 16 * 16;
+constexpr int S_INV = S_XL + C * KB1 * 2;       // f32 [16][IPF] (I+L)^-1
+constexpr int SCR_BYTES = (S_INV + 16 * IPF * 4 + 15) / 16 * 16;
 static_assert(C * (K / 8) == NTP && NMW <= NWP && K / 16 == NWP, "chunk 16 prep layout");
 
 // ---- ring depths ----

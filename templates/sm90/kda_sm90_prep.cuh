@@ -1,8 +1,8 @@
 // kdagen sm90: the prep group (NTP = 2K threads). Per chunk it turns the bulk-copied q, k, g rows
 // (and beta, read from global one chunk ahead) into the chunk record the consumers read: Qd, W,
 // Kr, Mqk, (I+L)^-1 diag(b) and Gamma_C. The arithmetic is the sm80 chunk-16 prep's (GPU-verified
-// there); what differs is where inputs come from and where outputs go. Warp 0 also issues the
-// bulk copies of the q/k/g and v rings, NIN - 1 chunks ahead.
+// there); what differs is where inputs come from and where outputs go. The last prep warp also
+// issues the bulk copies of the q/k/g and v rings, NIN chunks ahead.
 #pragma once
 #include "kda_sm90_layout.cuh"
 
@@ -42,9 +42,9 @@ struct SeqInfo {
 };
 
 // Issue the bulk copies of chunk cc (q, k, g into its IN stage; v into its V stage) from the 32
-// lanes of the prep group's warp 0. The IN stage was last read by the prep group's chunk
-// cc - NIN, which every prep thread finished before the barriers of that chunk; the V stage is
-// released by the consumers (v_empty).
+// lanes of the prep group's copy warp. The IN stage was last read by the prep group's chunk
+// cc - NIN, in phases 0-2 of that chunk (this runs in its phase 4); the V stage is released by
+// the consumers (v_empty).
 __device__ __forceinline__ void issue_chunk(const KdaParams& p, const SeqInfo& si, int cc, char* base, uint64_t* bars,
                                             int lane) {
   if (cc >= si.nc) return;
@@ -100,8 +100,7 @@ __device__ __forceinline__ void prep_role(const KdaParams& p, const SeqInfo& si,
   bf16* sBK = reinterpret_cast<bf16*>(scr + S_BK);
   bf16* sXh = reinterpret_cast<bf16*>(scr + S_XH);
   bf16* sXl = reinterpret_cast<bf16*>(scr + S_XL);
-  bf16* sIh = reinterpret_cast<bf16*>(scr + S_IH);
-  bf16* sIl = reinterpret_cast<bf16*>(scr + S_IL);
+  float* sInv = reinterpret_cast<float*>(scr + S_INV);
 
   constexpr int GPR = K / 8;  // 8-column groups per row; C * GPR == NTP
   const int ri = tid / GPR, d = (tid % GPR) * 8;
@@ -115,13 +114,15 @@ __device__ __forceinline__ void prep_role(const KdaParams& p, const SeqInfo& si,
 #endif
   const int g8 = lane >> 2, t4 = lane & 3, lm = lane >> 3, lr = lane & 7;
 
-  if (warp == 0) {
-    for (int cc = 0; cc < NIN - 1; ++cc) issue_chunk(p, si, cc, base, bars, lane);
+  // The copy warp: the last prep warp, which has no part in the substitution (phase 4, warp 0),
+  // issues chunk c + NIN during phase 4 of chunk c, into the stage chunk c has finished reading.
+  constexpr int COPY_WARP = NWP - 1;
+  if (warp == COPY_WARP) {
+    for (int cc = 0; cc < NIN; ++cc) issue_chunk(p, si, cc, base, bars, lane);
   }
   uint32_t rb_next = load_beta(p, si, 0, ri);
 
   for (int c = 0; c < si.nc; ++c) {
-    if (warp == 0) issue_chunk(p, si, c + NIN - 1, base, bars, lane);
     const uint32_t rb = rb_next;
     rb_next = load_beta(p, si, c + 1, ri);  // one chunk ahead: its latency hides behind this chunk
     const int rows = min(C, si.len - c * C);
@@ -134,6 +135,7 @@ __device__ __forceinline__ void prep_role(const KdaParams& p, const SeqInfo& si,
 
     // ---- 0. inputs (rows past the end are stale shared memory: selected away, never multiplied)
     const bool live = ri < rows;
+    float* sbc = sb + (c & 1) * C;  // this chunk's beta
     const uint4 rq = *reinterpret_cast<const uint4*>(in + IN_Q + ri * QROW + d * 2);
     const uint4 rk = *reinterpret_cast<const uint4*>(in + IN_K + ri * QROW + d * 2);
     float xq[8], xk[8];
@@ -198,7 +200,7 @@ __device__ __forceinline__ void prep_role(const KdaParams& p, const SeqInfo& si,
 #pragma unroll
       for (int o = GPR / 2; o > 0; o >>= 1) dqk += __shfl_xor_sync(0xffffffffu, dqk, o);
       if (d == 0) {
-        sb[ri] = b;
+        sbc[ri] = b;
         srq[ri] = aq;
         srk[ri] = ak;
         sdg[ri] = dqk;
@@ -312,7 +314,7 @@ __device__ __forceinline__ void prep_role(const KdaParams& p, const SeqInfo& si,
         l += spart[w * 512 + u];
         m += spart[w * 512 + 256 + u];
       }
-      if (i > j) sLT[j * CP + i] = sb[i] * l;
+      if (i > j) sLT[j * CP + i] = sbc[i] * l;
       const float mq = i > j ? p.scale * m : i == j ? p.scale * sdg[i] : 0.f;
       const bf16 mh = __float2bfloat16_rn(mq);
       *reinterpret_cast<bf16*>(rec + R_MQ + sm90::il16_k(i, j)) = mh;
@@ -320,34 +322,39 @@ __device__ __forceinline__ void prep_role(const KdaParams& p, const SeqInfo& si,
     }
     sm90::named_sync<BAR_PREP, NTP>();
 
-    // ---- 4. (I + L)^-1, column j on thread j: right-looking forward substitution on e_j.
-    // Kept split (hi + lo bf16) for W here, and times diag(b) in the record for U0 = A^-1 (b v).
+    // ---- 4. (I + L)^-1, column j on thread j: right-looking forward substitution on e_j, into
+    // shared memory in fp32 (the conversions are spread over every thread in phase 5). Meanwhile
+    // the copy warp refills the input stage of this chunk (read for the last time in phase 2).
     if (tid < C) {
       const int j = tid;
       float x[C];
 #pragma unroll
       for (int i = 0; i < C; ++i) x[i] = i == j ? 1.f : 0.f;
       forward_subst(x, sLT);
-      const float bj = sb[j];
 #pragma unroll
-      for (int i = 0; i < C; ++i) {
-        const bf16 hi = __float2bfloat16_rn(x[i]);
-        sIh[i * IP1 + j] = hi;
-        sIl[i * IP1 + j] = __float2bfloat16_rn(x[i] - __bfloat162float(hi));
-        const float y = x[i] * bj;
-        const bf16 yh = __float2bfloat16_rn(y);
-        *reinterpret_cast<bf16*>(rec + R_AH + sm90::il16_k(i, j)) = yh;
-        *reinterpret_cast<bf16*>(rec + R_AL + sm90::il16_k(i, j)) = __float2bfloat16_rn(y - __bfloat162float(yh));
-      }
+      for (int i = 0; i < C; ++i) sInv[i * IPF + j] = x[i];
     }
+    if (warp == COPY_WARP) issue_chunk(p, si, c + NIN, base, bars, lane);
     sm90::named_sync<BAR_PREP, NTP>();
 
-    // ---- 5. W = (I + L)^-1 X (X = b k e^G, split hi + lo: hi hi + hi lo + lo hi), 16 columns per
-    // warp, into the record (4-byte pieces: 8 rows x 16 bytes of one atom row chunk per warp store).
+    // ---- 5. (I + L)^-1 diag(b) (hi + lo) into the record for the consumers' U0 = A^-1 (b v);
+    // W = (I + L)^-1 X (X = b k e^G, split hi + lo: hi hi + hi lo + lo hi), 16 columns per warp,
+    // into the record (4-byte pieces: 8 rows x 16 bytes of one atom row chunk per warp store).
+    for (int u = tid; u < 256; u += NTP) {
+      const int i = u >> 4, j = u & 15;
+      const float y = sInv[i * IPF + j] * sbc[j];
+      const bf16 yh = __float2bfloat16_rn(y);
+      *reinterpret_cast<bf16*>(rec + R_AH + sm90::il16_k(i, j)) = yh;
+      *reinterpret_cast<bf16*>(rec + R_AL + sm90::il16_k(i, j)) = __float2bfloat16_rn(y - __bfloat162float(yh));
+    }
     {
+      // A fragments of (I + L)^-1 (rows g8, g8 + 8; columns 2 t4 (+ 8)), split hi + lo
       uint32_t ah[4], al[4];
-      ldsm_x4(ah, sIh + (lr + 8 * (lm & 1)) * IP1 + 8 * (lm >> 1));
-      ldsm_x4(al, sIl + (lr + 8 * (lm & 1)) * IP1 + 8 * (lm >> 1));
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const float2 x = *reinterpret_cast<const float2*>(sInv + (g8 + 8 * (q & 1)) * IPF + 2 * t4 + 8 * (q >> 1));
+        split_bf16(x.x, x.y, ah[q], al[q]);
+      }
       const int n0 = 16 * warp;
       uint32_t bh[4], bl[4];
       ldsm_x4_t(bh, sXh + (lr + 8 * (lm & 1)) * KB1 + n0 + 8 * (lm >> 1));

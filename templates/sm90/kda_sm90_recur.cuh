@@ -78,6 +78,20 @@ __device__ __forceinline__ void consumer_role(const KdaParams& p, const SeqInfo&
   // ldmatrix.x4.trans of v^T (A fragment: m = V rows of this warp, k = the chunk's 16 time steps):
   // matrix mi = lane / 8 holds time steps 8 (mi >> 1) .. + 7 and V columns v0 + 8 (mi & 1) .. + 7.
   const int vt_row = ((lane >> 3) >> 1) * 8 + (lane & 7), vt_col = v0 + ((lane >> 3) & 1) * 8;
+  // Descriptors of the tiles of record slot 0. Slot r and the k-steps are offsets added to the
+  // start-address field (bits 0-13, 16-byte units: shared addresses < 256 KB never carry out of
+  // it), so a step adds constants instead of rebuilding 20 descriptors.
+  // Qd / W: K-major 128B-swizzled [16][K] (k-step ks: 64-column group ks / 4, 32 bytes per step
+  // inside it); Kr: MN-major 128B-swizzled [16][K]; Mqk, A: interleaved [16][16].
+  const uint32_t r0 = sm90::saddr(base + SM_REC);
+  const uint64_t dAH0 = sm90::make_desc(r0 + R_AH, 128, 256, sm90::LAYOUT_INTERLEAVE);
+  const uint64_t dAL0 = sm90::make_desc(r0 + R_AL, 128, 256, sm90::LAYOUT_INTERLEAVE);
+  const uint64_t dMq0 = sm90::make_desc(r0 + R_MQ, 128, 256, sm90::LAYOUT_INTERLEAVE);
+  const uint64_t dMl0 = sm90::make_desc(r0 + R_ML, 128, 256, sm90::LAYOUT_INTERLEAVE);
+  const uint64_t dKr0 = sm90::make_desc(r0 + R_KR, 1024, K * 16, sm90::LAYOUT_SW128);
+  const uint64_t dQd0 = sm90::make_desc(r0 + R_QD, 16, 1024, sm90::LAYOUT_SW128);
+  const uint64_t dW0 = sm90::make_desc(r0 + R_W, 16, 1024, sm90::LAYOUT_SW128);
+  auto kstep = [](int ks) { return (uint64_t)(((ks >> 2) * (C * 128) + (ks & 3) * 32) >> 4); };
 
   for (int c = 0; c < si.nc; ++c) {
     const int r = c % NREC, vs = c % NV;
@@ -109,7 +123,7 @@ __device__ __forceinline__ void consumer_role(const KdaParams& p, const SeqInfo&
 
     sm90::mbar_wait(bars + B_REC_FULL + r, (c / NREC) & 1);
     const char* rec = base + SM_REC + r * REC_BYTES;
-    const uint32_t ra = sm90::saddr(rec);
+    const uint64_t so = (uint64_t)(r * (REC_BYTES >> 4));  // slot r, in descriptor units
     {
       const float* gm = reinterpret_cast<const float*>(rec + R_GM);
 #pragma unroll
@@ -118,16 +132,7 @@ __device__ __forceinline__ void consumer_role(const KdaParams& p, const SeqInfo&
         s[nt][0] *= g.x; s[nt][1] *= g.y; s[nt][2] *= g.x; s[nt][3] *= g.y;
       }
     }
-    // Descriptors. Qd / W: K-major 128B-swizzled [16][K] (k-step ks: 64-column group ks / 4,
-    // 32 bytes per step inside it); Kr: MN-major 128B-swizzled [16][K]; Mqk, A: interleaved [16][16].
-    const uint64_t dAH = sm90::make_desc(ra + R_AH, 128, 256, sm90::LAYOUT_INTERLEAVE);
-    const uint64_t dAL = sm90::make_desc(ra + R_AL, 128, 256, sm90::LAYOUT_INTERLEAVE);
-    const uint64_t dMq = sm90::make_desc(ra + R_MQ, 128, 256, sm90::LAYOUT_INTERLEAVE);
-    const uint64_t dMl = sm90::make_desc(ra + R_ML, 128, 256, sm90::LAYOUT_INTERLEAVE);
-    const uint64_t dKr = sm90::make_desc(ra + R_KR, 1024, K * 16, sm90::LAYOUT_SW128);
-    auto dk = [&](int tile, int ks) {
-      return sm90::make_desc(ra + tile + (ks >> 2) * (C * 128) + (ks & 3) * 32, 16, 1024, sm90::LAYOUT_SW128);
-    };
+    const uint64_t dAH = dAH0 + so, dAL = dAL0 + so, dMq = dMq0 + so, dMl = dMl0 + so, dKr = dKr0 + so;
 
     // U^T and o^T accumulators (m64n16: 8 per thread), local to the step (the first product of
     // each overwrites them: scale-d = 0).
@@ -140,11 +145,11 @@ __device__ __forceinline__ void consumer_role(const KdaParams& p, const SeqInfo&
     sm90::wgmma_m64n16_rs<1>(au, va, dAH, false);
     sm90::wgmma_m64n16_rs<1>(au, va, dAL, true);
 #pragma unroll
-    for (int ks = 0; ks < K / 16; ++ks) sm90::wgmma_m64n16_rs<-1>(au, sa[ks], dk(R_W, ks), true);
+    for (int ks = 0; ks < K / 16; ++ks) sm90::wgmma_m64n16_rs<-1>(au, sa[ks], dW0 + so + kstep(ks), true);
     sm90::wgmma_commit();
     // o^T = S Qd^T (off the chain: issued behind U, waited for at the end of the step)
 #pragma unroll
-    for (int ks = 0; ks < K / 16; ++ks) sm90::wgmma_m64n16_rs<1>(ao, sa[ks], dk(R_QD, ks), ks > 0);
+    for (int ks = 0; ks < K / 16; ++ks) sm90::wgmma_m64n16_rs<1>(ao, sa[ks], dQd0 + so + kstep(ks), ks > 0);
     sm90::wgmma_commit();
     sm90::wgmma_wait<1>();
     sm90::reg_fence(au);
