@@ -125,6 +125,29 @@ TARGETS: dict[str, TargetInfo] = {
         preferred_block_v=32,
         devices=("cuda",), min_compute_capability=(8, 0), rank=1,
     ),
+    # One fused kernel per variant (templates/sm90/DESIGN.md): bulk copies on mbarriers, the prep
+    # in shared memory, wgmma with the fp32 state in registers. block_v: V columns per CTA (one
+    # consumer warpgroup per 64); below V the prep is repeated by each of a head's V/block_v CTAs.
+    "sm90": TargetInfo(
+        name="sm90",
+        description="CUDA C++ for Hopper (sm_90a): one fused kernel, bulk copies on mbarriers, wgmma, setmaxnreg",
+        chunks=(16,),
+        head_dims=(64, 128),
+        dtypes=("bf16", "fp16"),
+        gates=("bounded", "unbounded", "precomputed"),
+        states=("fp32", "bf16", "none"),
+        block_v=(64, 128),
+        layouts=("bnsd", "bsnd"),
+        varlen=True,
+        gqa=True,
+        templates=(("sm90/kda_fwd.cu.j2", "kernel.cu"),),
+        build="nvcc",
+        launcher="kdagen.targets.sm90:Sm90Launcher",
+        nvcc_flags=("-O3", "-std=c++17", "--use_fast_math", "-gencode=arch=compute_90a,code=sm_90a"),
+        includes=("common", "sm90"),
+        # Not measured yet: the sm80 target's V-split rule (widest block_v giving ~0.7 CTAs per SM).
+        vsplit_min_waves=0.7,
+    ),
     "ascend": TargetInfo(
         name="ascend",
         description="CANNBot-DSL kernels for Ascend 950 (NPU ARCH 3510), translated to AscendC on CPU",
