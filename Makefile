@@ -38,7 +38,7 @@ verify: setup
 # The sm80 ptxas checks read the build of specs/a100.yaml: build it first where nvcc exists
 # (incremental: a no-op when nothing changed).
 test: setup
-	@if command -v nvcc >/dev/null 2>&1; then $(KDAGEN) build --spec specs/a100.yaml; fi
+	@if command -v nvcc >/dev/null 2>&1; then $(KDAGEN) build --spec specs/a100.yaml && $(KDAGEN) build --spec specs/sm90_dev.yaml; fi
 	$(BIN)/python -m pytest -q
 
 # The package as a user gets it: the wheel in a fresh virtual environment outside the source

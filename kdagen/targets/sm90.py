@@ -16,7 +16,9 @@ import torch
 from ..abi import KdaCall
 from ..variant import Variant
 from .cuda_driver import load_module
-from .sm80 import KdaParams, _aligned_btH, _ptr, check_shared_memory
+from .cuda_launch import KdaParams, check_shared_memory
+from .cuda_launch import aligned_btH as _aligned_btH
+from .cuda_launch import ptr as _ptr
 
 _IN_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 _STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "none": torch.float32}
