@@ -266,7 +266,7 @@ def _build_locked(spec_name: str, build_root: Path, steps: list[Step], gen_manif
     for s in steps:
         s.artifact.parent.mkdir(parents=True, exist_ok=True)
         write_if_different(s.key_file, (s.key + "\n").encode())
-    _trust_content_keys(build_root, steps)
+    fresh = _trust_content_keys(build_root, steps)
     ninja_file = build_root / "build.ninja"
     write_if_different(ninja_file, _ninja_file(steps, build_root).encode())
     jobs = jobs or default_jobs()
@@ -274,11 +274,16 @@ def _build_locked(spec_name: str, build_root: Path, steps: list[Step], gen_manif
         print(f"kdagen: building {len(steps)} variant(s) of spec {spec_name} with {jobs} job(s) "
               f"[nvcc {nvcc_version()}] in {rel(build_root)}", flush=True)
     env = dict(os.environ, NINJA_STATUS="[%f/%t] ", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    targets = [str(s.artifact) for s in steps]
+    # Only what the content keys call stale goes to ninja: a build folder carried to another
+    # checkout path has other command lines (absolute paths) in build.ninja, which ninja alone
+    # would take for changes and rebuild everything.
+    targets = [str(s.artifact) for s in steps if s.variant.name not in fresh]
     t0 = time.monotonic()
+    if fresh and not quiet:
+        print(f"kdagen: {len(fresh)} of {len(steps)} up to date by content key", flush=True)
     proc = subprocess.run([ninja_path(), "-f", str(ninja_file), "-j", str(jobs), *targets], cwd=build_root, env=env,
-                          stdout=2 if quiet else None)  # fd 2: progress on stderr
-    if proc.returncode != 0:
+                          stdout=2 if quiet else None) if targets else None  # fd 2: progress on stderr
+    if proc is not None and proc.returncode != 0:
         raise BuildError(f"build of spec {spec_name} failed (see the quoted log above; logs are in {rel(build_root)}/<variant>/build.log)")
     if not quiet:
         for s in steps:  # a step's own report (the Ascend translation's time estimates)
@@ -299,24 +304,27 @@ def _step_json(s: Step) -> dict:
         return {}
 
 
-def _trust_content_keys(build_root: Path, steps: list[Step]) -> None:
-    """A build folder that was copied or unpacked has arbitrary mtimes, and ninja would redo
-    every step. The cache key decides instead: an artifact the build manifest records under
-    the current key is made newer than its inputs, so ninja leaves it alone."""
+def _trust_content_keys(build_root: Path, steps: list[Step]) -> set[str]:
+    """The variants whose artifact the build manifest records under the current cache key: those
+    are up to date whatever their mtimes (a copied or unpacked folder has arbitrary ones). Their
+    artifacts are also made newer than their inputs, so a plain `ninja` leaves them alone."""
     path = build_root / MANIFEST
     if not path.exists():
-        return
+        return set()
     try:
         recorded = json.loads(path.read_text()).get("variants", {})
     except (json.JSONDecodeError, AttributeError):
-        return
+        return set()
     now = time.time()
+    fresh = set()
     for s in steps:
         entry = recorded.get(s.variant.name) or {}
         if entry.get("cache_key") == s.key and s.artifact.exists():
+            fresh.add(s.variant.name)
             newest = max([p.stat().st_mtime for p in (*s.inputs, s.key_file) if p.exists()], default=0.0)
             if s.artifact.stat().st_mtime <= newest:
                 os.utime(s.artifact, (max(now, newest + 1), max(now, newest + 1)))
+    return fresh
 
 
 def write_build_manifest(spec_name: str, build_root: Path, steps: list[Step], known: set[str]) -> dict:
