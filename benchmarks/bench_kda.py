@@ -1,6 +1,8 @@
 """Benchmark (not a test): kdagen's targets next to fla's chunk_kda on the same inputs.
 
-    PYTHONPATH=$PWD python benchmarks/bench_kda.py [--cases all|issue4] [--targets sm80,triton] [--out F]
+    PYTHONPATH=$PWD python benchmarks/bench_kda.py [--cases all|issue4|issue16] [--targets sm80,triton] [--out F]
+
+A --targets entry is a target (the runtime's selection among its variants) or a variant's name.
 
 Cases are DESIGN.md section 5's rows (bf16, D=128, lower_bound=-5, fp32 state, q/k L2 norm
 and gate in kernel). For each target the runtime's own selection (restricted to that target)
@@ -35,16 +37,18 @@ CASES = {
     "B1 T65536 H24": dict(T=65536, H=24),
     "B1 T4096 H16": dict(T=4096, H=16),
     "B1 T2048 H8": dict(T=2048, H=8),
+    "B4 T4096 H32": dict(T=4096, H=32, B=4),
 }
 ISSUE4 = ["B1 T8192 H96", "B1 T65536 H24"]
+ISSUE16 = ["B1 T8192 H96", "B1 T8192 H64", "varlen6 H96", "varlen 8x1024 H64", "B1 T16384 H48", "B4 T4096 H32"]
 FLASHKDA_MS = {"B1 T8192 H96": 1.49, "B1 T8192 H64": 1.26, "varlen6 H96": 1.49, "varlen 8x1024 H64": 0.85,
                "B1 T16384 H48": 2.22, "B1 T32768 H32": 3.99, "B1 T65536 H24": 7.31, "B1 T4096 H16": 0.50,
                "B1 T2048 H8": 0.31}
 
 
-def make_inputs(T=None, H=8, lens=None, D=128, seed=0, dev="cuda"):
+def make_inputs(T=None, H=8, lens=None, D=128, seed=0, dev="cuda", B=1):
     """bench_case's tensors and the offsets apart (the rows below pass them explicitly)."""
-    kw = bench_case(T, H, lens=lens, D=D, seed=seed, device=dev)
+    kw = bench_case(T, H, lens=lens, D=D, seed=seed, device=dev, B=B)
     return kw, kw.get("cu_seqlens")
 
 
@@ -81,12 +85,13 @@ def run_fla(kw, cu):
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--cases", default="all", help="all | issue4 | comma-separated case names")
+    ap.add_argument("--cases", default="all", help="all | issue4 | issue16 | comma-separated case names")
     ap.add_argument("--targets", default="sm80,triton")
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--out", default=None, help="also write the rows as JSON here")
     args = ap.parse_args()
-    names = list(CASES) if args.cases == "all" else ISSUE4 if args.cases == "issue4" else args.cases.split(",")
+    lists = {"all": list(CASES), "issue4": ISSUE4, "issue16": ISSUE16}
+    names = lists.get(args.cases) or args.cases.split(",")
     targets = [t for t in args.targets.split(",") if t]
     try:
         import fla.ops.kda  # noqa: F401
@@ -111,7 +116,7 @@ def main() -> int:
         row = {"case": name}
         ref_o = run_fla(kw0, cu0)[0].float() if have_fla else None
         for t in targets:
-            cands = [v for v in reg.variants() if v.target == t]
+            cands = [v for v in reg.variants() if t in (v.target, v.name)]
             try:
                 v = select(cands, info)
             except Exception as e:

@@ -14,7 +14,7 @@ import json
 import math
 import os
 from collections import OrderedDict
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -239,18 +239,18 @@ def tolerances(v: Variant, device) -> dict[str, float]:
 # ----------------------------------------------------------------------------- running
 
 
-def run_poisoned(v: Optional[Variant], kw: dict):
-    """kda_prefill on `kw` forced to `v` (None: the runtime's own choice), every output filled
-    with NaN before the launch (so an element a kernel forgets to write cannot pass as a
-    plausible value). The one place the tests poison outputs."""
+def run_poisoned(v: Optional[Variant], kw: dict, prefill: Optional[Callable] = None):
+    """kda_prefill on `kw` forced to `v` (None: the runtime's own choice), writing into NaN-filled
+    out= / final_state= / chunk_states= buffers (so an element a kernel forgets to write cannot
+    pass as a plausible value): the one place the tests poison outputs. `prefill` replaces
+    kda_prefill (e.g. the Ascend CPU model's, which poisons its own outputs)."""
     import kdagen.runtime as rt
 
-    # TODO(issue 13): pass NaN-filled out=/final_state= buffers once kda_prefill takes them.
-    rt.POISON_OUTPUTS = True
-    try:
-        return rt.kda_prefill(**kw, variant=v.name if v is not None else None)
-    finally:
-        rt.POISON_OUTPUTS = False
+    name = v.name if v is not None else None
+    if prefill is not None:
+        return prefill(**kw, variant=name)
+    bufs = rt.allocate_outputs(**kw, fill=float("nan"))
+    return rt.kda_prefill(**kw, **bufs, variant=name)
 
 
 _REF_CACHE: "OrderedDict[str, tuple]" = OrderedDict()
@@ -327,11 +327,13 @@ def _record(v: Variant, kw: dict, errs: dict, tol: dict) -> None:
         f.write(json.dumps(row) + "\n")
 
 
-def run_and_compare(v: Variant, kw: dict, tol: Optional[float | dict[str, float]] = None, out=None) -> dict:
+def run_and_compare(v: Variant, kw: dict, tol: Optional[float | dict[str, float]] = None, out=None,
+                    prefill: Optional[Callable] = None) -> dict:
     """Run `v` on `kw` with poisoned outputs (or check `out`, the outputs of such a run) and assert
-    every output is within its tolerance of the float64 reference. Returns the errors."""
+    every output is within its tolerance of the float64 reference. Returns the errors. `prefill`:
+    see run_poisoned."""
     if out is None:
-        out = run_poisoned(v, kw)
+        out = run_poisoned(v, kw, prefill)
     dev = next(t.device for t in kw.values() if isinstance(t, torch.Tensor))
     bounds = tolerances(v, dev)
     if tol is not None:
@@ -347,8 +349,8 @@ def run_and_compare(v: Variant, kw: dict, tol: Optional[float | dict[str, float]
 
 
 def bench_case(T: Optional[int] = None, H: int = 8, lens: Optional[list[int]] = None, D: int = 128, seed: int = 0,
-               device="cuda") -> dict:
-    """The benchmarks' inputs (kda_prefill kwargs): bf16 q, k, v, g [1, T, H, D], beta [1, T, H],
+               device="cuda", B: int = 1) -> dict:
+    """The benchmarks' inputs (kda_prefill kwargs): bf16 q, k, v, g [B, T, H, D], beta [B, T, H],
     the bounded gate at lower_bound -5, an fp32 initial state [N, H, D, D] and the final state,
     q/k L2 norm in the kernel (DESIGN.md section 5's setting). Drawn on `device`."""
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -358,10 +360,10 @@ def bench_case(T: Optional[int] = None, H: int = 8, lens: Optional[list[int]] = 
     def r(*s):
         return torch.randn(*s, generator=gen, device=device)
 
-    kw = dict(q=r(1, T, H, D).bfloat16(), k=r(1, T, H, D).bfloat16(), v=r(1, T, H, D).bfloat16(),
-              g=r(1, T, H, D).bfloat16(), beta=r(1, T, H).bfloat16(),
+    kw = dict(q=r(B, T, H, D).bfloat16(), k=r(B, T, H, D).bfloat16(), v=r(B, T, H, D).bfloat16(),
+              g=r(B, T, H, D).bfloat16(), beta=r(B, T, H).bfloat16(),
               A_log=torch.rand(H, generator=gen, device=device), dt_bias=r(H, D) * 0.1, lower_bound=-5.0,
-              initial_state=r(len(lens) if lens else 1, H, D, D) * 0.1, output_final_state=True)
+              initial_state=r(len(lens) if lens else B, H, D, D) * 0.1, output_final_state=True)
     if lens is not None:
         kw["cu_seqlens"] = torch.tensor(_cumsum(lens), dtype=torch.int32, device=device)
     return kw

@@ -35,11 +35,13 @@ def capture_call(kw: dict, variant: str):
     reg = rt.registry()
     dev = next(t.device for t in kw.values() if hasattr(t, "device"))
     key = (variant, f"{dev.type}:{dev.index}")
-    saved = reg._launchers.get(key)
+    saved, plans = reg._launchers.get(key), rt._PLANS
     reg._launchers[key] = captured.append
+    rt._PLANS = {}  # a cached plan of this signature would hold the real launcher
     try:
         rt.kda_prefill(**kw, variant=variant)
     finally:
+        rt._PLANS = plans
         if saved is None:
             reg._launchers.pop(key, None)
         else:

@@ -99,7 +99,9 @@ def _env(tree: Path) -> dict[str, str]:
     env["PYTHONPATH"] = str(tree) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env["TRITON_INTERPRET"] = "1"
     env["PYTHONDONTWRITEBYTECODE"] = "1"
-    env.pop("KDAGEN_ERRORS", None)
+    for name in [n for n in env if n.startswith("KDAGEN_")]:
+        env.pop(name)  # the caller's settings and error log are not the mutant's
+    env["KDAGEN_CACHE_DIR"] = str(tree / ".kdagen_cache")  # on-demand variants of this copy only
     return env
 
 

@@ -9,7 +9,7 @@ import re
 import sys
 from pathlib import Path
 
-ERRORS = re.compile(r"ERROR SUMMARY: (\d+) error")
+ERRORS = re.compile(r"(?:ERROR SUMMARY: (\d+) error|RACECHECK SUMMARY: \d+ hazards? displayed \((\d+) error)")
 
 
 def summarise(folder: Path) -> tuple[str, bool]:
@@ -25,7 +25,7 @@ def summarise(folder: Path) -> tuple[str, bool]:
             m = ERRORS.search(text)
             ran = f"ran {v}" in text
             if m and ran:
-                n = int(m.group(1))
+                n = int(m.group(1) or m.group(2))
                 row.append(str(n))
                 clean &= n == 0
             else:  # no summary line, or the case did not finish: a failure, not a pass

@@ -90,10 +90,10 @@ def test_sm80_time_segments_match_one_piece(v, state_layout, monkeypatch):
     """Prep of segment s + 1 overlapping the recurrence of segment s (few heads, long sequences)
     gives the one-piece result bit for bit, and both match the reference. The launcher the
     runtime would use is swapped for one with other settings, so the call is kda_prefill's."""
-    from kdagen.runtime import registry
+    import kdagen.runtime as rt
 
     kw = make_case(v, "cuda", B=2, T=1000, H=2, HV=4, state_layout=state_layout, seed=21)
-    reg = registry()
+    reg = rt.registry()
     key = (v.name, f"cuda:{kw['q'].device.index}")
     base = reg.launcher(*key)
     outs, segments = {}, {}
@@ -102,6 +102,7 @@ def test_sm80_time_segments_match_one_piece(v, state_layout, monkeypatch):
                             ("tail", dict(min_segment_tokens=192, last_segment_tokens=64))):  # 256 x 3, 128, 104
         la = base.with_settings(**settings)
         monkeypatch.setitem(reg._launchers, key, la)
+        monkeypatch.setattr(rt, "_PLANS", {})  # a cached plan would keep the previous launcher
         outs[label] = run_poisoned(v, kw)
         segments[label] = la.last_segments
     assert segments == {"whole": 0, "split": 4, "tail": 5}

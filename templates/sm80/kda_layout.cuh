@@ -101,6 +101,8 @@ constexpr int XBUF = KSPLIT > 1 ? NW2 * MT * 32 * XW4 * 16 : 0;
 // stores. At chunk 16 the copy warp stores chunk c's o during step c + 1 (double-buffered
 // staging), off the compute warps' streams; at chunk 64 (K = 128) there is no room for a second
 // slot, and the compute warps store their own.
+// racecheck reports this hand-off at K = 128 (whose warps also use pair barriers) though the block
+// barrier orders it: a tool blind spot, shown by scripts/sanitizer/race_blind_spot.cu (MODE 1).
 constexpr bool O_BY_COPY = C == 16;
 constexpr int OROWS = C / KSPLIT;
 constexpr int OP = 24;

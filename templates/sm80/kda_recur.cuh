@@ -95,6 +95,12 @@ __device__ __forceinline__ void store_o_chunk(const in_t* so, in_t* obase, long 
   }
 }
 
+// The block-wide barrier of kda_recur. The copy warp and the compute warps reach it at different
+// instructions (each role runs its own loop: one shared loop measured 15% slower at T65536 H24), so
+// it is the non-aligned barrier.sync, which PTX allows in divergent code (bar.sync / __syncthreads
+// is the aligned form and must be reached at the same instruction by every thread).
+__device__ __forceinline__ void block_sync() { asm volatile("barrier.sync 0;\n" ::: "memory"); }
+
 // Barrier of the two warps of V tile vt (id 1 + vt). Immediate ids: with a register id ptxas
 // reserves all 16 hardware barriers per block, which caps the blocks per SM.
 template <int I>
@@ -163,20 +169,37 @@ extern "C" __global__ void KDA_RECUR_BOUNDS kda_recur(const KdaParams p) {
   const long long tb = p.cu_seqlens ? bos : 0;
   in_t* const so_all = reinterpret_cast<in_t*>(smem2 + NSTAGE * STAGE + XBUF);  // o staging
 
-  // Warp NW2 is the copy warp: stage c + NSTAGE - 1 is refilled in step c, once every warp has
-  // passed the step's barrier (so is done with chunk c - 1, which that stage held); it waits for
-  // chunk c + 1 before the next barrier, which publishes it to the compute warps. After the
-  // barrier of step c it stores chunk c - 1's o (staged in slot (c - 1) & 1 before that barrier;
-  // the compute warps write the other slot in step c), and the last chunk's after one more
-  // barrier past the loop. Every warp reaches each block barrier at the same instruction (one
-  // loop for both roles): `bar.sync` is the aligned form, whose divergent use is undefined.
-  const bool copier = warp == NW2;
-  if (copier) {
+  if (warp == NW2) {
+    // The copy warp: stage c + NSTAGE - 1 is refilled in step c, once every warp has passed the
+    // step's barrier (so is done with chunk c - 1, which that stage held). It waits for chunk
+    // c + 1 before the next barrier, which then publishes it to the compute warps. After the
+    // barrier of step c it also stores chunk c - 1's o (staged in slot (c - 1) & 1 before that
+    // barrier; the compute warps write the other slot in step c), and the last chunk's after one
+    // more barrier past the loop. Its barriers are other instructions than the compute warps'
+    // (block_sync: the non-aligned form).
+    in_t* ob = (in_t*)p.o + bidx * p.o_s[0] + h * p.o_s[2] + vb * BV + tb * p.o_s[1];
+    const long long ostride = p.o_s[1];
 #pragma unroll
     for (int j = 0; j < NSTAGE - 1; ++j) {
       if (j < nc) prefetch_chunk(smem2 + j * STAGE, rec_c + j * rstride, vb, lane);
       cp_async_commit();
     }
+    for (int c = 0; c < nc; ++c) {
+      cp_async_wait<NSTAGE - 2>();
+      block_sync();
+      if (c + NSTAGE - 1 < nc)
+        prefetch_chunk(smem2 + ((c + NSTAGE - 1) % NSTAGE) * STAGE, rec_c + (c + NSTAGE - 1) * rstride, vb, lane);
+      cp_async_commit();
+      if (O_BY_COPY && c > 0)
+        store_o_chunk(so_all + ((c - 1) & 1) * OSLOT, ob + (long long)(c - 1) * C * ostride, ostride, C, lane);
+    }
+    if constexpr (O_BY_COPY) {
+      block_sync();
+      if (nc > 0)
+        store_o_chunk(so_all + ((nc - 1) & 1) * OSLOT, ob + (long long)(nc - 1) * C * ostride, ostride,
+                      len - (nc - 1) * C, lane);
+    }
+    return;
   }
 
   const int vt = warp % NWV, kh = warp / NWV;  // (16 * MT)-row V tile and K slice of this warp
@@ -191,7 +214,7 @@ extern "C" __global__ void KDA_RECUR_BOUNDS kda_recur(const KdaParams p) {
 
   float s[MT][KH / 8][4];
 #if KDA_STATE != 0
-  if (p.h0 && !copier) {
+  if (p.h0) {
     const state_t* h0 = (const state_t*)p.h0 + st_off;
 #pragma unroll
     for (int m = 0; m < MT; ++m) {
@@ -210,15 +233,12 @@ extern "C" __global__ void KDA_RECUR_BOUNDS kda_recur(const KdaParams p) {
   }
 
   in_t* op = (in_t*)p.o + bidx * p.o_s[0] + h * p.o_s[2] + vb * BV + vw;  // (chunk 64)
-  in_t* const op_copy = (in_t*)p.o + bidx * p.o_s[0] + h * p.o_s[2] + vb * BV + tb * p.o_s[1];  // (copy warp)
   const long long ostride = p.o_s[1];
   const int coff = p.hc ? p.chunk_offsets[n] : 0;
 
 
   for (int c = 0; c < nc; ++c) {
-    if (copier) {
-      cp_async_wait<NSTAGE - 2>();
-    } else if (p.hc) {
+    if (p.hc) {
 #pragma unroll
       for (int m = 0; m < MT; ++m) {
 #if KDA_STATE == 2
@@ -231,15 +251,7 @@ extern "C" __global__ void KDA_RECUR_BOUNDS kda_recur(const KdaParams p) {
     // The one block-wide barrier of a step: chunk c has landed (the copy warp waited for it),
     // and every warp is done with step c - 1 (its stage can be refilled, the exchange slots
     // reused).
-    __syncthreads();
-    if (copier) {
-      if (c + NSTAGE - 1 < nc)
-        prefetch_chunk(smem2 + ((c + NSTAGE - 1) % NSTAGE) * STAGE, rec_c + (c + NSTAGE - 1) * rstride, vb, lane);
-      cp_async_commit();
-      if (O_BY_COPY && c > 0)
-        store_o_chunk(so_all + ((c - 1) & 1) * OSLOT, op_copy + (long long)(c - 1) * C * ostride, ostride, C, lane);
-      continue;
-    }
+    block_sync();
 
     const bf16* sW = reinterpret_cast<const bf16*>(smem2 + (c % NSTAGE) * STAGE);
     const bf16* sQ = sW + C * K;
@@ -487,13 +499,7 @@ extern "C" __global__ void KDA_RECUR_BOUNDS kda_recur(const KdaParams p) {
     // state "bf16": bf16 in memory (initial / final / chunk states); the register-held state
     // stays fp32 between chunks (rounding it every chunk costs accuracy and saves nothing).
   }
-  if constexpr (O_BY_COPY) {
-    __syncthreads();  // the last chunk's o is staged: the copy warp stores it
-    if (copier && nc > 0)
-      store_o_chunk(so_all + ((nc - 1) & 1) * OSLOT, op_copy + (long long)(nc - 1) * C * ostride, ostride,
-                    len - (nc - 1) * C, lane);
-  }
-  if (copier) return;
+  if constexpr (O_BY_COPY) block_sync();  // the last chunk's o is staged: the copy warp stores it
 #if KDA_STATE != 0
   if (p.ht) {
 #pragma unroll
