@@ -226,7 +226,9 @@ def tolerances(v: Variant, device) -> dict[str, float]:
     to 2.9e-3 for the fp32 state, 3.2e-3 to 4.0e-3 for o, on the H200), so 16-bit variants keep
     5e-3 for every output and fp32 variants 1e-5 until a GPU run's error table says otherwise.
     """
-    cpu = torch.device(device).type == "cpu"
+    # fp32 arithmetic throughout only where the Triton interpreter runs the kernel (the Ascend
+    # model on the CPU emulates the hardware's 16-bit cube operands)
+    cpu = torch.device(device).type == "cpu" and v.target in ("triton", "triton_twin")
     fp32 = 2e-6 if cpu else 1e-5  # an fp32-carried output
     rounded = 5e-3  # a 16-bit output
     if v.dtype == "fp32":
@@ -341,7 +343,7 @@ def run_and_compare(v: Variant, kw: dict, tol: Optional[float | dict[str, float]
     errs = errors(v, kw, out)
     _record(v, kw, errs, bounds)
     bad = {k: e for k, e in errs.items() if not e < bounds[k]}
-    assert not bad, (f"{v.name}: rel RMSE " + ", ".join(f"{k} {e:.3e} (bound {bounds[k]:.0e})" for k, e in errs.items()))
+    assert not bad, (f"{v.name}: rel RMSE of " + ", ".join(f"{k} {e:.3e} (bound {bounds[k]:.0e})" for k, e in errs.items()))
     return errs
 
 

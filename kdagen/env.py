@@ -20,6 +20,7 @@ VARIABLES = {
     "KDAGEN_LOGLEVEL": "0 warnings, 1 each choice and build (default), 2 also every rejected candidate",
     "KDAGEN_LOCK_TIMEOUT": "seconds to wait for another process's build lock (default 600)",
     "MAX_JOBS": "parallel compile jobs (default: the core count)",
+    "KDAGEN_ERRORS": "tests: append each numeric check's errors as a JSON line to this file (kdagen/cases.py)",
 }
 
 log = logging.getLogger("kdagen")

@@ -101,7 +101,8 @@ def _env(tree: Path) -> dict[str, str]:
     env["PYTHONDONTWRITEBYTECODE"] = "1"
     for name in [n for n in env if n.startswith("KDAGEN_")]:
         env.pop(name)  # the caller's settings and error log are not the mutant's
-    env["KDAGEN_CACHE_DIR"] = str(tree / ".kdagen_cache")  # on-demand variants of this copy only
+    # on-demand variants of this copy only (builds of its own specs still go to its build/)
+    env["XDG_CACHE_HOME"] = str(tree / ".cache")
     return env
 
 

@@ -23,7 +23,7 @@ if compgen -G ".whl/*.whl" >/dev/null; then
     && export PYTHONPATH="/tmp/site:$PYTHONPATH"
 fi
 STAGES=${*:-build test sanitize bench}
-SPECS=${SPECS:-"specs/ci.yaml specs/a100.yaml specs/h800.yaml specs/ascend950.yaml"}
+SPECS=${SPECS:-"specs/ci.yaml specs/a100.yaml specs/h800.yaml specs/sm90_dev.yaml specs/ascend950.yaml"}
 rc=0
 {
   echo "date: $(date -u +%F) commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"

@@ -73,7 +73,6 @@ def test_groups_and_blocks_do_not_change_the_result():
     v = _variant(64, 32)
     src = SPEC_DIR / v.name / "kernel.py"
     kw = make_case(v, "cpu", B=1, T=192, H=1, HV=2, seed=5)
-    kw.pop("gate")
     outs = [model_prefill(v, src, settings=s, **kw) for s in
             (AscendSettings(blocks=1), AscendSettings(group_chunks=1, blocks=5), AscendSettings(group_chunks=2, blocks=2))]
     for o, st in outs[1:]:
@@ -148,7 +147,6 @@ def test_model_catches_a_missing_global_sync(tmp_path):
     path.parent.mkdir()
     path.write_text(text.replace(old, "            # stage 2"))
     kw = make_case(v, "cpu", B=1, T=64, H=1, HV=2, seed=10)
-    kw.pop("gate")
     with pytest.raises(ModelError, match="same phase|global syncs"):
         model_prefill(v, path, settings=AscendSettings(blocks=2), **kw)
 
