@@ -90,7 +90,7 @@ def pack(q, k, v, g, beta, *, A_log=None, dt_bias=None, initial_state=None, cu_s
                       output_final_state=output_final_state, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
                       layout=layout, state_layout=state_layout, state_dtype=state_dtype,
                       chunk_size=kw.get("chunk_size"), return_chunk_states=return_chunk_states,
-                      final_state=final_state, chunk_states=chunk_states)
+                      final_state=final_state, chunk_states=chunk_states, assume_valid=assume_valid)
     if info.K != info.V:
         raise KdaInputError(f"v: the scan carries each segment's K x K transition in the value slots of a doubled "
                             f"head, so it needs V == K; found K={info.K}, V={info.V}")

@@ -136,9 +136,11 @@ def _cut(length: int, target: int, align: int, max_segments: int) -> list[int]:
 
 def plan_segments(lengths: Sequence[int], *, heads: int, v_blocks: int, sm_count: int, chunk: int = 16,
                   costs: ScanCosts | str = "h200-engine", align: int = 64, max_segments: int = 64,
-                  margin: float = 0.1) -> ScanPlan:
+                  margin: float = 0.1, force: bool = False) -> ScanPlan:
     """Segments per sequence for a call of sequences `lengths` (tokens), `heads` value heads,
-    `v_blocks` V-split programs per head, on `sm_count` SMs."""
+    `v_blocks` V-split programs per head, on `sm_count` SMs. force: the scan runs anyway (a
+    context-parallel rank whose first sequence enters from another rank); pick its best cut,
+    leaving every sequence whole included."""
     c = COSTS[costs] if isinstance(costs, str) else costs
     if chunk not in c.step_us or chunk not in c.map_step_us:
         raise ValueError(f"chunk: expected one of {sorted(c.step_us)} (costs {c.name!r}), found {chunk}")
@@ -162,15 +164,15 @@ def plan_segments(lengths: Sequence[int], *, heads: int, v_blocks: int, sm_count
     seq_chunks = [-(-n // chunk) for n in lengths]
     one = c.call_us + prep_us + recur(seq_chunks, progs)
     base = ScanPlan(tuple([1] * len(lengths)), one, one, "", c.name, c.measured)
-    if not lengths or max(seq_chunks) <= 1:
+    if not lengths or (max(seq_chunks) <= 1 and not force):
         return ScanPlan(base.segments, one, one, "off: no sequence longer than a chunk", c.name, c.measured)
 
     fixed = 2 * c.call_us + c.copy_ns * tokens * heads / 1000.0 + prep_us * (1 + c.map_prep + c.rerun_prep)
     best, best_us, tried = None, None, []
-    target = align
-    while target < 2 * max(lengths):
+    targets = [align << i for i in range(64) if (align << i) < 2 * max(lengths)]
+    for target in targets + ([1 << 62] if force else []):
         cuts = [_cut(n, target, align, max_segments) for n in lengths]
-        if any(len(x) > 1 for x in cuts):
+        if force or any(len(x) > 1 for x in cuts):
             seg_chunks = []
             for n, x in zip(lengths, cuts):
                 tail = n - (sum(x) - x[-1]) * align  # the last piece may end mid-unit
@@ -180,9 +182,11 @@ def plan_segments(lengths: Sequence[int], *, heads: int, v_blocks: int, sm_count
             tried.append((target, us))
             if best_us is None or us < best_us:
                 best, best_us = tuple(len(x) for x in cuts), us
-        target *= 2
     if best is None:
         return ScanPlan(base.segments, one, one, "off: sequences too short to cut", c.name, c.measured)
+    if force:
+        return ScanPlan(best, one, best_us, f"forced: {best_us:.0f} us modeled (up to {max(best)} segments)", c.name,
+                        c.measured, tuple(tried))
     if best_us >= one * (1.0 - margin):
         why = (f"off: the scan models {best_us:.0f} us against {one:.0f} us in one piece "
                f"({progs} programs per sequence, {sm_count} SMs)")
