@@ -165,6 +165,7 @@ def kda_prefill_cp(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, 
         if kw.get(name) is not None and kw.get(name) is not False:
             raise KdaInputError(f"{name}: expected None with cp_context (the context holds the global offsets; "
                                 "buffers are the scan's)")
+        kw.pop(name, None)
     if mode not in ("rerun", "correct"):
         raise KdaInputError(f"mode: expected 'rerun' or 'correct', found {mode!r}")
     prefill = prefill or _default_prefill()
