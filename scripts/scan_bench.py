@@ -16,7 +16,6 @@ chain (torch and Triton) and step 3 (the rerun), with per-chunk-step figures for
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -29,6 +28,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import kdagen  # noqa: E402
 from bench_kda import make_inputs, median_ms  # noqa: E402
+from bench_sm80 import timeit  # noqa: E402
 from kdagen.reference import rel_rmse  # noqa: E402
 from kdagen.scan.chain import chain_states  # noqa: E402
 from kdagen.scan.engine import maps_step, pack, rerun_step, scan_prefill  # noqa: E402
@@ -67,19 +67,6 @@ def scanned(s, segments, lb=-5.0, mode="rerun"):
                         **call_kw(kw, cu, lb))
 
 
-def timed(fn, iters=10) -> float:
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b))
-    return statistics.median(out)
-
-
 def pieces(s, segments) -> dict:
     """Times (ms) of the scan's steps on their own, at `segments`."""
     kw, cu = s
@@ -89,10 +76,10 @@ def pieces(s, segments) -> dict:
     prefill = kdagen.kda_prefill
     A, B, _, _ = maps_step(P, lay, known, prefill)
     S_in, _ = chain_states(A, B, P.h0, lay.counts)
-    res = {"step1 ms": timed(lambda: maps_step(P, lay, known, prefill)),
-           "chain torch ms": timed(lambda: chain_states(A, B, P.h0, lay.counts, impl="torch")),
-           "chain triton ms": timed(lambda: chain_states(A, B, P.h0, lay.counts, impl="triton")),
-           "step3 ms": timed(lambda: rerun_step(P, lay, S_in, prefill, False))}
+    res = {"step1 ms": timeit(lambda: maps_step(P, lay, known, prefill)),
+           "chain torch ms": timeit(lambda: chain_states(A, B, P.h0, lay.counts, impl="torch")),
+           "chain triton ms": timeit(lambda: chain_states(A, B, P.h0, lay.counts, impl="triton")),
+           "step3 ms": timeit(lambda: rerun_step(P, lay, S_in, prefill, False))}
     longest = max(lay.chunks(16))
     res["step1 us/chunk-step"] = 1000 * res["step1 ms"] / longest
     res["step3 us/chunk-step"] = 1000 * res["step3 ms"] / longest

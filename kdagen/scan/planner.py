@@ -25,7 +25,7 @@ one place (scripts/scan_bench.py prints what the H200 gives).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 __all__ = ["ScanCosts", "ScanPlan", "COSTS", "plan_segments"]
@@ -77,20 +77,13 @@ _H200_ENGINE = ScanCosts(
 )
 # What dedicated kernels are to deliver (design targets, unmeasured): step 1 builds B and A in
 # one program set without o and shares its prep workspace with step 3.
-_H200_KERNELS = ScanCosts(
+_H200_KERNELS = replace(
+    _H200_ENGINE,
     name="h200-kernels",
-    measured=False,
     source="design targets for dedicated scan kernels (prep once, step 1 without o), not measured",
-    step_us={16: 0.37, 64: 1.2},
-    step_sm_us={16: 0.1, 64: 0.4},
-    map_step_us={16: 0.37, 64: 1.2},
-    map_step_sm_us={16: 0.1, 64: 0.4},
-    map_programs=2.0,
-    prep_ns=1.2,
     map_prep=0.0,
     rerun_prep=0.0,
     copy_ns=0.0,
-    compose_us=1.5,
     call_us=10.0,
 )
 COSTS: dict[str, ScanCosts] = {c.name: c for c in (_H200_ENGINE, _H200_KERNELS)}

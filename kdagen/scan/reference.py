@@ -39,30 +39,24 @@ def kda_scan_reference(
     segments: int | Sequence[int] = 2,
     dtype: torch.dtype = torch.float64,
     chunk_size: int = 64,
-    A_log: Tensor | None = None,
-    dt_bias: Tensor | None = None,
-    scale: float | None = None,
-    lower_bound: float | None = -5.0,
-    gate: str | None = None,
-    initial_state: Tensor | None = None,
     output_final_state: bool = False,
-    cu_seqlens: Tensor | None = None,
-    layout: str = "BSND",
-    state_layout: str = "VK",
-    use_qk_l2norm: bool = True,
-    allow_neg_eigval: bool = False,
     return_chunk_states: bool = False,
+    **kw,
 ) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """KDA through the three-step scan, each sequence cut into `segments` (one count, or one per
-    sequence) on chunk boundaries. Returns (o, final_state or None, chunk_states or None) like
-    kdagen.reference.kda_reference, computed in `dtype`."""
+    sequence) on chunk boundaries, computed in `dtype`. Other keywords (gate, states, varlen,
+    layouts) as kdagen.reference.kda_reference; returns (o, final_state or None, chunk_states or
+    None) like it."""
     if chunk_size not in CHUNK_SIZES:
         raise ValueError(f"chunk_size: expected one of {CHUNK_SIZES}, found {chunk_size!r}")
     if dtype not in (torch.float32, torch.float64):
         raise ValueError(f"dtype: expected torch.float32 or torch.float64, found {dtype}")
-    p = _prepare(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, scale=scale, lower_bound=lower_bound,
-                 gate=gate, initial_state=initial_state, cu_seqlens=cu_seqlens, layout=layout,
-                 state_layout=state_layout, use_qk_l2norm=use_qk_l2norm, allow_neg_eigval=allow_neg_eigval)
+    opts = dict(A_log=None, dt_bias=None, scale=None, lower_bound=-5.0, gate=None, initial_state=None,
+                cu_seqlens=None, layout="BSND", state_layout="VK", use_qk_l2norm=True, allow_neg_eigval=False)
+    unknown = sorted(set(kw) - set(opts))
+    if unknown:
+        raise TypeError(f"kda_scan_reference: unexpected keyword argument(s) {', '.join(unknown)}")
+    p = _prepare(q, k, v, g, beta, **{**opts, **kw})
     C = chunk_size
     Bsz, T = p.q.shape[:2]
     # One packed token axis over all sequences: sequence n is [cu[n], cu[n+1]).
