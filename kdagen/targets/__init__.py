@@ -58,7 +58,8 @@ TARGETS: dict[str, TargetInfo] = {
         name="triton",
         description="Triton kernels (portable GPUs; CPU through TRITON_INTERPRET=1)",
         chunks=(16, 64),
-        head_dims=(32, 64, 128),
+        # any multiple of 16 up to 128, K != V included (tiles are padded to a power of two)
+        head_dims=(16, 32, 48, 64, 80, 96, 112, 128),
         dtypes=("fp32", "bf16", "fp16"),
         gates=("bounded", "unbounded", "precomputed"),
         states=("fp32", "bf16", "none"),
