@@ -10,7 +10,7 @@
 #       fp32 workspace record per chunk and value head.
 #   kda_recur_kernel grid (V blocks of 16, sequences, value heads): fp32 state S^T [K, BV] in
 #       registers; per chunk U = U0 - W S^T, o = Qd S^T + Mqk U, S^T <- diag(Gamma_C) S^T + Kr^T U.
-# tl ops used: load/store (masked), arange, where, exp, log, sqrt, abs, sigmoid, maximum,
+# tl ops used: load/store (masked), arange, where, exp, log, sqrt, fdiv, abs, maximum, reshape, broadcast_to,
 # sum/max/cumsum (incl. reverse), trans, dot, casts, scalar if/for. Under the CPU interpreter
 # (EMU) every dot takes fp32 operands and bf16 rounding is emulated (the interpreter's bf16 dot
 # is wrong and its fp32 -> bf16 cast truncates).
@@ -29,15 +29,13 @@ BLOCK_V = 16
 GATE = "precomputed"
 STATE = "fp32"
 PREP_WARPS = 4
+PREP_STAGES = 1
+PREP_MAXNREG = 0  # 0: no cap
 RECUR_WARPS = 4
 RECUR_STAGES = 2
 # Workspace record per (chunk, value head), in elements of WS_DTYPE: W, Qd, Kr [C, KP], Mqk [C, C],
 # U0 [C, VP]; Gamma_C [KP] goes to a separate fp32 array.
-OFF_W = 0
-OFF_Q = 2048
-OFF_R = 4096
-OFF_M = 6144
-OFF_U = 10240
+OFF_W, OFF_Q, OFF_R, OFF_M, OFF_U = 0, 2048, 4096, 6144, 10240
 REC = 12288
 WS_DTYPE = "fp32"
 EMU = os.environ.get("TRITON_INTERPRET") == "1"
@@ -48,6 +46,8 @@ def _mm(a, b, acc, PREC: tl.constexpr, EMU: tl.constexpr):
     # a @ b + acc with fp32 accumulation.
     if EMU:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    elif PREC == "bf16":
+        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), acc)
     else:
         return tl.dot(a, b, acc, input_precision=PREC)
 
@@ -66,6 +66,12 @@ def _to_out(x, OUT_T: tl.constexpr, EMU: tl.constexpr):
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
         x = bits.to(tl.float32, bitcast=True)
     return x.to(OUT_T)
+
+
+@triton.jit
+def _sigmoid(x):
+    # 1 / (1 + exp(-x)) with the fast (2 ulp) division: IEEE division costs ~10 instructions per element.
+    return tl.fdiv(tl.full(x.shape, 1.0, tl.float32), 1.0 + tl.exp(-x))
 
 
 @triton.jit
@@ -142,237 +148,89 @@ def kda_prep_kernel(
     km = kk < K
     vm = vk < V
     ec = tl.full([KP], 1.0, tl.float32)  # exp(G) at the end of the previous sub-block
+    # D[s] = exp(G(start of sub-block r) - G(end of sub-block s)), s < r: the decay that takes
+    # sub-block s's Ke to the current sub-block's start, kept as a product of sub-block decays.
+    sb = tl.arange(0, 4)
+    D = tl.zeros([4, KP], dtype=tl.float32)
     zero16 = tl.zeros([16, 16], tl.float32)
+    zero16c = tl.zeros([16, C], tl.float32)
+    zero16k = tl.zeros([16, KP], tl.float32)
+    zero16v = tl.zeros([16, VP], tl.float32)
+    tri_le = tl.where(rows[None, :] <= rows[:, None], 1.0, 0.0)
+    tri_gt = tl.where(rows[None, :] > rows[:, None], 1.0, 0.0)
+    crow = tl.arange(0, C)
+    # A run-time loop over the 16-row sub-blocks: earlier sub-blocks' W, U0 and Ke are read back
+    # from this chunk's record (just written, L2-resident) instead of being kept live in registers.
+    for r in range(0, 4):
+        t = t0 + r * 16 + rows
+        m = t < eos
+        mk = m[:, None] & km[None, :]
+        q = tl.load(q_ptr + b * sqb + t[:, None] * sqt + hq * sqh + kk[None, :], mask=mk, other=0.0).to(tl.float32)
+        k = tl.load(k_ptr + b * skb + t[:, None] * skt + hq * skh + kk[None, :], mask=mk, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + b * sgb + t[:, None] * sgt + h * sgh + kk[None, :], mask=mk, other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + b * svb + t[:, None] * svt + h * svh + vk[None, :], mask=m[:, None] & vm[None, :],
+                    other=0.0).to(tl.float32)
+        beta = tl.load(beta_ptr + b * sbb + t * sbt + h * sbh, mask=m, other=0.0).to(tl.float32)
+        a = g
+        a = tl.where(mk, a, 0.0)  # rows past the end and padded channels: no decay
+        if USE_L2NORM:
+            q = q * (1.0 / tl.sqrt(tl.sum(q * q, axis=1) + 1e-6))[:, None]
+            k = k * (1.0 / tl.sqrt(tl.sum(k * k, axis=1) + 1e-6))[:, None]
+        bt = _sigmoid(beta)
+        if NEG_EIGVAL:
+            bt = bt * 2.0
+        bt = tl.where(m, bt, 0.0)
+        # Within-sub-block sums as products with triangular 0/1 matrices (the rows of a tile are
+        # spread over warps: a scan along them would cost barriers): P = G - G(sub-block start)
+        # summed over rows <= i, S = the suffix sum over rows > i.
+        P = _mm(tri_le, a, zero16k, "ieee", EMU)
+        S = _mm(tri_gt, a, zero16k, "ieee", EMU)
+        tot = tl.sum(a, axis=0)
+        eP = tl.exp(P)
+        Ka = k * eP  # anchored at the sub-block start: <= |k| for decaying gates
+        Qa = q * eP
+        Ke = k * tl.exp(S)  # k exp(G(end of this sub-block) - G)
+        row = r * 16 + rows
+        tl.store(ws + 2048 + row[:, None] * KP + kk[None, :], _to_ws(Qa * (ec * scale)[None, :], EMU))
+        # diagonal block (r, r), before the off-diagonal ones: q, k, a, P and Ke die here
+        Ld, Md = _diag_exact(q, k, a)
+        Ld = tl.where(rows[:, None] > rows[None, :], Ld * bt[:, None], 0.0)
+        Md = tl.where(rows[:, None] >= rows[None, :], Md * scale, 0.0)
+        tl.store(ws + 6144 + row[:, None] * C + row[None, :], _to_ws(Md, EMU))
+        # Ke stays in the Kr slot until the chunk's decays are known
+        tl.store(ws + 4096 + row[:, None] * KP + kk[None, :], _to_ws(Ke, EMU))
+        X = (bt[:, None] * Ka) * ec[None, :]  # b Kd
+        Y = bt[:, None] * v
+        for s in range(0, r):
+            # off-diagonal block (r, s): both factors <= 1
+            Ds = tl.sum(tl.where(sb[:, None] == s, D, 0.0), axis=0)
+            col = s * 16 + rows
+            Kb = tl.load(ws + 4096 + col[:, None] * KP + kk[None, :]).to(tl.float32) * Ds[None, :]
+            Lo = _mm(Ka, tl.trans(Kb), zero16, "ieee", EMU) * bt[:, None]
+            Mo = _mm(Qa, tl.trans(Kb), zero16, "ieee", EMU) * scale
+            tl.store(ws + 6144 + row[:, None] * C + col[None, :], _to_ws(Mo, EMU))
+            Ws = tl.load(ws + 0 + col[:, None] * KP + kk[None, :]).to(tl.float32)
+            Us = tl.load(ws + 10240 + col[:, None] * VP + vk[None, :]).to(tl.float32)
+            X = X - _mm(Lo, Ws, zero16k, "ieee", EMU)
+            Y = Y - _mm(Lo, Us, zero16v, "ieee", EMU)
+        tl.store(ws + 6144 + row[:, None] * C + crow[None, :], _to_ws(zero16c, EMU),
+                 mask=(crow >= r * 16 + 16)[None, :])
+        # block forward substitution: W_r = (I + L_rr)^-1 (b Kd_r - sum_s L_rs W_s), U0 likewise
+        Ai = _inv16(Ld, EMU)
+        Wr = _mm(Ai, X, zero16k, "ieee", EMU)
+        Ur = _mm(Ai, Y, zero16v, "ieee", EMU)
+        tl.store(ws + 0 + row[:, None] * KP + kk[None, :], _to_ws(Wr, EMU))
+        tl.store(ws + 10240 + row[:, None] * VP + vk[None, :], _to_ws(Ur, EMU))
+        E = tl.exp(tot)
+        D = tl.where(sb[:, None] < r, D * E[None, :], tl.where(sb[:, None] == r, 1.0, D))
+        ec = ec * E
+        tl.debug_barrier()  # this sub-block's record rows are visible to every thread of the program
 
-    # ---- sub-block 0: rows 0..15 of the chunk
-    t = t0 + 0 + rows
-    m = t < eos
-    mk = m[:, None] & km[None, :]
-    q = tl.load(q_ptr + b * sqb + t[:, None] * sqt + hq * sqh + kk[None, :], mask=mk, other=0.0).to(tl.float32)
-    k = tl.load(k_ptr + b * skb + t[:, None] * skt + hq * skh + kk[None, :], mask=mk, other=0.0).to(tl.float32)
-    g = tl.load(g_ptr + b * sgb + t[:, None] * sgt + h * sgh + kk[None, :], mask=mk, other=0.0).to(tl.float32)
-    v = tl.load(v_ptr + b * svb + t[:, None] * svt + h * svh + vk[None, :], mask=m[:, None] & vm[None, :],
-                other=0.0).to(tl.float32)
-    beta = tl.load(beta_ptr + b * sbb + t * sbt + h * sbh, mask=m, other=0.0).to(tl.float32)
-    a = g
-    a = tl.where(mk, a, 0.0)  # rows past the end and padded channels: no decay
-    if USE_L2NORM:
-        q = q / tl.sqrt(tl.sum(q * q, axis=1) + 1e-6)[:, None]
-        k = k / tl.sqrt(tl.sum(k * k, axis=1) + 1e-6)[:, None]
-    bt = tl.sigmoid(beta)
-    if NEG_EIGVAL:
-        bt = bt * 2.0
-    bt = tl.where(m, bt, 0.0)
-    P = tl.cumsum(a, axis=0)  # G - G(end of the previous sub-block), summed from the sub-block start
-    tot = tl.sum(a, axis=0)
-    eP = tl.exp(P)
-    Ka = k * eP  # anchored at the sub-block start: <= |k| for decaying gates
-    Qa = q * eP
-    # k exp(G(end of this sub-block) - G), from the suffix sum itself (no cancelling differences)
-    Ke = k * tl.exp(tl.cumsum(a, axis=0, reverse=True) - a)
-    tl.store(ws + OFF_Q + (0 + rows)[:, None] * KP + kk[None, :], _to_ws(Qa * (ec * scale)[None, :], EMU))
-    X = (bt[:, None] * Ka) * ec[None, :]  # b Kd
-    Y = bt[:, None] * v
-    # diagonal block (0, 0)
-    Ld, Md = _diag_exact(q, k, a)
-    Ld = tl.where(rows[:, None] > rows[None, :], Ld * bt[:, None], 0.0)
-    Md = tl.where(rows[:, None] >= rows[None, :], Md * scale, 0.0)
-    tl.store(ws + OFF_M + (0 + rows)[:, None] * C + (0 + rows)[None, :], _to_ws(Md, EMU))
-    tl.store(ws + OFF_M + (0 + rows)[:, None] * C + (16 + rows)[None, :], _to_ws(zero16, EMU))
-    tl.store(ws + OFF_M + (0 + rows)[:, None] * C + (32 + rows)[None, :], _to_ws(zero16, EMU))
-    tl.store(ws + OFF_M + (0 + rows)[:, None] * C + (48 + rows)[None, :], _to_ws(zero16, EMU))
-    # block forward substitution: W_r = (I + L_rr)^-1 (b Kd_r - sum_s L_rs W_s), U0 likewise
-    Ai = _inv16(Ld, EMU)
-    W0 = _mm(Ai, X, tl.zeros([16, KP], tl.float32), "ieee", EMU)
-    U0 = _mm(Ai, Y, tl.zeros([16, VP], tl.float32), "ieee", EMU)
-    tl.store(ws + OFF_W + (0 + rows)[:, None] * KP + kk[None, :], _to_ws(W0, EMU))
-    tl.store(ws + OFF_U + (0 + rows)[:, None] * VP + vk[None, :], _to_ws(U0, EMU))
-    E = tl.exp(tot)
-    Kb0 = Ke
-    ec = ec * E
-
-    # ---- sub-block 1: rows 16..31 of the chunk
-    t = t0 + 16 + rows
-    m = t < eos
-    mk = m[:, None] & km[None, :]
-    q = tl.load(q_ptr + b * sqb + t[:, None] * sqt + hq * sqh + kk[None, :], mask=mk, other=0.0).to(tl.float32)
-    k = tl.load(k_ptr + b * skb + t[:, None] * skt + hq * skh + kk[None, :], mask=mk, other=0.0).to(tl.float32)
-    g = tl.load(g_ptr + b * sgb + t[:, None] * sgt + h * sgh + kk[None, :], mask=mk, other=0.0).to(tl.float32)
-    v = tl.load(v_ptr + b * svb + t[:, None] * svt + h * svh + vk[None, :], mask=m[:, None] & vm[None, :],
-                other=0.0).to(tl.float32)
-    beta = tl.load(beta_ptr + b * sbb + t * sbt + h * sbh, mask=m, other=0.0).to(tl.float32)
-    a = g
-    a = tl.where(mk, a, 0.0)  # rows past the end and padded channels: no decay
-    if USE_L2NORM:
-        q = q / tl.sqrt(tl.sum(q * q, axis=1) + 1e-6)[:, None]
-        k = k / tl.sqrt(tl.sum(k * k, axis=1) + 1e-6)[:, None]
-    bt = tl.sigmoid(beta)
-    if NEG_EIGVAL:
-        bt = bt * 2.0
-    bt = tl.where(m, bt, 0.0)
-    P = tl.cumsum(a, axis=0)  # G - G(end of the previous sub-block), summed from the sub-block start
-    tot = tl.sum(a, axis=0)
-    eP = tl.exp(P)
-    Ka = k * eP  # anchored at the sub-block start: <= |k| for decaying gates
-    Qa = q * eP
-    # k exp(G(end of this sub-block) - G), from the suffix sum itself (no cancelling differences)
-    Ke = k * tl.exp(tl.cumsum(a, axis=0, reverse=True) - a)
-    tl.store(ws + OFF_Q + (16 + rows)[:, None] * KP + kk[None, :], _to_ws(Qa * (ec * scale)[None, :], EMU))
-    X = (bt[:, None] * Ka) * ec[None, :]  # b Kd
-    Y = bt[:, None] * v
-    # off-diagonal block (1, 0): both factors <= 1 (Kb0 is decayed to this sub-block's start)
-    Lo = _mm(Ka, tl.trans(Kb0), zero16, "ieee", EMU) * bt[:, None]
-    Mo = _mm(Qa, tl.trans(Kb0), zero16, "ieee", EMU) * scale
-    tl.store(ws + OFF_M + (16 + rows)[:, None] * C + (0 + rows)[None, :], _to_ws(Mo, EMU))
-    X = X - _mm(Lo, W0, tl.zeros([16, KP], tl.float32), "ieee", EMU)
-    Y = Y - _mm(Lo, U0, tl.zeros([16, VP], tl.float32), "ieee", EMU)
-    # diagonal block (1, 1)
-    Ld, Md = _diag_exact(q, k, a)
-    Ld = tl.where(rows[:, None] > rows[None, :], Ld * bt[:, None], 0.0)
-    Md = tl.where(rows[:, None] >= rows[None, :], Md * scale, 0.0)
-    tl.store(ws + OFF_M + (16 + rows)[:, None] * C + (16 + rows)[None, :], _to_ws(Md, EMU))
-    tl.store(ws + OFF_M + (16 + rows)[:, None] * C + (32 + rows)[None, :], _to_ws(zero16, EMU))
-    tl.store(ws + OFF_M + (16 + rows)[:, None] * C + (48 + rows)[None, :], _to_ws(zero16, EMU))
-    # block forward substitution: W_r = (I + L_rr)^-1 (b Kd_r - sum_s L_rs W_s), U0 likewise
-    Ai = _inv16(Ld, EMU)
-    W1 = _mm(Ai, X, tl.zeros([16, KP], tl.float32), "ieee", EMU)
-    U1 = _mm(Ai, Y, tl.zeros([16, VP], tl.float32), "ieee", EMU)
-    tl.store(ws + OFF_W + (16 + rows)[:, None] * KP + kk[None, :], _to_ws(W1, EMU))
-    tl.store(ws + OFF_U + (16 + rows)[:, None] * VP + vk[None, :], _to_ws(U1, EMU))
-    E = tl.exp(tot)
-    Kb0 = Kb0 * E[None, :]
-    Kb1 = Ke
-    ec = ec * E
-
-    # ---- sub-block 2: rows 32..47 of the chunk
-    t = t0 + 32 + rows
-    m = t < eos
-    mk = m[:, None] & km[None, :]
-    q = tl.load(q_ptr + b * sqb + t[:, None] * sqt + hq * sqh + kk[None, :], mask=mk, other=0.0).to(tl.float32)
-    k = tl.load(k_ptr + b * skb + t[:, None] * skt + hq * skh + kk[None, :], mask=mk, other=0.0).to(tl.float32)
-    g = tl.load(g_ptr + b * sgb + t[:, None] * sgt + h * sgh + kk[None, :], mask=mk, other=0.0).to(tl.float32)
-    v = tl.load(v_ptr + b * svb + t[:, None] * svt + h * svh + vk[None, :], mask=m[:, None] & vm[None, :],
-                other=0.0).to(tl.float32)
-    beta = tl.load(beta_ptr + b * sbb + t * sbt + h * sbh, mask=m, other=0.0).to(tl.float32)
-    a = g
-    a = tl.where(mk, a, 0.0)  # rows past the end and padded channels: no decay
-    if USE_L2NORM:
-        q = q / tl.sqrt(tl.sum(q * q, axis=1) + 1e-6)[:, None]
-        k = k / tl.sqrt(tl.sum(k * k, axis=1) + 1e-6)[:, None]
-    bt = tl.sigmoid(beta)
-    if NEG_EIGVAL:
-        bt = bt * 2.0
-    bt = tl.where(m, bt, 0.0)
-    P = tl.cumsum(a, axis=0)  # G - G(end of the previous sub-block), summed from the sub-block start
-    tot = tl.sum(a, axis=0)
-    eP = tl.exp(P)
-    Ka = k * eP  # anchored at the sub-block start: <= |k| for decaying gates
-    Qa = q * eP
-    # k exp(G(end of this sub-block) - G), from the suffix sum itself (no cancelling differences)
-    Ke = k * tl.exp(tl.cumsum(a, axis=0, reverse=True) - a)
-    tl.store(ws + OFF_Q + (32 + rows)[:, None] * KP + kk[None, :], _to_ws(Qa * (ec * scale)[None, :], EMU))
-    X = (bt[:, None] * Ka) * ec[None, :]  # b Kd
-    Y = bt[:, None] * v
-    # off-diagonal block (2, 0): both factors <= 1 (Kb0 is decayed to this sub-block's start)
-    Lo = _mm(Ka, tl.trans(Kb0), zero16, "ieee", EMU) * bt[:, None]
-    Mo = _mm(Qa, tl.trans(Kb0), zero16, "ieee", EMU) * scale
-    tl.store(ws + OFF_M + (32 + rows)[:, None] * C + (0 + rows)[None, :], _to_ws(Mo, EMU))
-    X = X - _mm(Lo, W0, tl.zeros([16, KP], tl.float32), "ieee", EMU)
-    Y = Y - _mm(Lo, U0, tl.zeros([16, VP], tl.float32), "ieee", EMU)
-    # off-diagonal block (2, 1): both factors <= 1 (Kb1 is decayed to this sub-block's start)
-    Lo = _mm(Ka, tl.trans(Kb1), zero16, "ieee", EMU) * bt[:, None]
-    Mo = _mm(Qa, tl.trans(Kb1), zero16, "ieee", EMU) * scale
-    tl.store(ws + OFF_M + (32 + rows)[:, None] * C + (16 + rows)[None, :], _to_ws(Mo, EMU))
-    X = X - _mm(Lo, W1, tl.zeros([16, KP], tl.float32), "ieee", EMU)
-    Y = Y - _mm(Lo, U1, tl.zeros([16, VP], tl.float32), "ieee", EMU)
-    # diagonal block (2, 2)
-    Ld, Md = _diag_exact(q, k, a)
-    Ld = tl.where(rows[:, None] > rows[None, :], Ld * bt[:, None], 0.0)
-    Md = tl.where(rows[:, None] >= rows[None, :], Md * scale, 0.0)
-    tl.store(ws + OFF_M + (32 + rows)[:, None] * C + (32 + rows)[None, :], _to_ws(Md, EMU))
-    tl.store(ws + OFF_M + (32 + rows)[:, None] * C + (48 + rows)[None, :], _to_ws(zero16, EMU))
-    # block forward substitution: W_r = (I + L_rr)^-1 (b Kd_r - sum_s L_rs W_s), U0 likewise
-    Ai = _inv16(Ld, EMU)
-    W2 = _mm(Ai, X, tl.zeros([16, KP], tl.float32), "ieee", EMU)
-    U2 = _mm(Ai, Y, tl.zeros([16, VP], tl.float32), "ieee", EMU)
-    tl.store(ws + OFF_W + (32 + rows)[:, None] * KP + kk[None, :], _to_ws(W2, EMU))
-    tl.store(ws + OFF_U + (32 + rows)[:, None] * VP + vk[None, :], _to_ws(U2, EMU))
-    E = tl.exp(tot)
-    Kb0 = Kb0 * E[None, :]
-    Kb1 = Kb1 * E[None, :]
-    Kb2 = Ke
-    ec = ec * E
-
-    # ---- sub-block 3: rows 48..63 of the chunk
-    t = t0 + 48 + rows
-    m = t < eos
-    mk = m[:, None] & km[None, :]
-    q = tl.load(q_ptr + b * sqb + t[:, None] * sqt + hq * sqh + kk[None, :], mask=mk, other=0.0).to(tl.float32)
-    k = tl.load(k_ptr + b * skb + t[:, None] * skt + hq * skh + kk[None, :], mask=mk, other=0.0).to(tl.float32)
-    g = tl.load(g_ptr + b * sgb + t[:, None] * sgt + h * sgh + kk[None, :], mask=mk, other=0.0).to(tl.float32)
-    v = tl.load(v_ptr + b * svb + t[:, None] * svt + h * svh + vk[None, :], mask=m[:, None] & vm[None, :],
-                other=0.0).to(tl.float32)
-    beta = tl.load(beta_ptr + b * sbb + t * sbt + h * sbh, mask=m, other=0.0).to(tl.float32)
-    a = g
-    a = tl.where(mk, a, 0.0)  # rows past the end and padded channels: no decay
-    if USE_L2NORM:
-        q = q / tl.sqrt(tl.sum(q * q, axis=1) + 1e-6)[:, None]
-        k = k / tl.sqrt(tl.sum(k * k, axis=1) + 1e-6)[:, None]
-    bt = tl.sigmoid(beta)
-    if NEG_EIGVAL:
-        bt = bt * 2.0
-    bt = tl.where(m, bt, 0.0)
-    P = tl.cumsum(a, axis=0)  # G - G(end of the previous sub-block), summed from the sub-block start
-    tot = tl.sum(a, axis=0)
-    eP = tl.exp(P)
-    Ka = k * eP  # anchored at the sub-block start: <= |k| for decaying gates
-    Qa = q * eP
-    # k exp(G(end of this sub-block) - G), from the suffix sum itself (no cancelling differences)
-    Ke = k * tl.exp(tl.cumsum(a, axis=0, reverse=True) - a)
-    tl.store(ws + OFF_Q + (48 + rows)[:, None] * KP + kk[None, :], _to_ws(Qa * (ec * scale)[None, :], EMU))
-    X = (bt[:, None] * Ka) * ec[None, :]  # b Kd
-    Y = bt[:, None] * v
-    # off-diagonal block (3, 0): both factors <= 1 (Kb0 is decayed to this sub-block's start)
-    Lo = _mm(Ka, tl.trans(Kb0), zero16, "ieee", EMU) * bt[:, None]
-    Mo = _mm(Qa, tl.trans(Kb0), zero16, "ieee", EMU) * scale
-    tl.store(ws + OFF_M + (48 + rows)[:, None] * C + (0 + rows)[None, :], _to_ws(Mo, EMU))
-    X = X - _mm(Lo, W0, tl.zeros([16, KP], tl.float32), "ieee", EMU)
-    Y = Y - _mm(Lo, U0, tl.zeros([16, VP], tl.float32), "ieee", EMU)
-    # off-diagonal block (3, 1): both factors <= 1 (Kb1 is decayed to this sub-block's start)
-    Lo = _mm(Ka, tl.trans(Kb1), zero16, "ieee", EMU) * bt[:, None]
-    Mo = _mm(Qa, tl.trans(Kb1), zero16, "ieee", EMU) * scale
-    tl.store(ws + OFF_M + (48 + rows)[:, None] * C + (16 + rows)[None, :], _to_ws(Mo, EMU))
-    X = X - _mm(Lo, W1, tl.zeros([16, KP], tl.float32), "ieee", EMU)
-    Y = Y - _mm(Lo, U1, tl.zeros([16, VP], tl.float32), "ieee", EMU)
-    # off-diagonal block (3, 2): both factors <= 1 (Kb2 is decayed to this sub-block's start)
-    Lo = _mm(Ka, tl.trans(Kb2), zero16, "ieee", EMU) * bt[:, None]
-    Mo = _mm(Qa, tl.trans(Kb2), zero16, "ieee", EMU) * scale
-    tl.store(ws + OFF_M + (48 + rows)[:, None] * C + (32 + rows)[None, :], _to_ws(Mo, EMU))
-    X = X - _mm(Lo, W2, tl.zeros([16, KP], tl.float32), "ieee", EMU)
-    Y = Y - _mm(Lo, U2, tl.zeros([16, VP], tl.float32), "ieee", EMU)
-    # diagonal block (3, 3)
-    Ld, Md = _diag_exact(q, k, a)
-    Ld = tl.where(rows[:, None] > rows[None, :], Ld * bt[:, None], 0.0)
-    Md = tl.where(rows[:, None] >= rows[None, :], Md * scale, 0.0)
-    tl.store(ws + OFF_M + (48 + rows)[:, None] * C + (48 + rows)[None, :], _to_ws(Md, EMU))
-    # block forward substitution: W_r = (I + L_rr)^-1 (b Kd_r - sum_s L_rs W_s), U0 likewise
-    Ai = _inv16(Ld, EMU)
-    W3 = _mm(Ai, X, tl.zeros([16, KP], tl.float32), "ieee", EMU)
-    U3 = _mm(Ai, Y, tl.zeros([16, VP], tl.float32), "ieee", EMU)
-    tl.store(ws + OFF_W + (48 + rows)[:, None] * KP + kk[None, :], _to_ws(W3, EMU))
-    tl.store(ws + OFF_U + (48 + rows)[:, None] * VP + vk[None, :], _to_ws(U3, EMU))
-    E = tl.exp(tot)
-    Kb0 = Kb0 * E[None, :]
-    Kb1 = Kb1 * E[None, :]
-    Kb2 = Kb2 * E[None, :]
-    Kb3 = Ke
-    ec = ec * E
-
-    # Kr = k exp(G_C - G): every Kb is now decayed to the chunk end; Gamma_C = exp(G_C).
-    tl.store(ws + OFF_R + (0 + rows)[:, None] * KP + kk[None, :], _to_ws(Kb0, EMU))
-    tl.store(ws + OFF_R + (16 + rows)[:, None] * KP + kk[None, :], _to_ws(Kb1, EMU))
-    tl.store(ws + OFF_R + (32 + rows)[:, None] * KP + kk[None, :], _to_ws(Kb2, EMU))
-    tl.store(ws + OFF_R + (48 + rows)[:, None] * KP + kk[None, :], _to_ws(Kb3, EMU))
+    # Kr = k exp(G_C - G) = Ke D[s] (D now decays to the chunk end); Gamma_C = exp(G_C).
+    p_r = ws + 4096 + crow[:, None] * KP + kk[None, :]
+    kr = tl.load(p_r).to(tl.float32) * tl.reshape(tl.broadcast_to(tl.expand_dims(D, 1), [4, 16, KP]), [C, KP])
+    tl.debug_barrier()  # every thread has read Ke before any overwrites it
+    tl.store(p_r, _to_ws(kr, EMU))
     tl.store(gam_ptr + rec * KP + kk, ec)
 
 
@@ -422,11 +280,11 @@ def kda_recur_kernel(
     for c in range(0, n_chunks):
         rec = (rec0 + c) * HV + h
         ws = ws_ptr + rec * 12288
-        W = tl.load(ws + OFF_W + rows[:, None] * KP + kk[None, :])
-        Qd = tl.load(ws + OFF_Q + rows[:, None] * KP + kk[None, :])
-        KrT = tl.load(ws + OFF_R + rows[None, :] * KP + kk[:, None])
-        Mq = tl.load(ws + OFF_M + rows[:, None] * C + rows[None, :])
-        U0 = tl.load(ws + OFF_U + rows[:, None] * VP + vv[None, :])
+        W = tl.load(ws + 0 + rows[:, None] * KP + kk[None, :])
+        Qd = tl.load(ws + 2048 + rows[:, None] * KP + kk[None, :])
+        KrT = tl.load(ws + 4096 + rows[None, :] * KP + kk[:, None])
+        Mq = tl.load(ws + 6144 + rows[:, None] * C + rows[None, :])
+        U0 = tl.load(ws + 10240 + rows[:, None] * VP + vv[None, :])
         gam = tl.load(gam_ptr + rec * KP + kk)
         if HAS_CS:
             cs_base = ((cs_first + c) * HV + h) * V * K
@@ -449,18 +307,30 @@ _IO = "fp32"
 _ST = "fp32"
 
 
-def _signature(kernel, ptr_types: dict, consts: dict) -> dict:
-    sig = {}
-    for arg in kernel.arg_names:
+def _source(kernel, ptr_types: dict, consts: dict):
+    """The kernel as the JIT sees it at run time: 16-byte aligned pointers (torch's
+    allocations), 32-bit ints (never specialised), the constexprs of the variant."""
+    from triton.compiler import ASTSource
+
+    sig, attrs = {}, {}
+    for i, arg in enumerate(kernel.arg_names):
         if arg in consts:
             sig[arg] = "constexpr"
         elif arg.endswith("_ptr"):
             sig[arg] = "*" + ptr_types.get(arg, "fp32")
+            attrs[(i,)] = [["tt.divisibility", 16]]
         elif arg in ("scale", "lower_bound"):
             sig[arg] = "fp32"
         else:
             sig[arg] = "i32"
-    return sig
+    return ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
+
+
+def _opts(warps: int, stages: int, maxnreg: int) -> dict:
+    o = {"num_warps": warps, "num_stages": stages}
+    if maxnreg:
+        o["maxnreg"] = maxnreg
+    return o
 
 
 class CompiledKernels:
@@ -472,29 +342,28 @@ class CompiledKernels:
         self.asm = {"ptx": "\n".join(k.asm["ptx"] for k in kernels.values())}
 
 
-def compile_for(arch: int = 90, prep_warps: int = PREP_WARPS, recur_warps: int = RECUR_WARPS,
+def compile_for(arch: int = 90, prep_warps: int = PREP_WARPS, prep_stages: int = PREP_STAGES,
+                prep_maxnreg: int = PREP_MAXNREG, recur_warps: int = RECUR_WARPS,
                 recur_stages: int = RECUR_STAGES) -> CompiledKernels:
     """Compile both kernels ahead of time for a CUDA arch (no GPU needed: Triton ships ptxas),
     with 16-bit g and beta in the input type; used by `kdagen build` to catch what only the
     compiler rejects. Needs TRITON_INTERPRET unset."""
     from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     target = GPUTarget("cuda", arch, 32)
     ws = "fp32"
     c1 = {"C": CHUNK, "K": HEAD_K, "V": HEAD_V, "KP": KP, "VP": VP, "EMU": False}
     p1 = {"q_ptr": _IO, "k_ptr": _IO, "v_ptr": _IO, "g_ptr": _IO, "beta_ptr": _IO, "ws_ptr": ws, "cu_ptr": "i32"}
-    k1 = triton.compile(ASTSource(fn=kda_prep_kernel, signature=_signature(kda_prep_kernel, p1, c1), constexprs=c1),
-                        target=target, options={"num_warps": prep_warps})
+    k1 = triton.compile(_source(kda_prep_kernel, p1, c1), target=target, options=_opts(prep_warps, prep_stages, prep_maxnreg))
     c2 = dict(c1, BV=BLOCK_V)
     p2 = {"ws_ptr": ws, "o_ptr": _IO, "h0_ptr": _ST, "ht_ptr": _ST, "cs_ptr": _ST, "cs_off_ptr": "i32", "cu_ptr": "i32"}
-    k2 = triton.compile(ASTSource(fn=kda_recur_kernel, signature=_signature(kda_recur_kernel, p2, c2), constexprs=c2),
-                        target=target, options={"num_warps": recur_warps, "num_stages": recur_stages})
+    k2 = triton.compile(_source(kda_recur_kernel, p2, c2), target=target, options=_opts(recur_warps, recur_stages, 0))
     return CompiledKernels({"kda_prep_kernel": k1, "kda_recur_kernel": k2})
 
 
-def launch(call, ws, gam, dummies, prep_warps: int = PREP_WARPS, recur_warps: int = RECUR_WARPS,
-           recur_stages: int = RECUR_STAGES, parts=("prep", "recur")) -> None:
+def launch(call, ws, gam, dummies, prep_warps: int = PREP_WARPS, prep_stages: int = PREP_STAGES,
+           prep_maxnreg: int = PREP_MAXNREG, recur_warps: int = RECUR_WARPS, recur_stages: int = RECUR_STAGES,
+           parts=("prep", "recur")) -> None:
     """Launch both kernels on the tensors of a kdagen.abi.KdaCall. `ws` / `gam` are the
     workspace (WS_DTYPE, records x REC) and Gamma_C (fp32, records x KP) with at least
     (B * T // CHUNK + N + 1) * HV records; `dummies` maps "i32" / "f32" / "state" to small
@@ -511,7 +380,7 @@ def launch(call, ws, gam, dummies, prep_warps: int = PREP_WARPS, recur_warps: in
             cu, call.T, call.H, call.HV, float(call.scale), float(call.lower_bound),
             int(call.cu_seqlens is not None), int(call.dt_bias is not None), int(call.use_qk_l2norm),
             int(call.allow_neg_eigval),
-            C=CHUNK, K=HEAD_K, V=HEAD_V, KP=KP, VP=VP, EMU=EMU, num_warps=prep_warps,
+            C=CHUNK, K=HEAD_K, V=HEAD_V, KP=KP, VP=VP, EMU=EMU, **_opts(prep_warps, prep_stages, prep_maxnreg),
         )
     if "recur" in parts:
         kda_recur_kernel[(triton.cdiv(HEAD_V, BLOCK_V), call.N, call.HV)](
