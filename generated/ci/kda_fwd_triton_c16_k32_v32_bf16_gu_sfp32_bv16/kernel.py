@@ -111,10 +111,12 @@ def _diag_exact(q, k, a):
     return Ld, Md
 
 
-# Shapes, strides and feature flags are run-time values and never specialised, so a variant
-# compiles once per input dtype combination, whatever the call.
+# Shapes, beta's strides and the feature flags are run-time values and never specialised, so a
+# variant compiles once per input dtype combination, whatever the call. The strides of the
+# feature-dimension tensors (q, k, v, g, o) are multiples of 16 for every supported head dim and
+# are left to Triton's divisibility specialisation: without it no row start is known to be
+# aligned and every element is loaded on its own (2-byte loads instead of 16-byte ones).
 @triton.jit(do_not_specialize=[
-    "sqb", "sqt", "sqh", "skb", "skt", "skh", "svb", "svt", "svh", "sgb", "sgt", "sgh",
     "sbb", "sbt", "sbh", "T", "H", "HV", "IS_VARLEN", "HAS_DT", "USE_L2NORM", "NEG_EIGVAL",
 ])
 def kda_prep_kernel(
@@ -232,9 +234,7 @@ def kda_prep_kernel(
     tl.store(gam_ptr + rec * KP + kk, ec)
 
 
-@triton.jit(do_not_specialize=[
-    "sob", "sot", "soh", "T", "HV", "IS_VARLEN", "HAS_H0", "HAS_HT", "HAS_CS", "STATE_KV",
-])
+@triton.jit(do_not_specialize=["T", "HV", "IS_VARLEN", "HAS_H0", "HAS_HT", "HAS_CS", "STATE_KV"])
 def kda_recur_kernel(
     ws_ptr, gam_ptr, o_ptr, sob, sot, soh,
     h0_ptr, ht_ptr, cs_ptr, cs_off_ptr, cu_ptr,
@@ -305,9 +305,15 @@ _IO = "bf16"
 _ST = "fp32"
 
 
+# Stride arguments the JIT specialises (see do_not_specialize above): multiples of 16 here.
+_ALIGNED_INTS = {"sqb", "sqt", "sqh", "skb", "skt", "skh", "svb", "svt", "svh", "sgb", "sgt", "sgh",
+                 "sob", "sot", "soh"}
+
+
 def _source(kernel, ptr_types: dict, consts: dict):
     """The kernel as the JIT sees it at run time: 16-byte aligned pointers (torch's
-    allocations), 32-bit ints (never specialised), the constexprs of the variant."""
+    allocations), feature-tensor strides divisible by 16, other ints unspecialised 32-bit,
+    the constexprs of the variant."""
     from triton.compiler import ASTSource
 
     sig, attrs = {}, {}
@@ -321,6 +327,8 @@ def _source(kernel, ptr_types: dict, consts: dict):
             sig[arg] = "fp32"
         else:
             sig[arg] = "i32"
+            if arg in _ALIGNED_INTS:
+                attrs[(i,)] = [["tt.divisibility", 16]]
     return ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
 
 
