@@ -306,15 +306,17 @@ def kda_recur_kernel(
         if HAS_CS:
             cs_base = ((cs_first + c) * HV + h) * V * K
             tl.store(cs_ptr + cs_base + s_off, _to_out(St, cs_ptr.dtype.element_ty, EMU), mask=sm)
+        # Written in the order of the serial chain S -> W S^T -> U -> S update; the o products
+        # (Qd S^T, Mqk U) are issued next to the chain's so that they fill its latency.
         Sb = _to_ws(St, EMU)
-        U = U0.to(tl.float32) - _mm(W, Sb, tl.zeros([C, BV], tl.float32), "tf32", EMU)
-        Ub = _to_ws(U, EMU)
+        WS = _mm(W, Sb, tl.zeros([C, BV], tl.float32), "tf32", EMU)
         o = _mm(Qd, Sb, tl.zeros([C, BV], tl.float32), "tf32", EMU)
+        Ub = _to_ws(U0.to(tl.float32) - WS, EMU)
+        St = _mm(KrT, Ub, St * gam[:, None], "tf32", EMU)
         o = _mm(Mq, Ub, o, "tf32", EMU)
         t = bos + c * C + rows
         tl.store(o_ptr + b * sob + t[:, None] * sot + h * soh + vv[None, :], _to_out(o, o_ptr.dtype.element_ty, EMU),
                  mask=(t[:, None] < eos) & (vv[None, :] < V))
-        St = _mm(KrT, Ub, St * gam[:, None], "tf32", EMU)
 
     if HAS_HT:
         tl.store(ht_ptr + s_base + s_off, _to_out(St, ht_ptr.dtype.element_ty, EMU), mask=sm)
