@@ -70,6 +70,13 @@ TARGETS: dict[str, TargetInfo] = {
         templates=(("triton/kda_fused.py.j2", "kernel.py"),),
         build="jit",
         launcher="kdagen.targets.triton:TritonLauncher",
+        # NOT YET MEASURED (defaults until the H200 run of `benchmarks/bench_kda.py --cases issue21
+        # --variants all`): chunk size by the selection's length heuristic (preferred_chunk None);
+        # block_v 32 wherever it gives about one wave of recurrence programs, from the sm_90
+        # build: a 4-warp recurrence program with its 2-stage prefetch takes ~130 KB of shared
+        # memory, so one runs per SM and a second wave of programs doubles the serial time.
+        vsplit_min_waves=0.7,
+        preferred_block_v=32,
     ),
     "sm80": TargetInfo(
         name="sm80",

@@ -47,6 +47,9 @@ class TritonLauncher:
         self.config: Optional[dict[str, int]] = None
         self._dummies: dict[str, dict[str, torch.Tensor]] = {}
         self._tuned: dict[str, dict[str, int]] = {}
+        self._ws_dtype = _WS_DTYPES[self.module.WS_DTYPE]
+        # workspace elements per fp32 element of the one allocation (REC and KP are even)
+        self._per_f32 = 4 // torch.empty(0, dtype=self._ws_dtype).element_size()
 
     def _device_state(self, dev: torch.device) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
         key = str(dev)
@@ -67,17 +70,12 @@ class TritonLauncher:
             raise RuntimeError(f"{v.name}: head dims K={call.K} V={call.V} do not match the variant")
         dev = call.q.device
         dummies, tuned = self._device_state(dev)
-        cfg = dict(tuned if self.config is None else self.config)
+        cfg = tuned if self.config is None else self.config
         # Records: sequence n's chunks start at record (first token // C) + n, so
         # B*T // C + N + 1 records cover every chunk of every sequence.
         nrec = (call.B * call.T) // v.chunk + call.N + 1
-        ws_t = _WS_DTYPES[mod.WS_DTYPE]
-        # One allocation: the fp32 Gamma_C array, then the records (REC and KP are even).
-        n_ws = nrec * call.HV * mod.REC
+        # One allocation: the fp32 Gamma_C array, then the records.
         n_gam = nrec * call.HV * mod.KP
-        per_f32 = 4 // torch.empty(0, dtype=ws_t).element_size()
-        buf = torch.empty(n_gam + n_ws // per_f32, dtype=torch.float32, device=dev)
-        gam = buf[:n_gam]
-        ws = buf[n_gam:].view(ws_t)
-        mod.launch(call, ws, gam, dummies, parts=self.parts, **cfg)
+        buf = torch.empty(n_gam + nrec * call.HV * mod.REC // self._per_f32, dtype=torch.float32, device=dev)
+        mod.launch(call, buf[n_gam:].view(self._ws_dtype), buf[:n_gam], dummies, parts=self.parts, **cfg)
         # buf was allocated on the current stream, where both kernels run: no record_stream needed.
