@@ -42,10 +42,31 @@ EMU = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
+def _rn_bf16(x):
+    # fp32 rounded to the nearest bf16 value (ties to even), kept in fp32
+    bits = x.to(tl.float32).to(tl.uint32, bitcast=True)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _rn_tf32(x):
+    # fp32 rounded to the nearest tf32 value (10 mantissa bits), kept in fp32
+    bits = x.to(tl.float32).to(tl.uint32, bitcast=True)
+    return ((bits + 0xFFF + ((bits >> 13) & 1)) & 0xFFFFE000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _mm(a, b, acc, PREC: tl.constexpr, EMU: tl.constexpr):
-    # a @ b + acc with fp32 accumulation.
+    # a @ b + acc with fp32 accumulation. Under the interpreter the operands are rounded as the
+    # GPU's tensor cores would take them ("bf16": bf16 operands, "tf32": tf32), then multiplied
+    # in fp32 ("ieee" and the 3xTF32 split are fp32-exact enough to take as is).
     if EMU:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+        if PREC == "bf16":
+            return tl.dot(_rn_bf16(a), _rn_bf16(b), acc, input_precision="ieee")
+        elif PREC == "tf32":
+            return tl.dot(_rn_tf32(a), _rn_tf32(b), acc, input_precision="ieee")
+        else:
+            return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     elif PREC == "bf16":
         return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), acc)
     else:
@@ -56,9 +77,7 @@ def _mm(a, b, acc, PREC: tl.constexpr, EMU: tl.constexpr):
 def _to_ws(x, EMU: tl.constexpr):
     # fp32 -> workspace type, rounding to nearest even (emulated where the interpreter truncates).
     if EMU:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        x = bits.to(tl.float32, bitcast=True)
+        x = _rn_bf16(x)
     return x.to(tl.bfloat16)
 
 
@@ -66,9 +85,7 @@ def _to_ws(x, EMU: tl.constexpr):
 def _to_out(x, OUT_T: tl.constexpr, EMU: tl.constexpr):
     # fp32 -> an output type (o, states), bf16 rounded to nearest even under the interpreter too.
     if EMU and OUT_T == tl.bfloat16:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        x = bits.to(tl.float32, bitcast=True)
+        x = _rn_bf16(x)
     return x.to(OUT_T)
 
 
@@ -209,8 +226,8 @@ def kda_prep_kernel(
         if tl.max(tl.max(tl.abs(P), axis=1), axis=0) <= 80.0:
             # right factor k exp(-P) <= exp(80): inside the fp32/bf16 range
             Kinv = Ke * tl.exp(-tot)[None, :]
-            Ld = _mm(Ka, tl.trans(Kinv), zero16, "bf16", EMU)
-            Md = _mm(Qa, tl.trans(Kinv), zero16, "bf16", EMU)
+            Ld = _mm(Ka, tl.trans(Kinv), zero16, "tf32", EMU)
+            Md = _mm(Qa, tl.trans(Kinv), zero16, "tf32", EMU)
         else:
             Ld, Md = _diag_exact(q, k, a)
         Ld = tl.where(rows[:, None] > rows[None, :], Ld * bt[:, None], 0.0)
