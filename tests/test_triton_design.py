@@ -58,9 +58,18 @@ def variant_of(tmp_path):
             reg._launchers.pop(key)
 
 
-@pytest.mark.parametrize("dev", DEVICES)
-@pytest.mark.parametrize("chunk", [16, 64])
-@pytest.mark.parametrize("k, v, bv", [(32, 64, 32), (64, 32, 16), (48, 80, 16), (16, 16, 16)])
+def _head_dim_cases():
+    # On the GPU only the padded dims at chunk 64: every GPU case compiles its own variant, and
+    # the ci spec's K != V variants run there in test_triton.py.
+    for dev in DEVICES:
+        for chunk in (16, 64):
+            for k, v, bv in ((32, 64, 32), (64, 32, 16), (48, 80, 16), (16, 16, 16)):
+                if dev.id == "cuda" and (chunk == 16 or k in (32, 64)):
+                    continue
+                yield pytest.param(dev.values[0], chunk, k, v, bv, marks=dev.marks, id=f"{dev.id}-c{chunk}-k{k}-v{v}")
+
+
+@pytest.mark.parametrize("dev, chunk, k, v, bv", list(_head_dim_cases()))
 def test_head_dims_k_ne_v_and_padded(variant_of, dev, chunk, k, v, bv):
     # K != V both ways, and dims that are not powers of two (padded tiles, masked channels);
     # ragged lengths, GQA, varlen with an empty sequence, [K, V] states.
@@ -186,10 +195,12 @@ def test_gpu_first_call_compiles_fast_and_later_shapes_reuse_it(tmp_path):
                 q, k, v, g, beta = (x.transpose(1, 2).contiguous() for x in (q, k, v, g, beta))
             cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=dev) if lens else None
             return (q, k, v, g, beta), dict(kw, cu_seqlens=cu, layout=layout)
-        t0 = time.perf_counter()
         a, kw = inputs(300, 2)
-        kdagen.kda_prefill(*a, **kw, initial_state=torch.zeros(1, 2, 128, 128, device=dev), output_final_state=True,
-                           variant={name!r})
+        h0 = torch.zeros(1, 2, 128, 128, device=dev)
+        registry()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        kdagen.kda_prefill(*a, **kw, initial_state=h0, output_final_state=True, variant={name!r})
         torch.cuda.synchronize()
         first = time.perf_counter() - t0
         for T, H, lens, layout, st in [(5000, 3, None, "BSND", True), (77, 8, None, "BNSD", False),
