@@ -90,6 +90,23 @@ def _to_out(x, OUT_T: tl.constexpr, EMU: tl.constexpr):
 
 
 @triton.jit
+def _sequence(cu_ptr, n, T, IS_VARLEN):
+    # Sequence n: its first and end token in its batch row, the batch row, and its first token
+    # in the flattened B * T token axis (both branches give int64: the flag is a run-time value).
+    if IS_VARLEN:
+        bos = tl.load(cu_ptr + n).to(tl.int64)
+        eos = tl.load(cu_ptr + n + 1).to(tl.int64)
+        b = (n * 0).to(tl.int64)
+        flat = bos
+    else:
+        bos = (n * 0).to(tl.int64)
+        eos = (n * 0 + T).to(tl.int64)
+        b = n.to(tl.int64)
+        flat = b * T
+    return bos, eos, b, flat
+
+
+@triton.jit
 def _sigmoid(x):
     # 1 / (1 + exp(-x)) with the fast (2 ulp) division: IEEE division costs ~10 instructions per element.
     return tl.fdiv(tl.full(x.shape, 1.0, tl.float32), 1.0 + tl.exp(-x))
@@ -149,16 +166,7 @@ def kda_prep_kernel(
     n = tl.program_id(1)
     h = tl.program_id(2)
     hq = h // (HV // H)
-    if IS_VARLEN:
-        bos = tl.load(cu_ptr + n).to(tl.int64)
-        eos = tl.load(cu_ptr + n + 1).to(tl.int64)
-        b = (n * 0).to(tl.int64)
-        flat = bos
-    else:
-        bos = (n * 0).to(tl.int64)
-        eos = (n * 0 + T).to(tl.int64)
-        b = n.to(tl.int64)
-        flat = b * T
+    bos, eos, b, flat = _sequence(cu_ptr, n, T, IS_VARLEN)
     t0 = bos + i_c * C
     if t0 >= eos:
         return
@@ -255,16 +263,7 @@ def kda_recur_kernel(
     i_v = tl.program_id(0)
     n = tl.program_id(1)
     h = tl.program_id(2)
-    if IS_VARLEN:
-        bos = tl.load(cu_ptr + n).to(tl.int64)
-        eos = tl.load(cu_ptr + n + 1).to(tl.int64)
-        b = (n * 0).to(tl.int64)
-        flat = bos
-    else:
-        bos = (n * 0).to(tl.int64)
-        eos = (n * 0 + T).to(tl.int64)
-        b = n.to(tl.int64)
-        flat = b * T
+    bos, eos, b, flat = _sequence(cu_ptr, n, T, IS_VARLEN)
     rows = tl.arange(0, C)
     kk = tl.arange(0, KP)
     vv = i_v * BV + tl.arange(0, BV)
