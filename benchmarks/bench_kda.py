@@ -9,9 +9,9 @@ gate). For each target the runtime's own selection (restricted to that target) p
 variant; --variants all also times every other variant of the target that fits the call, or
 the named ones. Times: CUDA events around one call, after warm-up, median of many runs,
 inputs rotated among several sets so the L2 cache does not flatter small cases.
---warm-procs N makes each case's first calls (Triton compiles, fla's autotuning) in N
-processes at once before anything is timed; they share the Triton cache, where fla keeps
-its tuned configurations. fla then tunes with other processes on the GPU, which may pick a
+--warm-procs N makes the first calls (fla's autotuning on each case, a compile of every
+Triton variant and configuration) in N processes at once before anything is timed; they share
+the Triton cache, where fla keeps its tuned configurations. fla then tunes with other processes on the GPU, which may pick a
 different configuration than a quiet GPU would (pass 0 for the strict, slower order).
 """
 
@@ -163,27 +163,40 @@ def _set_config(name, cfg, parts=("prep", "recur")):
         lau.parts = parts
 
 
-def warm_case(task) -> dict:
-    """First calls of one case (compiles, fla's autotuning), in a worker process; seconds per job."""
-    case, jobs, with_fla = task
-    kw, cu = make_inputs(**CASES[case], seed=0)
-    out = {}
+def warm_task(task) -> tuple:
+    """One first call, in a worker process: fla on the case's own inputs (its autotuning keys on
+    the shape), or one Triton variant and configuration on a short input of the case's kind (a
+    compile does not depend on the lengths). Returns (label, seconds)."""
     import time
 
-    if with_fla:
-        t0 = time.perf_counter()
+    kind, case, name, cfg = task
+    c = dict(CASES[case])
+    if kind == "triton":
+        c.pop("lens", None)
+        c.update(T=256, H=min(c.get("H", 8), 4))
+    kw, cu = make_inputs(**c, seed=0)
+    t0 = time.perf_counter()
+    if kind == "fla":
         run_fla(kw, cu)
-        torch.cuda.synchronize()
-        out["fla"] = time.perf_counter() - t0
-    for t, name, cfg, _ in jobs:
-        if name is None:
-            continue
+    else:
         _set_config(name, cfg)
-        t0 = time.perf_counter()
         run_kdagen(name, kw, cu)
-        torch.cuda.synchronize()
-        out[f"{name} {cfg or ''}"] = time.perf_counter() - t0
-    return out
+    torch.cuda.synchronize()
+    return (f"fla {case}" if kind == "fla" else f"{name.replace('kda_fwd_', '')} {cfg or ''}".strip(),
+            time.perf_counter() - t0)
+
+
+def warm_tasks(names, plans, with_fla) -> list:
+    """fla's first calls first (the longest), then every Triton variant and configuration once."""
+    tasks = [("fla", n, None, None) for n in names] if with_fla else []
+    seen = set()
+    for n in names:
+        for t, vname, cfg, _ in plans[n]:
+            key = (vname, json.dumps(cfg, sort_keys=True))
+            if t == "triton" and vname is not None and key not in seen:
+                seen.add(key)
+                tasks.append(("triton", n, vname, cfg))
+    return tasks
 
 
 def main() -> int:
@@ -217,11 +230,11 @@ def main() -> int:
         import time
 
         t0 = time.perf_counter()
+        tasks = warm_tasks(names, plans, have_fla)
         with mp.get_context("spawn").Pool(args.warm_procs) as pool:
-            firsts = pool.map(warm_case, [(n, plans[n], have_fla) for n in names], chunksize=1)
-        print(f"warm-up in {args.warm_procs} processes: {time.perf_counter() - t0:.0f} s")
-        for n, f in zip(names, firsts):
-            print(f"  {n}: first calls (s): " + ", ".join(f"{k.strip()} {v:.1f}" for k, v in f.items()))
+            firsts = pool.map(warm_task, tasks, chunksize=1)
+        print(f"warm-up: {len(tasks)} first calls in {args.warm_procs} processes, {time.perf_counter() - t0:.0f} s")
+        print("  first call (s): " + ", ".join(f"{label} {sec:.1f}" for label, sec in firsts))
     rows = []
     print(f"{'case':<30}{'impl':<60}{'ms':>9}{'prep':>8}{'recur':>8}{'fla/x':>7}")
     for name in names:
