@@ -74,8 +74,9 @@ class TritonLauncher:
         # Records: sequence n's chunks start at record (first token // C) + n, so
         # B*T // C + N + 1 records cover every chunk of every sequence.
         nrec = (call.B * call.T) // v.chunk + call.N + 1
-        # One allocation: the fp32 Gamma_C array, then the records.
-        n_gam = nrec * call.HV * mod.KP
-        buf = torch.empty(n_gam + nrec * call.HV * mod.REC // self._per_f32, dtype=torch.float32, device=dev)
-        mod.launch(call, buf[n_gam:].view(self._ws_dtype), buf[:n_gam], dummies, parts=self.parts, **cfg)
+        # One allocation: Gamma_C (fp32), the prep's per-record flags (int32), then the records.
+        n_gam, n_flag = nrec * call.HV * mod.KP, nrec * call.HV
+        buf = torch.empty(n_gam + n_flag + nrec * call.HV * mod.REC // self._per_f32, dtype=torch.float32, device=dev)
+        mod.launch(call, buf[n_gam + n_flag:].view(self._ws_dtype), buf[:n_gam],
+                   buf[n_gam:n_gam + n_flag].view(torch.int32), dummies, parts=self.parts, **cfg)
         # buf was allocated on the current stream, where both kernels run: no record_stream needed.
