@@ -13,10 +13,11 @@
 #       launched only for gates that can decay that fast (not the bounded gate, |bound| <= 5).
 #   kda_recur_kernel grid (V blocks of 16, sequences, value heads): fp32 state S^T [K, BV] in
 #       registers; per chunk U = U0 - W S^T, o = Qd S^T + Mqk U, S^T <- diag(Gamma_C) S^T + Kr^T U.
-# tl ops used: load/store (masked), arange, where, exp, log, sqrt, fdiv, abs, maximum, reshape, broadcast_to,
-# sum/max/cumsum (incl. reverse), trans, dot, casts, scalar if/for. Under the CPU interpreter
-# (EMU) every dot takes fp32 operands and bf16 rounding is emulated (the interpreter's bf16 dot
-# is wrong and its fp32 -> bf16 cast truncates).
+# tl ops used: load/store (masked), arange, where, exp, log, sqrt, fdiv, abs, maximum, sum, max,
+# cumsum, expand_dims/broadcast_to/reshape, trans, dot (input_precision ieee/tf32/tf32x3), casts
+# incl. bitcasts, debug_barrier, scalar if / for. Under the CPU interpreter (EMU) every dot takes
+# fp32 operands rounded as the GPU's tensor cores take them, and bf16 rounding is emulated (the
+# interpreter's bf16 dot is wrong and its fp32 -> bf16 cast truncates).
 import os
 
 import triton
