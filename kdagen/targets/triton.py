@@ -1,9 +1,10 @@
 """Launcher for the Triton target: allocates the workspace and calls the generated module's launch().
 
-The generated module (templates/triton/kda_fused.py.j2) has two kernels, a chunk-parallel prep
-that writes one workspace record per (chunk, value head) and the V-split recurrence that reads
-them. Launch configurations come from the template's defaults, overridden per GPU by TUNING
-(measured on that GPU); nothing is tuned at call time.
+The generated module (templates/triton/kda_fused.py.j2) has a chunk-parallel prep that writes
+one workspace record per (chunk, value head), for 16-bit variants an exact prep pass for the
+chunks the prep flags (launched only for gates that need it), and the V-split recurrence that
+reads the records. Launch configurations come from the template's defaults, overridden per GPU
+by TUNING (measured on that GPU); nothing is tuned at call time.
 """
 
 from __future__ import annotations
@@ -18,8 +19,11 @@ from ..variant import Variant
 from .loader import load_generated_module
 
 # Measured launch configurations: {GPU name prefix: {(chunk, k, v, block_v): {option: value}}},
-# options prep_warps, recur_warps, recur_stages. Empty until measured: the template defaults
-# apply (prep 8 warps at chunk 64 / K 128, else 4; recurrence 4 warps, 2 stages).
+# options prep_warps, prep_stages, prep_maxnreg, recur_warps, recur_stages (the keyword
+# arguments of the generated launch()). Empty until measured (`benchmarks/bench_kda.py
+# --triton-configs` times alternatives): the template defaults apply, e.g. for K = 128 the
+# chunk-64 prep at 8 warps with 2 stages, the chunk-16 prep at 4 warps, the recurrence at
+# 4 warps (8 at block_v 64) with 2 stages.
 TUNING: dict[str, dict[tuple[int, int, int, int], dict[str, int]]] = {}
 
 _WS_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
