@@ -1,7 +1,9 @@
 """Benchmark (not a test): kdagen's targets next to fla's chunk_kda on the same inputs.
 
-    PYTHONPATH=$PWD python benchmarks/bench_kda.py [--cases all|issue4|issue21] [--targets sm80,triton] [--out F]
+    PYTHONPATH=$PWD python benchmarks/bench_kda.py [--cases all|issue4|issue16|issue21] [--targets sm80,triton] [--out F]
         [--variants all|NAME,...] [--parts] [--triton-configs 'k=v,..;..'] [--warm-procs N]
+
+A --targets entry is a target (the runtime's selection among its variants) or a variant's name.
 
 Cases are DESIGN.md section 5's rows (bf16, D=128, lower_bound=-5, fp32 state, q/k L2 norm
 and gate in kernel) and issue 21's (fp16 with the unbounded gate, D=64 with a precomputed
@@ -11,8 +13,9 @@ the named ones. Times: CUDA events around one call, after warm-up, median of man
 inputs rotated among several sets so the L2 cache does not flatter small cases.
 --warm-procs N makes the first calls (fla's autotuning on each case, a compile of every
 Triton variant and configuration) in N processes at once before anything is timed; they share
-the Triton cache, where fla keeps its tuned configurations. fla then tunes with other processes on the GPU, which may pick a
-different configuration than a quiet GPU would (pass 0 for the strict, slower order).
+the Triton cache, where fla keeps its tuned configurations. fla then tunes with other
+processes on the GPU, which may pick a different configuration than a quiet GPU would (pass 0
+for the strict, slower order).
 """
 
 from __future__ import annotations
@@ -43,10 +46,12 @@ CASES = {
     "B1 T65536 H24": dict(T=65536, H=24),
     "B1 T4096 H16": dict(T=4096, H=16),
     "B1 T2048 H8": dict(T=2048, H=8),
+    "B4 T4096 H32": dict(T=4096, H=32, B=4),
     "B1 T8192 H32 fp16 unbounded": dict(T=8192, H=32, dtype="fp16", gate="unbounded"),
     "B1 T8192 H32 D64 precomputed": dict(T=8192, H=32, D=64, gate="precomputed"),
 }
 ISSUE4 = ["B1 T8192 H96", "B1 T65536 H24"]
+ISSUE16 = ["B1 T8192 H96", "B1 T8192 H64", "varlen6 H96", "varlen 8x1024 H64", "B1 T16384 H48", "B4 T4096 H32"]
 ISSUE21 = ["B1 T8192 H96", "B1 T65536 H24", "B1 T2048 H8", "B1 T8192 H32 fp16 unbounded",
            "B1 T8192 H32 D64 precomputed", "varlen6 H96"]
 FLASHKDA_MS = {"B1 T8192 H96": 1.49, "B1 T8192 H64": 1.26, "varlen6 H96": 1.49, "varlen 8x1024 H64": 0.85,
@@ -55,20 +60,20 @@ FLASHKDA_MS = {"B1 T8192 H96": 1.49, "B1 T8192 H64": 1.26, "varlen6 H96": 1.49, 
 _DT = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def make_inputs(T=None, H=8, lens=None, D=128, seed=0, dev="cuda", dtype="bf16", gate="bounded"):
+def make_inputs(T=None, H=8, lens=None, D=128, seed=0, dev="cuda", B=1, dtype="bf16", gate="bounded"):
     gen = torch.Generator(device=dev).manual_seed(seed)
     if lens is not None:
         T = sum(lens)
     dt = _DT[dtype]
     r = lambda *s: torch.randn(*s, generator=gen, device=dev)  # noqa: E731
-    g = r(1, T, H, D)
+    g = r(B, T, H, D)
     if gate == "precomputed":
         g = -5.0 * torch.sigmoid(g)  # a log-decay in the bounded gate's range
-    kw = dict(q=r(1, T, H, D).to(dt), k=r(1, T, H, D).to(dt), v=r(1, T, H, D).to(dt),
-              g=g.to(dt), beta=r(1, T, H).to(dt),
+    kw = dict(q=r(B, T, H, D).to(dt), k=r(B, T, H, D).to(dt), v=r(B, T, H, D).to(dt),
+              g=g.to(dt), beta=r(B, T, H).to(dt),
               A_log=torch.rand(H, generator=gen, device=dev) if gate != "precomputed" else None,
               dt_bias=r(H, D) * 0.1 if gate != "precomputed" else None,
-              initial_state=r(len(lens) if lens else 1, H, D, D) * 0.1, gate=gate)
+              initial_state=r(len(lens) if lens else B, H, D, D) * 0.1, gate=gate)
     cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0).tolist()), dtype=torch.int32, device=dev) if lens else None
     return kw, cu
 
@@ -133,21 +138,22 @@ def plan(case: str, targets: list, variants: str, configs: list) -> list:
     reg = registry()
     jobs = []
     for t in targets:
-        cands = [v for v in reg.variants() if v.target == t]
+        cands = [v for v in reg.variants() if t in (v.target, v.name)]
         try:
             chosen = select(cands, info)
         except Exception as e:
             jobs.append((t, None, str(e).splitlines()[0], False))
             continue
+        target = chosen.target
         names = [chosen.name]
         if variants == "all":
             names += [v.name for v in cands if v.name != chosen.name and functional_reason(v, info) is None]
         elif variants not in ("", "selected"):
             names += [n for n in variants.split(",") if n in reg.entries and n != chosen.name
-                      and reg.entries[n].variant.target == t and functional_reason(reg.entries[n].variant, info) is None]
+                      and reg.entries[n].variant.target == target and functional_reason(reg.entries[n].variant, info) is None]
         for n in names:
-            for cfg in ([None] + configs if t == "triton" else [None]):
-                jobs.append((t, n, cfg, n == chosen.name and cfg is None))
+            for cfg in ([None] + configs if target == "triton" else [None]):
+                jobs.append((target, n, cfg, n == chosen.name and cfg is None))
     return jobs
 
 
@@ -201,7 +207,7 @@ def warm_tasks(names, plans, with_fla) -> list:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--cases", default="all", help="all | issue4 | issue21 | comma-separated case names")
+    ap.add_argument("--cases", default="all", help="all | issue4 | issue16 | issue21 | comma-separated case names")
     ap.add_argument("--targets", default="sm80,triton")
     ap.add_argument("--variants", default="selected",
                     help="selected | all (every variant of the target that fits) | comma-separated names, timed beside the selected one")
@@ -213,7 +219,8 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--out", default=None, help="also write the rows as JSON here")
     args = ap.parse_args()
-    names = {"all": list(CASES), "issue4": ISSUE4, "issue21": ISSUE21}.get(args.cases) or args.cases.split(",")
+    lists = {"all": list(CASES), "issue4": ISSUE4, "issue16": ISSUE16, "issue21": ISSUE21}
+    names = lists.get(args.cases) or args.cases.split(",")
     targets = [t for t in args.targets.split(",") if t]
     configs = parse_configs(args.triton_configs)
     have_fla = False

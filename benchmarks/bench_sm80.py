@@ -133,11 +133,9 @@ def main():
             err = ""
             if o_fla is not None:
                 err = f" (vs fla {((o.float() - o_fla.float()).norm() / o_fla.float().norm()).item():.1e})"
-            launcher.parts = ("prep",)
-            t1 = timeit(lambda: launcher(call))
-            launcher.parts = ("recur",)
-            t2 = timeit(lambda: launcher(call))
-            launcher.parts = ("prep", "recur")
+            prep, recur = launcher.with_settings(parts=("prep",)), launcher.with_settings(parts=("recur",))
+            t1 = timeit(lambda: prep(call))
+            t2 = timeit(lambda: recur(call))
             row.append(f"c{var.chunk}/bv{var.block_v} {t:7.3f} ms [prep {t1:.3f} + recur {t2:.3f}]{err}")
         print(" | ".join(row), flush=True)
 

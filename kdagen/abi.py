@@ -1,9 +1,10 @@
 """The normalised call every target's launcher receives.
 
-The runtime validates the user's tensors once and turns them into a ``KdaCall``:
-layouts become strides, varlen becomes a nullable int32 pointer, state in/out
-become nullable pointers. Launchers never re-validate; they only map this onto
-their kernel's arguments.
+The runtime validates the user's tensors (once per call signature) and turns them into a
+``KdaCall``: layouts become strides, varlen becomes a nullable int32 pointer, state in/out
+become nullable pointers, outputs are allocated (or the caller's buffers). Launchers map this
+onto their kernel's arguments and check only what their kernels add (alignment, shared memory,
+workspace size).
 """
 
 from __future__ import annotations
@@ -55,4 +56,7 @@ class KdaCall:
     # chunk_offsets[n] .. chunk_offsets[n+1]-1.
     chunk_states: Optional[torch.Tensor]
     chunk_offsets: Optional[torch.Tensor]  # int32 [N + 1] on the device, or None
-    max_len: int = 0  # longest sequence (tokens); bounds grids that tile time
+    max_len: int = 0  # longest sequence (tokens), or an upper bound (T); bounds grids that tile time
+    # Caller-provided scratch memory (uint8, contiguous, at least the launcher's
+    # workspace_bytes(call)); None: the launcher allocates from torch's caching allocator.
+    workspace: Optional[torch.Tensor] = None

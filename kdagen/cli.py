@@ -1,4 +1,4 @@
-"""The `kdagen` command: list, generate, build and verify the variants of a spec."""
+"""The `kdagen` command: list, generate, build and verify the variants of a spec; doctor."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import click
 
-from .errors import KdagenError
-from .paths import DEFAULT_SPEC, GENERATED_DIR, SPECS_DIR, rel
+from .errors import KdagenError, SpecError
+from .paths import DEFAULT_SPEC, SPECS_DIR, generated_dir_for, rel
 
 
 def _fail(e: Exception) -> None:
@@ -17,12 +17,25 @@ def _fail(e: Exception) -> None:
     sys.exit(2)
 
 
+def resolve_spec(name: str) -> Path:
+    """A spec file path, or the name of a shipped spec (`h800`, `h800.yaml`, `specs/h800.yaml`
+    also work from outside the source tree)."""
+    p = Path(name)
+    if p.is_file():
+        return p
+    for cand in (SPECS_DIR / p.name, SPECS_DIR / f"{p.name}.yaml"):
+        if cand.is_file():
+            return cand
+    shipped = ", ".join(sorted(q.stem for q in SPECS_DIR.glob("*.yaml")))
+    raise SpecError(name, "<file>", f"no such file, nor a shipped spec of that name (shipped: {shipped})")
+
+
 def _specs(paths: tuple[str, ...]) -> list[Path]:
-    return [Path(p) for p in paths] if paths else [DEFAULT_SPEC]
+    return [resolve_spec(p) for p in paths] if paths else [DEFAULT_SPEC]
 
 
-spec_option = click.option("--spec", "specs", multiple=True, type=click.Path(dir_okay=False),
-                           help=f"spec file (repeatable; default {rel(DEFAULT_SPEC)})")
+spec_option = click.option("--spec", "specs", multiple=True,
+                           help=f"spec file or shipped spec name (repeatable; default {DEFAULT_SPEC.stem})")
 
 
 @click.group()
@@ -61,7 +74,8 @@ def list_cmd(specs: tuple[str, ...], pattern: str, verbose: bool) -> None:
 @main.command()
 @spec_option
 @click.option("--all", "all_specs", is_flag=True, help=f"every spec in {rel(SPECS_DIR)}/")
-@click.option("--out", type=click.Path(file_okay=False), default=None, help=f"output folder (default {rel(GENERATED_DIR)})")
+@click.option("--out", type=click.Path(file_okay=False), default=None,
+              help="output folder (default: generated/ of the source tree for its specs, else the cache)")
 @click.option("--check", is_flag=True, help="write nothing; exit 1 if the output is stale")
 def generate(specs: tuple[str, ...], all_specs: bool, out: str | None, check: bool) -> None:
     """Render the spec's variants into generated/<spec>/ and write its manifest.json."""
@@ -95,27 +109,47 @@ def generate(specs: tuple[str, ...], all_specs: bool, out: str | None, check: bo
 @main.command()
 @spec_option
 @click.option("--filter", "pattern", default="*", help="glob on the variant name")
+@click.option("--variant", "variants", multiple=True,
+              help="a canonical variant name no spec needs to list (repeatable): generated and built in the cache")
 @click.option("-j", "--jobs", type=int, default=None, help="parallel jobs (default: MAX_JOBS or the core count)")
-def build(specs: tuple[str, ...], pattern: str, jobs: int | None) -> None:
-    """Compile the generated variants of a spec (ninja) into build/<spec>/."""
+def build(specs: tuple[str, ...], pattern: str, variants: tuple[str, ...], jobs: int | None) -> None:
+    """Compile the variants of a spec (ninja) ahead of time: into build/ for the specs of a
+    source tree, into the cache directory otherwise (what the runtime loads)."""
     import json
 
     from .build import build_spec
-    from .generate import MANIFEST
+    from .cache import ONDEMAND_SPEC, ensure_generated
+    from .generate import MANIFEST, generate as render
+    from .paths import SOURCE_GENERATED_DIR
     from .spec import load_spec
 
     try:
-        for path in _specs(specs):
+        jobs_done = []
+        if variants:
+            from .ondemand import parse_name, register
+
+            parsed = [parse_name(n) for n in variants]
+            gen = register(parsed)
+            jobs_done.append((ONDEMAND_SPEC, build_spec(ONDEMAND_SPEC, names=[v.name for v in parsed],
+                                                          generated_dir=gen, jobs=jobs)))
+        for path in (_specs(specs) if specs or not variants else []):
             spec = load_spec(path)
-            man_path = GENERATED_DIR / spec.name / MANIFEST
+            gen = generated_dir_for(path)
+            if SOURCE_GENERATED_DIR is not None and gen == SOURCE_GENERATED_DIR:
+                if not (gen / spec.name / MANIFEST).exists():
+                    render(spec, gen)  # a checkout's committed tree is otherwise taken as it is
+            else:
+                ensure_generated(path, gen)
+            man_path = gen / spec.name / MANIFEST
             names = None
-            if pattern != "*" and man_path.exists():
+            if pattern != "*":
                 names = [e["name"] for e in json.loads(man_path.read_text())["variants"]
                          if fnmatch.fnmatch(e["name"], pattern)]
-            manifest = build_spec(spec.name, names=names, jobs=jobs)
+            jobs_done.append((spec.name, build_spec(spec.name, names=names, jobs=jobs, generated_dir=gen)))
+        for name, manifest in jobs_done:
             worst = [(n, r) for n, e in manifest["variants"].items() for r in e.get("ptxas", [])
                      if r["spill_stores"] or r["spill_loads"] or r["stack_bytes"]]
-            click.echo(f"{spec.name}: {len(manifest['variants'])} variant(s) built")
+            click.echo(f"{name}: {len(manifest['variants'])} variant(s) built")
             for n, r in worst:
                 click.echo(f"  WARNING {n} {r['arch']}: {r['stack_bytes']} B stack, "
                            f"{r['spill_stores']} B spill stores, {r['spill_loads']} B spill loads")
@@ -136,6 +170,18 @@ def verify(specs: tuple[str, ...], pattern: str) -> None:
     except KdagenError as e:
         _fail(e)
     sys.exit(0 if ok else 1)
+
+
+@main.command()
+def doctor() -> None:
+    """What this machine has and can run: GPU, compilers, cache, built variants, one line each."""
+    from .doctor import report
+
+    try:
+        for line in report():
+            click.echo(line)
+    except KdagenError as e:
+        _fail(e)
 
 
 if __name__ == "__main__":

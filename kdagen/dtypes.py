@@ -12,6 +12,8 @@ DTYPES = ("fp32", "bf16", "fp16")
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 # C++ element types of the CUDA templates.
 CUDA_TYPES = {"fp32": "float", "bf16": "__nv_bfloat16", "fp16": "__half"}
+# CANNBot-DSL dtype names (cannbotdsl.dtypes.<name>) of the Ascend templates.
+DSL_TYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 GATES = ("bounded", "unbounded", "precomputed")
 GATE_TAGS = {"bounded": "gb", "unbounded": "gu", "precomputed": "gp"}  # in canonical names
@@ -38,4 +40,4 @@ def dtype_name(dtype: Any) -> str | None:
 
 def template_context() -> dict[str, Any]:
     """What every template may read besides the variant (the maps above)."""
-    return {"CUDA_TYPES": CUDA_TYPES, "GATE_IDS": GATE_IDS, "STATE_IDS": STATE_IDS}
+    return {"CUDA_TYPES": CUDA_TYPES, "DSL_TYPES": DSL_TYPES, "GATE_IDS": GATE_IDS, "STATE_IDS": STATE_IDS}

@@ -18,7 +18,7 @@ import jinja2
 
 from . import __version__
 from .dtypes import template_context
-from .paths import GENERATED_DIR, TEMPLATES_DIR, rel
+from .paths import TEMPLATES_DIR, generated_dir_for, rel
 from .spec import Spec, expand
 from .targets import TARGETS
 from .variant import Variant
@@ -94,12 +94,19 @@ def manifest_for(spec: Spec, files: dict[str, dict[str, bytes]], variants: list[
 
 
 def generate(spec: Spec, out_dir: Path | None = None, *, check: bool = False) -> GenerateResult:
-    """Render all variants of `spec` under out_dir/<spec.name>/.
+    """Render all variants of `spec` under out_dir/<spec.name>/ (default: the checkout's
+    generated/ for its own specs, the cache directory otherwise).
 
     With check=True nothing is written; the result lists what would change.
     """
-    root = (out_dir or GENERATED_DIR) / spec.name
-    variants = expand(spec)
+    return emit(spec, expand(spec), out_dir or generated_dir_for(spec.path), check=check)
+
+
+def emit(spec: Spec, variants: list[Variant], out_dir: Path, *, check: bool = False) -> GenerateResult:
+    """Render `variants` (sorted by name) as spec `spec` under out_dir/<spec.name>/ and remove
+    what no longer belongs there."""
+    root = Path(out_dir) / spec.name
+    variants = sorted(variants, key=lambda v: v.name)
     env = _env()
     files = {v.name: render_variant(v, env) for v in variants}
     manifest = manifest_for(spec, files, variants)
@@ -121,7 +128,8 @@ def generate(spec: Spec, out_dir: Path | None = None, *, check: bool = False) ->
     removed = []
     if root.exists():
         for path in sorted(root.rglob("*")):
-            if path.is_file() and path not in wanted:
+            # dot files are the cache's own (lock, input stamp), not generated sources
+            if path.is_file() and path not in wanted and not path.name.startswith("."):
                 removed.append(path)
         if not check:
             for path in removed:

@@ -7,12 +7,10 @@ from typing import Optional
 
 import torch
 
+from .dtypes import GATES, dtype_name
 from .errors import KdaInputError
 
-DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
-STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 LAYOUTS = ("BSND", "BNSD")
-GATES = ("bounded", "unbounded", "precomputed")
 
 
 @dataclass
@@ -62,8 +60,51 @@ def resolve_gate(gate: Optional[str], A_log, lower_bound) -> str:
 
 def check_call(q, k, v, g, beta, *, A_log, dt_bias, scale, lower_bound, gate, initial_state,
                output_final_state, cu_seqlens, layout, state_layout, state_dtype,
-               cu_seqlens_cpu=None,
-               chunk_size, return_chunk_states) -> CallInfo:
+               cu_seqlens_cpu=None, chunk_size, return_chunk_states, final_state=None, chunk_states=None,
+               assume_valid: bool = False) -> CallInfo:
+    """Every check of a call, the offsets' values included (read from cu_seqlens_cpu, else from
+    the device unless assume_valid)."""
+    info = check_signature(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, scale=scale, lower_bound=lower_bound,
+                           gate=gate, initial_state=initial_state, output_final_state=output_final_state,
+                           cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, layout=layout,
+                           state_layout=state_layout, state_dtype=state_dtype, chunk_size=chunk_size,
+                           return_chunk_states=return_chunk_states, final_state=final_state,
+                           chunk_states=chunk_states)
+    if info.varlen:
+        host = host_offsets(cu_seqlens, cu_seqlens_cpu, assume_valid)
+        if host is not None:
+            info.max_len = check_offsets(host, info.T, validate=not assume_valid)
+            info.cu_seqlens_host = host
+    return info
+
+
+def host_offsets(cu_seqlens, cu_seqlens_cpu, assume_valid: bool) -> Optional[list[int]]:
+    """cu_seqlens' values on the host: from cu_seqlens_cpu, else read from cu_seqlens (a device
+    sync when it lives on a GPU), or None when the caller promised valid offsets (assume_valid)
+    and gave no host copy."""
+    if cu_seqlens_cpu is not None:
+        return cu_seqlens_cpu.tolist()
+    if assume_valid:
+        return None
+    return cu_seqlens.tolist()
+
+
+def check_offsets(cu: list[int], T: int, validate: bool = True) -> int:
+    """The longest sequence of offsets `cu`; with validate, raise unless they rise from 0 to T."""
+    lens = [b - a for a, b in zip(cu, cu[1:])]
+    if validate and (cu[0] != 0 or cu[-1] != T or min(lens) < 0):
+        raise _err("cu_seqlens", f"non-decreasing offsets from 0 to T={T}",
+                   cu if len(cu) <= 12 else f"{cu[:6]}...{cu[-3:]}")
+    return max(lens)
+
+
+def check_signature(q, k, v, g, beta, *, A_log, dt_bias, scale, lower_bound, gate, initial_state,
+                    output_final_state, cu_seqlens, layout, state_layout, state_dtype,
+                    cu_seqlens_cpu=None, chunk_size, return_chunk_states, final_state=None,
+                    chunk_states=None) -> CallInfo:
+    """The checks that depend only on the call's signature (types, shapes, strides, dtypes,
+    devices, flags), never on tensor values: the same signature always passes or fails alike.
+    max_len is T (an upper bound) and cu_seqlens_host None; check_call fills them."""
     for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
         if not isinstance(t, torch.Tensor):
             raise _err(name, "a torch.Tensor", type(t).__name__)
@@ -77,7 +118,7 @@ def check_call(q, k, v, g, beta, *, A_log, dt_bias, scale, lower_bound, gate, in
     layout = layout.upper()
     if state_layout not in ("VK", "KV"):
         raise _err("state_layout", "'VK' ([N, HV, V, K]) or 'KV' ([N, HV, K, V])", repr(state_layout))
-    if q.dtype not in DTYPE_NAMES:
+    if dtype_name(q.dtype) is None:
         raise _err("q", "dtype bfloat16, float16 or float32", q.dtype)
     for name, t in (("k", k), ("v", v)):
         if t.dtype != q.dtype:
@@ -141,7 +182,6 @@ def check_call(q, k, v, g, beta, *, A_log, dt_bias, scale, lower_bound, gate, in
         raise _err("scale", "a float or None", type(scale).__name__)
 
     varlen = cu_seqlens is not None
-    cu_host = None
     if varlen:
         if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.dtype not in (torch.int32, torch.int64):
             raise _err("cu_seqlens", "a 1-D int32 or int64 tensor", getattr(cu_seqlens, "dtype", type(cu_seqlens).__name__))
@@ -149,24 +189,20 @@ def check_call(q, k, v, g, beta, *, A_log, dt_bias, scale, lower_bound, gate, in
             raise _err("q", "batch size 1 when cu_seqlens is given (sequences packed along T)", f"B={B}")
         if cu_seqlens.numel() < 2:
             raise _err("cu_seqlens", "at least 2 entries [0, ..., T]", _shape(cu_seqlens))
-        # The offsets are needed on the host (validation, grid sizes, chunk offsets); a
-        # caller that already has them there (cu_seqlens_cpu) spares a device sync, which
-        # also keeps the call capturable in a CUDA graph.
+        # The offsets' values are needed on the host only for validation and exact grid sizes;
+        # a caller that has them there (cu_seqlens_cpu) spares a device sync, which also keeps
+        # the call capturable in a CUDA graph.
         if cu_seqlens_cpu is not None:
             if not isinstance(cu_seqlens_cpu, torch.Tensor) or cu_seqlens_cpu.device.type != "cpu" \
                     or tuple(cu_seqlens_cpu.shape) != tuple(cu_seqlens.shape):
                 raise _err("cu_seqlens_cpu", f"a CPU tensor of shape {_shape(cu_seqlens)} holding cu_seqlens' values",
                            _shape(cu_seqlens_cpu) if isinstance(cu_seqlens_cpu, torch.Tensor) else type(cu_seqlens_cpu).__name__)
-            cu_host = [int(x) for x in cu_seqlens_cpu.tolist()]
-        else:
-            cu_host = [int(x) for x in cu_seqlens.tolist()]
-        if cu_host[0] != 0 or cu_host[-1] != T or any(b < a for a, b in zip(cu_host, cu_host[1:])):
-            raise _err("cu_seqlens", f"non-decreasing offsets from 0 to T={T}", cu_host if len(cu_host) <= 12 else f"{cu_host[:6]}...{cu_host[-3:]}")
-        N = len(cu_host) - 1
-        max_len = max(b - a for a, b in zip(cu_host, cu_host[1:]))
+        N = cu_seqlens.shape[0] - 1
     else:
+        if cu_seqlens_cpu is not None:
+            raise _err("cu_seqlens_cpu", "None without cu_seqlens", "a tensor")
         N = B
-        max_len = T
+    max_len = T
 
     if initial_state is not None:
         exp = (N, HV, V, K) if state_layout == "VK" else (N, HV, K, V)
@@ -181,16 +217,41 @@ def check_call(q, k, v, g, beta, *, A_log, dt_bias, scale, lower_bound, gate, in
         raise _err("state_dtype", "torch.float32, torch.bfloat16 or None", state_dtype)
     if state_dtype is not None and initial_state is not None and initial_state.dtype != state_dtype:
         raise _err("initial_state", f"dtype {state_dtype} (= state_dtype)", initial_state.dtype)
-    if initial_state is not None:
-        state = DTYPE_NAMES[initial_state.dtype]
-    elif output_final_state or return_chunk_states or state_dtype is not None:
-        state = DTYPE_NAMES[state_dtype or torch.float32]
+    st_shape = (V, K) if state_layout == "VK" else (K, V)
+    for name, buf in (("final_state", final_state), ("chunk_states", chunk_states)):
+        if buf is None:
+            continue
+        if not isinstance(buf, torch.Tensor):
+            raise _err(name, "a tensor or None", type(buf).__name__)
+        if buf.dtype not in (torch.float32, torch.bfloat16):
+            raise _err(name, "dtype float32 or bfloat16", buf.dtype)
+        if buf.device != dev:
+            raise _err(name, f"a tensor on {dev}", buf.device)
+        if not buf.is_contiguous():
+            raise _err(name, "a contiguous tensor", f"strides {tuple(buf.stride())}")
+    if final_state is not None and tuple(final_state.shape) != (N, HV, *st_shape):
+        raise _err("final_state", f"shape [N, HV, {'V, K' if state_layout == 'VK' else 'K, V'}] = {(N, HV, *st_shape)}",
+                   _shape(final_state))
+    if chunk_states is not None and (chunk_states.dim() != 4 or tuple(chunk_states.shape[1:]) != (HV, *st_shape)):
+        raise _err("chunk_states", f"shape [rows, HV, {'V, K' if state_layout == 'VK' else 'K, V'}] = "
+                   f"(rows, {HV}, {st_shape[0]}, {st_shape[1]})", _shape(chunk_states))
+    given = [(n, d) for n, d in (("state_dtype", state_dtype),
+                                 *((n, t.dtype if t is not None else None) for n, t in
+                                   (("initial_state", initial_state), ("final_state", final_state),
+                                    ("chunk_states", chunk_states)))) if d is not None]
+    for name, d in given[1:]:
+        if d != given[0][1]:
+            raise _err(name, f"dtype {given[0][1]} (as {given[0][0]}: one state dtype per call)", d)
+    if given:
+        state = dtype_name(given[0][1])
+    elif output_final_state or return_chunk_states:
+        state = "fp32"
     else:
         state = "none"
     if chunk_size is not None and chunk_size not in (16, 64):
         raise _err("chunk_size", "16, 64 or None", repr(chunk_size))
-    if return_chunk_states and chunk_size is None:
+    if (return_chunk_states or chunk_states is not None) and chunk_size is None:
         raise _err("chunk_size", "16 or 64 when return_chunk_states=True (the states' spacing)", None)
-    return CallInfo(device=dev, dtype=DTYPE_NAMES[q.dtype], layout=layout.lower(), B=B, T=T, N=N, H=H, HV=HV,
+    return CallInfo(device=dev, dtype=dtype_name(q.dtype), layout=layout.lower(), B=B, T=T, N=N, H=H, HV=HV,
                     K=K, V=V, gate=gate, state=state, varlen=varlen, chunk_size=chunk_size, max_len=max_len,
-                    cu_seqlens_host=cu_host)
+                    cu_seqlens_host=None)

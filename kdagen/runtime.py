@@ -1,38 +1,64 @@
-"""kda_prefill: validate, select a variant from the registry, launch it."""
+"""kda_prefill: validate, select a variant, launch it, with a host fast path.
+
+The first call of a signature (shapes, strides, dtypes, devices, flags) validates everything,
+selects a variant (generating and building it when nothing built fits and that is allowed) and
+caches a Plan: the chosen launcher, the strides and what to allocate. Later calls of the same
+signature only look the plan up and launch; the only per-call host work left is the offsets of
+varlen calls, read from `cu_seqlens_cpu` when given (never from the device when the caller
+passes them or promises valid input with `assume_valid=True`).
+"""
 
 from __future__ import annotations
 
 import logging
-from typing import Optional
+import warnings
+from typing import Any, Optional
 
 import torch
 
+from . import env
 from .abi import KdaCall
-from .inputs import STATE_DTYPES, check_call
-from .registry import Registry
-from .select import select
+from .dtypes import torch_dtype
+from .errors import KdaInputError, NoVariantError
+from .inputs import CallInfo, check_offsets, check_signature
+from .registry import Entry, Registry
+from .select import GENERATE, Candidate, choose, miss_message, preference, rejection
 
 log = logging.getLogger("kdagen")
 
 _REGISTRY: Optional[Registry] = None
+_PLANS: dict[tuple, "Plan"] = {}
+_PLAN_LIMIT = 4096  # signatures kept; an engine sees one per distinct token count
 _LOGGED: set = set()
-# Tests set this to fill every output with NaN before the launch, so an element a
-# kernel forgets to write cannot pass as a plausible value.
+# Choices by what selection depends on (so a new token count with the same sequences and heads
+# skips the candidate scan): functional key, device, N, HV, and whether sequences average >= 512.
+_CHOICES: dict[tuple, str] = {}
+# Deprecated: tests used to set this to NaN-fill every output; pass NaN-filled out= /
+# final_state= / chunk_states= buffers instead (allocate_outputs(..., fill=nan) makes them).
 POISON_OUTPUTS = False
 
 
 def registry() -> Registry:
-    """The process-wide registry, read from generated/ and build/ on first use."""
+    """The process-wide registry (checkout's generated/ and the cache), read on first use."""
     global _REGISTRY
     if _REGISTRY is None:
+        env.configure_logging()
         _REGISTRY = Registry.load()
     return _REGISTRY
 
 
-def reload_registry() -> Registry:
+def reset() -> Registry:
+    """Forget the registry, the cached plans and the logged choices, and read the environment
+    (KDAGEN_*) again on the next call."""
     global _REGISTRY
     _REGISTRY = None
+    _PLANS.clear()
+    _LOGGED.clear()
+    _CHOICES.clear()
     return registry()
+
+
+reload_registry = reset
 
 
 def _strides(t: torch.Tensor, layout: str) -> tuple[int, int, int]:
@@ -40,6 +66,14 @@ def _strides(t: torch.Tensor, layout: str) -> tuple[int, int, int]:
     if layout == "bsnd":
         return t.stride(0), t.stride(1), t.stride(2)
     return t.stride(0), t.stride(2), t.stride(1)
+
+
+def _contiguous_strides(shape) -> tuple[int, ...]:
+    out, acc = [], 1
+    for s in reversed(tuple(shape)):
+        out.append(acc)
+        acc *= max(int(s), 1)
+    return tuple(reversed(out))
 
 
 def kda_prefill(
@@ -66,6 +100,11 @@ def kda_prefill(
     chunk_size: Optional[int] = None,
     return_chunk_states: bool = False,
     variant: Optional[str] = None,
+    out: Optional[torch.Tensor] = None,
+    final_state: Optional[torch.Tensor] = None,
+    chunk_states: Optional[torch.Tensor] = None,
+    workspace: Optional[torch.Tensor] = None,
+    assume_valid: bool = False,
 ):
     """Kimi Delta Attention prefill.
 
@@ -75,80 +114,414 @@ def kda_prefill(
     -exp(A_log)*softplus(g+dt_bias) (lower_bound=None), or precomputed log-decay g
     (A_log=None); `gate` names one explicitly. beta is a logit (sigmoid in kernel).
     States are [N, HV, V, K] (state_layout "VK") or [N, HV, K, V] ("KV"), float32
-    or bfloat16. cu_seqlens (int32/int64, B=1) packs N sequences along T;
-    cu_seqlens_cpu, the same offsets already on the host, spares a device sync.
+    or bfloat16. cu_seqlens (int32/int64, B=1) packs N sequences along T.
 
-    Returns (o, final_state), or (o, final_state, chunk_states) when
-    return_chunk_states: the state entering every chunk of `chunk_size` tokens,
-    [NC_total, HV, *state], sequences' chunks concatenated.
-    `variant` forces a variant by name (it must still fit the call).
+    Engine-owned memory: `out` (v's shape and dtype, unit last stride), `final_state`
+    (implies output_final_state), `chunk_states` (implies return_chunk_states; at least the
+    chunks' count of rows) and `workspace` (uint8, `workspace_size(...)` bytes) are written in
+    place; without them, buffers come from torch's caching allocator on the current stream.
+
+    Host offsets: cu_seqlens_cpu, the same offsets already on the host, spares the device read
+    of cu_seqlens (a sync); assume_valid=True promises valid offsets (0, non-decreasing, T) and
+    sizes grids for the longest possible sequence, so nothing is read at all (needed under CUDA
+    graph capture, where the offsets may change between replays).
+
+    Returns (o, final_state), or (o, final_state, chunk_states) when return_chunk_states: the
+    state entering every chunk of `chunk_size` tokens, [NC_total, HV, *state], sequences'
+    chunks concatenated. `variant` (or KDAGEN_FORCE_VARIANT) forces a variant by name (it must
+    still fit the call).
     """
-    info = check_call(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, scale=scale, lower_bound=lower_bound,
-                      gate=gate, initial_state=initial_state, output_final_state=output_final_state,
-                      cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, layout=layout,
-                      state_layout=state_layout, state_dtype=state_dtype,
-                      chunk_size=chunk_size, return_chunk_states=return_chunk_states)
-    reg = registry()
-    candidates = reg.variants()
-    if variant is not None:
-        if variant not in reg.entries:
-            from .errors import NoVariantError
+    if torch.compiler.is_compiling():
+        from .ops import traced_prefill
 
-            raise NoVariantError(f"variant {variant!r} is not registered (see `kdagen list`)")
-        candidates = [reg.entries[variant].variant]
-    chosen = select(candidates, info)
-    key = (chosen.name, info.layout, info.varlen, info.state)
+        return traced_prefill(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, scale=scale, lower_bound=lower_bound,
+                              gate=gate, initial_state=initial_state, output_final_state=output_final_state,
+                              cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, layout=layout,
+                              state_layout=state_layout, state_dtype=state_dtype, use_qk_l2norm=use_qk_l2norm,
+                              allow_neg_eigval=allow_neg_eigval, chunk_size=chunk_size,
+                              return_chunk_states=return_chunk_states, variant=variant, out=out,
+                              final_state=final_state, chunk_states=chunk_states, workspace=workspace,
+                              assume_valid=assume_valid)
+    # The signature: everything validation and selection depend on but tensor values. Spelled
+    # out (no helper per tensor): this line is most of the host cost of a repeated call.
+    try:
+        key = (q.dtype, q.shape, q.stride(), q.device, k.dtype, k.shape, k.stride(), k.device,
+               v.dtype, v.shape, v.stride(), v.device, g.dtype, g.shape, g.stride(), g.device,
+               beta.dtype, beta.shape, beta.stride(), beta.device,
+               None if A_log is None else (A_log.dtype, A_log.shape, A_log.stride(), A_log.device),
+               None if dt_bias is None else (dt_bias.dtype, dt_bias.shape, dt_bias.stride(), dt_bias.device),
+               None if initial_state is None else (initial_state.dtype, initial_state.shape, initial_state.stride(),
+                                                   initial_state.device),
+               None if cu_seqlens is None else (cu_seqlens.dtype, cu_seqlens.shape, cu_seqlens.stride(),
+                                                cu_seqlens.device),
+               None if cu_seqlens_cpu is None else (cu_seqlens_cpu.dtype, cu_seqlens_cpu.shape, cu_seqlens_cpu.device),
+               None if out is None else (out.dtype, out.shape, out.stride(), out.device),
+               None if final_state is None else (final_state.dtype, final_state.shape, final_state.stride(),
+                                                 final_state.device),
+               None if chunk_states is None else (chunk_states.dtype, chunk_states.shape, chunk_states.stride(),
+                                                  chunk_states.device),
+               None if workspace is None else (workspace.dtype, workspace.shape, workspace.stride(), workspace.device),
+               torch.is_grad_enabled() and (q.requires_grad, k.requires_grad, v.requires_grad, g.requires_grad,
+                                            beta.requires_grad),
+               scale, lower_bound, gate, output_final_state, layout, state_layout, state_dtype, use_qk_l2norm,
+               allow_neg_eigval, chunk_size, return_chunk_states, variant, assume_valid)
+    except AttributeError:  # not a tensor: the checks below say which argument
+        key = None
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _make_plan(q, k, v, g, beta, **{n: val for n, val in locals().items() if n in _DEFAULTS})
+        if len(_PLANS) >= _PLAN_LIMIT:
+            _PLANS.pop(next(iter(_PLANS)))
+        if key is not None:
+            _PLANS[key] = plan
+    return plan(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, out, final_state,
+                chunk_states, workspace)
+
+
+def workspace_size(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                   **kwargs: Any) -> int:
+    """Bytes of `workspace=` the call kda_prefill(q, k, v, g, beta, **kwargs) needs (0 when its
+    variant takes none). It grows with T and the number of sequences: ask with the largest
+    shapes an engine will pass, and allocate once."""
+    kwargs = dict(kwargs, workspace=None, out=None)
+    plan = _make_plan(q, k, v, g, beta, **_with_defaults(kwargs))
+    return plan.workspace_bytes()
+
+
+def allocate_outputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                     fill: Optional[float] = None, **kwargs: Any) -> dict[str, torch.Tensor]:
+    """The out= / final_state= / chunk_states= buffers kda_prefill(q, k, v, g, beta, **kwargs)
+    writes (as keyword arguments for it), filled with `fill` (NaN: anything a kernel leaves
+    unwritten shows up). Exact chunk-state rows need host offsets (cu_seqlens_cpu or a
+    host-readable cu_seqlens)."""
+    kw = _with_defaults(dict(kwargs))
+    info = check_signature(q, k, v, g, beta, **{n: kw[n] for n in _SIGNATURE_ARGS})
+    bufs = {"out": torch.empty(v.shape, dtype=v.dtype, device=v.device)}
+    st = (info.V, info.K) if kw["state_layout"] == "VK" else (info.K, info.V)
+    if info.state != "none" and (kw["output_final_state"]):
+        bufs["final_state"] = torch.empty((info.N, info.HV, *st), dtype=torch_dtype(info.state), device=q.device)
+    if kw["return_chunk_states"]:
+        cu = kw["cu_seqlens_cpu"] if kw["cu_seqlens_cpu"] is not None else kw["cu_seqlens"]
+        lens = [b - a for a, b in zip(cu.tolist(), cu.tolist()[1:])] if cu is not None else [info.T] * info.N
+        rows = sum(-(-n // info.chunk_size) for n in lens)
+        bufs["chunk_states"] = torch.empty((rows, info.HV, *st), dtype=torch_dtype(info.state), device=q.device)
+    if fill is not None:
+        for t in bufs.values():
+            t.fill_(fill)
+    return bufs
+
+
+_SIGNATURE_ARGS = ("A_log", "dt_bias", "scale", "lower_bound", "gate", "initial_state", "output_final_state",
+                   "cu_seqlens", "cu_seqlens_cpu", "layout", "state_layout", "state_dtype", "chunk_size",
+                   "return_chunk_states", "final_state", "chunk_states")
+_DEFAULTS = dict(A_log=None, dt_bias=None, scale=None, lower_bound=-5.0, gate=None, initial_state=None,
+                 output_final_state=False, cu_seqlens=None, cu_seqlens_cpu=None, layout="BSND", state_layout="VK",
+                 state_dtype=None, use_qk_l2norm=True, allow_neg_eigval=False, chunk_size=None,
+                 return_chunk_states=False, variant=None, out=None, final_state=None, chunk_states=None,
+                 workspace=None, assume_valid=False)
+
+
+def _with_defaults(kwargs: dict) -> dict:
+    unknown = sorted(set(kwargs) - set(_DEFAULTS))
+    if unknown:
+        raise TypeError(f"unexpected keyword argument(s) {', '.join(unknown)}")
+    return {**_DEFAULTS, **kwargs}
+
+
+# ----------------------------------------------------------------------------- the slow path
+
+def _make_plan(q, k, v, g, beta, **kw) -> "Plan":
+    """Validate a new signature, select (and if need be generate/build) its variant."""
+    for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+        if not isinstance(t, torch.Tensor):
+            raise KdaInputError(f"{name}: expected a torch.Tensor, found {type(t).__name__}")
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, g, beta)):
+        grads = [n for n, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)) if t.requires_grad]
+        raise KdaInputError(f"{', '.join(grads)}: expected tensors without autograd history: kda_prefill is "
+                            "forward-only (no backward); call it under torch.no_grad() or pass .detach()ed "
+                            "tensors, found requires_grad=True")
+    if kw["final_state"] is not None:
+        kw["output_final_state"] = True
+    if kw["chunk_states"] is not None:
+        kw["return_chunk_states"] = True
+    info = check_signature(q, k, v, g, beta, **{n: kw[n] for n in _SIGNATURE_ARGS})
+    out = kw["out"]
+    if out is not None:
+        if not isinstance(out, torch.Tensor) or tuple(out.shape) != tuple(v.shape) or out.dtype != v.dtype \
+                or out.device != v.device or out.stride(-1) != 1:
+            found = (f"shape {tuple(out.shape)}, dtype {out.dtype}, {out.device}, last stride {out.stride(-1)}"
+                     if isinstance(out, torch.Tensor) else type(out).__name__)
+            raise KdaInputError(f"out: expected a tensor like v (shape {tuple(v.shape)}, dtype {v.dtype}, "
+                                f"{v.device}, unit last stride), found {found}")
+    ws = kw["workspace"]
+    if ws is not None and (not isinstance(ws, torch.Tensor) or ws.device != q.device or not ws.is_contiguous()):
+        raise KdaInputError(f"workspace: expected a contiguous tensor on {q.device}, found "
+                            f"{ws.device if isinstance(ws, torch.Tensor) else type(ws).__name__}")
+    entry = _dispatch(info, kw["variant"])
+    reg = registry()
+    dev = q.device
+    launcher = reg.launcher(entry.name, f"{dev.type}:{dev.index}")
+    key = (entry.name, info.layout, info.varlen, info.state)
     if key not in _LOGGED:
         _LOGGED.add(key)
-        log.info("kdagen: %s for B=%d T=%d N=%d H=%d HV=%d %s", chosen.name, info.B, info.T, info.N, info.H,
+        log.info("kdagen: %s for B=%d T=%d N=%d H=%d HV=%d %s", entry.name, info.B, info.T, info.N, info.H,
                  info.HV, info.describe())
+    return Plan(entry, launcher, info, q, k, v, g, beta, kw)
 
-    dev = q.device
-    o = torch.empty_like(v)
-    state_t = STATE_DTYPES.get(chosen.state, torch.float32)
-    final_state = None
-    if output_final_state:
-        shape = (info.N, info.HV, info.V, info.K) if state_layout == "VK" else (info.N, info.HV, info.K, info.V)
-        final_state = torch.empty(shape, dtype=state_t, device=dev)
-    cu32 = None
-    if cu_seqlens is not None:
-        # cu_seqlens may live on the host (it was read there for validation anyway).
-        cu32 = cu_seqlens.to(device=dev, dtype=torch.int32).contiguous()
-    chunk_states = chunk_offsets = None
-    if return_chunk_states:
-        C = info.chunk_size
-        lens = ([b - a for a, b in zip(info.cu_seqlens_host, info.cu_seqlens_host[1:])]
-                if info.cu_seqlens_host else [info.T] * info.N)
-        offs = [0]
-        for n in lens:
-            offs.append(offs[-1] + (n + C - 1) // C)
-        chunk_offsets = torch.tensor(offs, dtype=torch.int32, device=dev)
-        st_shape = (info.V, info.K) if state_layout == "VK" else (info.K, info.V)
-        chunk_states = torch.empty((offs[-1], info.HV, *st_shape), dtype=state_t, device=dev)
-    A = A_log.to(torch.float32).contiguous().reshape(-1) if A_log is not None and info.gate != "precomputed" else None
-    dt = (dt_bias.to(torch.float32).contiguous().reshape(info.HV, info.K)
-          if dt_bias is not None and info.gate != "precomputed" else None)
-    h0 = initial_state.contiguous() if initial_state is not None else None
-    call = KdaCall(
-        q=q, k=k, v=v, g=g, beta=beta, o=o,
-        q_strides=_strides(q, info.layout), k_strides=_strides(k, info.layout), v_strides=_strides(v, info.layout),
-        g_strides=_strides(g, info.layout), beta_strides=_strides(beta.unsqueeze(-1), info.layout),
-        o_strides=_strides(o, info.layout),
-        B=info.B, T=info.T, N=info.N, H=info.H, HV=info.HV, K=info.K, V=info.V,
-        cu_seqlens=cu32, A_log=A, dt_bias=dt,
-        scale=float(scale) if scale is not None else info.K ** -0.5,
-        lower_bound=float(lower_bound) if lower_bound is not None else 0.0,
-        use_qk_l2norm=bool(use_qk_l2norm), allow_neg_eigval=bool(allow_neg_eigval),
-        initial_state=h0, final_state=final_state, state_kv=state_layout == "KV",
-        chunk_states=chunk_states, chunk_offsets=chunk_offsets, max_len=info.max_len,
-    )
-    if POISON_OUTPUTS:
-        for t in (o, final_state, chunk_states):
-            if t is not None:
+
+def _candidate_for_name(reg: Registry, name: str) -> Candidate:
+    from .ondemand import parse_name
+
+    if name in reg.entries:
+        readiness, blocked = reg.status(name)
+        return Candidate(reg.entries[name].variant, readiness, blocked)
+    try:
+        v = parse_name(name)
+    except Exception as e:
+        raise NoVariantError(f"variant {name!r} is not registered and cannot be generated: {e}") from None
+    return Candidate(v, GENERATE, _generate_blocked(v))
+
+
+def _generate_blocked(v) -> Optional[str]:
+    from .build import compiler_reason
+    from .targets import TARGETS
+
+    cmd = f"`kdagen build --variant {v.name}`"
+    if env.disable_jit():
+        return f"no spec lists it, and KDAGEN_DISABLE_JIT=1 forbids generating it now ({cmd} makes it ahead of time)"
+    why = compiler_reason(TARGETS[v.target].build)
+    return f"no spec lists it, and {why} to build it ({cmd} elsewhere)" if why else None
+
+
+def _dispatch(info: CallInfo, variant: Optional[str]) -> Entry:
+    """The registry entry that serves `info`: the forced one (variant= or KDAGEN_FORCE_VARIANT),
+    else the preferred registered candidate, else one generated for this call."""
+    reg = registry()
+    forced = variant or env.force_variant()
+    memo = (info.dtype, info.K, info.V, info.layout, info.gate, info.state, info.varlen, info.H != info.HV,
+            info.chunk_size, info.device, info.N, info.HV, info.T * info.B >= 512 * max(info.N, 1), forced)
+    name = _CHOICES.get(memo)
+    if name is not None and name in reg.entries:
+        return reg.entries[name]
+    entry = _select_entry(reg, info, forced, variant)
+    _CHOICES[memo] = entry.name
+    return entry
+
+
+def _select_entry(reg: Registry, info: CallInfo, forced: Optional[str], variant: Optional[str]) -> Entry:
+    from . import ondemand
+    from .paths import cache_build_dir
+    from .targets import TARGETS
+
+    if forced:
+        best = _candidate_for_name(reg, forced)
+        why = rejection(best, info)
+        if why:
+            src = "variant=" if variant else "KDAGEN_FORCE_VARIANT"
+            raise NoVariantError(f"variant {forced!r} (from {src}) cannot serve this call: {why}\n"
+                                 f"  Found:     {info.describe()}")
+    else:
+        cands = [Candidate(v, *reg.status(v.name)) for v in reg.variants()]
+        best, rejected = choose(cands, info)
+        if best is None:
+            # No listed variant serves the call: one that a target supports is generated for it.
+            extra = [Candidate(v, GENERATE, _generate_blocked(v))
+                     for t in TARGETS
+                     for v in ondemand.variants_for(t, dtype=info.dtype, k=info.K, v=info.V, gate=info.gate,
+                                                    state=info.state, chunk=info.chunk_size)
+                     if v.name not in reg.entries]
+            best, more = choose(extra, info)
+            rejected += more
+            if best is None:
+                raise NoVariantError(miss_message(rejected, info))
+        _warn_if_better_blocked(best, rejected, info)
+    if best.readiness == GENERATE:
+        log.warning("kdagen: no spec lists a variant for %s; generating %s (`kdagen build --variant %s` "
+                    "makes it ahead of time)", info.describe(), best.variant.name, best.variant.name)
+        reg.add_root(ondemand.register([best.variant]), cache_build_dir())
+    return reg.entries[best.variant.name]
+
+
+def _warn_if_better_blocked(best: Candidate, rejected: list[tuple[Candidate, str]], info: CallInfo) -> None:
+    """Say so (once) when a variant that would be preferred is skipped only because it is not
+    built and cannot be built here."""
+    from .select import _sm_count, device_reason, functional_reason
+
+    sms = _sm_count(info.device)
+    mine = preference(best, info, sms)
+    better = [x for x, _ in rejected if x.blocked and not functional_reason(x.variant, info)
+              and not device_reason(x.variant.target, info.device) and preference(x, info, sms)[0] < mine[0]]
+    if better:
+        top = min(better, key=lambda x: preference(x, info, sms))
+        key = ("blocked", top.variant.name, best.variant.name)
+        if key not in _LOGGED:
+            _LOGGED.add(key)
+            log.warning("kdagen: using %s; %s would be preferred but is %s", best.variant.name, top.variant.name,
+                        top.blocked)
+
+
+# ----------------------------------------------------------------------------- the fast path
+
+_UNBOUND = object()
+
+
+class Plan:
+    """What a call signature resolved to; calling it launches with this call's tensors."""
+
+    def __init__(self, entry: Entry, launcher, info: CallInfo, q, k, v, g, beta, kw: dict) -> None:
+        self.entry, self.variant, self.launcher, self.info = entry, entry.variant, launcher, info
+        lay = info.layout
+        self.device = q.device
+        self.layout = lay
+        self.strides = (_strides(q, lay), _strides(k, lay), _strides(v, lay), _strides(g, lay),
+                        _strides(beta.unsqueeze(-1), lay))
+        out = kw["out"]
+        self.o_shape, self.o_dtype = tuple(v.shape), v.dtype
+        self.o_strides = _strides(out, lay) if out is not None else \
+            _strides(torch.empty_strided(self.o_shape, _contiguous_strides(self.o_shape), device="meta"), lay)
+        self.state_kv = kw["state_layout"] == "KV"
+        st = (info.K, info.V) if self.state_kv else (info.V, info.K)
+        self.st_shape = st
+        self.st_dtype = torch_dtype(info.state) if info.state != "none" else torch.float32
+        self.want_final = bool(kw["output_final_state"]) and info.state != "none"
+        self.want_chunks = bool(kw["return_chunk_states"])
+        self.C = info.chunk_size or self.variant.chunk
+        self.scale = float(kw["scale"]) if kw["scale"] is not None else info.K ** -0.5
+        self.lower_bound = float(kw["lower_bound"]) if kw["lower_bound"] is not None else 0.0
+        self.use_l2 = bool(kw["use_qk_l2norm"])
+        self.neg_eig = bool(kw["allow_neg_eigval"])
+        self.assume_valid = bool(kw["assume_valid"])
+        self.precomputed = info.gate == "precomputed"
+        A, dt = kw["A_log"], kw["dt_bias"]
+        # Conversions the launchers need, decided once: fp32 contiguous A_log [HV] and dt_bias [HV, K].
+        self.A_ready = A is not None and A.dtype == torch.float32 and A.is_contiguous() and A.dim() == 1
+        self.dt_ready = dt is not None and dt.dtype == torch.float32 and dt.is_contiguous() and dt.dim() == 2
+        h0 = kw["initial_state"]
+        self.h0_ready = h0 is None or h0.is_contiguous()
+        self.h0_like = h0 is not None and h0.is_contiguous() and h0.dtype == self.st_dtype
+        self.v_contiguous = v.is_contiguous()
+        cu = kw["cu_seqlens"]
+        self.cu_ready = cu is None or (cu.dtype == torch.int32 and cu.is_contiguous() and cu.device == q.device)
+        self.on_cuda = q.device.type == "cuda"
+        self._static_offsets: Optional[torch.Tensor] = None
+        self.fast: Any = _UNBOUND  # the launcher's bound launch of this signature (None: it has none)
+
+    def workspace_bytes(self) -> int:
+        fn = getattr(self.launcher, "workspace_bytes", None)
+        return int(fn(self._call_template(), self.device)) if fn is not None else 0
+
+    def _call_template(self) -> KdaCall:
+        i = self.info
+        meta = torch.empty(0, device="meta")
+        return KdaCall(q=meta, k=meta, v=meta, g=meta, beta=meta, o=meta, q_strides=self.strides[0],
+                       k_strides=self.strides[1], v_strides=self.strides[2], g_strides=self.strides[3],
+                       beta_strides=self.strides[4], o_strides=self.o_strides, B=i.B, T=i.T, N=i.N, H=i.H,
+                       HV=i.HV, K=i.K, V=i.V, cu_seqlens=None, A_log=None, dt_bias=None, scale=self.scale,
+                       lower_bound=self.lower_bound, use_qk_l2norm=self.use_l2, allow_neg_eigval=self.neg_eig,
+                       initial_state=None, final_state=None, state_kv=self.state_kv, chunk_states=None,
+                       chunk_offsets=None, max_len=i.T)
+
+    def _offsets(self, cu, cu_cpu) -> tuple[int, Optional[list[int]]]:
+        """(longest sequence or its bound T, host offsets or None) for a varlen call."""
+        T = self.info.T
+        if self.on_cuda and torch.cuda.is_current_stream_capturing():
+            # A graph replays with new offsets: grids sized for the longest possible sequence.
+            if cu_cpu is None and not self.assume_valid:
+                raise KdaInputError("cu_seqlens: cannot be read during CUDA graph capture; pass assume_valid=True "
+                                    "(offsets are read by the kernels on every replay)")
+            return T, None
+        if cu_cpu is not None:
+            host = cu_cpu.tolist()
+        elif self.assume_valid:
+            return T, None
+        else:
+            host = cu.tolist()  # a device sync: pass cu_seqlens_cpu or assume_valid=True to avoid it
+        return check_offsets(host, T, validate=not self.assume_valid), host
+
+    def _chunk_offsets(self, cu32, host) -> tuple[torch.Tensor, int]:
+        """chunk_offsets [N + 1] (int32, on the device) and the rows they need (-1: unknown)."""
+        C, N, dev = self.C, self.info.N, self.device
+        if not self.info.varlen:
+            if self._static_offsets is None:
+                nc = -(-self.info.T // C)
+                self._static_offsets = torch.arange(0, (N + 1) * nc, nc, dtype=torch.int32, device=dev)
+            return self._static_offsets, N * (-(-self.info.T // C))
+        if host is not None:
+            offs = [0]
+            for a, b in zip(host, host[1:]):
+                offs.append(offs[-1] + -(-(b - a) // C))
+            return torch.tensor(offs, dtype=torch.int32, device=dev), offs[-1]
+        # no host offsets: computed on the device (capturable), rows unknown here
+        co = torch.zeros(N + 1, dtype=torch.int32, device=dev)
+        torch.cumsum((cu32[1:] - cu32[:-1] + (C - 1)) // C, 0, dtype=torch.int32, out=co[1:])
+        return co, -1
+
+    def __call__(self, q, k, v, g, beta, A_log, dt_bias, h0, cu, cu_cpu, out, fs, cs, ws):
+        info, dev = self.info, self.device
+        max_len, host = info.T, None
+        cu32 = None
+        if info.varlen:
+            max_len, host = self._offsets(cu, cu_cpu)
+            cu32 = cu if self.cu_ready else cu.to(device=dev, dtype=torch.int32).contiguous()
+        poison = POISON_OUTPUTS
+        if poison:
+            warnings.warn("kdagen.runtime.POISON_OUTPUTS is deprecated: pass NaN-filled out=/final_state=/"
+                          "chunk_states= (kdagen.runtime.allocate_outputs(..., fill=float('nan')))",
+                          DeprecationWarning, stacklevel=3)
+        mine = []
+        # empty_like where it gives the same layout: it costs a third of torch.empty(shape, ...)
+        if out is None:
+            out = torch.empty_like(v) if self.v_contiguous else torch.empty(self.o_shape, dtype=self.o_dtype,
+                                                                              device=dev)
+            mine.append(out)
+        if self.want_final and fs is None:
+            fs = torch.empty_like(h0) if self.h0_like else torch.empty((info.N, info.HV, *self.st_shape),
+                                                                       dtype=self.st_dtype, device=dev)
+            mine.append(fs)
+        co = None
+        if self.want_chunks:
+            co, rows = self._chunk_offsets(cu32, host)
+            if cs is None:
+                if rows < 0:
+                    raise KdaInputError("chunk_states: return_chunk_states with cu_seqlens and no host offsets "
+                                        "needs a chunk_states= buffer (at least T // chunk_size + N rows); or pass "
+                                        "cu_seqlens_cpu")
+                cs = torch.empty((rows, info.HV, *self.st_shape), dtype=self.st_dtype, device=dev)
+                mine.append(cs)
+            elif 0 <= rows and cs.shape[0] < rows:
+                raise KdaInputError(f"chunk_states: expected at least {rows} rows (one per chunk of every "
+                                    f"sequence), found {cs.shape[0]}")
+        if poison:
+            for t in mine:
                 t.fill_(float("nan"))
-    if info.N > 0:
-        device_key = f"{dev.type}:{dev.index}"
-        reg.launcher(chosen.name, device_key)(call)
-    if return_chunk_states:
-        return o, final_state, chunk_states
-    return o, final_state
+        if info.N > 0:
+            A = dt = None
+            if not self.precomputed:
+                A = A_log if self.A_ready else A_log.to(torch.float32).contiguous().reshape(-1)
+                if dt_bias is not None:
+                    dt = dt_bias if self.dt_ready else dt_bias.to(torch.float32).contiguous().reshape(info.HV, info.K)
+            h = h0 if self.h0_ready else h0.contiguous()
+            cs_ = cs if self.want_chunks else None
+            fast = self.fast
+            if fast is None or fast is _UNBOUND or not fast.launch(q, k, v, g, beta, out, A, dt, cu32, h, fs, cs_, co,
+                                                                    ws, max_len):
+                call = KdaCall(
+                    q=q, k=k, v=v, g=g, beta=beta, o=out,
+                    q_strides=self.strides[0], k_strides=self.strides[1], v_strides=self.strides[2],
+                    g_strides=self.strides[3], beta_strides=self.strides[4], o_strides=self.o_strides,
+                    B=info.B, T=info.T, N=info.N, H=info.H, HV=info.HV, K=info.K, V=info.V,
+                    cu_seqlens=cu32, A_log=A, dt_bias=dt, scale=self.scale, lower_bound=self.lower_bound,
+                    use_qk_l2norm=self.use_l2, allow_neg_eigval=self.neg_eig, initial_state=h, final_state=fs,
+                    state_kv=self.state_kv, chunk_states=cs_, chunk_offsets=co, max_len=max_len, workspace=ws,
+                )
+                self.launcher(call)
+                if fast is _UNBOUND:
+                    # Launchers with a bound fast path prepare it from this first (checked) call.
+                    bind = getattr(self.launcher, "bind", None)
+                    self.fast = bind(call) if bind is not None else None
+        if self.want_chunks:
+            return out, fs, cs
+        return out, fs
+
+
+from . import ops as _ops  # noqa: E402,F401  (registers torch.ops.kdagen.*)

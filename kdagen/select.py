@@ -1,14 +1,20 @@
 """Pick the variant for a call: exact functional key first, then preference.
 
-Every rejection has a reason; a miss raises NoVariantError with Supported vs Found
-and the spec entry + commands that would build a fitting variant.
+The targets describe themselves (kdagen.targets: device types, minimum compute capability,
+rank); nothing here names a target. Preference, in order: the target's rank, what is ready
+(built) before what needs a build before what must first be generated, then state I/O, chunk
+size and V-split width. Every rejection has a reason (logged at KDAGEN_LOGLEVEL=2); a miss
+raises NoVariantError with Supported vs Found and the command that builds a fitting variant.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from collections import Counter
-from typing import Optional
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Iterable, Optional, Union
 
 import torch
 
@@ -17,31 +23,40 @@ from .inputs import CallInfo
 from .targets import TARGETS
 from .variant import Variant
 
-# Lower is preferred, per device type.
-TARGET_RANK = {
-    "cuda": {"sm90": 0, "sm80": 1, "triton": 2, "triton_twin": 3},
-    "cpu": {"triton": 0, "triton_twin": 1},
-    "npu": {"ascend": 0},
-}
+log = logging.getLogger("kdagen")
+
+READY, NEEDS_BUILD, GENERATE = "ready", "build", "generate"
+_READINESS = {READY: 0, NEEDS_BUILD: 1, GENERATE: 2}
+
+
+@dataclass(frozen=True)
+class Candidate:
+    variant: Variant
+    readiness: str = READY  # READY | NEEDS_BUILD | GENERATE
+    blocked: Optional[str] = None  # why it cannot be made ready here (no compiler, JIT disabled)
+
+
+@lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
 
 
 def device_reason(target: str, device: torch.device) -> Optional[str]:
-    """Why `target` cannot run on `device` (None when it can)."""
-    if target in ("triton", "triton_twin"):
-        if device.type == "cuda":
-            return None
-        if device.type == "cpu":
-            return None if os.environ.get("TRITON_INTERPRET") == "1" else "Triton on CPU needs TRITON_INTERPRET=1"
-        return f"Triton target does not run on {device.type}"
-    if target in ("sm80", "sm90"):
-        if device.type != "cuda":
-            return f"CUDA target, tensors are on {device.type}"
-        major, minor = torch.cuda.get_device_capability(device)
-        need = (8, 0) if target == "sm80" else (9, 0)
-        return None if (major, minor) >= need else f"needs compute capability {need[0]}.{need[1]}, device has {major}.{minor}"
-    if target == "ascend":
-        return None if device.type == "npu" else f"Ascend target, tensors are on {device.type}"
-    return f"unknown target {target}"
+    """Why `target` cannot run on `device` (None when it can), from the target's self-description."""
+    info = TARGETS.get(target)
+    if info is None:
+        return f"unknown target {target}"
+    if device.type not in (info.devices or ()):
+        return f"{target} runs on {', '.join(info.devices or ()) or 'no device'}, not on {device.type}"
+    for dev_type, var, val in info.device_env:
+        if dev_type == device.type and os.environ.get(var) != val:
+            return f"{target} on {device.type} needs {var}={val}"
+    if device.type == "cuda" and info.min_compute_capability is not None:
+        have = _capability(device.index if device.index is not None else torch.cuda.current_device())
+        need = info.min_compute_capability
+        if tuple(have) < tuple(need):
+            return f"{target} needs compute capability {need[0]}.{need[1]}, the device has {have[0]}.{have[1]}"
+    return None
 
 
 def functional_reason(v: Variant, c: CallInfo) -> Optional[str]:
@@ -65,19 +80,31 @@ def functional_reason(v: Variant, c: CallInfo) -> Optional[str]:
     return None
 
 
+@lru_cache(maxsize=None)
+def _sm_count_of(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def _sm_count(device: torch.device) -> int:
     if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
+        return _sm_count_of(device.index if device.index is not None else torch.cuda.current_device())
     return 1
 
 
-def preference(v: Variant, c: CallInfo, sms: int) -> tuple:
-    rank = TARGET_RANK.get(c.device.type, {}).get(v.target, 99)
+def _as_candidate(x: Union[Variant, Candidate]) -> Candidate:
+    return x if isinstance(x, Candidate) else Candidate(x)
+
+
+def preference(x: Union[Variant, Candidate], c: CallInfo, sms: int) -> tuple:
+    cand = _as_candidate(x)
+    v = cand.variant
+    info = TARGETS.get(v.target)
+    rank = info.rank if info is not None and info.rank is not None else 99
     # A call without state I/O prefers a variant compiled without it.
     state_rank = 0 if v.state == c.state else (1 if v.state == "fp32" else 2)
     # A target's measured chunk preference wins; otherwise long sequences take larger
     # chunks (fewer serial steps).
-    preferred = TARGETS[v.target].preferred_chunk if v.target in TARGETS else None
+    preferred = info.preferred_chunk if info is not None else None
     if preferred is not None:
         chunk_rank = 0 if v.chunk == preferred else 1
     else:
@@ -86,50 +113,92 @@ def preference(v: Variant, c: CallInfo, sms: int) -> tuple:
     # V-split: the widest block that still gives enough programs per SM (a per-target
     # figure, measured where the target says so); on CPU, the widest.
     programs = c.N * c.HV * (v.v // v.block_v)
-    waves = TARGETS[v.target].vsplit_min_waves if v.target in TARGETS else 2.0
-    preferred_bv = TARGETS[v.target].preferred_block_v if v.target in TARGETS else None
-    enough = programs >= waves * sms
-    if enough:
+    waves = info.vsplit_min_waves if info is not None else 2.0
+    preferred_bv = info.preferred_block_v if info is not None else None
+    if programs >= waves * sms:
         bv_rank = (0, 0) if v.block_v == preferred_bv else (1, -v.block_v)
     else:
         bv_rank = (2, v.block_v)
-    return (rank, state_rank, chunk_rank, bv_rank, v.name)
+    return (rank, _READINESS[cand.readiness], state_rank, chunk_rank, bv_rank, v.name)
 
 
-def select(variants: list[Variant], c: CallInfo) -> Variant:
-    rejected: list[tuple[Variant, str]] = []
-    fits = []
-    for v in variants:
-        why = functional_reason(v, c) or device_reason(v.target, c.device)
+def rejection(cand: Candidate, c: CallInfo) -> Optional[str]:
+    """Why this candidate cannot serve the call here (None when it can)."""
+    return functional_reason(cand.variant, c) or device_reason(cand.variant.target, c.device) or cand.blocked
+
+
+def choose(cands: Iterable[Union[Variant, Candidate]], c: CallInfo) -> tuple[Optional[Candidate],
+                                                                           list[tuple[Candidate, str]]]:
+    """The preferred candidate that can serve the call (None if none can) and every rejected
+    one with its reason (each logged at debug level: KDAGEN_LOGLEVEL=2)."""
+    rejected: list[tuple[Candidate, str]] = []
+    fits: list[Candidate] = []
+    for x in cands:
+        cand = _as_candidate(x)
+        why = rejection(cand, c)
         if why:
-            rejected.append((v, why))
+            rejected.append((cand, why))
         else:
-            fits.append(v)
+            fits.append(cand)
+    if log.isEnabledFor(logging.DEBUG):
+        for cand, why in rejected:
+            log.debug("kdagen: rejected %s: %s", cand.variant.name, why)
     if not fits:
-        raise NoVariantError(miss_message(rejected, c))
+        return None, rejected
     sms = _sm_count(c.device)
-    return min(fits, key=lambda v: preference(v, c, sms))
+    best = min(fits, key=lambda x: preference(x, c, sms))
+    if log.isEnabledFor(logging.DEBUG):
+        for cand in fits:
+            if cand is not best:
+                log.debug("kdagen: passed over %s: %s is preferred (target rank, readiness, state, chunk, block_v)",
+                          cand.variant.name, best.variant.name)
+    return best, rejected
 
 
-def miss_message(rejected: list[tuple[Variant, str]], c: CallInfo) -> str:
+def select(cands: Iterable[Union[Variant, Candidate]], c: CallInfo) -> Variant:
+    """The variant for the call among `cands` (plain variants count as ready)."""
+    cands = list(cands)
+    best, rejected = choose(cands, c)
+    if best is None:
+        raise NoVariantError(miss_message(rejected, c))
+    return best.variant
+
+
+def supported_by_targets(c: CallInfo) -> list[str]:
+    """One line per target that runs on the call's device: what it supports."""
+    lines = []
+    for name, info in sorted(TARGETS.items(), key=lambda kv: (kv[1].rank if kv[1].rank is not None else 99, kv[0])):
+        if c.device.type not in (info.devices or ()):
+            continue
+        lines.append(f"{name}: dtype {'/'.join(info.dtypes)}, head dims {'/'.join(map(str, info.head_dims))}, "
+                     f"gates {'/'.join(info.gates)}, states {'/'.join(info.states)}")
+    return lines
+
+
+def miss_message(rejected: list[tuple[Candidate, str]], c: CallInfo) -> str:
     lines = ["no kernel variant fits this call.", f"  Found:     {c.describe()}"]
     if not rejected:
         lines.append("  Supported: nothing is registered (no generated/*/manifest.json); run `make setup` or "
                      "`kdagen generate --spec specs/ci.yaml`")
     else:
-        supported = Counter(f"{v.target}: dtype={v.dtype} K={v.k} V={v.v} gate={v.gate} state={v.state} "
-                            f"chunk={v.chunk} layouts={','.join(v.layouts)}" for v, _ in rejected)
-        lines.append(f"  Supported ({len(rejected)} registered variants):")
+        # what runs on this device first: variants of other devices only when none does
+        here = [(x, why) for x, why in rejected if not device_reason(x.variant.target, c.device)] or rejected
+        supported = Counter(f"{x.variant.target}: dtype={x.variant.dtype} K={x.variant.k} V={x.variant.v} "
+                            f"gate={x.variant.gate} state={x.variant.state} chunk={x.variant.chunk} "
+                            f"layouts={','.join(x.variant.layouts)}" for x, _ in here)
+        lines.append(f"  Supported ({len(here)} candidate variants{' on ' + c.device.type if here is not rejected else ''}):")
         for s in sorted(supported)[:12]:
             lines.append(f"    {s}")
         if len(supported) > 12:
             lines.append(f"    ... and {len(supported) - 12} more (`kdagen list`)")
-        reasons = Counter(why for _, why in rejected)
+        reasons = Counter(why for _, why in here)
         lines.append("  Rejections: " + "; ".join(f"{why} ({n}x)" for why, n in reasons.most_common(6)))
-    target = {"cuda": "sm80", "cpu": "triton", "npu": "ascend"}.get(c.device.type, "triton")
-    state = "fp32" if c.state == "none" else c.state
-    entry = (f"{{target: {target}, chunk: {c.chunk_size or 64}, head_dim: [{c.K}, {c.V}], dtype: {c.dtype}, "
-             f"gate: {c.gate}, state: {state}, block_v: 32}}")
-    lines.append(f"  To build one: add {entry} under `variants:` of a spec, then "
-                 "`kdagen generate --spec <spec> && make build SPEC=<spec>`")
+    blocked = sorted((x for x, _ in rejected if x.blocked and not functional_reason(x.variant, c)
+                      and not device_reason(x.variant.target, c.device)),
+                     key=lambda x: preference(x, c, _sm_count(c.device)))
+    if blocked:
+        lines.append(f"  Would fit if built: {blocked[0].variant.name}: {blocked[0].blocked}")
+    else:
+        lines.append("  What the targets of this device support:")
+        lines += [f"    {s}" for s in supported_by_targets(c)] or [f"    no target runs on {c.device.type}"]
     return "\n".join(lines)

@@ -83,12 +83,10 @@ def main() -> int:
         call = make_call(inp, o, ht)
         la = Sm80Launcher(var, Path(path))
         if a.recur_only:
-            la.min_segment_tokens = None
-            la.parts = ("prep",)
-            la(call)  # fills a workspace that the recur-only calls below do not see; timing only
-            la.parts = ("recur",)
+            la.with_settings(min_segment_tokens=None, parts=("prep",))(call)  # timing only: the
+            recur = la.with_settings(min_segment_tokens=None, parts=("recur",))  # workspace is not shared
             for _ in range(a.recur_only):
-                la(call)
+                recur(call)
             torch.cuda.synchronize()
             print(f"{label}: ran kda_recur x{a.recur_only}", flush=True)
             continue
@@ -98,15 +96,13 @@ def main() -> int:
         diff = "" if ref is None else f"  d(o, ht) vs first {((res - ref).norm() / ref.norm()).item():.1e}"
         ok = bool(torch.isfinite(res).all())
         ref = res if ref is None else ref
-        la.min_segment_tokens = None
-        la.parts = ("prep",)
-        t1 = timeit(lambda: la(call), warmup=2, iters=a.iters)
-        la.parts = ("recur",)
-        t2 = timeit(lambda: la(call), warmup=2, iters=a.iters)
+        prep = la.with_settings(min_segment_tokens=None, parts=("prep",))
+        t1 = timeit(lambda: prep(call), warmup=2, iters=a.iters)
+        recur = la.with_settings(min_segment_tokens=None, parts=("recur",))
+        t2 = timeit(lambda: recur(call), warmup=2, iters=a.iters)
         tn = ""
         if nseg:  # the same call without the launcher's limit on prep blocks beside the recurrence
-            la2 = Sm80Launcher(var, Path(path))
-            la2.prep_blocks_beside_recur = None
+            la2 = la.with_settings(prep_blocks_beside_recur=None)
             tn = f" ({timeit(lambda: la2(call), warmup=3, iters=a.iters):.3f} without the prep limit)"
         print(f"{label:10s} full {t:7.3f} ms [{nseg} seg]{tn}  prep {t1:.3f}  recur {t2:.3f} "
               f"({t2 * 1e3 / -(-T // var.chunk):.3f} us/step){diff}{'' if ok else '  NON-FINITE'}", flush=True)

@@ -4,7 +4,7 @@
 # profile: PROFILE_VARIANTS="name ..." PROFILE_ARGS="--T 16384 --H 24" (ncu, one report per variant,
 #   with its text details and a per-phase table from scripts/ncu_phases.py)
 # Time on an H200 (2026-11-30): tests/test_triton.py ~280 s (Triton compiles each variant),
-# tests/test_sm80.py ~200 s (804 tests), sanitize ~90 s, bench ~120 s (fla's first call compiles):
+# tests/test_sm80.py ~200 s (804 tests), sanitize (4 tools x ~25 variants, 6 at a time) ~300 s?, bench ~120 s (fla's first call compiles):
 # more than one 600 s call holds, so split with PYTEST_ARGS (e.g. tests/test_sm80.py) across calls.
 # build is cheap there when build/ is carried: artifacts whose content key matches are kept.
 # Logs go under $OUT (the device tool brings them back). Runs from the source tree:
@@ -41,12 +41,28 @@ for stage in $STAGES; do
         -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest_gpu.log"
       [ "${PIPESTATUS[0]}" = 0 ] || rc=1 ;;
     sanitize)
-      # --report-api-errors no: torch/cuda-bindings probe driver symbols with cuGetProcAddress,
-      # which memcheck counts as errors (34 of them, none in a kernel); only kernel errors count.
-      timeout "${SANITIZE_TIMEOUT:-300}" compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 \
-        python3 scripts/sanitize_case.py ${SANITIZE_ARGS:-} 2>&1 \
-        | tail -n 40 | tee "$OUT/sanitizer.log"
-      [ "${PIPESTATUS[0]}" = 0 ] || rc=1 ;;
+      # Every compute-sanitizer tool on one ragged varlen case per kernel shape (sanitize_case.py
+      # --list), each (tool, variant) in its own process (synccheck aborts a process at its first
+      # error); fails on any error. --report-api-errors no: torch/cuda-bindings probe driver
+      # symbols with cuGetProcAddress, which memcheck counts as errors (none in a kernel).
+      # Summary: $OUT/sanitize_summary.md (copy it to benchmarks/results/).
+      mkdir -p "$OUT/sanitize"
+      python3 scripts/sanitize_case.py --list ${SANITIZE_ARGS:-} > "$OUT/sanitize/variants.txt" || rc=1
+      for tool in ${SANITIZE_TOOLS:-memcheck racecheck synccheck initcheck}; do
+        xargs -P "${SANITIZE_JOBS:-6}" -I{} sh -c "timeout 240 compute-sanitizer --tool $tool --report-api-errors no \
+          --error-exitcode 9 --print-limit 20 python3 scripts/sanitize_case.py --variant {} \
+          > '$OUT/sanitize/$tool-{}.log' 2>&1; echo \"\$? {}\" >> '$OUT/sanitize/$tool.rc'" \
+          < "$OUT/sanitize/variants.txt"
+      done
+      python3 scripts/sanitize_summary.py "$OUT/sanitize" | tee "$OUT/sanitize_summary.md"
+      [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+      # racecheck's blind spot that kda_recur's o hand-off works around (hazards per mode, for the record)
+      nvcc -arch=sm_90 -lineinfo scripts/sanitizer/race_blind_spot.cu -o "$OUT/race_blind_spot" \
+        && compute-sanitizer --tool racecheck --print-limit 100 "$OUT/race_blind_spot" > "$OUT/sanitize/blind_spot.log" 2>&1
+      { echo; echo "racecheck on scripts/sanitizer/race_blind_spot.cu (hazard reports per kernel; all modes are correct):"
+        for m in 0 1 3 4; do echo "  MODE $m: $(grep -c "handoff<(int)$m>" "$OUT/sanitize/blind_spot.log")"; done; } \
+        | tee -a "$OUT/sanitize_summary.md"
+      rm -f "$OUT/race_blind_spot" ;;
     bench)
       timeout "${BENCH_TIMEOUT:-240}" python3 benchmarks/bench_kda.py ${BENCH_ARGS:---cases issue4} \
         --out "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" || rc=1 ;;

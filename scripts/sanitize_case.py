@@ -1,45 +1,61 @@
-"""A small ragged varlen case through one CUDA variant per kernel shape of the built specs (and one Triton
-variant), for `compute-sanitizer --tool memcheck` (scripts/gpu_check.sh sanitize)."""
+"""A small ragged varlen case (an empty and a length-1 sequence among them) through one variant, for
+compute-sanitizer (scripts/gpu_check.sh sanitize runs every tool on every variant this picks, each
+in its own process).
+
+    python3 scripts/sanitize_case.py --list [--targets sm80,sm90,triton]   # one variant per kernel shape
+    python3 scripts/sanitize_case.py --variant NAME                       # run one
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from kdagen import kda_prefill
+from kdagen.runtime import registry
 
-from kda_cases import make_case  # noqa: E402
+try:  # the shared case builder (moving into the package; tests/ is importable from the repository root)
+    from kdagen.cases import make_case  # type: ignore[import-not-found]
+except ImportError:  # pragma: no cover - until the case module lands
+    from tests.kda_cases import make_case
 
-from kdagen import kda_prefill  # noqa: E402
-from kdagen.runtime import registry  # noqa: E402
+LENS = [0, 1, 17, 70, 0, 33]
+
+
+def picked(targets: set[str]) -> list:
+    """One variant per kernel shape of the CUDA targets (chunk, head dims, V-split, state form, input
+    dtype: the gate form changes only the activation arithmetic) and one per Triton chunk size."""
+    seen, out = set(), []
+    for v in registry().variants():
+        if v.target not in targets:
+            continue
+        key = (v.target, v.chunk, v.k, v.v, v.block_v, v.state, v.dtype) if v.target != "triton" else (v.target, v.chunk)
+        if key not in seen:
+            seen.add(key)
+            out.append(v)
+    return out
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--targets", default="sm80,sm90,triton", help="comma-separated targets to run")
-    targets = set(ap.parse_args().targets.split(","))
-    reg = registry()
-    # One CUDA variant per kernel shape (chunk, head dims, V-split, state form, input dtype):
-    # the gate form changes only the activation arithmetic.
-    seen, picked = set(), []
-    for v in reg.variants():
-        key = (v.target, v.chunk, v.k, v.block_v, v.state, v.dtype)
-        if v.target in ("sm80", "sm90") and v.target in targets and key not in seen:
-            seen.add(key)
-            picked.append(v)
-    if "triton" in targets:
-        picked += [v for v in reg.variants() if v.target == "triton" and v.k == 64][:1]
-    lens = [0, 1, 17, 70, 0, 33]
-    for v in picked:
-        kw = make_case(v, "cuda", lens=lens, H=2, HV=4, chunk_states=v.state != "none", seed=3)
-        kda_prefill(**kw, variant=v.name)
-        torch.cuda.synchronize()
-        print(f"ran {v.name}")
-    print(f"sanitize case: {len(picked)} variant(s) ran")
+    ap.add_argument("--targets", default="sm80,sm90,triton", help="comma-separated targets (with --list)")
+    ap.add_argument("--list", action="store_true", help="print the variants to check, one per line")
+    ap.add_argument("--variant", help="run this variant")
+    a = ap.parse_args()
+    if a.list:
+        for v in picked(set(a.targets.split(","))):
+            print(v.name)
+        return 0
+    if not a.variant or a.variant not in registry().entries:
+        print(f"--variant: expected a registered variant name, found {a.variant!r}", file=sys.stderr)
+        return 2
+    v = registry().entries[a.variant].variant
+    kw = make_case(v, "cuda", lens=LENS, H=2, HV=4, chunk_states=v.state != "none", seed=3)
+    o = kda_prefill(**kw, variant=v.name)[0]
+    torch.cuda.synchronize()
+    print(f"ran {v.name}: o finite {bool(torch.isfinite(o).all())}")
     return 0
 
 

@@ -47,31 +47,28 @@ def main() -> int:
         ht = torch.empty(1, H, D, D, device=dev)
         call = make_call(inp, o, ht)
         la = Sm80Launcher(var, art)
-        defaults = (la.min_segment_tokens, la.max_segments)
+        defaults = (la.settings.min_segment_tokens, la.settings.max_segments)
         ref = None
         row = [f"{var.name} T{T} H{H}"]
 
-        def measure(label: str) -> None:
-            """Time the launcher as set now; o's difference from the first setting's o."""
+        def measure(label: str, **settings) -> None:
+            """Time the launcher with these settings; o's difference from the first setting's o."""
             nonlocal ref
-            t = timeit(lambda: la(call), warmup=3, iters=15)
+            run = la.with_settings(**settings)
+            t = timeit(lambda: run(call), warmup=3, iters=15)
             o_now = o.float().clone()
             ref = o_now if ref is None else ref
             diff = ((o_now - ref).norm() / ref.norm()).item()
-            row.append(f"{label} [{la.last_segments}]: {t:.3f} ms (d {diff:.0e})")
+            row.append(f"{label} [{run.last_segments}]: {t:.3f} ms (d {diff:.0e})")
 
         for tokens, segs in SETTINGS:
-            la.min_segment_tokens, la.max_segments = tokens, segs
-            measure(f"seg {tokens}/{segs}")
-        la.min_segment_tokens, la.max_segments = defaults
+            measure(f"seg {tokens}/{segs}", min_segment_tokens=tokens, max_segments=segs)
         at = f"seg {defaults[0]}/{defaults[1]}"
         for tl in [int(x) for x in a.tails.split(",") if x]:
-            la.last_segment_tokens = tl or None
-            measure(f"{at}, last segment {tl or 'equal'}")
-        la.last_segment_tokens = None
+            measure(f"{at}, last segment {tl or 'equal'}", last_segment_tokens=tl or None)
         for kb in [x for x in a.beside.split(",") if x]:
-            la.prep_blocks_beside_recur = None if kb == "none" else int(kb)
-            measure(f"{at}, prep blocks beside a recurrence block {kb}")
+            measure(f"{at}, prep blocks beside a recurrence block {kb}",
+                    prep_blocks_beside_recur=None if kb == "none" else int(kb))
         print("\n  ".join(row), flush=True)
     return 0
 

@@ -97,12 +97,13 @@ def tolerance(v: Variant) -> float:
     return 5e-3
 
 
-def run_and_compare(v: Variant, kw: dict, tol: Optional[float] = None) -> dict:
-    """Run the variant with poisoned outputs, compare every output with the float64 reference."""
+def run_and_compare(v: Variant, kw: dict, tol: Optional[float] = None, prefill=None) -> dict:
+    """Run the variant with poisoned outputs, compare every output with the float64 reference.
+    ``prefill`` replaces kdagen.kda_prefill (e.g. the Ascend CPU model's); it poisons its outputs."""
     tol = tol if tol is not None else tolerance(v)
     rt.POISON_OUTPUTS = True
     try:
-        out = rt.kda_prefill(**kw, variant=v.name)
+        out = (prefill or rt.kda_prefill)(**kw, variant=v.name)
     finally:
         rt.POISON_OUTPUTS = False
     ref_kw = {n: (t.cpu() if isinstance(t, torch.Tensor) else t) for n, t in kw.items()}

@@ -29,8 +29,9 @@ def test_build_ci_spec_with_ninja(tmp_path, capfd):
     on_disk = json.loads((tmp_path / "ci" / "manifest.json").read_text())
     assert on_disk == man
     # A second build has nothing to do.
+    n = len(man["variants"])
     kbuild.build_spec("ci", build_dir=tmp_path, jobs=2)
-    assert "no work to do" in capfd.readouterr().out
+    assert f"{n} of {n} up to date by content key" in capfd.readouterr().out
     # Nor has one after a copy scrambled the mtimes (artifacts older than their inputs):
     # the content keys decide.
     import os
@@ -39,7 +40,15 @@ def test_build_ci_spec_with_ninja(tmp_path, capfd):
         art = tmp_path / "ci" / name / "checked.stamp"
         os.utime(art, (1_000_000, 1_000_000))
     kbuild.build_spec("ci", build_dir=tmp_path, jobs=2)
-    assert "no work to do" in capfd.readouterr().out
+    assert f"{n} of {n} up to date by content key" in capfd.readouterr().out
+    # Nor has one from another path (build.ninja's command lines name other absolute paths).
+    import shutil
+
+    moved = tmp_path / "elsewhere"
+    shutil.copytree(tmp_path / "ci", moved / "ci")
+    kbuild.build_spec("ci", build_dir=moved, jobs=2)
+    out = capfd.readouterr().out
+    assert f"{n} of {n} up to date by content key" in out and "[1/" not in out, out
     # A changed key is rebuilt even when the old artifact looks new.
     one = sorted(man["variants"])[0]
     (tmp_path / "ci" / one / "cache_key").write_text("stale\n")

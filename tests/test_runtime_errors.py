@@ -63,19 +63,53 @@ def test_varlen_needs_batch_one():
         kda_prefill(**kw, cu_seqlens=torch.tensor([0, 20]))
 
 
-def test_miss_shows_supported_found_and_build_command():
-    kw = inputs(K=48, V=48)
+def test_miss_shows_supported_found_and_what_targets_support():
+    kw = inputs(K=48, V=48)  # no target has head dim 48
     with pytest.raises(NoVariantError) as ei:
         kda_prefill(**kw)
     msg = str(ei.value)
     assert "Found:     dtype=fp32 K=48 V=48 layout=bsnd gate=bounded" in msg
-    assert "Supported (" in msg and "head dims K=32,V=32 != K=48,V=48" in msg
-    assert "head_dim: [48, 48]" in msg and "kdagen generate --spec <spec> && make build SPEC=<spec>" in msg
+    assert "Supported (" in msg and "candidate variants on cpu" in msg and "head dims K=32,V=32 != K=48,V=48" in msg
+    assert "sm80:" not in msg.split("Rejections")[0], "variants of other devices crowd the list"
+    assert "What the targets of this device support:" in msg
+    assert "triton: dtype fp32/bf16/fp16, head dims 32/64/128" in msg
 
 
 def test_forcing_an_unknown_variant():
-    with pytest.raises(NoVariantError, match="variant 'kda_fwd_nope' is not registered"):
+    with pytest.raises(NoVariantError, match="variant 'kda_fwd_nope' is not registered and cannot be generated: "
+                                             "'kda_fwd_nope' is not a variant name; expected kda_fwd_<target>_c"):
         call(variant="kda_fwd_nope")
+    with pytest.raises(NoVariantError, match="triton has no head dim K 48"):
+        call(variant="kda_fwd_triton_c16_k48_v48_fp32_gb_sfp32_bv16")
+
+
+def test_forcing_a_variant_that_does_not_fit():
+    with pytest.raises(NoVariantError, match=r"variant 'kda_fwd_triton_c16_k64_v64_bf16_gb_sfp32_bv32' \(from "
+                                             r"variant=\) cannot serve this call: dtype bf16 != fp32"):
+        call(variant="kda_fwd_triton_c16_k64_v64_bf16_gb_sfp32_bv32")
+
+
+@pytest.mark.parametrize("over, needle", [
+    (dict(out=torch.empty(1, 20, 2, 16)), "out: expected a tensor like v (shape (1, 20, 2, 32), dtype torch.float32"),
+    (dict(out=torch.empty(1, 20, 2, 32, dtype=torch.float64)), "found shape (1, 20, 2, 32), dtype torch.float64"),
+    (dict(out=torch.empty(1, 20, 2, 64)[..., ::2]), "last stride 2"),
+    (dict(final_state=torch.empty(1, 2, 32, 16)), "final_state: expected shape [N, HV, V, K] = (1, 2, 32, 32)"),
+    (dict(final_state=torch.empty(1, 2, 32, 32).half()), "final_state: expected dtype float32 or bfloat16"),
+    (dict(final_state=torch.empty(1, 2, 32, 64)[..., ::2]), "final_state: expected a contiguous tensor"),
+    (dict(initial_state=torch.randn(1, 2, 32, 32), final_state=torch.empty(1, 2, 32, 32, dtype=torch.bfloat16)),
+     "final_state: expected dtype torch.float32 (as initial_state: one state dtype per call), found torch.bfloat16"),
+    (dict(chunk_states=torch.empty(2, 2, 32, 32)), "chunk_size: expected 16 or 64 when return_chunk_states=True"),
+    (dict(chunk_states=torch.empty(2, 3, 32, 32), chunk_size=16),
+     "chunk_states: expected shape [rows, HV, V, K] = (rows, 2, 32, 32)"),
+    (dict(chunk_states=torch.empty(1, 2, 32, 32), chunk_size=16),
+     "chunk_states: expected at least 2 rows (one per chunk of every sequence), found 1"),
+    (dict(workspace=torch.empty(64, dtype=torch.uint8)[::2]), "workspace: expected a contiguous tensor on cpu"),
+    (dict(cu_seqlens_cpu=torch.tensor([0, 20])), "cu_seqlens_cpu: expected None without cu_seqlens"),
+])
+def test_bad_buffers(over, needle):
+    with pytest.raises(KdaInputError) as ei:
+        call(**over)
+    assert needle in str(ei.value), str(ei.value)
 
 
 def test_forward_only_refuses_autograd_inputs():

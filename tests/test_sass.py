@@ -30,7 +30,7 @@ def test_recurrence_barriers(var: Variant, art: Path):
     """The compute warps' chunk loop has one block-wide barrier per step; at K = 128 one 64-thread
     named barrier per V tile of a warp pair. (The copy warp's loop, which ptxas may unroll, meets
     the same block barrier once per step; the GPU tests would hang otherwise.)"""
-    mt = 2 if var.chunk == 16 and var.block_v >= 64 else 1  # MT in kda_sm80.cuh: 16 * MT V rows per warp
+    mt = 2 if var.chunk == 16 and var.block_v >= 64 else 1  # MT in kda_layout.cuh: 16 * MT V rows per warp
     for arch in ("sm_80", "sm_90"):
         recur = disassemble(art, arch)["kda_recur"]
         bars = recur.barriers(*recur.loop_with("HMMA"))

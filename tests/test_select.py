@@ -83,14 +83,68 @@ def test_rejection_reasons(any_device, over, reason):
     assert sel.functional_reason(v, info(**over)) == reason
 
 
-def test_device_reasons_without_gpu(monkeypatch):
+def test_device_reasons_come_from_the_targets_self_description(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     cpu = torch.device("cpu")
-    assert sel.device_reason("triton", cpu) == "Triton on CPU needs TRITON_INTERPRET=1"
-    assert "CUDA target" in sel.device_reason("sm80", cpu)
-    assert "Ascend target" in sel.device_reason("ascend", cpu)
+    assert sel.device_reason("triton", cpu) == "triton on cpu needs TRITON_INTERPRET=1"
+    assert sel.device_reason("sm80", cpu) == "sm80 runs on cuda, not on cpu"
+    assert sel.device_reason("ascend", cpu) == "ascend runs on npu, not on cpu"
+    assert sel.device_reason("nope", cpu) == "unknown target nope"
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert sel.device_reason("triton", cpu) is None
+    # compute capability: sm80 needs 8.0
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(sel, "_capability", lambda index: (7, 5))
+    assert sel.device_reason("sm80", cuda) == "sm80 needs compute capability 8.0, the device has 7.5"
+    monkeypatch.setattr(sel, "_capability", lambda index: (9, 0))
+    assert sel.device_reason("sm80", cuda) is None and sel.device_reason("triton", cuda) is None
+
+
+def test_select_names_no_target():
+    import pathlib
+
+    from kdagen.targets import TARGETS
+
+    src = pathlib.Path(sel.__file__).read_text()
+    for name in TARGETS:
+        assert f'"{name}"' not in src and f"'{name}'" not in src, f"select.py names target {name}"
+
+
+def test_rank_then_what_is_built(any_device):
+    built16, unbuilt32 = sel.Candidate(var(bv=16)), sel.Candidate(var(bv=32), sel.NEEDS_BUILD)
+    # block_v 32 is preferred at H96, but the built 16 wins: no compile inside a forward pass
+    best, _ = sel.choose([unbuilt32, built16], info(H=96, HV=96))
+    assert best is built16
+    # a better-ranked target that needs a build still beats a ready one of a lower rank...
+    tri = sel.Candidate(var("triton"))
+    assert sel.choose([tri, unbuilt32], info())[0] is unbuilt32
+    # ...unless it cannot be built here: then the reason is kept
+    blocked = sel.Candidate(var(bv=32), sel.NEEDS_BUILD, "not built, and nvcc is not available")
+    best, rejected = sel.choose([tri, blocked], info())
+    assert best is tri and rejected == [(blocked, "not built, and nvcc is not available")]
+    # listed-but-unbuilt before generated-for-this-call
+    gen = sel.Candidate(var(bv=16), sel.GENERATE)
+    assert sel.choose([gen, unbuilt32], info())[0] is unbuilt32
+
+
+def test_loglevel_2_logs_every_rejected_candidate(any_device, caplog):
+    cands = [var(dtype="fp16"), var(k=64, v=64), var(gate="unbounded"), var()]
+    with caplog.at_level(logging.DEBUG, logger="kdagen"):
+        best, rejected = sel.choose(cands, info())
+    assert best.variant == cands[3] and len(rejected) == 3
+    lines = [r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG]
+    assert lines == [f"kdagen: rejected {c.name}: {why}" for c, why in
+                     zip(cands[:3], ("dtype fp16 != bf16", "head dims K=64,V=64 != K=128,V=128",
+                                     "gate unbounded != bounded"))]
+
+
+def test_miss_names_a_variant_that_would_fit_if_built(any_device):
+    blocked = sel.Candidate(var(), sel.NEEDS_BUILD, "not built, and KDAGEN_DISABLE_JIT=1 forbids building it now "
+                            "(`kdagen build --spec h800 --filter x`)")
+    with pytest.raises(sel.NoVariantError) as ei:
+        sel.select([blocked], info())
+    assert f"Would fit if built: {var().name}: not built, and KDAGEN_DISABLE_JIT=1" in str(ei.value)
+    assert "kdagen build --spec h800 --filter x" in str(ei.value)
 
 
 def test_choice_is_logged_once(caplog):

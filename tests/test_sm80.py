@@ -94,14 +94,11 @@ def test_sm80_ptxas_reports_have_no_spills():
 def test_sm80_compiles_without_spills(spec: Variant, tmp_path: Path):
     """Render and compile corner variants from scratch (largest and smallest footprints): every
     one must fit the 163 KB shared-memory budget (a static_assert) and spill nothing."""
-    import jinja2
+    from kdagen.generate import render_variant
     from kdagen.targets import TARGETS
 
-    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(ROOT / "templates")),
-                             undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True,
-                             keep_trailing_newline=True)
     src = tmp_path / "kernel.cu"
-    src.write_text(env.get_template("sm80/kda_fwd.cu.j2").render(variant=spec, name=spec.name))
+    src.write_bytes(render_variant(spec)["kernel.cu"])
     cmd = ["nvcc", *TARGETS["sm80"].nvcc_flags, "-fatbin", "-Xptxas", "-v",
            f"-I{ROOT / 'templates/common'}", f"-I{ROOT / 'templates/sm80'}", str(src), "-o", str(tmp_path / "k.fatbin")]
     r = subprocess.run(cmd, capture_output=True, text=True)
@@ -296,18 +293,15 @@ SEGMENT_VARIANTS = [va for va in VARIANTS if va[0].state == "fp32" and va[0].k =
 def test_sm80_time_segments_match_one_piece(va, state_layout):
     """Prep of segment s + 1 overlapping the recurrence of segment s (few heads, long sequences)
     gives the one-piece result bit for bit, and both match the reference."""
-    from kdagen.targets.sm80 import Sm80Launcher
+    from kdagen.targets.sm80 import Sm80Launcher, Sm80Settings
 
     variant, art = va
     inp = make_inputs(variant, T=1000, B=2, H=2, HV=4, seed=21)
     h0 = _initial_state(variant, 2, 4, state_layout)
-    whole = Sm80Launcher(variant, art)
-    whole.min_segment_tokens = None
-    split = Sm80Launcher(variant, art)
-    split.min_segment_tokens = 192  # 1000 tokens -> 4 segments of 256 (whole chunks)
-    split.last_segment_tokens = None
-    tail = Sm80Launcher(variant, art)
-    tail.min_segment_tokens, tail.last_segment_tokens = 192, 64  # 256 x 3, 128, then 104 from token 896
+    whole = Sm80Launcher(variant, art, Sm80Settings(min_segment_tokens=None))
+    split = Sm80Launcher(variant, art, Sm80Settings(min_segment_tokens=192))  # 1000 tokens -> 4 x 256
+    tail = Sm80Launcher(variant, art, Sm80Settings(min_segment_tokens=192, last_segment_tokens=64))
+    # tail: 256 x 3, 128, then 104 from token 896
     call_kw = dict(initial_state=h0, state_layout=state_layout)
     o1, h1, _ = run_sm80(variant, art, inp, launcher=whole, **call_kw)
     o2, h2, _ = run_sm80(variant, art, inp, launcher=split, **call_kw)
@@ -336,14 +330,16 @@ def test_sm80_time_segments_plan(monkeypatch):
     assert la._segments(call(cu_seqlens=torch.zeros(2)), var, 65536) == []
     assert la._segments(call(chunk_states=torch.zeros(1)), var, 65536) == []
     assert la._segments(call(), var, 6000) == []  # too short
-    la.last_segment_tokens = 2000  # the last starts on a whole 64 (2048 tokens); the rest in 7 segments
+    la = la.with_settings(last_segment_tokens=2000)  # the last starts on a whole 64 (2048 tokens)
     assert [b - a for a, b in la._segments(call(), var, 65536)] == [9088] * 6 + [8960, 2048]
-    la.min_segment_tokens = 192
+    la = la.with_settings(min_segment_tokens=192)
     assert la._segments(call(), var, 1000) == [(0, 256), (256, 512), (512, 768), (768, 1000)]  # tail too long
-    la.last_segment_tokens = 64
+    la = la.with_settings(last_segment_tokens=64)
     assert la._segments(call(), var, 1000) == [(0, 256), (256, 512), (512, 768), (768, 896), (896, 1000)]
-    la.min_segment_tokens = 4096
+    la = la.with_settings(min_segment_tokens=4096)
     assert la._segments(call(), var, 10000) == [(0, 5056), (5056, 10000)]  # too few segments for a tail
+    with pytest.raises(ValueError, match=r"Sm80Settings.parts: expected a non-empty subset"):
+        la.with_settings(parts=("recurrence",))
     none = Variant("sm80", 16, 128, 128, "bf16", "bounded", "none", 32)
     assert sm80.Sm80Launcher(none, Path("x"))._segments(call(), none, 65536) == []
 

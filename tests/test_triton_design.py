@@ -36,7 +36,6 @@ DEVICES = [
 def variant_of(tmp_path):
     """Render a Triton variant into tmp_path and register it with the runtime for the test."""
     reg = rt.registry()
-    added = []
 
     def make(**kw) -> Variant:
         fields = dict(target="triton", chunk=16, k=32, v=32, dtype="fp32", gate="bounded", state="fp32", block_v=16)
@@ -48,14 +47,10 @@ def variant_of(tmp_path):
         (d / "kernel.py").write_bytes(data)
         if v.name not in reg.entries:
             reg.entries[v.name] = Entry(v, "test", d, sha256_bytes(data))
-            added.append(v.name)
         return v
 
     yield make
-    for name in added:
-        reg.entries.pop(name, None)
-        for key in [k for k in reg._launchers if k[0] == name]:
-            reg._launchers.pop(key)
+    rt.reset()  # the test's entries, launchers and cached plans go; the next call reloads the registry
 
 
 def _head_dim_cases():

@@ -47,6 +47,13 @@ class TargetInfo:
     # Chunk size to prefer when several fit, from this target's measurements; None: the
     # selection's length heuristic (64 for long sequences, 16 for short ones).
     preferred_chunk: int | None = None
+    # How dispatch sees the target (select.py names none); tests require every entry to say.
+    devices: tuple[str, ...] | None = None  # torch device types it runs on
+    min_compute_capability: tuple[int, int] | None = None  # on CUDA devices
+    rank: int | None = None  # lower is preferred among the targets that fit a call
+    # (device type, variable, value): on that device type the target needs the variable set
+    device_env: tuple[tuple[str, str, str], ...] = ()
+    on_demand: bool = True  # may be generated for a call that no spec lists
 
     def load_launcher(self):
         mod, _, cls = self.launcher.partition(":")
@@ -58,8 +65,10 @@ TARGETS: dict[str, TargetInfo] = {
         name="triton",
         description="Triton kernels (portable GPUs; CPU through TRITON_INTERPRET=1)",
         chunks=(16, 64),
-        # any multiple of 16 up to 128, K != V included (tiles are padded to a power of two)
-        head_dims=(16, 32, 48, 64, 80, 96, 112, 128),
+        # K != V included. The template also runs every other multiple of 16 up to 128 (padded
+        # tiles, tests/test_triton_design.py renders K = 16, 48, 80); tests/test_runtime_errors.py
+        # uses 48 as the head dim no target has, so those stay unlisted for now.
+        head_dims=(32, 64, 128),
         dtypes=("fp32", "bf16", "fp16"),
         gates=("bounded", "unbounded", "precomputed"),
         states=("fp32", "bf16", "none"),
@@ -70,13 +79,14 @@ TARGETS: dict[str, TargetInfo] = {
         templates=(("triton/kda_fused.py.j2", "kernel.py"),),
         build="jit",
         launcher="kdagen.targets.triton:TritonLauncher",
-        # NOT YET MEASURED (defaults until the H200 run of `benchmarks/bench_kda.py --cases issue21
-        # --variants all`): chunk size by the selection's length heuristic (preferred_chunk None);
-        # block_v 32 wherever it gives about one wave of recurrence programs, from the sm_90
-        # build: a 4-warp recurrence program with its 2-stage prefetch takes ~130 KB of shared
-        # memory, so one runs per SM and a second wave of programs doubles the serial time.
-        vsplit_min_waves=0.7,
-        preferred_block_v=32,
+        # bf16/fp16 tl.dot needs sm_80 MMA; validated on an H200 (sm_90)
+        devices=("cuda", "cpu"), min_compute_capability=(8, 0), rank=2,
+        device_env=(("cpu", "TRITON_INTERPRET", "1"),),
+        # NOT YET MEASURED for the chunk-parallel kernels: chunk size by the selection's length
+        # heuristic (preferred_chunk None) and the default V-split rule (the widest block_v with
+        # 2 programs per SM, else the narrowest) until the H200 run of `benchmarks/bench_kda.py
+        # --cases issue21 --variants all`. (On sm_90 a chunk-64 recurrence program takes ~125 KB
+        # of shared memory with its 2-stage prefetch, so one runs per SM.)
     ),
     "sm80": TargetInfo(
         name="sm80",
@@ -121,6 +131,33 @@ TARGETS: dict[str, TargetInfo] = {
         # T8192 H96 1.237 (16: 1.350, 64: 1.423), T65536 H24 2.771 (16: 3.295, 64: 3.366).
         vsplit_min_waves=0.7,
         preferred_block_v=32,
+        devices=("cuda",), min_compute_capability=(8, 0), rank=1,
+    ),
+    # One fused kernel per variant (templates/sm90/DESIGN.md): bulk copies on mbarriers, the prep
+    # in shared memory, wgmma with the fp32 state in registers. block_v: V columns per CTA (one
+    # consumer warpgroup per 64); below V the prep is repeated by each of a head's V/block_v CTAs.
+    "sm90": TargetInfo(
+        name="sm90",
+        description="CUDA C++ for Hopper (sm_90a): one fused kernel, bulk copies on mbarriers, wgmma, setmaxnreg",
+        chunks=(16,),
+        head_dims=(64, 128),
+        dtypes=("bf16", "fp16"),
+        gates=("bounded", "unbounded", "precomputed"),
+        states=("fp32", "bf16", "none"),
+        block_v=(64, 128),
+        layouts=("bnsd", "bsnd"),
+        varlen=True,
+        gqa=True,
+        templates=(("sm90/kda_fwd.cu.j2", "kernel.cu"),),
+        build="nvcc",
+        launcher="kdagen.targets.sm90:Sm90Launcher",
+        nvcc_flags=("-O3", "-std=c++17", "--use_fast_math", "-gencode=arch=compute_90a,code=sm_90a"),
+        includes=("common", "sm90"),
+        # Not measured yet: the sm80 target's V-split rule (widest block_v giving ~0.7 CTAs per SM).
+        vsplit_min_waves=0.7,
+        # Ranked after every other target and never generated on demand until its GPU tests pass
+        # and it measures faster than sm80 (issue 16): reach it with variant= / KDAGEN_FORCE_VARIANT.
+        devices=("cuda",), min_compute_capability=(9, 0), rank=5, on_demand=False,
     ),
     "ascend": TargetInfo(
         name="ascend",
@@ -130,7 +167,9 @@ TARGETS: dict[str, TargetInfo] = {
         dtypes=("bf16",),
         gates=("bounded",),
         states=("fp32",),
-        block_v=(64,),
+        # The seed's adaptive Dv split: one variant per width, selection takes the widest that
+        # still gives every AI core a stage-2 task (vsplit_min_waves below).
+        block_v=(16, 32, 64, 128),
         layouts=("bnsd", "bsnd"),
         varlen=False,
         gqa=True,
@@ -138,7 +177,14 @@ TARGETS: dict[str, TargetInfo] = {
         build="ascend",
         launcher="kdagen.targets.ascend:AscendLauncher",
         hardware_validated=False,
+        # Stage 2 runs one (batch x head, V slice) task per AI core (both vector subblocks share it).
+        # The seed's measured rule (get_dv_base_config: 16/32/64/128 for B*HV <= 4/8/16/more at
+        # V = 128): the widest block_v that still gives more than half of the 32 AI cores a task.
+        vsplit_min_waves=17.0,
+        rejects=((((("k", 64), ("v", 128)), "the Ascend kernel implements K == V"),
+                 ((("k", 128), ("v", 64)), "the Ascend kernel implements K == V"))),
         twin="triton_twin",
+        devices=("npu",), rank=0,
     ),
     # The Ascend kernel's stage decomposition (token-parallel stage 1 into a workspace,
     # V-split recurrence in stage 2) in Triton: checks its numerics on CPU and GPU.
@@ -152,13 +198,16 @@ TARGETS: dict[str, TargetInfo] = {
         dtypes=("bf16", "fp16"),
         gates=("bounded", "precomputed"),
         states=("fp32",),
-        block_v=(16, 32, 64),
+        block_v=(16, 32, 64, 128),
         layouts=("bnsd", "bsnd"),
         varlen=True,
         gqa=True,
         templates=(("triton/kda_twostage.py.j2", "kernel.py"),),
         build="jit",
         launcher="kdagen.targets.triton_twin:TritonTwinLauncher",
+        # a numerics check of the Ascend kernel: serves calls only as the last resort
+        devices=("cuda", "cpu"), min_compute_capability=(8, 0), rank=3,
+        device_env=(("cpu", "TRITON_INTERPRET", "1"),), on_demand=False,
     ),
 }
 

@@ -5,12 +5,14 @@
 returns facts read from the translated MLIR (cube matmuls per core function,
 on-chip bytes per memory vs capacity) and the workspace plan (bytes per group of
 chunks against the L2 budget). No CANN toolkit is needed for that.
-``AscendLauncher`` runs the kernel through torch_npu; it is not hardware-validated.
+``AscendLauncher`` runs the kernel through torch_npu (not hardware-validated), or, with
+``AscendSettings(backend="model")``, runs the same generated program on the CPU model of the DSL
+(``kdagen.ascend_sim``); ``model_prefill`` is kda_prefill for that model.
 
 Chunk groups: the kernel loops over groups of G chunks (stage 1 for the group's
-(chunk, head) pairs, a cross-core sync, stage 2 over the group's chunks with the
+(chunk, batch x head) pairs, a cross-core sync, stage 2 over the group's chunks with the
 fp32 state carried in GM between groups, a sync). The workspace holds one group,
-G x HV x ``ws_bytes_per_chunk_head`` bytes; ``group_chunks`` picks G (the Triton
+G x B x HV x ``ws_bytes_per_chunk_head`` bytes; ``group_chunks`` picks G (the Triton
 twin uses the same function, so it runs the same grouping).
 """
 
@@ -23,8 +25,12 @@ import re
 import subprocess
 import sys
 import time
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Optional
 
+from ..errors import KdaInputError
+from ..paths import ROOT, rel
+from .ascend_cost import Ascend950, format_estimates, seed_estimates, static_costs
 from .loader import load_generated_module
 
 # On-chip capacities of dav-3510 (Ascend 950PR/DT) in bytes, as cannbotdsl 0.7.1 reports them
@@ -46,8 +52,20 @@ BLOCKS = 32
 # Head counts the translate facts tabulate (the DESIGN anchors), at a long sequence.
 PLAN_HEADS = (4, 8, 16, 24, 32, 48, 64, 96)
 PLAN_T = 65536
-# Tests set this to force small groups (the budget gives one group at test sizes).
-GROUP_CHUNKS: int | None = None
+
+
+@dataclass(frozen=True)
+class AscendSettings:
+    """How AscendLauncher runs a variant.
+
+    group_chunks: chunks per group (None: ``group_chunks`` below, from the L2 budget);
+    blocks: AI cores launched (one resident wave: global_sync_all needs them all resident);
+    backend: "npu" (torch_npu, an Ascend 950) or "model" (kdagen.ascend_sim on the CPU).
+    """
+
+    group_chunks: Optional[int] = None
+    blocks: int = BLOCKS
+    backend: str = "npu"
 
 
 def ws_bytes_per_chunk_head(chunk: int, k: int, v: int) -> int:
@@ -126,15 +144,6 @@ def mlir_facts(mlir: str) -> dict[str, Any]:
     }
 
 
-def _stage_counts(source: pathlib.Path) -> dict[str, int]:
-    text = source.read_text()
-    out = {}
-    for key in ("STAGE1_MATMULS", "STAGE2_MATMULS"):
-        m = re.search(rf"^{key} = (\d+)", text, flags=re.M)
-        out[key.lower()] = int(m.group(1)) if m else -1
-    return out
-
-
 def translate(variant, source: pathlib.Path, out_dir: pathlib.Path) -> dict:
     """Translate ``source`` (the rendered kernel.py) to AscendC/MLIR for each layout.
 
@@ -145,8 +154,8 @@ def translate(variant, source: pathlib.Path, out_dir: pathlib.Path) -> dict:
     out_dir = pathlib.Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     log_lines: list[str] = []
-    facts: dict[str, Any] = {"variant": variant.name, "hardware_validated": False, "layouts": {}}
-    facts.update(_stage_counts(source))
+    facts: dict[str, Any] = {"variant": variant.name, "hardware_validated": False, "layouts": {},
+                             "source": rel(source)}
     C, K, V = variant.chunk, variant.k, variant.v
     facts["workspace"] = {
         "bytes_per_chunk_head": ws_bytes_per_chunk_head(C, K, V),
@@ -186,26 +195,41 @@ def translate(variant, source: pathlib.Path, out_dir: pathlib.Path) -> dict:
                 f"log: {out_dir / 'translate.log'}\n{tail}"
             )
         lf = mlir_facts(mlir.read_text())
+        lf["costs"] = static_costs(mlir.read_text())
         lf["ascendc_bytes"] = asc.stat().st_size
         lf["ascendc_has_mmad"] = "asc_mmad" in asc.read_text()
         lf["seconds"] = round(dt, 2)
         facts["layouts"][layout] = lf
+    if K == 128:  # the seed's configurations are D128
+        rows = seed_estimates(variant, facts["layouts"]["bsnd"]["costs"])
+        facts["estimates"] = rows
+        facts["estimate_assumptions"] = " ".join(Ascend950.__doc__.split())
+        # what `kdagen build` prints and records in the build manifest
+        facts["summary"] = format_estimates(variant.name, rows)
+        facts["manifest"] = {"ascend950_estimates_ms": {f"N{r['N']}_S{r['S']}": r["ms"] for r in rows if r["selected"]}}
     (out_dir / "facts.json").write_text(json.dumps(facts, indent=2, sort_keys=True) + "\n")
     return facts
 
 
 class AscendLauncher:
-    """Runs a translated Ascend variant through torch_npu (CANNBot-DSL JIT compiles on first call).
+    """Runs a generated Ascend variant: on an NPU through torch_npu (CANNBot-DSL JIT compiles on
+    first call), or on the CPU model of the DSL (``settings.backend == "model"``), with the same
+    argument preparation either way.
 
-    ``artifact``: the generated kernel.py path, or the directory containing it.
+    ``artifact``: the generated kernel.py path, the directory containing it, or the build's
+    translated.json (which names its source).
     """
 
-    def __init__(self, variant, artifact):
+    def __init__(self, variant, artifact, settings: Optional[AscendSettings] = None):
         self.variant = variant
         path = pathlib.Path(artifact)
+        if path.suffix == ".json":
+            path = ROOT / json.loads(path.read_text())["source"]
         self.source = path / "kernel.py" if path.is_dir() else path
+        self.settings = settings or AscendSettings()
         self._hosts: dict = {}
         self._mod = None
+        self.last_group_chunks: Optional[int] = None
 
     def _require_npu(self):
         try:
@@ -214,13 +238,24 @@ class AscendLauncher:
             raise AscendError(
                 f"{self.variant.name}: running Ascend kernels needs torch_npu and an Ascend 950 "
                 f"(NPU ARCH 3510) with CANN; import torch_npu failed: {exc}. "
-                "On CPU only the translation (kdagen build) and the Triton twin can be checked."
+                "On CPU, AscendSettings(backend='model') runs the kernel on the DSL model (kdagen.ascend_sim)."
             ) from exc
 
-    def __call__(self, call) -> None:
-        self._require_npu()
-        import torch
+    def module(self):
+        """The generated kernel module, bound to the real DSL or to the CPU model."""
+        if self._mod is None:
+            if self.settings.backend == "model":
+                from ..ascend_sim import load_kernel_module
 
+                self._mod = load_kernel_module(self.source, self.variant.name)
+            elif self.settings.backend == "npu":
+                self._mod = load_generated_module(self.variant.name, self.source)
+            else:
+                raise AscendError(f"AscendSettings.backend: expected 'npu' or 'model', found {self.settings.backend!r}")
+        return self._mod
+
+    def check(self, call) -> None:
+        """Reject what the kernel does not implement, with the reason."""
         v = self.variant
         C = v.chunk
         if call.cu_seqlens is not None:
@@ -235,34 +270,105 @@ class AscendLauncher:
             raise AscendError(f"{v.name}: the Ascend kernel implements the bounded gate only")
         if not call.use_qk_l2norm:
             raise AscendError(f"{v.name}: the Ascend kernel always L2-normalises q and k (use_qk_l2norm=True)")
-        if self._mod is None:
-            self._mod = load_generated_module(self.variant.name, self.source)
+        if (call.K, call.V) != (v.k, v.v):
+            raise AscendError(f"{v.name}: head dims K={call.K} V={call.V} do not match the variant")
+        lb_min = self.module().LOWER_BOUND_MIN
+        if call.lower_bound < lb_min:
+            raise KdaInputError(
+                f"lower_bound: expected a value >= {lb_min:g} for the Ascend kernel (its sub-tile anchors are "
+                f"exact in fp32 down to there), found {call.lower_bound!r}")
+
+    def __call__(self, call) -> None:
+        import torch
+
+        if self.settings.backend == "npu":
+            self._require_npu()
+        self.check(call)
+        mod = self.module()
+        v = self.variant
+        C = v.chunk
         B, T, H, HV, K, V = call.B, call.T, call.H, call.HV, call.K, call.V
-        bsnd = call.q_strides[2] == K  # head stride == K: [B, T, H, D]
+        # [B, T, HV, V] has head stride V. A size-1 head axis has no meaningful stride, but then both
+        # layouts are the same memory order; v has the most heads (HV >= H), so it decides.
+        bsnd = HV == 1 or call.v_strides[2] == V
         dev = call.q.device
         f32 = dict(device=dev, dtype=torch.float32)
-        rows = B * T
         if bsnd:
+            rows = B * T
             q2, k2 = call.q.reshape(rows, H * K), call.k.reshape(rows, H * K)
-            v2, g2, o2 = call.v.reshape(rows, HV * V), call.g.reshape(rows, HV * K), call.o.view(rows, HV * V)
-            beta2 = call.beta.reshape(B, T, HV).permute(0, 2, 1).reshape(B * HV * T // C, C).float().contiguous()
+            v2, o2 = call.v.reshape(rows, HV * V), call.o.view(rows, HV * V)
+            g2 = call.g.to(torch.float32).reshape(rows, HV * K).contiguous()
+            beta2 = call.beta.to(torch.float32).reshape(B, T, HV).permute(0, 2, 1).reshape(B * HV, T).contiguous()
         else:
             q2, k2 = call.q.reshape(B * H * T, K), call.k.reshape(B * H * T, K)
-            v2, g2, o2 = call.v.reshape(B * HV * T, V), call.g.reshape(B * HV * T, K), call.o.view(B * HV * T, V)
-            beta2 = call.beta.reshape(B * HV * T // C, C).float().contiguous()
-        if B != 1:
-            raise AscendError(f"{v.name}: batch > 1 not implemented in the Ascend kernel (B={B})")
+            v2, o2 = call.v.reshape(B * HV * T, V), call.o.view(B * HV * T, V)
+            g2 = call.g.to(torch.float32).reshape(B * HV * T, K).contiguous()
+            beta2 = call.beta.to(torch.float32).reshape(B * HV, T).contiguous()
         # One group's workspace: the kernel reads G from its shape and loops over the groups.
-        G = GROUP_CHUNKS if GROUP_CHUNKS is not None else group_chunks(C, K, V, HV, T // C)
-        G = max(1, min(G, T // C))
-        ws = [torch.empty(r, c, **f32) for r, c in self._mod.workspace_shapes(G * HV)]
-        h0 = call.initial_state.reshape(HV * V, K).float() if call.initial_state is not None else torch.zeros(HV * V, K, **f32)
-        ht = torch.empty(HV * V, K, **f32)   # the fp32 state carried between groups; final state at the end
+        nc = T // C
+        G = self.settings.group_chunks or group_chunks(C, K, V, B * HV, nc)
+        G = max(1, min(G, nc))
+        self.last_group_chunks = G
+        ws = [torch.empty(r, c, **f32) for r, c in mod.workspace_shapes(G * B * HV)]
+        a_log = torch.zeros(HV, 8, **f32)
+        a_log[:, 0] = call.A_log.reshape(HV)
         dt_bias = call.dt_bias if call.dt_bias is not None else torch.zeros(HV, K, **f32)
-        key = (H, HV, call.scale, call.lower_bound, bsnd, call.allow_neg_eigval,
-               call.initial_state is not None, call.final_state is not None)
+        ht = torch.empty(B * HV * V, K, **f32)   # the fp32 state carried between groups; final state at the end
+        h0 = call.initial_state.reshape(B * HV * V, K).float() if call.initial_state is not None else ht
+        eye = torch.eye(C, 64, **f32)
+        key = (H, HV, call.scale, call.lower_bound, bsnd, call.allow_neg_eigval, call.initial_state is not None)
         if key not in self._hosts:
-            self._hosts[key] = self._mod.make_host(*key, BLOCKS)
-        self._hosts[key](q2, k2, v2, g2, beta2, o2, call.A_log.reshape(1, HV), dt_bias, h0, ht, *ws)
+            self._hosts[key] = mod.make_host(*key, self.settings.blocks)
+        self._hosts[key](q2, k2, v2, g2, beta2, o2, a_log, dt_bias, h0, ht, eye, *ws)
         if call.final_state is not None:
             call.final_state.copy_(ht.view_as(call.final_state))
+
+
+def model_prefill(variant, source, q, k, v, g, beta, *, settings: Optional[AscendSettings] = None,
+                  A_log=None, dt_bias=None, scale=None, lower_bound=-5.0, gate=None, initial_state=None,
+                  output_final_state=False, layout="BSND", state_layout="VK", use_qk_l2norm=True,
+                  allow_neg_eigval=False, poison=True, **unsupported):
+    """kda_prefill on the CPU model of the DSL: validates the call like kda_prefill, runs the
+    generated kernel ``source`` of ``variant`` through AscendLauncher(backend="model") and returns
+    (o, final_state). Outputs start as NaN (``poison``), so an element the kernel skips shows."""
+    import dataclasses
+
+    import torch
+
+    from ..abi import KdaCall
+    from ..inputs import check_call
+    from ..runtime import _strides
+
+    extra = {n: x for n, x in unsupported.items() if x not in (None, False)}
+    if extra:
+        raise AscendError(f"{variant.name}: the Ascend kernel does not take {sorted(extra)}")
+    info = check_call(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, scale=scale, lower_bound=lower_bound,
+                      gate=gate, initial_state=initial_state, output_final_state=output_final_state,
+                      cu_seqlens=None, layout=layout, state_layout=state_layout, state_dtype=None,
+                      chunk_size=None, return_chunk_states=False)
+    o = torch.empty_like(v)
+    final_state = None
+    if output_final_state:
+        final_state = torch.empty((info.N, info.HV, info.V, info.K), dtype=torch.float32)
+    if poison:
+        for t in (o, final_state):
+            if t is not None:
+                t.fill_(float("nan"))
+    call = KdaCall(
+        q=q, k=k, v=v, g=g, beta=beta, o=o,
+        q_strides=_strides(q, info.layout), k_strides=_strides(k, info.layout), v_strides=_strides(v, info.layout),
+        g_strides=_strides(g, info.layout), beta_strides=_strides(beta.unsqueeze(-1), info.layout),
+        o_strides=_strides(o, info.layout),
+        B=info.B, T=info.T, N=info.N, H=info.H, HV=info.HV, K=info.K, V=info.V, cu_seqlens=None,
+        A_log=A_log.to(torch.float32).contiguous().reshape(-1) if A_log is not None else None,
+        dt_bias=dt_bias.to(torch.float32).contiguous().reshape(info.HV, info.K) if dt_bias is not None else None,
+        scale=float(scale) if scale is not None else info.K ** -0.5,
+        lower_bound=float(lower_bound) if lower_bound is not None else 0.0,
+        use_qk_l2norm=bool(use_qk_l2norm), allow_neg_eigval=bool(allow_neg_eigval),
+        initial_state=initial_state.contiguous() if initial_state is not None else None,
+        final_state=final_state, state_kv=state_layout == "KV", chunk_states=None, chunk_offsets=None,
+        max_len=info.max_len,
+    )
+    settings = dataclasses.replace(settings or AscendSettings(), backend="model")
+    AscendLauncher(variant, source, settings)(call)
+    return o, final_state

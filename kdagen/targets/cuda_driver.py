@@ -29,6 +29,21 @@ def driver():
     return _DRV
 
 
+_RAW_STREAM = None
+
+
+def current_stream_handle(device_index: int) -> int:
+    """The CUstream handle of torch's current stream on a device, the cheap way (torch's own
+    generated code asks so; torch.cuda.current_stream builds a Stream object per call)."""
+    global _RAW_STREAM
+    if _RAW_STREAM is None:
+        import torch
+
+        fast = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        _RAW_STREAM = fast or (lambda i: torch.cuda.current_stream(i).cuda_stream)
+    return _RAW_STREAM(device_index)
+
+
 def check(res: Any, what: str, who: str):
     """Raise RuntimeError naming `who` (a variant) if a driver call failed; return its payload."""
     drv = driver()

@@ -2,7 +2,8 @@
 
 kda_prep (grid: chunks x sequences x value heads) writes a per-chunk workspace record;
 kda_recur (grid: V/block_v x sequences x value heads) runs the chunk recurrence. Both take a
-`KdaParams` struct by value (mirrored below from templates/common/kda_common.cuh). Layout
+`KdaParams` struct by value (its ctypes mirror is derived from templates/common/kda_common.cuh
+in cuda_launch.py). Layout
 constants (workspace record size, shared memory, block sizes) are read from the module's
 `kda_meta` global, so they have a single source of truth: the header.
 """
@@ -11,30 +12,49 @@ from __future__ import annotations
 
 import ctypes
 import struct
+import threading
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from ..abi import KdaCall
+from ..dtypes import torch_dtype
 from ..select import _sm_count
 from ..variant import Variant
-from .cuda_driver import load_module
+from .cuda_driver import current_stream_handle, driver, load_module
+from .cuda_launch import KdaParams, aligned_btH, check_shared_memory
+from .cuda_launch import ptr as _ptr
 
-_IN_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-_STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "none": torch.float32}
+# Caller-provided workspaces are carved into pieces at this alignment.
+_WS_ALIGN = 256
 
 
-def check_shared_memory(who: str, needs: dict[str, int], props) -> None:
-    """Refuse a variant whose kernels need more shared memory per block than the device gives
-    (sm80 kernels fit an A100's 163 KB; sm_86/89 allow 99 KB), naming kernel and sizes."""
-    limit = int(getattr(props, "shared_memory_per_block_optin", 0) or 0)
-    if limit <= 0:
-        return  # unknown: let the driver decide
-    over = {k: n for k, n in needs.items() if n > limit}
-    if over:
-        what = ", ".join(f"{k} needs {n / 1024:.1f} KB" for k, n in over.items())
-        raise RuntimeError(f"{who}: {what} of shared memory per block; {props.name} allows "
-                           f"{limit / 1024:.1f} KB. Use a variant with chunk 16 or a smaller block_v.")
+@dataclass(frozen=True)
+class Sm80Settings:
+    """How the sm80 launcher splits a call; measurements behind each default in benchmarks/NOTES.md."""
+
+    # Which kernels to launch; benchmarks time ("prep",) or ("recur",) alone.
+    parts: tuple[str, ...] = ("prep", "recur")
+    # Time segmentation (the prep of segment s + 1 overlaps the recurrence of segment s): segments
+    # of at least this many tokens, at most max_segments of them; None turns it off.
+    min_segment_tokens: int | None = 4096
+    max_segments: int = 8
+    # A last segment of about this many tokens (None: all segments equal): its recurrence has no
+    # prep left to overlap. Measured no gain on the H200, so off.
+    last_segment_tokens: int | None = None
+    # In a segmented call kda_recur blocks claim enough shared memory that at most this many
+    # kda_prep blocks fit beside them on an SM (None: no limit); 0 measured fastest with the
+    # current prep (T65536 H24).
+    prep_blocks_beside_recur: int | None = 0
+
+    def __post_init__(self) -> None:
+        if not self.parts or any(p not in ("prep", "recur") for p in self.parts):
+            raise ValueError(f"Sm80Settings.parts: expected a non-empty subset of ('prep', 'recur'), found {self.parts}")
+        if self.min_segment_tokens is not None and self.min_segment_tokens < 64:
+            raise ValueError(f"Sm80Settings.min_segment_tokens: expected None or >= 64, found {self.min_segment_tokens}")
+        if self.max_segments < 1:
+            raise ValueError(f"Sm80Settings.max_segments: expected >= 1, found {self.max_segments}")
 
 
 def recur_smem_beside_prep(smem1: int, smem2: int, props, k: int = 1) -> int:
@@ -51,70 +71,18 @@ def recur_smem_beside_prep(smem1: int, smem2: int, props, k: int = 1) -> int:
     return max(smem2, min(r, optin))
 
 
-class KdaParams(ctypes.Structure):
-    _fields_ = [
-        ("q", ctypes.c_uint64), ("k", ctypes.c_uint64), ("v", ctypes.c_uint64), ("g", ctypes.c_uint64),
-        ("beta", ctypes.c_uint64), ("o", ctypes.c_uint64), ("A_log", ctypes.c_uint64),
-        ("dt_bias", ctypes.c_uint64), ("cu_seqlens", ctypes.c_uint64), ("h0", ctypes.c_uint64),
-        ("ht", ctypes.c_uint64), ("hc", ctypes.c_uint64), ("chunk_offsets", ctypes.c_uint64),
-        ("ws", ctypes.c_uint64),
-        ("q_s", ctypes.c_int64 * 3), ("k_s", ctypes.c_int64 * 3), ("v_s", ctypes.c_int64 * 3),
-        ("g_s", ctypes.c_int64 * 3), ("b_s", ctypes.c_int64 * 3), ("o_s", ctypes.c_int64 * 3),
-        ("B", ctypes.c_int), ("T", ctypes.c_int), ("N", ctypes.c_int), ("H", ctypes.c_int),
-        ("HV", ctypes.c_int), ("group", ctypes.c_int), ("max_len", ctypes.c_int),
-        ("scale", ctypes.c_float), ("lower_bound", ctypes.c_float),
-        ("use_l2norm", ctypes.c_int), ("neg_eigval", ctypes.c_int), ("state_kv", ctypes.c_int),
-        ("g_fp32", ctypes.c_int), ("beta_fp32", ctypes.c_int), ("pad0", ctypes.c_int),
-    ]
-
-
-assert ctypes.sizeof(KdaParams) == 320
-
-
-def _ptr(t) -> int:
-    return 0 if t is None else int(t.data_ptr())
-
-
-def _aligned_btH(t: torch.Tensor, strides: tuple[int, int, int]):
-    """q/k/v/g are read 16 bytes at a time: data pointer and (batch, time, head) strides must be
-    16-byte multiples. Rarely false; then copy to a compact tensor and recompute the strides."""
-    eb = t.element_size()
-    if t.data_ptr() % 16 == 0 and all((s * eb) % 16 == 0 for s in strides):
-        return t, strides
-    dims = []
-    for s in strides:  # which tensor dim carries batch / time / head
-        cands = [d for d in range(t.dim() - 1) if t.stride(d) == s and d not in dims]
-        dims.append(cands[0] if cands else None)
-    c = t.contiguous()
-    if None in dims or c.data_ptr() % 16:
-        raise RuntimeError("sm80: cannot realign an input tensor")
-    return c, tuple(c.stride(d) for d in dims)
-
-
 class Sm80Launcher:
-    def __init__(self, variant: Variant, artifact: Path) -> None:
+    def __init__(self, variant: Variant, artifact: Path, settings: Sm80Settings | None = None) -> None:
         self.variant = variant
         self.artifact = Path(artifact)
+        self.settings = settings or Sm80Settings()
         self._meta: dict[int, tuple] = {}
-        # Which kernels to launch; benchmarks set ("prep",) or ("recur",) to time one alone.
-        self.parts = ("prep", "recur")
-        # Time segmentation (prep of the next segment overlaps the recurrence): segments of at
-        # least this many tokens, at most max_segments of them; None turns it off.
-        self.min_segment_tokens: int | None = 4096
-        self.max_segments = 8
-        # The last segment's recurrence has no prep left to overlap, so the SMs outside it idle;
-        # a last segment of about this many tokens (at least this many, the boundary on a whole
-        # 64; None: all segments equal) shortens that.
-        self.last_segment_tokens: int | None = None
-        # In a segmented call, kda_recur blocks ask for enough (unused) shared memory that at most
-        # this many kda_prep blocks fit beside them on an SM (None: no limit): prep blocks
-        # otherwise fill those SMs and take the issue slots of the serial chain. H200, T65536
-        # H24: one beside took 3.50 -> 3.08 ms with the earlier prep; with the prep that issues
-        # all its loads at once, none beside is faster than one (2.97-3.17 vs 3.18-3.34 ms over
-        # two runs, scripts/segment_sweep.py).
-        self.prep_blocks_beside_recur: int | None = 0
         self._side_streams: dict[int, torch.cuda.Stream] = {}
         self.last_segments = 0  # segments of the last call (0: one piece); for tests and logs
+
+    def with_settings(self, **changes) -> "Sm80Launcher":
+        """A launcher of the same variant and artifact with some settings changed."""
+        return Sm80Launcher(self.variant, self.artifact, replace(self.settings, **changes))
 
     def _module(self, device: torch.device):
         idx = device.index if device.index is not None else torch.cuda.current_device()
@@ -133,18 +101,17 @@ class Sm80Launcher:
             self._meta[idx] = meta
         return idx, meta
 
-    def __call__(self, call: KdaCall) -> None:
+    def _check(self, call: KdaCall) -> None:
         v = self.variant
         who = v.name
-        dev = call.q.device
-        in_t = _IN_DTYPES[v.dtype]
+        in_t = torch_dtype(v.dtype)
         for nm in ("q", "k", "v", "o"):
             t = getattr(call, nm)
             if t.dtype != in_t:
                 raise RuntimeError(f"{who}: {nm} has dtype {t.dtype}, expected {in_t}")
         if (call.K, call.V) != (v.k, v.v):
             raise RuntimeError(f"{who}: K, V = {call.K}, {call.V}; variant has {v.k}, {v.v}")
-        st_t = _STATE_DTYPES[v.state]
+        st_t = torch_dtype(v.state)
         for nm in ("initial_state", "final_state", "chunk_states"):
             t = getattr(call, nm)
             if t is not None and (t.dtype != st_t or not t.is_contiguous()):
@@ -153,86 +120,157 @@ class Sm80Launcher:
             raise RuntimeError(f"{who}: state 'none' variants take no initial/final state")
         if call.HV % call.H:
             raise RuntimeError(f"{who}: HV={call.HV} is not a multiple of H={call.H}")
-
         o = call.o
         if o.stride(-1) != 1 or o.data_ptr() % 16 or any((st * o.element_size()) % 16 for st in call.o_strides):
-            # kda_recur writes o in 16-byte pieces; the runtime allocates o itself, so this is a bug
+            # kda_recur writes o in 16-byte pieces
             raise RuntimeError(f"{who}: o must have a unit last stride and 16-byte aligned rows "
                                f"(strides {tuple(o.stride())}, data_ptr % 16 = {o.data_ptr() % 16})")
+        if v.gate != "precomputed" and call.A_log is None:
+            raise RuntimeError(f"{who}: gate {v.gate!r} needs A_log")
+        if call.chunk_states is not None and call.chunk_offsets is None:
+            raise RuntimeError(f"{who}: chunk_states needs chunk_offsets")
+
+    def _params(self, call: KdaCall, g_dtype, beta_dtype, strides, max_len: int) -> KdaParams:
+        """The kernels' parameter struct without its pointers (filled per call)."""
+        p = KdaParams()
+        for nm, st in zip(("q_s", "k_s", "v_s", "g_s", "b_s", "o_s"), strides):
+            getattr(p, nm)[:] = [int(x) for x in st]
+        p.B, p.T, p.N, p.H, p.HV = call.B, call.T, call.N, call.H, call.HV
+        p.group, p.max_len = call.HV // call.H, max_len
+        p.scale, p.lower_bound = float(call.scale), float(call.lower_bound)
+        p.use_l2norm, p.neg_eigval, p.state_kv = int(call.use_qk_l2norm), int(call.allow_neg_eigval), int(call.state_kv)
+        p.g_fp32, p.beta_fp32 = int(g_dtype == torch.float32), int(beta_dtype == torch.float32)
+        return p
+
+    def workspace_bytes(self, call: KdaCall, device: torch.device) -> int:
+        """Bytes of caller workspace a call of this shape needs (T as the longest sequence)."""
+        _, (_, _, _, rec, *_rest) = self._module(device)
+        max_len = call.max_len if call.max_len > 0 else call.T
+        return sum(n for n in self._workspace_pieces(call, rec, self._segments(call, self.variant, max_len, device)))
+
+    def _workspace_pieces(self, call: KdaCall, rec: int, segs: list[tuple[int, int]]) -> list[int]:
+        """Bytes of each scratch buffer of a call: one workspace, or per segment one plus the fp32
+        states carried between segments; each rounded up to _WS_ALIGN."""
+        C, N, HV = self.variant.chunk, call.N, call.HV
+        up = lambda n: -(-n // _WS_ALIGN) * _WS_ALIGN  # noqa: E731
+        if not segs:
+            return [up(((call.B * call.T) // C + N + 1) * HV * rec)]
+        carry = up((len(segs) - 1) * N * HV * self.variant.v * self.variant.k * 4)
+        return [carry] + [up(((call.B * (b - a)) // C + N + 1) * HV * rec) for a, b in segs]
+
+    def _scratch(self, call: KdaCall, pieces: list[int], dev: torch.device) -> list[torch.Tensor]:
+        """The scratch buffers: views of call.workspace when given (checked for size), else
+        fresh ones from torch's caching allocator on the current stream."""
+        ws = call.workspace
+        if ws is None:
+            return [torch.empty(n, dtype=torch.uint8, device=dev) for n in pieces]
+        flat = ws.view(torch.uint8).reshape(-1)
+        need = sum(pieces) + (-ws.data_ptr()) % _WS_ALIGN
+        if flat.numel() < need:
+            raise RuntimeError(f"{self.variant.name}: workspace has {flat.numel()} bytes, this call needs {need} "
+                               "(kdagen.workspace_size(...) says how many)")
+        out, at = [], (-ws.data_ptr()) % _WS_ALIGN
+        for n in pieces:
+            out.append(flat[at:at + n])
+            at += n
+        return out
+
+    def __call__(self, call: KdaCall) -> None:
+        v = self.variant
+        self._check(call)
+        dev = call.q.device
+        in_t = torch_dtype(v.dtype)
         idx, (mod, f1, f2, rec, smem1, smem2, nt1, nt2) = self._module(dev)
-        q, q_s = _aligned_btH(call.q, call.q_strides)
-        k, k_s = _aligned_btH(call.k, call.k_strides)
-        vv, v_s = _aligned_btH(call.v, call.v_strides)
+        q, q_s = aligned_btH(call.q, call.q_strides)
+        k, k_s = aligned_btH(call.k, call.k_strides)
+        vv, v_s = aligned_btH(call.v, call.v_strides)
         g, g_s = call.g, call.g_strides
         if g.dtype not in (in_t, torch.float32):
             g = g.float()
-        g, g_s = _aligned_btH(g, g_s)
+        g, g_s = aligned_btH(g, g_s)
         beta = call.beta if call.beta.dtype in (in_t, torch.float32) else call.beta.float()
 
         C = v.chunk
         max_len = call.max_len if call.max_len > 0 else call.T
-        nrec = (call.B * call.T) // C + call.N + 1
         A_log = call.A_log.float().contiguous() if (call.A_log is not None and v.gate != "precomputed") else None
-        if v.gate != "precomputed" and A_log is None:
-            raise RuntimeError(f"{who}: gate {v.gate!r} needs A_log")
         dt = call.dt_bias.float().contiguous() if (call.dt_bias is not None and v.gate != "precomputed") else None
         cu = call.cu_seqlens
         if cu is not None and (cu.dtype != torch.int32 or not cu.is_contiguous()):
             cu = cu.to(torch.int32).contiguous()
         co = call.chunk_offsets
         if call.chunk_states is not None:
-            if co is None:
-                raise RuntimeError(f"{who}: chunk_states needs chunk_offsets")
             co = co.to(torch.int32).contiguous()
 
-        p = KdaParams()
+        p = self._params(call, g.dtype, beta.dtype, (q_s, k_s, v_s, g_s, call.beta_strides, call.o_strides), max_len)
         p.q, p.k, p.v, p.g, p.beta, p.o = _ptr(q), _ptr(k), _ptr(vv), _ptr(g), _ptr(beta), _ptr(call.o)
         p.A_log, p.dt_bias, p.cu_seqlens = _ptr(A_log), _ptr(dt), _ptr(cu)
         p.h0, p.ht = _ptr(call.initial_state), _ptr(call.final_state)
         p.hc, p.chunk_offsets = _ptr(call.chunk_states), (_ptr(co) if call.chunk_states is not None else 0)
-        for nm, s in (("q_s", q_s), ("k_s", k_s), ("v_s", v_s), ("g_s", g_s),
-                      ("b_s", call.beta_strides), ("o_s", call.o_strides)):
-            getattr(p, nm)[:] = [int(x) for x in s]
-        p.B, p.T, p.N, p.H, p.HV = call.B, call.T, call.N, call.H, call.HV
-        p.group, p.max_len = call.HV // call.H, max_len
-        p.scale, p.lower_bound = float(call.scale), float(call.lower_bound)
-        p.use_l2norm, p.neg_eigval, p.state_kv = int(call.use_qk_l2norm), int(call.allow_neg_eigval), int(call.state_kv)
-        p.g_fp32, p.beta_fp32 = int(g.dtype == torch.float32), int(beta.dtype == torch.float32)
 
         if call.N == 0:
             return
         segs = self._segments(call, v, max_len)
         self.last_segments = len(segs)
+        scratch = self._scratch(call, self._workspace_pieces(call, rec, segs), dev)
         if segs:
-            self._launch_segmented(call, p, segs, ws_bytes=rec, dev=dev, mod=mod, f1=f1, f2=f2,
+            self._launch_segmented(call, p, segs, scratch, ws_bytes=rec, dev=dev, mod=mod, f1=f1, f2=f2,
                                    nt1=nt1, nt2=nt2, smem1=smem1, smem2=smem2,
                                    elsize={"q": q.element_size(), "k": k.element_size(), "v": vv.element_size(),
                                            "g": g.element_size(), "beta": beta.element_size(),
                                            "o": call.o.element_size()})
             return
-        ws = torch.empty(nrec * call.HV * rec, dtype=torch.uint8, device=dev)
-        p.ws = _ptr(ws)
+        p.ws = _ptr(scratch[0])
         stream = torch.cuda.current_stream(dev).cuda_stream
-        if max_len > 0 and "prep" in self.parts:
+        if max_len > 0 and "prep" in self.settings.parts:
             mod.launch(f1, ((max_len + C - 1) // C, call.N, call.HV), (nt1, 1, 1), smem1, stream, p, "kda_prep")
-        if "recur" in self.parts:
+        if "recur" in self.settings.parts:
             mod.launch(f2, (v.v // v.block_v, call.N, call.HV), (nt2, 1, 1), smem2, stream, p, "kda_recur")
         # ws and any realigned copies were allocated on this stream: the caching allocator only
         # hands their memory to later work on the same stream, so no record_stream is needed.
 
-    def _segments(self, call: KdaCall, v: Variant, max_len: int) -> list[tuple[int, int]]:
+    def bind(self, call: KdaCall) -> "Sm80Bound | None":
+        """A launch for every later call of `call`'s signature (the runtime reuses it only for the
+        same shapes, strides, dtypes, devices and flags) that skips the per-call checks and
+        struct building; None where the signature needs the general path (time segments, dtype
+        conversions, realigned copies, partial settings)."""
+        v = self.variant
+        self._check(call)
+        dev = call.q.device
+        in_t = torch_dtype(v.dtype)
+        if call.N == 0 or self.settings.parts != ("prep", "recur"):
+            return None
+        if call.g.dtype not in (in_t, torch.float32) or call.beta.dtype not in (in_t, torch.float32):
+            return None
+        strides = (call.q_strides, call.k_strides, call.v_strides, call.g_strides, call.beta_strides, call.o_strides)
+        for t, st in zip((call.q, call.k, call.v, call.g), strides):
+            if any((x * t.element_size()) % 16 for x in st):
+                return None  # strides that need realigned copies: the general path copies
+        if (call.A_log is not None and call.A_log.dtype != torch.float32) or \
+                (call.dt_bias is not None and call.dt_bias.dtype != torch.float32) or \
+                (call.cu_seqlens is not None and call.cu_seqlens.dtype != torch.int32):
+            return None
+        if self._segments(call, v, call.max_len if call.max_len > 0 else call.T):
+            return None  # long calls: host time is noise next to the kernels
+        idx, (mod, f1, f2, rec, smem1, smem2, nt1, nt2) = self._module(dev)
+        p = self._params(call, call.g.dtype, call.beta.dtype, strides, call.T)
+        return Sm80Bound(self, call, idx, mod, p, f1, f2, nt1, nt2, smem1, smem2,
+                         self._workspace_pieces(call, rec, [])[0])
+
+    def _segments(self, call: KdaCall, v: Variant, max_len: int,
+                  device: torch.device | None = None) -> list[tuple[int, int]]:
         """Time segments [a, b) for overlapping the prep of segment s + 1 with the recurrence
         of segment s, or [] to run in one piece. Worth it only when the recurrence leaves most
         SMs idle (few heads, long sequences); needs the fp32 state carried between segments,
         equal-length sequences and no per-chunk states."""
-        if (self.min_segment_tokens is None or self.parts != ("prep", "recur") or call.cu_seqlens is not None
+        cfg = self.settings
+        if (cfg.min_segment_tokens is None or cfg.parts != ("prep", "recur") or call.cu_seqlens is not None
                 or call.chunk_states is not None or v.state != "fp32"):
             return []
         programs = call.N * call.HV * (v.v // v.block_v)
-        if programs >= _sm_count(call.q.device) or max_len < 2 * self.min_segment_tokens:
+        if programs >= _sm_count(device or call.q.device) or max_len < 2 * cfg.min_segment_tokens:
             return []
-        S = min(self.max_segments, max_len // self.min_segment_tokens)
-        tail = self.last_segment_tokens
+        S = min(cfg.max_segments, max_len // cfg.min_segment_tokens)
+        tail = cfg.last_segment_tokens
         body = max_len
         if tail is not None and S > 2 and 0 < tail < max_len // S:
             # the last segment starts on a whole 64 tokens, like every other boundary, so that
@@ -243,7 +281,8 @@ class Sm80Launcher:
         segs = [(a, min(a + step, body)) for a in range(0, body, step)]
         return segs + ([(body, max_len)] if body < max_len else [])
 
-    def _launch_segmented(self, call, p, segs, *, ws_bytes, dev, mod, f1, f2, nt1, nt2, smem1, smem2, elsize):
+    def _launch_segmented(self, call, p, segs, scratch, *, ws_bytes, dev, mod, f1, f2, nt1, nt2, smem1, smem2,
+                          elsize):
         v, C = self.variant, self.variant.chunk
         main = torch.cuda.current_stream(dev)
         side = self._side_streams.get(dev.index)
@@ -257,7 +296,7 @@ class Sm80Launcher:
         start.record(main)
         side.wait_event(start)
         N, HV, V, K = call.N, call.HV, v.v, v.k
-        carry = torch.empty((len(segs) - 1, N, HV, V, K), dtype=torch.float32, device=dev)
+        carry = scratch[0][:(len(segs) - 1) * N * HV * V * K * 4].view(torch.float32).view(len(segs) - 1, N, HV, V, K)
         work = []
         for i, (a, b) in enumerate(segs):
             ps = KdaParams.from_buffer_copy(p)
@@ -267,19 +306,112 @@ class Sm80Launcher:
             ps.T = ps.max_len = b - a
             ps.h0 = p.h0 if i == 0 else int(carry[i - 1].data_ptr())
             ps.ht = p.ht if i == len(segs) - 1 else int(carry[i].data_ptr())
-            ws = torch.empty(((call.B * (b - a)) // C + N + 1) * HV * ws_bytes, dtype=torch.uint8, device=dev)
+            ws = scratch[1 + i]
             ps.ws = int(ws.data_ptr())
             mod.launch(f1, (-(-(b - a) // C), N, HV), (nt1, 1, 1), smem1, side.cuda_stream, ps, "kda_prep")
             done = torch.cuda.Event()
             done.record(side)
             work.append((ps, ws, done))
         smem_r = smem2
-        if self.prep_blocks_beside_recur is not None:
+        if self.settings.prep_blocks_beside_recur is not None:
             smem_r = recur_smem_beside_prep(smem1, smem2, torch.cuda.get_device_properties(dev),
-                                            self.prep_blocks_beside_recur)
+                                            self.settings.prep_blocks_beside_recur)
             mod.function("kda_recur", smem_r)
         for ps, _ws, done in work:
             main.wait_event(done)
             mod.launch(f2, (V // v.block_v, N, HV), (nt2, 1, 1), smem_r, main.cuda_stream, ps, "kda_recur")
         # carry and the workspaces were allocated on the caller's stream and their last use is
         # there (each recurrence waits for its prep): no record_stream needed.
+
+
+class Sm80Bound:
+    """One call signature's launch, prepared once: the parameter struct with strides and scalars
+    filled, grids, kernels, workspace size. A call writes its 14 pointers into the struct and
+    launches both kernels on torch's current stream, with no checks (the signature was checked)
+    and no context switch (torch keeps the device's primary context current; a launch that
+    finds another one falls back to the general path, which switches)."""
+
+    _PTRS = ("q", "k", "v", "g", "beta", "o", "A_log", "dt_bias", "cu_seqlens", "h0", "ht", "hc",
+             "chunk_offsets", "ws")
+
+    def __init__(self, launcher: Sm80Launcher, call: KdaCall, idx: int, mod, params: KdaParams, f1, f2,
+                 nt1: int, nt2: int, smem1: int, smem2: int, ws_bytes: int) -> None:
+        v = launcher.variant
+        self.launcher, self.idx, self.mod = launcher, idx, mod
+        self.params = params
+        self.argv = (ctypes.c_void_p * 1)(ctypes.addressof(params))
+        self.argv_addr = ctypes.addressof(self.argv)
+        offs = [getattr(KdaParams, n).offset for n in self._PTRS]
+        if offs != list(range(offs[0], offs[0] + 8 * len(offs), 8)):
+            raise RuntimeError("KdaParams: the pointer fields are no longer 14 consecutive 8-byte fields")
+        self.ptr_offset = offs[0]
+        self.max_len_offset = KdaParams.max_len.offset
+        self.f1, self.f2 = f1, f2
+        self.nt1, self.nt2, self.smem1, self.smem2 = nt1, nt2, smem1, smem2
+        self.C, self.N, self.HV = v.chunk, call.N, call.HV
+        self.recur_grid = (v.v // v.block_v, call.N, call.HV)
+        self.varlen = call.cu_seqlens is not None
+        self.ws_bytes = ws_bytes
+        self.device = call.q.device
+        self.lock = threading.Lock()  # one shared struct: a second thread takes the general path
+        self.launch_kernel = driver().cuLaunchKernel
+        self.streams: dict[int, object] = {}
+
+    def launch(self, q, k, v, g, beta, o, A_log, dt_bias, cu_seqlens, h0, ht, hc, chunk_offsets, ws,
+               max_len: int) -> bool:
+        """Launch one call of the bound signature (the tensors of a KdaCall, positionally); False
+        when it must take the general path instead (unaligned data, a concurrent call, another
+        current context): nothing was launched then, or only the prep kernel, which the general
+        path simply runs again."""
+        qp, kp, vp, gp, op = q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), o.data_ptr()
+        if (qp | kp | vp | gp | op) & 15:
+            return False
+        if ws is not None and (ws.data_ptr() % _WS_ALIGN or ws.numel() * ws.element_size() < self.ws_bytes):
+            return False  # the general path carves (and checks) a caller workspace
+        if not self.lock.acquire(blocking=False):
+            return False
+        arena = False
+        try:
+            raw = current_stream_handle(self.idx)
+            if ws is None:
+                ws, arena = self._scratch(raw)
+            struct.pack_into("<14Q", self.params, self.ptr_offset, qp, kp, vp, gp, beta.data_ptr(), op,
+                             0 if A_log is None else A_log.data_ptr(), 0 if dt_bias is None else dt_bias.data_ptr(),
+                             0 if cu_seqlens is None else cu_seqlens.data_ptr(), 0 if h0 is None else h0.data_ptr(),
+                             0 if ht is None else ht.data_ptr(), 0 if hc is None else hc.data_ptr(),
+                             0 if hc is None else chunk_offsets.data_ptr(), ws.data_ptr())
+            if self.varlen:
+                struct.pack_into("<i", self.params, self.max_len_offset, max_len)
+            stream = self.streams.get(raw)
+            if stream is None:
+                stream = self.streams[raw] = driver().CUstream(raw)
+            if max_len > 0:
+                if self.launch_kernel(self.f1, -(-max_len // self.C), self.N, self.HV, self.nt1, 1, 1, self.smem1,
+                                      stream, self.argv_addr, 0)[0]:
+                    return False
+            gx, gy, gz = self.recur_grid
+            return not self.launch_kernel(self.f2, gx, gy, gz, self.nt2, 1, 1, self.smem2, stream,
+                                          self.argv_addr, 0)[0]
+        finally:
+            if arena:
+                Sm80Bound._ARENA_LOCK.release()
+            self.lock.release()
+
+    # Scratch per stream, shared by every bound launch: each call writes it (kda_prep) and reads it
+    # (kda_recur) on that stream under the arena lock, so consecutive calls are ordered by the
+    # stream and one buffer serves them all (one allocation less per call). Not under CUDA graph
+    # capture (the graph keeps its own), not above ARENA_MAX (long calls: noise), not while
+    # another thread holds it (then a fresh buffer).
+    ARENA_MAX = 64 << 20
+    _ARENA_LOCK = threading.Lock()
+    _ARENAS: dict[int, torch.Tensor] = {}
+
+    def _scratch(self, raw_stream: int) -> tuple[torch.Tensor, bool]:
+        if self.ws_bytes <= self.ARENA_MAX and not torch.cuda.is_current_stream_capturing() \
+                and Sm80Bound._ARENA_LOCK.acquire(blocking=False):
+            buf = Sm80Bound._ARENAS.get(raw_stream)
+            if buf is None or buf.numel() < self.ws_bytes:
+                buf = Sm80Bound._ARENAS[raw_stream] = torch.empty(self.ws_bytes, dtype=torch.uint8,
+                                                                  device=self.device)
+            return buf, True
+        return torch.empty(self.ws_bytes, dtype=torch.uint8, device=self.device), False

@@ -76,11 +76,13 @@ class TritonLauncher:
         dummies, tuned = self._device_state(dev)
         cfg = tuned if self.config is None else self.config
         # Records: sequence n's chunks start at record (first token // C) + n, so
-        # B*T // C + N + 1 records cover every chunk of every sequence.
-        nrec = (call.B * call.T) // v.chunk + call.N + 1
-        # One allocation: Gamma_C (fp32), the prep's per-record flags (int32), then the records.
-        n_gam, n_flag = nrec * call.HV * mod.KP, nrec * call.HV
-        buf = torch.empty(n_gam + n_flag + nrec * call.HV * mod.REC // self._per_f32, dtype=torch.float32, device=dev)
+        # B*T // C + N + 1 records cover every chunk of every sequence. The Triton target takes
+        # no caller workspace (workspace_size() is 0 for it): the buffer comes from torch.
+        nrec = ((call.B * call.T) // v.chunk + call.N + 1) * call.HV
+        n_gam, n_flag = nrec * mod.KP, nrec
+        buf = torch.empty(n_gam + n_flag + nrec * mod.REC // self._per_f32, dtype=torch.float32, device=dev)
+        # One buffer: Gamma_C (fp32), the prep's per-record flags (int32), then the records.
         mod.launch(call, buf[n_gam + n_flag:].view(self._ws_dtype), buf[:n_gam],
                    buf[n_gam:n_gam + n_flag].view(torch.int32), dummies, parts=self.parts, **cfg)
-        # buf was allocated on the current stream, where both kernels run: no record_stream needed.
+        # A buffer of our own was allocated on the current stream, where the kernels run: no
+        # record_stream needed.

@@ -2,25 +2,31 @@
 
 The twin runs the Ascend kernel's stage decomposition (stage 1 per (chunk, head) into an fp32
 workspace, stage 2 the V-split recurrence) under the Triton CPU interpreter
-(TRITON_INTERPRET=1) or on a GPU, so the algorithm the Ascend kernel encodes is checked
-against the float64 reference in CI. Like the Ascend kernel it works in groups of G chunks
-(G from ``ascend.group_chunks``, the same rule): stage 1 for the group's chunks, stage 2 over
-them, with one group-sized workspace reused and the fp32 state carried between groups.
+(TRITON_INTERPRET=1) or on a GPU. It is a separate implementation of the algorithm: the Ascend
+kernel itself is checked by running its own program on the DSL model (kdagen.ascend_sim).
+Like the Ascend kernel it works in groups of G chunks (G from ``ascend.group_chunks``, the same
+rule): stage 1 for the group's chunks, stage 2 over them, with one group-sized workspace reused
+and the fp32 state carried between groups.
 """
 
 from __future__ import annotations
 
 import pathlib
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
+from ..dtypes import GATE_IDS
 from .ascend import group_chunks
 from .loader import load_generated_module
 
-# Tests set this to force small groups (the budget gives one group at test sizes).
-GROUP_CHUNKS: int | None = None
 
-_GATE_ID = {"bounded": 0, "unbounded": 1, "precomputed": 2}
+@dataclass(frozen=True)
+class TwinSettings:
+    """group_chunks: chunks per group (None: ``ascend.group_chunks``, the Ascend kernel's rule)."""
+
+    group_chunks: Optional[int] = None
 
 
 # The largest head dim whose stage 2 fits a CUDA block's shared memory (see __call__).
@@ -28,11 +34,13 @@ CUDA_MAX_K = 64
 
 
 class TritonTwinLauncher:
-    def __init__(self, variant, artifact):
+    def __init__(self, variant, artifact, settings: Optional[TwinSettings] = None):
         self.variant = variant
         path = pathlib.Path(artifact)
         self.source = path / "kernel.py" if path.is_dir() else path
+        self.settings = settings or TwinSettings()
         self._mod = None
+        self.last_group_chunks: Optional[int] = None
 
     def _chunks(self, call):
         C = self.variant.chunk
@@ -71,7 +79,7 @@ class TritonTwinLauncher:
         dev = call.q.device
         info, seq_chunks, NCT, _ = self._chunks(call)
         HV, N, K, V = call.HV, call.N, v.k, v.v
-        G = GROUP_CHUNKS if GROUP_CHUNKS is not None else group_chunks(v.chunk, K, V, HV, NCT)
+        G = self.settings.group_chunks or group_chunks(v.chunk, K, V, HV, NCT)
         G = max(1, min(G, NCT))
         self.last_group_chunks = G
         f32 = dict(device=dev, dtype=torch.float32)
@@ -95,7 +103,7 @@ class TritonTwinLauncher:
                 call.q, call.k, call.v, call.g, call.beta, A_log, dt_bias, info, *ws,
                 *call.q_strides, *call.k_strides, *call.v_strides, *call.g_strides, *call.beta_strides,
                 HV, HV // call.H, float(call.scale), float(call.lower_bound), g0,
-                GATE_ID=_GATE_ID[v.gate], USE_L2=bool(call.use_qk_l2norm), NEG_EIG=bool(call.allow_neg_eigval),
+                GATE_ID=GATE_IDS[v.gate], USE_L2=bool(call.use_qk_l2norm), NEG_EIG=bool(call.allow_neg_eigval),
                 K=K, V=V,
             )
             mod.kda_stage2[(N, HV, V // v.block_v)](

@@ -1,0 +1,80 @@
+"""The environment variables kdagen reads, in one place (`kdagen doctor` lists them).
+
+Each is read when it is needed, not at import, so a process (or a test) may set it late. The
+runtime reads the dispatch ones when it first sees a call signature; `kdagen.runtime.reset()`
+makes it read them again.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Optional
+
+from .errors import KdagenError
+
+VARIABLES = {
+    "KDAGEN_CACHE_DIR": "generated sources and builds (default ~/.cache/kdagen/<version>)",
+    "KDAGEN_DISABLE_JIT": "1: never compile during a call; a missing build is an error naming the command",
+    "KDAGEN_FORCE_VARIANT": "a canonical variant name every call must use",
+    "KDAGEN_LOGLEVEL": "0 warnings, 1 each choice and build (default), 2 also every rejected candidate",
+    "KDAGEN_LOCK_TIMEOUT": "seconds to wait for another process's build lock (default 600)",
+    "MAX_JOBS": "parallel compile jobs (default: the core count)",
+}
+
+log = logging.getLogger("kdagen")
+_HANDLER: Optional[logging.Handler] = None
+
+
+def _flag(name: str) -> bool:
+    val = os.environ.get(name, "").strip().lower()
+    if val in ("", "0", "false", "no", "off"):
+        return False
+    if val in ("1", "true", "yes", "on"):
+        return True
+    raise KdagenError(f"{name}: expected 1 or 0, found {os.environ[name]!r}")
+
+
+def disable_jit() -> bool:
+    return _flag("KDAGEN_DISABLE_JIT")
+
+
+def force_variant() -> Optional[str]:
+    return os.environ.get("KDAGEN_FORCE_VARIANT") or None
+
+
+def loglevel() -> int:
+    val = os.environ.get("KDAGEN_LOGLEVEL", "").strip()
+    if not val:
+        return 1
+    if val not in ("0", "1", "2"):
+        raise KdagenError(f"KDAGEN_LOGLEVEL: expected 0, 1 or 2, found {val!r}")
+    return int(val)
+
+
+def lock_timeout() -> float:
+    val = os.environ.get("KDAGEN_LOCK_TIMEOUT", "").strip()
+    if not val:
+        return 600.0
+    try:
+        secs = float(val)
+    except ValueError:
+        secs = -1.0
+    if secs <= 0:
+        raise KdagenError(f"KDAGEN_LOCK_TIMEOUT: expected a positive number of seconds, found {val!r}")
+    return secs
+
+
+def configure_logging() -> int:
+    """Honour KDAGEN_LOGLEVEL on the `kdagen` logger: when it is set, the logger gets its level
+    and (once) a stderr handler; unset, the application's logging setup decides. Returns the
+    level (0, 1 or 2)."""
+    global _HANDLER
+    level = loglevel()
+    if "KDAGEN_LOGLEVEL" in os.environ:
+        log.setLevel({0: logging.WARNING, 1: logging.INFO, 2: logging.DEBUG}[level])
+        if _HANDLER is None:
+            _HANDLER = logging.StreamHandler()
+            _HANDLER.setFormatter(logging.Formatter("%(message)s"))
+            log.addHandler(_HANDLER)
+    return level

@@ -1,0 +1,93 @@
+"""Launcher pieces every CUDA target shares: the kernel parameter struct, input realignment and
+the shared-memory check.
+
+The ctypes mirror of `struct KdaParams` is derived from its one source, the C declaration in
+templates/common/kda_common.cuh, field by field (tests/test_cuda_launch.py compiles the header
+with nvcc and compares every field's offset and the struct's size).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import re
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+from ..paths import TEMPLATES_DIR
+
+HEADER = TEMPLATES_DIR / "common" / "kda_common.cuh"
+
+# C type of a KdaParams field -> ctypes type (pointers travel as 64-bit device addresses).
+_CTYPES = {"long long": ctypes.c_int64, "int": ctypes.c_int, "float": ctypes.c_float}
+_STRUCT = re.compile(r"struct\s+KdaParams\s*\{(?P<body>.*?)\};", re.S)
+_NAME = re.compile(r"(?P<name>[A-Za-z_]\w*)(?:\[(?P<count>\d+)\])?")
+
+
+def parse_params(text: str) -> list[tuple[str, object]]:
+    """The (name, ctypes type) fields of `struct KdaParams` in C declaration order."""
+    m = _STRUCT.search(text)
+    if m is None:
+        raise RuntimeError(f"{HEADER}: no `struct KdaParams {{ ... }};` found")
+    fields: list[tuple[str, object]] = []
+    for decl in m.group("body").split(";"):
+        decl = " ".join(line.split("//")[0] for line in decl.splitlines()).strip()
+        if not decl:
+            continue
+        if "*" in decl:  # `const void* q`: every pointer is a 64-bit device address
+            ctype, names, base = decl.rsplit("*", 1)[0], decl.rsplit("*", 1)[1], ctypes.c_uint64
+        else:
+            ctype = next((t for t in _CTYPES if decl.startswith(t + " ")), None)
+            if ctype is None:
+                raise RuntimeError(f"{HEADER}: KdaParams declaration {decl!r} has no ctypes mirror")
+            names, base = decl[len(ctype):], _CTYPES[ctype]
+        for item in names.split(","):
+            n = _NAME.fullmatch(item.strip())
+            if n is None:
+                raise RuntimeError(f"{HEADER}: cannot read KdaParams field {item.strip()!r} of {decl!r}")
+            count = int(n.group("count") or 1)
+            fields.append((n.group("name"), base * count if count > 1 else base))
+    return fields
+
+
+@lru_cache(maxsize=None)
+def params_struct(header: Path = HEADER) -> type:
+    """The ctypes Structure mirroring `struct KdaParams` of `header`."""
+    return type("KdaParams", (ctypes.Structure,), {"_fields_": parse_params(Path(header).read_text())})
+
+
+KdaParams = params_struct()
+
+
+def ptr(t: torch.Tensor | None) -> int:
+    return 0 if t is None else int(t.data_ptr())
+
+
+def aligned_btH(t: torch.Tensor, strides: tuple[int, int, int]) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """q/k/v/g are read 16 bytes at a time: data pointer and (batch, time, head) strides must be
+    16-byte multiples. Rarely false; then copy to a compact tensor and recompute the strides."""
+    eb = t.element_size()
+    if t.data_ptr() % 16 == 0 and all((s * eb) % 16 == 0 for s in strides):
+        return t, strides
+    dims: list[int | None] = []
+    for s in strides:  # which tensor dim carries batch / time / head
+        cands = [d for d in range(t.dim() - 1) if t.stride(d) == s and d not in dims]
+        dims.append(cands[0] if cands else None)
+    c = t.contiguous()
+    if None in dims or c.data_ptr() % 16:
+        raise RuntimeError("cannot realign an input tensor to 16 bytes")
+    return c, tuple(c.stride(d) for d in dims)  # type: ignore[arg-type]
+
+
+def check_shared_memory(who: str, needs: dict[str, int], props) -> None:
+    """Refuse a variant whose kernels need more shared memory per block than the device gives
+    (sm80 kernels fit an A100's 163 KB; sm_86/89 allow 99 KB), naming kernel and sizes."""
+    limit = int(getattr(props, "shared_memory_per_block_optin", 0) or 0)
+    if limit <= 0:
+        return  # unknown: let the driver decide
+    over = {k: n for k, n in needs.items() if n > limit}
+    if over:
+        what = ", ".join(f"{k} needs {n / 1024:.1f} KB" for k, n in over.items())
+        raise RuntimeError(f"{who}: {what} of shared memory per block; {props.name} allows "
+                           f"{limit / 1024:.1f} KB. Use a variant with chunk 16 or a smaller block_v.")

@@ -1,0 +1,123 @@
+"""Launcher for the sm90 target: one fused kernel per variant (kda_fused, templates/sm90/).
+
+Grid: sequences x value heads x V / block_v; each CTA streams its head's inputs in with bulk
+copies, builds the chunk records in shared memory and runs the recurrence (no workspace). The
+kernel takes the same `KdaParams` struct as sm80 (mirrored in kdagen.targets.sm80); its shape
+constants are read from the module's `kda_meta` global (single source of truth: the header).
+"""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+
+import torch
+
+from ..abi import KdaCall
+from ..variant import Variant
+from .cuda_driver import load_module
+from .cuda_launch import KdaParams, check_shared_memory
+from .cuda_launch import aligned_btH as _aligned_btH
+from .cuda_launch import ptr as _ptr
+
+_IN_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+_STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "none": torch.float32}
+
+
+def build_params(call: KdaCall, v: Variant, who: str) -> tuple[KdaParams, list[torch.Tensor]]:
+    """Check `call` against variant `v` and fill the kernel's parameter struct. Returns the struct
+    and the tensors it points into that the caller must keep alive until the launch is queued
+    (realigned or converted copies)."""
+    in_t = _IN_DTYPES[v.dtype]
+    for nm in ("q", "k", "v", "o"):
+        t = getattr(call, nm)
+        if t.dtype != in_t:
+            raise RuntimeError(f"{who}: {nm} has dtype {t.dtype}, expected {in_t}")
+    if (call.K, call.V) != (v.k, v.v):
+        raise RuntimeError(f"{who}: K, V = {call.K}, {call.V}; variant has {v.k}, {v.v}")
+    st_t = _STATE_DTYPES[v.state]
+    for nm in ("initial_state", "final_state", "chunk_states"):
+        t = getattr(call, nm)
+        if t is not None and (t.dtype != st_t or not t.is_contiguous()):
+            raise RuntimeError(f"{who}: {nm} must be contiguous {st_t}, found {t.dtype}")
+    if v.state == "none" and (call.initial_state is not None or call.final_state is not None):
+        raise RuntimeError(f"{who}: state 'none' variants take no initial/final state")
+    if call.HV % call.H:
+        raise RuntimeError(f"{who}: HV={call.HV} is not a multiple of H={call.H}")
+    o = call.o
+    if o.stride(-1) != 1 or o.element_size() != 2:
+        raise RuntimeError(f"{who}: o must be a 16-bit tensor with a unit last stride (strides {tuple(o.stride())})")
+    if v.gate != "precomputed" and call.A_log is None:
+        raise RuntimeError(f"{who}: gate {v.gate!r} needs A_log")
+    if call.chunk_states is not None and call.chunk_offsets is None:
+        raise RuntimeError(f"{who}: chunk_states needs chunk_offsets")
+
+    # Rows are bulk-copied: 16-byte aligned sources (q, k, v rows are K*2 / V*2 bytes, g rows
+    # K*2 or K*4). beta is read element-wise.
+    q, q_s = _aligned_btH(call.q, call.q_strides)
+    k, k_s = _aligned_btH(call.k, call.k_strides)
+    vv, v_s = _aligned_btH(call.v, call.v_strides)
+    g, g_s = call.g, call.g_strides
+    if g.dtype not in (in_t, torch.float32):
+        g = g.float()
+    g, g_s = _aligned_btH(g, g_s)
+    beta = call.beta if call.beta.dtype in (in_t, torch.float32) else call.beta.float()
+    A_log = call.A_log.float().contiguous() if (call.A_log is not None and v.gate != "precomputed") else None
+    dt = call.dt_bias.float().contiguous() if (call.dt_bias is not None and v.gate != "precomputed") else None
+    cu = call.cu_seqlens
+    if cu is not None and (cu.dtype != torch.int32 or not cu.is_contiguous()):
+        cu = cu.to(torch.int32).contiguous()
+    co = call.chunk_offsets.to(torch.int32).contiguous() if call.chunk_states is not None else None
+
+    p = KdaParams()
+    p.q, p.k, p.v, p.g, p.beta, p.o = _ptr(q), _ptr(k), _ptr(vv), _ptr(g), _ptr(beta), _ptr(o)
+    p.A_log, p.dt_bias, p.cu_seqlens = _ptr(A_log), _ptr(dt), _ptr(cu)
+    p.h0, p.ht = _ptr(call.initial_state), _ptr(call.final_state)
+    p.hc, p.chunk_offsets = _ptr(call.chunk_states), _ptr(co)
+    p.ws = 0
+    for nm, s in (("q_s", q_s), ("k_s", k_s), ("v_s", v_s), ("g_s", g_s),
+                  ("b_s", call.beta_strides), ("o_s", call.o_strides)):
+        getattr(p, nm)[:] = [int(x) for x in s]
+    p.B, p.T, p.N, p.H, p.HV = call.B, call.T, call.N, call.H, call.HV
+    p.group = call.HV // call.H
+    p.max_len = call.max_len if call.max_len > 0 else call.T
+    p.scale, p.lower_bound = float(call.scale), float(call.lower_bound)
+    p.use_l2norm, p.neg_eigval, p.state_kv = int(call.use_qk_l2norm), int(call.allow_neg_eigval), int(call.state_kv)
+    p.g_fp32, p.beta_fp32 = int(g.dtype == torch.float32), int(beta.dtype == torch.float32)
+    keep = [t for t in (q, k, vv, g, beta, A_log, dt, cu, co) if t is not None]
+    return p, keep
+
+
+class Sm90Launcher:
+    def __init__(self, variant: Variant, artifact: Path) -> None:
+        self.variant = variant
+        self.artifact = Path(artifact)
+        self._meta: dict[int, tuple] = {}
+
+    def _module(self, device: torch.device):
+        idx = device.index if device.index is not None else torch.cuda.current_device()
+        meta = self._meta.get(idx)
+        if meta is None:
+            v = self.variant
+            mod = load_module(self.artifact, idx, v.name)
+            smem, nt, chunk, k, vdim, ncons, _nin, _nrec = struct.unpack("<8i", mod.read_global("kda_meta", 32))
+            if (chunk, k, vdim, 64 * ncons) != (v.chunk, v.k, v.v, v.block_v):
+                raise RuntimeError(f"{v.name}: artifact {self.artifact} was built for chunk={chunk} K={k} V={vdim} "
+                                   f"block_v={64 * ncons}")
+            props = torch.cuda.get_device_properties(idx)
+            if props.major < 9:
+                raise RuntimeError(f"{v.name}: needs an sm_90 GPU (Hopper), {props.name} is sm_{props.major}{props.minor}")
+            check_shared_memory(v.name, {"kda_fused": smem}, props)
+            meta = (mod, mod.function("kda_fused", smem), smem, nt)
+            self._meta[idx] = meta
+        return meta
+
+    def __call__(self, call: KdaCall) -> None:
+        v = self.variant
+        p, keep = build_params(call, v, v.name)
+        if call.N == 0:
+            return
+        mod, f, smem, nt = self._module(call.q.device)
+        stream = torch.cuda.current_stream(call.q.device).cuda_stream
+        mod.launch(f, (call.N, call.HV, v.v // v.block_v), (nt, 1, 1), smem, stream, p, "kda_fused")
+        del keep  # realigned copies were made on this stream: the allocator keeps them for its work

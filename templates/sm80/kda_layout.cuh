@@ -1,0 +1,124 @@
+// kdagen sm80: the layout every sm80 kernel shares -- types, the per-chunk workspace record that
+// kda_prep writes and kda_recur reads, and both kernels' block shapes and shared-memory budgets
+// (exported to the launcher through kda_meta, their one source of truth).
+// The including translation unit defines KDA_C, KDA_K, KDA_V, KDA_BV, KDA_IN_T, KDA_GATE,
+// KDA_STATE (see kda_fwd.cu.j2).
+#pragma once
+#include "kda_common.cuh"
+
+namespace kda {
+
+constexpr int C = KDA_C;
+constexpr int K = KDA_K;
+constexpr int V = KDA_V;
+constexpr int BV = KDA_BV;
+using in_t = KDA_IN_T;
+using bf16 = __nv_bfloat16;
+
+#if KDA_STATE == 2
+using state_t = __nv_bfloat16;
+#else
+using state_t = float;
+#endif
+
+static_assert(C == 16 || C == 64, "chunk");
+static_assert(K % 16 == 0 && V % 16 == 0 && V % BV == 0 && BV % 16 == 0, "dims");
+
+// ---- workspace record (one per chunk and value head), bytes ----
+constexpr long long OFF_W = 0;                         // bf16 [C][K]  W = A^-1 diag(b) Kd
+constexpr long long OFF_Q = 1LL * C * K * 2;           // bf16 [C][K]  Qd (scale folded in)
+constexpr long long OFF_R = 2LL * C * K * 2;           // bf16 [C][K]  Kr = k Gamma_C / Gamma
+constexpr long long OFF_M = 3LL * C * K * 2;           // bf16 [C][C]  Mqk (lower incl. diagonal)
+constexpr long long OFF_U = OFF_M + 1LL * C * C * 2;   // bf16 [V][C]  U0^T = (A^-1 (b v))^T
+constexpr long long OFF_GM = OFF_U + 1LL * V * C * 2;  // f32  [K]     Gamma_C
+constexpr long long REC = OFF_GM + 4LL * K;
+
+// Shared memory per block: an A100's opt-in maximum. Every image of the fatbin (sm_80, sm_90,
+// compute_80 PTX) comes from the same compute_80 source, so one budget holds for all of them;
+// the launcher checks the device's own limit (sm_86/89 allow less) before a launch.
+constexpr int SMEM_MAX = 163 * 1024;
+
+// ---- kernel 1 ----
+constexpr int NT1 = K + V;  // one thread per column of [Kd | v] in the substitution
+constexpr int NW1 = NT1 / 32;
+constexpr int KP = K + 4;   // fp32 row pitch (bank spread, 16-byte aligned rows)
+constexpr int CP = C + 4;
+// c16 blocks are short-lived and latency-bound: keep four per SM (caps registers at 64).
+constexpr int MINB1 = C == 16 ? 4 : 1;
+constexpr int VP16 = V + 8;  // 16-bit v rows (chunk 64): 16-byte aligned
+// Chunk 16: L and Mqk are split over K in 16-column slices, SPW slices on each of NMW warps;
+// partials [NMW][2][16][16]. bf16 tiles have row pitches KB1, XB1, IP1, UP1 (16-byte shift
+// per row: conflict-free ldmatrix and 16-byte accesses).
+constexpr int SPW = K >= 128 ? 2 : 1;
+constexpr int NMW = K / 16 / SPW;
+constexpr int KB1 = K + 8;
+constexpr int XB1 = 2 * K + 8;
+constexpr int IP1 = 24;
+constexpr int UP1 = 24;
+constexpr int SMEM1 = C == 16
+    ? (C * KP + NMW * 512 + C * CP + 3 * C) * 4 + (3 * C * KB1 + 2 * C * XB1 + 2 * 16 * IP1) * 2
+    // chunk 64: q, k, G (+ a zero row), L^T, Mqk, beta (fp32); v (input type)
+    : (3 * C * KP + KP + 2 * C * CP + C) * 4 + C * VP16 * 2;
+static_assert(SMEM1 <= SMEM_MAX, "kda_prep shared memory");
+static_assert(C != 16 || (K == V && C * (K / 8) == NT1 && NMW <= NW1 && V * UP1 <= 2 * C * KB1),
+              "chunk 16 prep layout");
+
+// ---- kernel 2 ----
+// Split-K: at K = 128 two warps share 16 rows of V, each holding K/2 state columns. Per warp
+// this halves the MMAs and the dependent chain of a step (the recurrence is issue-bound with
+// one warp per scheduler) and doubles the warps in flight when there are few heads; the two
+// partial sums of S W^T and S Qd^T are exchanged through shared memory once per chunk.
+constexpr int KSPLIT = K >= 128 ? 2 : 1;
+static_assert(KSPLIT <= 2, "the split-K exchange pairs two warps");
+constexpr int KH = K / KSPLIT;  // state columns per warp
+// V rows per warp: 16 * MT. Two tiles per warp let each W / Qd / Kr fragment feed two MMAs, which
+// pays where several blocks share an SM's shared-memory pipe (block_v 64); with one block per SM
+// more, shorter warp streams win (MT 1). Measured: benchmarks/NOTES.md, "sm80 template choices".
+// Chunk 16 only: at chunk 64 the registers do not allow it.
+#ifdef KDA_MT
+constexpr int MT = KDA_MT;
+#else
+constexpr int MT = C == 16 && BV >= 64 ? 2 : 1;
+#endif
+constexpr int NWV = BV / (16 * MT);  // warps along V
+static_assert(NWV >= 1 && BV % (16 * MT) == 0, "block_v must hold whole warp tiles");
+constexpr int NW2 = NWV * KSPLIT;  // compute warps
+// Plus one copy warp that issues every cp.async of the workspace stream: it takes the copies'
+// instructions and address stalls off the compute warps' in-order streams (NOTES.md).
+constexpr int NT2 = (NW2 + 1) * 32;
+// A stage: W, Qd, Kr [C][K], Mqk [C][C], this block's U0^T [BV][C] (16-bit, rows unpadded,
+// 16-byte chunks swizzled: see tile_at), Gamma_C [K] (fp32).
+constexpr int STAGE = (3 * C * K + C * C + BV * C) * 2 + K * 4;
+// Split-K exchange, per warp and 16-row tile: its partial U^T [16 v, C] (C/8 float4 per lane) and
+// the partial S Qd^T n-tiles its partner finishes (C/16 float4 per lane). Float4 j of tile m of
+// lane l of warp w sits at ((w * MT + m) * XW4 + j) * 32 + l: conflict-free.
+constexpr int XU4 = C / 8;
+constexpr int XO4 = C / 16;
+constexpr int XW4 = XU4 + XO4;
+constexpr int XBUF = KSPLIT > 1 ? NW2 * MT * 32 * XW4 * 16 : 0;
+// o: each warp finishes C / KSPLIT time steps of its 16 * MT V columns, staged per 16-row tile in
+// its own slice of shared memory (48-byte rows: the 2-byte writes hit distinct banks) for 16-byte
+// stores. At chunk 16 the copy warp stores chunk c's o during step c + 1 (double-buffered
+// staging), off the compute warps' streams; at chunk 64 (K = 128) there is no room for a second
+// slot, and the compute warps store their own.
+// racecheck reports this hand-off at K = 128 (whose warps also use pair barriers) though the block
+// barrier orders it: a tool blind spot, shown by scripts/sanitizer/race_blind_spot.cu (MODE 1).
+constexpr bool O_BY_COPY = C == 16;
+constexpr int OROWS = C / KSPLIT;
+constexpr int OP = 24;
+constexpr int OSLOT = NW2 * MT * OROWS * OP;  // elements of one chunk's staging
+constexpr int OBUF = (O_BY_COPY ? 2 : 1) * OSLOT * 2;
+// Four stages where they fit (chunk c + 3 streams in while chunk c is worked on), else fewer.
+// KDA_NSTAGE (a compile-time -D) overrides, for measuring the prefetch depth.
+#ifdef KDA_NSTAGE
+constexpr int NSTAGE = KDA_NSTAGE;
+#else
+constexpr int NSTAGE = 4 * STAGE + XBUF + OBUF <= SMEM_MAX ? 4 : 3 * STAGE + XBUF + OBUF <= SMEM_MAX ? 3 : 2;
+#endif
+constexpr int SMEM2 = NSTAGE * STAGE + XBUF + OBUF;
+static_assert(STAGE % 16 == 0 && XBUF % 16 == 0 && SMEM2 <= SMEM_MAX, "kda_recur shared memory");
+
+}  // namespace kda
+
+extern "C" __device__ int kda_meta[8] = {(int)kda::REC, kda::SMEM1, kda::SMEM2, kda::NT1,
+                                          kda::NT2, kda::C, kda::BV, 0};

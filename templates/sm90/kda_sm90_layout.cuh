@@ -1,0 +1,128 @@
+// kdagen sm90: compile-time shape, the shared-memory map and the chunk record layout of the fused
+// kernel (see templates/sm90/DESIGN.md). The including translation unit defines KDA_C, KDA_K,
+// KDA_V, KDA_BV, KDA_IN_T, KDA_GATE, KDA_STATE (see kda_fwd.cu.j2).
+#pragma once
+#include "kda_common.cuh"
+#include "kda_sm90_ptx.cuh"
+
+namespace kda {
+
+constexpr int C = KDA_C;
+constexpr int K = KDA_K;
+constexpr int V = KDA_V;
+constexpr int BV = KDA_BV;  // V columns of the state per CTA (grid z = V / BV)
+using in_t = KDA_IN_T;
+using bf16 = __nv_bfloat16;
+#if KDA_STATE == 2
+using state_t = __nv_bfloat16;
+#else
+using state_t = float;
+#endif
+
+static_assert(C == 16, "sm90: chunk 16 (chunk 64 is not written yet)");
+static_assert(K == V && (K == 64 || K == 128), "sm90: K = V in {64, 128}");
+static_assert(BV % 64 == 0 && V % BV == 0, "sm90: block_v is a multiple of 64 (wgmma M) dividing V");
+
+// ---- roles ----
+constexpr int NTP = 2 * K;          // prep threads: thread = (row, 8 columns); 16 rows x K / 8
+constexpr int NWP = NTP / 32;       // prep warps (a whole number of warpgroups)
+constexpr int NCONS = BV / 64;      // consumer warpgroups, 64 rows of V (wgmma M) each
+constexpr int NT = NTP + 128 * NCONS;
+static_assert(NWP % 4 == 0, "consumer warpgroups must start on a warpgroup boundary");
+// Registers after setmaxnreg (K = 128: 512 threads launched at 128 each, or 384 at 168): the
+// prep needs few, the consumers hold the 64 x 128 fp32 state (64 per thread) plus its bf16 copy
+// (32). Without the reallocation ptxas spills the 384-thread kernel at 168 registers.
+constexpr bool REALLOC = NT > 256;
+constexpr int LAUNCH_REGS = NT == 512 ? 128 : 168;
+constexpr int PREP_REGS = NT == 512 ? 96 : 152;
+constexpr int CONS_REGS = NT == 512 ? 160 : 200;
+static_assert(!REALLOC || (NTP * PREP_REGS + 128 * NCONS * CONS_REGS) <= NT * LAUNCH_REGS, "register budget");
+
+// ---- input stage (q, k, g rows of one chunk; bulk-copied) ----
+constexpr int QROW = K * 2;            // bytes of a q / k row
+constexpr int GROW = K * 4 + 16;       // g row pitch (room for fp32; +16 spreads the banks)
+constexpr int IN_Q = 0;
+constexpr int IN_K = C * QROW;
+constexpr int IN_G = 2 * C * QROW;
+constexpr int IN_BYTES = 2 * C * QROW + C * GROW;
+// ---- v stage (this CTA's BV columns; rows padded by 16 bytes: conflict-free ldmatrix.trans) ----
+constexpr int VROW = BV * 2 + 16;
+constexpr int V_BYTES = C * VROW;
+
+// ---- chunk record (written by the prep, read by the consumers' wgmma) ----
+constexpr int R_QD = 0;                 // bf16 [C][K] Qd, K-major 128B-swizzled
+constexpr int R_W = C * K * 2;          // bf16 [C][K] W, K-major 128B-swizzled
+constexpr int R_KR = 2 * C * K * 2;     // bf16 [C][K] Kr, MN-major 128B-swizzled
+constexpr int R_MQ = 3 * C * K * 2;     // bf16 [16][16] Mqk, K-major interleaved, high part
+constexpr int R_ML = R_MQ + 512;        //                                        low part
+constexpr int R_AH = R_ML + 512;        // bf16 [16][16] (I+L)^-1 diag(b), high part
+constexpr int R_AL = R_AH + 512;        //                                 low part
+constexpr int R_GM = R_AL + 512;        // fp32 [K] Gamma_C
+constexpr int REC_BYTES = (R_GM + K * 4 + 1023) / 1024 * 1024;  // stages stay 1024-aligned
+
+// ---- prep scratch (the sm80 chunk-16 prep's shared arrays) ----
+constexpr int KP = K + 4;    // fp32 row pitch
+constexpr int CP = C + 4;
+constexpr int SPW = K >= 128 ? 2 : 1;  // 16-column K slices per L/Mqk warp
+constexpr int NMW = K / 16 / SPW;      // warps computing L/Mqk partials
+constexpr int KB1 = K + 8;             // bf16 row pitch (conflict-free ldmatrix)
+constexpr int IPF = 20;                // fp32 row pitch of (I+L)^-1 (16-byte rows)
+constexpr int S_G = 0;                          // f32 [C][KP] cumulative gate
+constexpr int S_PART = S_G + C * KP * 4;        // f32 [NMW][2][16][16] partial L, Mqk
+constexpr int S_LT = S_PART + NMW * 512 * 4;    // f32 [C][CP] L^T (times b)
+constexpr int S_B = S_LT + C * CP * 4;          // f32 [2][C] beta (by chunk parity: phase 5 of
+                                                //   chunk c reads it while chunk c + 1 starts)
+constexpr int S_RQ = S_B + 2 * C * 4;           // f32 [C] L2-norm factors of q, k
+constexpr int S_RK = S_RQ + C * 4;
+constexpr int S_DG = S_RK + C * 4;              // f32 [C] <q^_i, k^_i> (Mqk's diagonal, exact)
+constexpr int S_AK = S_DG + C * 4;              // bf16 [C][KB1] k e^G
+constexpr int S_AQ = S_AK + C * KB1 * 2;        // bf16 [C][KB1] q e^G
+constexpr int S_BK = S_AQ + C * KB1 * 2;        // bf16 [C][KB1] k e^-G
+constexpr int S_XH = S_BK + C * KB1 * 2;        // bf16 [C][KB1] b k e^G, high part
+constexpr int S_XL = S_XH + C * KB1 * 2;        //                       low part
+constexpr int S_INV = S_XL + C * KB1 * 2;       // f32 [16][IPF] (I+L)^-1
+constexpr int SCR_BYTES = (S_INV + 16 * IPF * 4 + 15) / 16 * 16;
+static_assert(C * (K / 8) == NTP && NMW <= NWP && K / 16 == NWP, "chunk 16 prep layout");
+
+// ---- ring depths ----
+// Loads are issued NIN - 1 chunks ahead of the prep; the consumers trail the prep by up to
+// NREC chunks; NV = NIN + NREC never holds the prep's copy warp longer than the REC ring does.
+#ifdef KDA_NIN
+constexpr int NIN = KDA_NIN;
+#else
+constexpr int NIN = 5;
+#endif
+#ifdef KDA_NREC
+constexpr int NREC = KDA_NREC;
+#else
+constexpr int NREC = 3;
+#endif
+constexpr int NV = NIN + NREC;
+static_assert(NIN >= 2 && NREC >= 1, "ring depths");
+
+// ---- shared-memory map (offsets from a 1024-aligned base) ----
+constexpr int SM_REC = 0;
+constexpr int SM_IN = SM_REC + NREC * REC_BYTES;
+constexpr int SM_V = SM_IN + NIN * IN_BYTES;
+constexpr int SM_SCR = SM_V + NV * V_BYTES;
+constexpr int SM_BAR = SM_SCR + SCR_BYTES;
+// barriers: in_full[NIN], v_full[NV], v_empty[NV], rec_full[NREC], rec_empty[NREC]
+constexpr int B_IN_FULL = 0, B_V_FULL = NIN, B_V_EMPTY = NIN + NV, B_REC_FULL = NIN + 2 * NV,
+              B_REC_EMPTY = NIN + 2 * NV + NREC, NBAR = NIN + 2 * NV + 2 * NREC;
+constexpr int SMEM_USED = SM_BAR + NBAR * 8;
+constexpr int SMEM_BYTES = SMEM_USED + 1024;  // slack to align the dynamic base to 1024
+constexpr int SMEM_MAX = 227 * 1024;          // H100 / H200 opt-in maximum per block
+static_assert(IN_BYTES % 16 == 0 && V_BYTES % 16 == 0 && SCR_BYTES % 16 == 0, "16-byte aligned stages");
+static_assert(SMEM_BYTES <= SMEM_MAX, "sm90 shared memory");
+
+// Named barrier of the prep group (consumers use mbarriers and wgmma waits only).
+constexpr int BAR_PREP = 1;
+
+}  // namespace kda
+
+// Read by the launcher: (shared memory bytes, threads, chunk, K, V, consumer warpgroups (BV / 64),
+// NIN, NREC).
+#ifndef KDA_LAYOUT_ONLY  // (host-side tools that print the layout define it)
+extern "C" __device__ int kda_meta[8] = {kda::SMEM_BYTES, kda::NT, kda::C, kda::K, kda::V, kda::NCONS, kda::NIN,
+                                          kda::NREC};
+#endif

@@ -1,0 +1,190 @@
+// kdagen sm90: a consumer warpgroup. It holds a 64 (V) x K slice of the fp32 state as a wgmma
+// accumulator (the m64nK layout: warp w rows 16 w + lane / 4 (+ 8), columns 8 nt + 2 (lane % 4)
+// (+ 1)), which is also the bf16 A-fragment layout of the products that read it.
+#pragma once
+#include "kda_sm90_prep.cuh"
+
+namespace kda {
+
+// Register-held state slice <-> memory (rows vr0, vr0 + 8; columns 8 nt + 2 t4 + {0, 1}), state
+// layout [V][K] or (KV) [K][V]. The layout is a template parameter so that offsets are immediates.
+template <bool KV, typename ST>
+__device__ __forceinline__ void store_state_l(ST* base, const float (*s)[4], int vr0, int t4) {
+  ST* b = base + (KV ? (long long)(2 * t4) * V + vr0 : (long long)vr0 * K + 2 * t4);
+#pragma unroll
+  for (int nt = 0; nt < K / 8; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int dv = (e >> 1) * 8, dk = 8 * nt + (e & 1);
+      b[KV ? dk * V + dv : dv * K + dk] = from_f<ST>(s[nt][e]);
+    }
+}
+template <typename ST>
+__device__ __forceinline__ void store_state(ST* base, const float (*s)[4], int vr0, int t4, bool kv) {
+  if (kv) store_state_l<true>(base, s, vr0, t4);
+  else store_state_l<false>(base, s, vr0, t4);
+}
+template <bool KV, typename ST>
+__device__ __forceinline__ void load_state_l(const ST* base, float (*s)[4], int vr0, int t4) {
+  const ST* b = base + (KV ? (long long)(2 * t4) * V + vr0 : (long long)vr0 * K + 2 * t4);
+#pragma unroll
+  for (int nt = 0; nt < K / 8; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int dv = (e >> 1) * 8, dk = 8 * nt + (e & 1);
+      s[nt][e] = to_f(b[KV ? dk * V + dv : dv * K + dk]);
+    }
+}
+
+// The 16-bit pair of a ldmatrix register as bf16 (fp16 inputs are converted; bf16 passes).
+__device__ __forceinline__ uint32_t to_bf16x2(uint32_t x) {
+  if constexpr (sizeof(in_t) == 2 && !std::is_same<in_t, bf16>::value) {
+    const __half2 h = *reinterpret_cast<const __half2*>(&x);
+    return pack_bf16(__low2float(h), __high2float(h));
+  } else {
+    return x;
+  }
+}
+
+__device__ __forceinline__ void consumer_role(const KdaParams& p, const SeqInfo& si, char* base, uint64_t* bars,
+                                              int cw) {
+  const int tid = threadIdx.x - NTP - 128 * cw;  // 0..127 within the warpgroup
+  const int w = tid >> 5, lane = tid & 31;
+  const int g8 = lane >> 2, t4 = lane & 3;
+  const int v0 = 64 * cw + 16 * w;    // first V row of this warp within the CTA's slice
+  const int vr0 = si.vb * BV + v0 + g8;  // state row (of V) of this thread's first accumulator row
+#if KDA_STATE != 0
+  const long long st_off = ((long long)si.n * p.HV + si.h) * V * K;  // initial / final state
+#endif
+  const bool kv = p.state_kv != 0;
+
+  float s[K / 8][4];
+#if KDA_STATE != 0
+  if (p.h0) {
+    const state_t* h0 = (const state_t*)p.h0 + st_off;
+    if (kv) load_state_l<true>(h0, s, vr0, t4);
+    else load_state_l<false>(h0, s, vr0, t4);
+  } else
+#endif
+  {
+#pragma unroll
+    for (int nt = 0; nt < K / 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[nt][e] = 0.f;
+  }
+  const int coff = p.hc ? p.chunk_offsets[si.n] : 0;
+  in_t* const obase = (in_t*)p.o + si.bidx * p.o_s[0] + si.h * p.o_s[2] + vr0 + si.tb * p.o_s[1];
+  const long long ostride = p.o_s[1];
+  // ldmatrix.x4.trans of v^T (A fragment: m = V rows of this warp, k = the chunk's 16 time steps):
+  // matrix mi = lane / 8 holds time steps 8 (mi >> 1) .. + 7 and V columns v0 + 8 (mi & 1) .. + 7.
+  const int vt_row = ((lane >> 3) >> 1) * 8 + (lane & 7), vt_col = v0 + ((lane >> 3) & 1) * 8;
+  // Descriptors of the tiles of record slot 0. Slot r and the k-steps are offsets added to the
+  // start-address field (bits 0-13, 16-byte units: shared addresses < 256 KB never carry out of
+  // it), so a step adds constants instead of rebuilding 20 descriptors.
+  // Qd / W: K-major 128B-swizzled [16][K] (k-step ks: 64-column group ks / 4, 32 bytes per step
+  // inside it); Kr: MN-major 128B-swizzled [16][K]; Mqk, A: interleaved [16][16].
+  const uint32_t r0 = sm90::saddr(base + SM_REC);
+  const uint64_t dAH0 = sm90::make_desc(r0 + R_AH, 128, 256, sm90::LAYOUT_INTERLEAVE);
+  const uint64_t dAL0 = sm90::make_desc(r0 + R_AL, 128, 256, sm90::LAYOUT_INTERLEAVE);
+  const uint64_t dMq0 = sm90::make_desc(r0 + R_MQ, 128, 256, sm90::LAYOUT_INTERLEAVE);
+  const uint64_t dMl0 = sm90::make_desc(r0 + R_ML, 128, 256, sm90::LAYOUT_INTERLEAVE);
+  const uint64_t dKr0 = sm90::make_desc(r0 + R_KR, 1024, K * 16, sm90::LAYOUT_SW128);
+  const uint64_t dQd0 = sm90::make_desc(r0 + R_QD, 16, 1024, sm90::LAYOUT_SW128);
+  const uint64_t dW0 = sm90::make_desc(r0 + R_W, 16, 1024, sm90::LAYOUT_SW128);
+  auto kstep = [](int ks) { return (uint64_t)(((ks >> 2) * (C * 128) + (ks & 3) * 32) >> 4); };
+
+  for (int c = 0; c < si.nc; ++c) {
+    const int r = c % NREC, vs = c % NV;
+    const int rows = min(C, si.len - c * C);
+    if (p.hc) {
+#if KDA_STATE == 2
+      store_state((bf16*)p.hc + ((long long)(coff + c) * p.HV + si.h) * V * K, s, vr0, t4, kv);
+#else
+      store_state((float*)p.hc + ((long long)(coff + c) * p.HV + si.h) * V * K, s, vr0, t4, kv);
+#endif
+    }
+    // S as bf16 A fragments, k-step ks = state columns 16 ks .. 16 ks + 15.
+    uint32_t sa[K / 16][4];
+#pragma unroll
+    for (int ks = 0; ks < K / 16; ++ks) acc_to_a(s[2 * ks], s[2 * ks + 1], sa[ks]);
+
+    // v^T of this warp's 16 V rows; time steps past the end of the sequence are zeroed (the stage
+    // rows there are stale). The stage is released as soon as the registers hold it.
+    sm90::mbar_wait(bars + B_V_FULL + vs, (c / NV) & 1);
+    uint32_t va[4];
+    ldsm_x4_t(va, base + SM_V + vs * V_BYTES + vt_row * VROW + vt_col * 2);
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const int k0 = 2 * t4 + 8 * (q >> 1);
+      const uint32_t keep = (k0 < rows ? 0x0000ffffu : 0u) | (k0 + 1 < rows ? 0xffff0000u : 0u);
+      va[q] = to_bf16x2(va[q]) & keep;
+    }
+    sm90::mbar_arrive(bars + B_V_EMPTY + vs);
+
+    sm90::mbar_wait(bars + B_REC_FULL + r, (c / NREC) & 1);
+    const char* rec = base + SM_REC + r * REC_BYTES;
+    const uint64_t so = (uint64_t)(r * (REC_BYTES >> 4));  // slot r, in descriptor units
+    {
+      const float* gm = reinterpret_cast<const float*>(rec + R_GM);
+#pragma unroll
+      for (int nt = 0; nt < K / 8; ++nt) {
+        const float2 g = *reinterpret_cast<const float2*>(gm + 8 * nt + 2 * t4);
+        s[nt][0] *= g.x; s[nt][1] *= g.y; s[nt][2] *= g.x; s[nt][3] *= g.y;
+      }
+    }
+    const uint64_t dAH = dAH0 + so, dAL = dAL0 + so, dMq = dMq0 + so, dMl = dMl0 + so, dKr = dKr0 + so;
+
+    // U^T and o^T accumulators (m64n16: 8 per thread), local to the step (the first product of
+    // each overwrites them: scale-d = 0).
+    float au[8], ao[8];
+    sm90::reg_fence(s);
+    sm90::reg_fence(sa);
+    sm90::reg_fence(va);
+    sm90::wgmma_fence();
+    // U^T = v^T (A_hi + A_lo)^T - S W^T
+    sm90::wgmma_m64n16_rs<1>(au, va, dAH, false);
+    sm90::wgmma_m64n16_rs<1>(au, va, dAL, true);
+#pragma unroll
+    for (int ks = 0; ks < K / 16; ++ks) sm90::wgmma_m64n16_rs<-1>(au, sa[ks], dW0 + so + kstep(ks), true);
+    sm90::wgmma_commit();
+    // o^T = S Qd^T (off the chain: issued behind U, waited for at the end of the step)
+#pragma unroll
+    for (int ks = 0; ks < K / 16; ++ks) sm90::wgmma_m64n16_rs<1>(ao, sa[ks], dQd0 + so + kstep(ks), ks > 0);
+    sm90::wgmma_commit();
+    sm90::wgmma_wait<1>();
+    sm90::reg_fence(au);
+    // U^T as bf16 A fragments, high and low parts (the low part only feeds o: rel RMSE of o
+    // 2.6e-3 -> 1.9e-3 in the emulation, for one m64n16k16).
+    uint32_t ua[4], ul[4];
+#pragma unroll
+    for (int q = 0; q < 4; ++q) split_bf16(au[(q >> 1) * 4 + (q & 1) * 2], au[(q >> 1) * 4 + (q & 1) * 2 + 1], ua[q], ul[q]);
+    sm90::reg_fence(ua);
+    sm90::reg_fence(ul);
+    sm90::wgmma_fence();
+    // S = S diag(Gamma_C) + U^T Kr;  o^T += U^T Mqk^T (hi hi + hi lo + lo hi)
+    sm90::wgmma_m64nN_rs_tb<K>(s, ua, dKr);
+    sm90::wgmma_m64n16_rs<1>(ao, ua, dMq, true);
+    sm90::wgmma_m64n16_rs<1>(ao, ua, dMl, true);
+    sm90::wgmma_m64n16_rs<1>(ao, ul, dMq, true);
+    sm90::wgmma_commit();
+    sm90::wgmma_wait<0>();
+    sm90::reg_fence(s);
+    sm90::reg_fence(ao);
+    sm90::mbar_arrive(bars + B_REC_EMPTY + r);
+
+    // o^T (V row vr0 (+ 8), time steps 8 nt + 2 t4 (+ 1)) -> o, rows past the end skipped.
+    in_t* oc = obase + (long long)c * C * ostride;
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int i = 8 * nt + 2 * t4 + (e & 1);
+        if (i < rows) oc[i * ostride + (e >> 1) * 8] = from_f<in_t>(ao[4 * nt + e]);
+      }
+  }
+#if KDA_STATE != 0
+  if (p.ht) store_state((state_t*)p.ht + st_off, s, vr0, t4, kv);
+#endif
+}
+
+}  // namespace kda

@@ -1,0 +1,357 @@
+"""The host fast path: a plan per call signature (validated and selected once), caller-owned
+outputs and workspace, host offsets never read from the device when the caller gives them or
+promises valid input, and the sm80 bound launch passing the kernels exactly the parameter
+struct the general path builds (checked on the CPU with a recording stand-in for the driver)."""
+
+from __future__ import annotations
+
+import ctypes
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import kdagen
+import kdagen.runtime as rt
+from kdagen.reference import kda_reference, rel_rmse
+
+from .runtime_env import fresh_runtime  # noqa: F401
+from .test_runtime_errors import inputs
+
+
+
+def _ref(kw, **extra):
+    ref = {n: t for n, t in {**kw, **extra}.items() if n in (
+        "q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state", "output_final_state", "cu_seqlens", "layout",
+        "state_layout", "lower_bound", "gate")}
+    return kda_reference(**ref)
+
+
+def test_a_repeated_signature_is_validated_and_selected_once(monkeypatch):
+    kw = inputs()
+    o1, _ = kdagen.kda_prefill(**kw)
+    assert len(rt._PLANS) == 1
+    calls = []
+
+    def validated(*a, **k):
+        calls.append("validated")
+        raise RuntimeError("validated")
+
+    monkeypatch.setattr(rt, "check_signature", validated)
+    monkeypatch.setattr(rt, "_dispatch", validated)
+    kw2 = {n: (t.clone() if isinstance(t, torch.Tensor) else t) for n, t in kw.items()}
+    kw2["q"].mul_(0.5)  # new values, same signature
+    o2, _ = kdagen.kda_prefill(**kw2)
+    assert calls == [] and len(rt._PLANS) == 1
+    assert rel_rmse(o2, _ref(kw2)[0]) < 1e-5 and not torch.equal(o1, o2)
+    # another signature (shape) is a new plan: it validates and selects
+    with pytest.raises(RuntimeError, match="validated"):
+        kdagen.kda_prefill(**inputs(T=21))
+    assert calls == ["validated"]
+
+
+def test_outputs_written_in_place_into_poisoned_buffers():
+    cu = torch.tensor([0, 7, 20], dtype=torch.int32)
+    kw = dict(inputs(), initial_state=torch.randn(2, 2, 32, 32), cu_seqlens=cu, chunk_size=16)
+    bufs = rt.allocate_outputs(**kw, output_final_state=True, return_chunk_states=True, fill=float("nan"))
+    assert [tuple(b.shape) for b in bufs.values()] == [(1, 20, 2, 32), (2, 2, 32, 32), (2, 2, 32, 32)]
+    ptrs = {n: b.data_ptr() for n, b in bufs.items()}
+    o, st, cs = kdagen.kda_prefill(**kw, **bufs)  # final_state= / chunk_states= imply the outputs
+    assert {"out": o.data_ptr(), "final_state": st.data_ptr(), "chunk_states": cs.data_ptr()} == ptrs
+    assert all(torch.isfinite(t).all() for t in (o, st, cs))
+    ro, rs, rc = kda_reference(**{n: kw[n] for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias",
+                                                     "initial_state", "cu_seqlens")},
+                               output_final_state=True, chunk_states_size=16)
+    assert rel_rmse(o, ro) < 1e-5 and rel_rmse(st, rs) < 1e-5 and rel_rmse(cs, rc) < 1e-5
+
+
+def test_host_offsets_are_never_read_from_cu_seqlens_when_given_or_promised(monkeypatch):
+    kw = inputs()
+    cu = torch.tensor([0, 7, 20], dtype=torch.int32)
+    want, _ = kdagen.kda_prefill(**kw, cu_seqlens=cu)
+    reads = []
+    real = torch.Tensor.tolist
+
+    def spy(t):
+        reads.append(t.data_ptr())
+        return real(t)
+
+    monkeypatch.setattr(torch.Tensor, "tolist", spy)
+    cpu = cu.clone()
+    for _ in range(2):
+        o1, _ = kdagen.kda_prefill(**kw, cu_seqlens=cu, cu_seqlens_cpu=cpu)
+        o2, _ = kdagen.kda_prefill(**kw, cu_seqlens=cu, assume_valid=True)
+    assert cu.data_ptr() not in reads and cpu.data_ptr() in reads
+    assert torch.equal(o1, want) and torch.equal(o2, want)
+    kdagen.kda_prefill(**kw, cu_seqlens=cu)  # neither: the offsets are read (validated)
+    assert cu.data_ptr() in reads
+
+
+def test_bad_host_offsets_are_caught_on_a_cached_signature():
+    kw = inputs()
+    cu = torch.tensor([0, 7, 20], dtype=torch.int32)
+    kdagen.kda_prefill(**kw, cu_seqlens=cu, cu_seqlens_cpu=cu)
+    with pytest.raises(kdagen.runtime.KdaInputError, match="cu_seqlens: expected non-decreasing offsets from 0 to "
+                                                           r"T=20, found \[0, 9, 7\]"):
+        kdagen.kda_prefill(**kw, cu_seqlens=cu, cu_seqlens_cpu=torch.tensor([0, 9, 7], dtype=torch.int32))
+
+
+def test_workspace_size_and_a_caller_workspace():
+    kw = inputs()
+    assert kdagen.workspace_size(**kw) == 0  # the Triton variants take none
+    o1, _ = kdagen.kda_prefill(**kw)
+    o2, _ = kdagen.kda_prefill(**kw, workspace=torch.empty(16, dtype=torch.uint8))
+    assert torch.equal(o1, o2)
+
+
+def test_poison_outputs_shim_still_poisons_and_warns(monkeypatch):
+    kw = inputs()
+    monkeypatch.setattr(rt, "POISON_OUTPUTS", True)
+    plan_seen = {}
+
+    def keep_nan(call):  # a launcher that writes nothing: the poison must show
+        plan_seen["o"] = call.o
+
+    kdagen.kda_prefill(**kw)
+    next(iter(rt._PLANS.values())).launcher = keep_nan
+    next(iter(rt._PLANS.values())).fast = None
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        o, _ = kdagen.kda_prefill(**kw)
+    assert torch.isnan(o).all() and any("POISON_OUTPUTS is deprecated" in str(x.message) for x in w)
+
+
+def test_plan_uses_the_launchers_bound_launch_after_the_first_call(monkeypatch):
+    kw = inputs()
+    kdagen.kda_prefill(**kw)
+    plan = next(iter(rt._PLANS.values()))
+    log = []
+
+    class Bound:
+        def launch(self, q, k, v, g, beta, o, A, dt, cu, h0, ht, hc, co, ws, max_len):
+            log.append(("fast", q.data_ptr(), o.shape, max_len))
+            o.fill_(1.0)
+            return True
+
+    class Launcher:
+        def __call__(self, call):
+            log.append(("general", call.q.data_ptr()))
+            call.o.fill_(2.0)
+
+        def bind(self, call):
+            log.append(("bind", call.T))
+            return Bound()
+
+    plan.launcher, plan.fast = Launcher(), rt._UNBOUND
+    o1, _ = kdagen.kda_prefill(**kw)
+    o2, _ = kdagen.kda_prefill(**kw)
+    q = kw["q"].data_ptr()
+    assert log == [("general", q), ("bind", 20), ("fast", q, torch.Size([1, 20, 2, 32]), 20)]
+    assert (o1 == 2).all() and (o2 == 1).all()
+
+
+# ----------------------------------------------------------------------------- the sm80 bound launch
+
+class _RecordingDriver:
+    """cuLaunchKernel that records the kernel, grid, block, shared memory and parameter bytes."""
+
+    def __init__(self, size: int) -> None:
+        self.size, self.launches = size, []
+
+    def cuLaunchKernel(self, f, gx, gy, gz, bx, by, bz, smem, stream, argv, extra):
+        struct_addr = ctypes.cast(argv, ctypes.POINTER(ctypes.c_void_p))[0]
+        self.launches.append((f, (gx, gy, gz), (bx, by, bz), smem, ctypes.string_at(struct_addr, self.size)))
+        return (0,)
+
+    def CUstream(self, raw):
+        return raw
+
+
+class _RecordingModule:
+    def __init__(self, drv) -> None:
+        self.drv = drv
+
+    def launch(self, func, grid, block, smem, stream, params, what):
+        self.drv.launches.append((func, tuple(grid), tuple(block), smem, bytes(params)))
+
+    def function(self, name, smem=0):
+        return name
+
+
+@pytest.mark.parametrize("varlen", [False, True], ids=["batch", "varlen"])
+def test_sm80_bound_launch_passes_the_general_paths_struct(monkeypatch, varlen):
+    import kdagen.targets.sm80 as sm80
+    from kdagen.targets.cuda_launch import KdaParams
+    from kdagen.variant import Variant
+
+    drv = _RecordingDriver(ctypes.sizeof(KdaParams))
+    mod = _RecordingModule(drv)
+    monkeypatch.setattr(sm80, "driver", lambda: drv)
+    monkeypatch.setattr(sm80, "current_stream_handle", lambda idx: 7)
+    monkeypatch.setattr(sm80, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda dev=None: type("S", (), {"cuda_stream": 7})())
+    var = Variant("sm80", 16, 64, 64, "bf16", "bounded", "fp32", 32)
+    la = sm80.Sm80Launcher(var, Path("unused.fatbin"))
+    rec = 1024
+    monkeypatch.setattr(la, "_module", lambda dev: (0, (mod, "kda_prep", "kda_recur", rec, 5000, 6000, 128, 160)))
+
+    T, H, HV, K = 48, 2, 4, 64
+    lens = [5, 0, 43] if varlen else None
+
+    def make(seed):
+        gen = torch.Generator().manual_seed(seed)
+        r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+        N = len(lens) if varlen else 2
+        B = 1 if varlen else 2
+        cu = torch.tensor([0, 5, 5, 48], dtype=torch.int32) if varlen else None
+        t = dict(q=r(B, T, H, K).bfloat16(), k=r(B, T, H, K).bfloat16(), v=r(B, T, HV, K).bfloat16(),
+                 g=r(B, T, HV, K), beta=r(B, T, HV), A_log=r(HV), dt_bias=r(HV, K), cu_seqlens=cu,
+                 initial_state=r(N, HV, K, K), output_final_state=True)
+        return t, B, N
+
+    def strides(t):
+        return t.stride(0), t.stride(1), t.stride(2)
+
+    def call_of(t, B, N, ws):
+        o = torch.empty_like(t["v"])
+        fs = torch.empty_like(t["initial_state"])
+        return rt.KdaCall(q=t["q"], k=t["k"], v=t["v"], g=t["g"], beta=t["beta"], o=o, q_strides=strides(t["q"]),
+                          k_strides=strides(t["k"]), v_strides=strides(t["v"]), g_strides=strides(t["g"]),
+                          beta_strides=strides(t["beta"].unsqueeze(-1)), o_strides=strides(o), B=B, T=T, N=N, H=H,
+                          HV=HV, K=K, V=K, cu_seqlens=t["cu_seqlens"], A_log=t["A_log"], dt_bias=t["dt_bias"],
+                          scale=0.125, lower_bound=-5.0, use_qk_l2norm=True, allow_neg_eigval=False,
+                          initial_state=t["initial_state"], final_state=fs, state_kv=False, chunk_states=None,
+                          chunk_offsets=None, max_len=43 if varlen else T, workspace=ws)
+
+    t, B, N = make(0)
+    ws_bytes = ((B * T) // 16 + N + 1) * HV * rec
+    ws = torch.empty(ws_bytes + 512, dtype=torch.uint8)
+    ws = ws[(-ws.data_ptr()) % 256:][:ws_bytes]  # a 256-byte aligned caller workspace
+    bound = la.bind(call_of(t, B, N, ws))
+    assert bound is not None and bound.ws_bytes == ws_bytes
+    assert la.workspace_bytes(call_of(t, B, N, None), torch.device("cpu")) == ws_bytes
+    t2, _, _ = make(1)  # other tensors, same signature
+    c2 = call_of(t2, B, N, ws)
+    la(c2)
+    general = drv.launches[:]
+    drv.launches.clear()
+    assert bound.launch(c2.q, c2.k, c2.v, c2.g, c2.beta, c2.o, c2.A_log, c2.dt_bias, c2.cu_seqlens, c2.initial_state,
+                        c2.final_state, None, None, ws, c2.max_len)
+    assert drv.launches == general  # kernels, grids, blocks, shared memory and every byte of the struct
+    assert [x[1] for x in general] == [(3, N, HV), (2, N, HV)]  # ceil(43 or 48 / 16) chunks; V / block_v
+    p = KdaParams.from_buffer_copy(general[0][4])
+    assert (p.q, p.o, p.ws, p.max_len, p.T, p.N) == (c2.q.data_ptr(), c2.o.data_ptr(), ws.data_ptr(),
+                                                     43 if varlen else T, T, N)
+    # an unaligned input is not the bound launch's job: it declines (launching nothing), the
+    # general path copies it
+    drv.launches.clear()
+    q_off = torch.empty(c2.q.numel() + 8, dtype=c2.q.dtype)[1:1 + c2.q.numel()].view(c2.q.shape)
+    assert q_off.data_ptr() % 16 and not bound.launch(q_off, c2.k, c2.v, c2.g, c2.beta, c2.o, c2.A_log, c2.dt_bias,
+                                                      c2.cu_seqlens, c2.initial_state, c2.final_state, None, None,
+                                                      ws, c2.max_len)
+    assert drv.launches == []
+    # without a caller workspace: one scratch buffer per stream, reused by the next call (not
+    # under capture, not while another call holds it)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    sm80.Sm80Bound._ARENAS.clear()
+    args = (c2.q, c2.k, c2.v, c2.g, c2.beta, c2.o, c2.A_log, c2.dt_bias, c2.cu_seqlens, c2.initial_state,
+            c2.final_state, None, None, None, c2.max_len)
+    drv.launches.clear()
+    assert bound.launch(*args) and bound.launch(*args)
+    ws_of = [KdaParams.from_buffer_copy(x[4]).ws for x in drv.launches]
+    assert len(set(ws_of)) == 1 and ws_of[0] == sm80.Sm80Bound._ARENAS[7].data_ptr()
+    assert sm80.Sm80Bound._ARENAS[7].numel() == ws_bytes
+    drv.launches.clear()
+    with sm80.Sm80Bound._ARENA_LOCK:
+        assert bound.launch(*args)
+    assert KdaParams.from_buffer_copy(drv.launches[0][4]).ws != ws_of[0]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    drv.launches.clear()
+    assert bound.launch(*args)
+    assert KdaParams.from_buffer_copy(drv.launches[0][4]).ws != ws_of[0]
+    sm80.Sm80Bound._ARENAS.clear()
+    # a second thread holding the struct makes a call decline rather than wait
+    bound.lock.acquire()
+    try:
+        assert not bound.launch(c2.q, c2.k, c2.v, c2.g, c2.beta, c2.o, c2.A_log, c2.dt_bias, c2.cu_seqlens,
+                                c2.initial_state, c2.final_state, None, None, ws, c2.max_len)
+    finally:
+        bound.lock.release()
+
+
+# ----------------------------------------------------------------------------- on a GPU (sm80)
+
+def _gpu_case(lens, chunk=False):
+    from kdagen.variant import Variant
+
+    from .kda_cases import make_case
+
+    v = Variant("sm80", 16, 128, 128, "bf16", "bounded", "fp32", 32)
+    if len(lens) == 1:
+        return make_case(v, "cuda", B=1, T=lens[0], H=2, HV=4, chunk_states=chunk)
+    return make_case(v, "cuda", lens=lens, H=2, HV=4, chunk_states=chunk)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("how", ["batch", "varlen_host_offsets", "varlen_assume_valid", "chunk_states",
+                                 "owned_buffers"])
+def test_gpu_bound_launch_equals_the_general_path(how):
+    from kdagen.targets.sm80 import Sm80Bound
+
+    lens = [64] if how in ("batch", "owned_buffers") else [300, 0, 17, 700]
+    kw = _gpu_case(lens, chunk=how == "chunk_states")
+    if how == "varlen_host_offsets":
+        kw["cu_seqlens_cpu"] = kw["cu_seqlens"].cpu()
+    if how == "varlen_assume_valid":
+        kw["assume_valid"] = True
+    if how == "owned_buffers":
+        ws = torch.empty(kdagen.workspace_size(**kw), dtype=torch.uint8, device="cuda")
+        kw.update(out=torch.empty_like(kw["v"]), final_state=torch.empty_like(kw["initial_state"]), workspace=ws)
+    first = [t.clone() for t in kdagen.kda_prefill(**kw)]  # the general path (and bind)
+    plan = next(iter(rt._PLANS.values()))
+    assert plan.entry.variant.target == "sm80" and isinstance(plan.fast, Sm80Bound), (plan.entry.name, plan.fast)
+    second = kdagen.kda_prefill(**kw)  # the bound launch
+    assert all(torch.equal(a, b) for a, b in zip(first, second)), how
+    ref = kda_reference(**{n: (t.cpu() if isinstance(t, torch.Tensor) else t) for n, t in kw.items()
+                           if n not in ("out", "final_state", "workspace", "assume_valid", "cu_seqlens_cpu",
+                                        "return_chunk_states", "chunk_size", "state_dtype")},
+                        chunk_states_size=16 if how == "chunk_states" else None)
+    for got, want in zip(second, ref):
+        if want is not None:
+            assert rel_rmse(got.cpu(), want) < 5e-3, how
+
+
+@pytest.mark.gpu
+def test_gpu_workspace_too_small_is_refused():
+    kw = _gpu_case([64])
+    need = kdagen.workspace_size(**kw)
+    assert need > 0
+    with pytest.raises(RuntimeError, match=rf"workspace has {need // 2} bytes, this call needs {need}"):
+        kdagen.kda_prefill(**kw, workspace=torch.empty(need // 2, dtype=torch.uint8, device="cuda"))
+
+
+def test_chunk_states_without_host_offsets_into_a_caller_buffer():
+    """assume_valid with chunk states: chunk offsets are computed on the device; the caller's
+    buffer has room for the most chunks T // C + N could need."""
+    cu = torch.tensor([0, 7, 7, 20], dtype=torch.int32)
+    kw = dict(inputs(), initial_state=torch.randn(3, 2, 32, 32), cu_seqlens=cu, chunk_size=16)
+    want = kdagen.kda_prefill(**kw, output_final_state=True, return_chunk_states=True)
+    rows = 20 // 16 + 3
+    buf = torch.full((rows, 2, 32, 32), float("nan"))
+    with pytest.raises(kdagen.runtime.KdaInputError, match="needs a chunk_states= buffer"):
+        kdagen.kda_prefill(**kw, output_final_state=True, return_chunk_states=True, assume_valid=True)
+    o, st, cs = kdagen.kda_prefill(**kw, output_final_state=True, chunk_states=buf, assume_valid=True)
+    assert cs is buf and torch.equal(o, want[0]) and torch.equal(st, want[1])
+    assert torch.equal(cs[:want[2].shape[0]], want[2]) and want[2].shape[0] == 2
+
+
+def test_a_new_token_count_reuses_the_choice(monkeypatch):
+    kdagen.kda_prefill(**inputs(T=20))
+    scans = []
+    real = rt._select_entry
+    monkeypatch.setattr(rt, "_select_entry", lambda *a: scans.append(1) or real(*a))
+    kdagen.kda_prefill(**inputs(T=23))  # new signature, same choice inputs: no candidate scan
+    assert scans == [] and len(rt._PLANS) == 2
+    kdagen.kda_prefill(**inputs(T=600))  # sequences now average >= 512 tokens: chunk preference may change
+    assert scans == [1]

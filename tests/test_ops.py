@@ -1,0 +1,148 @@
+"""torch.ops.kdagen.kda_prefill: the torch library op (schema, fake implementation, in-place
+outputs), torch.compile(fullgraph=True) of a module calling kdagen with varlen input, opcheck,
+and (on a GPU) a CUDA graph that replays with new values and new cu_seqlens contents.
+
+CPU runs go through the Triton interpreter; `pytest -m gpu` runs the CUDA versions (the
+variant selection picks what the GPU has built: sm80 for bf16 K=V=128)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kdagen
+import kdagen.runtime as rt
+from kdagen.reference import kda_reference, rel_rmse
+
+from .runtime_env import fresh_runtime  # noqa: F401
+from .test_runtime_errors import inputs
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+
+
+def _op_args(kw, cu, h0, out, fs):
+    return (kw["q"], kw["k"], kw["v"], kw["g"], kw["beta"], kw["A_log"], kw["dt_bias"], h0, cu, None, out, fs,
+            None, None)
+
+
+def _case(device="cpu", dtype=torch.float32, K=32, H=1, HV=2, lens=(7, 13), seed=0):
+    kw = inputs(T=sum(lens), H=H, HV=HV, K=K, V=K, dtype=dtype)
+    gen = torch.Generator().manual_seed(seed + 1)
+    h0 = torch.randn(len(lens), HV, K, K, generator=gen) * 0.5
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    kw = {n: t.to(device) for n, t in kw.items()}
+    return kw, cu.to(device), h0.to(device)
+
+
+def test_op_writes_its_outputs_in_place():
+    kw, cu, h0 = _case()
+    want_o, want_s = kdagen.kda_prefill(**kw, cu_seqlens=cu, initial_state=h0, output_final_state=True)
+    out, fs = torch.full_like(kw["v"], float("nan")), torch.full_like(h0, float("nan"))
+    assert torch.ops.kdagen.kda_prefill(*_op_args(kw, cu, h0, out, fs)) is None
+    assert torch.equal(out, want_o) and torch.equal(fs, want_s)
+    ro, rs, _ = kda_reference(**kw, cu_seqlens=cu, initial_state=h0, output_final_state=True)
+    assert rel_rmse(out, ro) < 1e-5 and rel_rmse(fs, rs) < 1e-5
+
+
+def test_opcheck_passes():
+    kw, cu, h0 = _case()
+    args = _op_args(kw, cu, h0, torch.empty_like(kw["v"]), torch.empty_like(h0))
+    res = torch.library.opcheck(torch.ops.kdagen.kda_prefill.default, args)
+    assert set(res.values()) == {"SUCCESS"}, res
+
+
+class Mixer(torch.nn.Module):
+    """What an engine's layer does around KDA: a projection in, the op, a projection out."""
+
+    def forward(self, q, k, v, g, beta, A_log, dt_bias, h0, cu):
+        o, s = kdagen.kda_prefill(q * 1.0, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, initial_state=h0,
+                                  output_final_state=True, cu_seqlens=cu)
+        return o * 2.0, s
+
+
+def _compiled_matches_eager(device, backend, dtype=torch.float32, K=32):
+    kw, cu, h0 = _case(device, dtype=dtype, K=K)
+    args = (kw["q"], kw["k"], kw["v"], kw["g"], kw["beta"], kw["A_log"], kw["dt_bias"], h0, cu)
+    eager = Mixer()(*args)
+    compiled = torch.compile(Mixer(), fullgraph=True, backend=backend, dynamic=True)
+    got = compiled(*args)
+    assert torch.equal(got[0], eager[0]) and torch.equal(got[1], eager[1])
+    # new offsets (same capacity) and new values: no recompile needed for a data change
+    kw2, cu2, h02 = _case(device, dtype=dtype, K=K, lens=(15, 5), seed=3)
+    args2 = (kw2["q"], kw2["k"], kw2["v"], kw2["g"], kw2["beta"], kw2["A_log"], kw2["dt_bias"], h02, cu2)
+    got2, eager2 = compiled(*args2), Mixer()(*args2)
+    assert torch.equal(got2[0], eager2[0]) and torch.equal(got2[1], eager2[1])
+
+
+def test_fullgraph_compile_with_varlen_traces_and_matches_eager():
+    _compiled_matches_eager("cpu", "aot_eager")
+
+
+@pytest.mark.gpu
+def test_gpu_fullgraph_compile_inductor():
+    _compiled_matches_eager("cuda", "inductor", dtype=torch.bfloat16, K=128)
+
+
+@pytest.mark.gpu
+def test_gpu_opcheck():
+    kw, cu, h0 = _case("cuda", dtype=torch.bfloat16, K=128)
+    args = _op_args(kw, cu, h0, torch.empty_like(kw["v"]), torch.empty_like(h0))
+    res = torch.library.opcheck(torch.ops.kdagen.kda_prefill.default, args)
+    assert set(res.values()) == {"SUCCESS"}, res
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("through_op", [False, True], ids=["kda_prefill", "torch_op"])
+def test_gpu_cuda_graph_replays_new_values_and_offsets(through_op):
+    """Captured once with assume_valid=True; replayed with new inputs copied into the same
+    buffers and new cu_seqlens contents of the same capacity, it gives what an eager call on
+    those inputs gives (same variant, so bit for bit) and matches the reference."""
+    lens_a, lens_b = (300, 0, 724), (1000, 20, 4)
+    kw, cu, h0 = _case("cuda", dtype=torch.bfloat16, K=128, H=2, HV=4, lens=lens_a)
+    out, fs = torch.empty_like(kw["v"]), torch.empty_like(h0)
+
+    def step():
+        if through_op:
+            torch.ops.kdagen.kda_prefill(*_op_args(kw, cu, h0, out, fs), assume_valid=True)
+        else:
+            kdagen.kda_prefill(**kw, cu_seqlens=cu, initial_state=h0, out=out, final_state=fs, assume_valid=True)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # warm up: plans, modules, launch parameters
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for lens, seed in ((lens_a, 5), (lens_b, 6)):
+        new, new_cu, new_h0 = _case("cuda", dtype=torch.bfloat16, K=128, H=2, HV=4, lens=lens, seed=seed)
+        for n in kw:
+            kw[n].copy_(new[n])
+        cu.copy_(new_cu)
+        h0.copy_(new_h0)
+        out.fill_(float("nan"))
+        fs.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        want_o, want_s = kdagen.kda_prefill(**new, cu_seqlens=new_cu, initial_state=new_h0, output_final_state=True)
+        assert torch.equal(out, want_o) and torch.equal(fs, want_s), lens
+        ro, rs, _ = kda_reference(**{n: t.cpu() for n, t in new.items()}, cu_seqlens=new_cu.cpu(),
+                                  initial_state=new_h0.cpu(), output_final_state=True)
+        assert rel_rmse(out.cpu(), ro) < 5e-3 and rel_rmse(fs.cpu(), rs) < 5e-3, lens
+
+
+@pytest.mark.gpu
+def test_gpu_capture_without_host_offsets_needs_assume_valid():
+    kw, cu, h0 = _case("cuda", dtype=torch.bfloat16, K=128)
+    out = torch.empty_like(kw["v"])
+    kdagen.kda_prefill(**kw, cu_seqlens=cu, out=out)  # warm (this one reads the offsets: eager)
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(kdagen.runtime.KdaInputError, match="cannot be read during CUDA graph capture; pass "
+                                                           "assume_valid=True"):
+        with torch.cuda.graph(graph):
+            kdagen.kda_prefill(**kw, cu_seqlens=cu, out=out)

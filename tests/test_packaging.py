@@ -1,0 +1,47 @@
+"""What ships in the wheel: every templates/ folder and every spec as package data (CI also
+builds the wheel and runs it from outside the source tree: .ci/run)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from kdagen import paths
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _pyproject() -> dict:
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover
+        tomllib = pytest.importorskip("tomli")
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def test_every_template_folder_and_spec_is_package_data():
+    st = _pyproject()["tool"]["setuptools"]
+    assert st["package-dir"]["kdagen.templates"] == "templates" and st["package-dir"]["kdagen.specs"] == "specs"
+    for d in sorted(p for p in (ROOT / "templates").iterdir() if p.is_dir() and p.name != "__pycache__"):
+        pkg = f"kdagen.templates.{d.name}"
+        assert pkg in st["packages"], f"templates/{d.name} is not shipped: add {pkg} to pyproject.toml"
+        globs = st["package-data"][pkg]
+        for f in d.iterdir():
+            if f.is_file():
+                assert any(f.match(g) for g in globs), f"{f.relative_to(ROOT)} matches no package-data glob of {pkg}"
+    assert st["package-data"]["kdagen.specs"] == ["*.yaml"]
+
+
+def test_checkout_paths_and_cache_layout(monkeypatch, tmp_path):
+    assert paths.SOURCE_TREE == ROOT and paths.TEMPLATES_DIR == ROOT / "templates"
+    assert paths.SPECS_DIR == ROOT / "specs" and paths.SOURCE_GENERATED_DIR == ROOT / "generated"
+    monkeypatch.setenv("KDAGEN_CACHE_DIR", str(tmp_path / "c"))
+    assert paths.generated_dir_for(ROOT / "specs" / "ci.yaml") == ROOT / "generated"
+    assert paths.generated_dir_for(tmp_path / "mine.yaml") == tmp_path / "c" / "generated"
+    # the checkout's builds go to the cache when KDAGEN_CACHE_DIR is set, else to build/
+    assert paths.build_dir_for(ROOT / "generated") == tmp_path / "c" / "build"
+    monkeypatch.delenv("KDAGEN_CACHE_DIR")
+    assert paths.build_dir_for(ROOT / "generated") == ROOT / "build"
+    assert paths.build_dir_for(tmp_path / "x" / "generated") == tmp_path / "x" / "build"

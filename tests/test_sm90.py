@@ -1,0 +1,300 @@
+"""sm90 target: build checks on CPU (ptxas report, SASS structure) and numerics on an H200.
+
+GPU tests go through `kdagen.kda_prefill(..., variant=name)` with the shared case builder and
+comparison (tests/kda_cases.py), over the built sm90 variants of the specs
+(`kdagen build --spec specs/sm90_dev.yaml`). test_sm90_primitives runs first in file order: it
+checks each Hopper operand form the kernel uses on its own, so a wrong layout is named directly.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from kdagen.variant import Variant
+
+from .kda_cases import make_case, run_and_compare
+
+ROOT = Path(__file__).resolve().parents[1]
+HAS_CUDA = torch.cuda.is_available()
+# The issue's accuracy bar (rel RMSE of o and state against the float64 reference) for the gate
+# sweep; the other cases use the shared tolerance (5e-3, as the sm80 suite).
+GATE_TOL = 4e-3
+
+
+def sm90_variants() -> list[tuple[Variant, Path]]:
+    """(Variant, fatbin) of every built sm90 variant the registry knows."""
+    try:
+        from kdagen.registry import Registry
+
+        reg = Registry.load()
+    except Exception:
+        return []
+    return [(e.variant, ROOT / e.built["artifact"]) for _, e in sorted(reg.entries.items())
+            if e.variant.target == "sm90" and e.built and (ROOT / e.built["artifact"]).exists()]
+
+
+# ----------------------------------------------------------------------------- CPU: ptxas, SASS
+
+def _ptxas_reports() -> list[tuple[str, list[dict]]]:
+    from kdagen.paths import BUILD_DIR, GENERATED_DIR
+
+    out = []
+    for gen in sorted(GENERATED_DIR.glob("*/manifest.json")):
+        names = {e["name"] for e in json.loads(gen.read_text())["variants"] if e["target"] == "sm90"}
+        built = BUILD_DIR / gen.parent.name / "manifest.json"
+        if names and built.exists():
+            entries = json.loads(built.read_text())["variants"]
+            out += [(n, entries[n]["ptxas"]) for n in sorted(names) if n in entries]
+    return out
+
+
+def _no_spills(entries: list[dict], who: str) -> None:
+    assert entries, f"{who}: empty ptxas report"
+    for e in entries:
+        assert e["arch"] == "sm_90a", f"{who}: {e}"
+        assert e["spill_stores"] == 0 and e["spill_loads"] == 0 and e["stack_bytes"] == 0, f"{who}: {e}"
+
+
+def test_sm90_ptxas_reports_have_no_spills():
+    reports = _ptxas_reports()
+    if not reports:
+        if shutil.which("nvcc"):
+            pytest.fail("no sm90 variant built: run `kdagen build --spec specs/sm90_dev.yaml` first")
+        pytest.skip("no nvcc here, so no sm90 build to check")
+    for name, entries in reports:
+        _no_spills(entries, name)
+    # ptxas notes when it must serialize wgmma or inject warpgroup fences (kept in the build log)
+    for v, art in sm90_variants():
+        log = (art.parent / "build.log").read_text()
+        assert "serialized" not in log and "injected" not in log, f"{v.name}: {log}"
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+@pytest.mark.parametrize("spec", [
+    Variant("sm90", 16, 128, 128, "bf16", "bounded", "fp32", 128),  # 512 threads, setmaxnreg 96 / 160
+    Variant("sm90", 16, 128, 128, "fp16", "unbounded", "bf16", 64),  # 384 threads, setmaxnreg 152 / 200
+    Variant("sm90", 16, 64, 64, "bf16", "precomputed", "none", 64),  # 256 threads, no reallocation
+], ids=lambda v: v.name)
+def test_sm90_compiles_without_spills(spec: Variant, tmp_path: Path):
+    """Render and compile the three thread layouts from scratch: the shared-memory map fits (a
+    static_assert) and nothing spills."""
+    from kdagen.build import parse_ptxas
+    from kdagen.generate import render_variant
+    from kdagen.targets import TARGETS
+
+    src = tmp_path / "kernel.cu"
+    src.write_bytes(render_variant(spec)["kernel.cu"])
+    info = TARGETS["sm90"]
+    cmd = ["nvcc", *info.nvcc_flags, "-fatbin", "-Xptxas", "-v", *[f"-I{ROOT / 'templates' / d}" for d in info.includes],
+           str(src), "-o", str(tmp_path / "k.fatbin")]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    # ptxas serializes wgmma it cannot prove safe, or injects warpgroup fences (C7519/C7520 notes)
+    assert "serialized" not in r.stderr and "injected" not in r.stderr, r.stderr
+    _no_spills(parse_ptxas(r.stderr), spec.name)
+
+
+def _sass_checkable() -> list[tuple[Variant, Path]]:
+    from kdagen.sass import find_cuobjdump
+
+    return sm90_variants() if find_cuobjdump() else []
+
+
+@pytest.mark.parametrize("va", _sass_checkable(), ids=lambda va: va[0].name)
+def test_sm90_sass_structure(va):
+    """The machine code is the design: HGMMA for the consumer's products (2 + 2 K/16 + 3 m64n16
+    and one m64nK with transposed B per chunk), bulk copies completing on mbarriers (UBLKCP, SYNCS),
+    setmaxnreg where the roles' register needs differ, and the prep's mma.sync (HMMA)."""
+    from kdagen.sass import disassemble
+
+    var, art = va
+    sass = disassemble(art, "sm_90a")["kda_fused"]
+    ops = sass.opcodes()
+    count = lambda prefix: sum(n for op, n in ops.items() if op.startswith(prefix))  # noqa: E731
+    text = "\n".join(sass.instructions)
+    assert count("HGMMA.64x16x16.F32.BF16") == 2 + 2 * (var.k // 16) + 3, ops
+    assert count(f"HGMMA.64x{var.k}x16.F32.BF16") == 1 and ".tnspB" in text, ops
+    assert count("UBLKCP") >= 4, ops  # q, k, g, v rows (prologue and loop copies)
+    assert count("SYNCS.PHASECHK") >= 4 and count("SYNCS.ARRIVE") >= 4, ops
+    assert count("WARPGROUP.ARRIVE") == 2 and count("WARPGROUP.DEPBAR") == 2, ops
+    assert count("HMMA.16816") == 4 * (2 if var.k >= 128 else 1) + 6, ops  # L/Mqk per K slice, W (3 x 2)
+    threads = 2 * var.k + 128 * (var.block_v // 64)
+    assert (count("USETMAXREG") == 2) == (threads > 256), ops
+
+
+def test_sm90_launcher_checks_inputs():
+    """The launcher names the argument that does not fit the variant (no GPU needed)."""
+    from kdagen.abi import KdaCall
+    from kdagen.targets.sm90 import build_params
+
+    var = Variant("sm90", 16, 64, 64, "bf16", "bounded", "fp32", 64)
+    T, H = 20, 2
+
+    def call(**kw):
+        x = lambda d=64: torch.randn(1, T, H, d).bfloat16()  # noqa: E731
+        base = dict(q=x(), k=x(), v=x(), g=torch.randn(1, T, H, 64), beta=torch.randn(1, T, H), o=x(),
+                    q_strides=(T * H * 64, H * 64, 64), k_strides=(T * H * 64, H * 64, 64),
+                    v_strides=(T * H * 64, H * 64, 64), g_strides=(T * H * 64, H * 64, 64),
+                    beta_strides=(T * H, H, 1), o_strides=(T * H * 64, H * 64, 64), B=1, T=T, N=1, H=H, HV=H,
+                    K=64, V=64, cu_seqlens=None, A_log=torch.zeros(H), dt_bias=None, scale=0.125, lower_bound=-5.0,
+                    use_qk_l2norm=True, allow_neg_eigval=False, initial_state=None, final_state=None,
+                    state_kv=False, chunk_states=None, chunk_offsets=None, max_len=T)
+        base.update(kw)
+        return KdaCall(**base)
+
+    p, _ = build_params(call(), var, var.name)
+    assert (p.N, p.HV, p.group, p.g_fp32, p.beta_fp32, p.max_len) == (1, H, 1, 1, 1, T)
+    with pytest.raises(RuntimeError, match="q has dtype torch.float16, expected torch.bfloat16"):
+        build_params(call(q=torch.randn(1, T, H, 64).half()), var, var.name)
+    with pytest.raises(RuntimeError, match="K, V = 128, 128; variant has 64, 64"):
+        build_params(call(K=128, V=128), var, var.name)
+    with pytest.raises(RuntimeError, match="needs A_log"):
+        build_params(call(A_log=None), var, var.name)
+    with pytest.raises(RuntimeError, match="final_state must be contiguous torch.float32"):
+        build_params(call(final_state=torch.zeros(1, H, 64, 64).bfloat16()), var, var.name)
+
+
+# ----------------------------------------------------------------------------- GPU
+
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="CUDA not available")
+VARIANTS = sm90_variants() if HAS_CUDA else []
+VIDS = [v.name for v, _ in VARIANTS]
+
+
+class _Args(ctypes.Structure):
+    _fields_ = [("a", ctypes.c_uint64), ("b", ctypes.c_uint64), ("d", ctypes.c_uint64),
+                ("flag", ctypes.c_int), ("pad", ctypes.c_int)]
+
+
+@gpu
+@needs_cuda
+def test_sm90_primitives(tmp_path: Path):
+    """Each operand form of the kernel on its own against torch (tests/sm90_selftest.cu)."""
+    from kdagen.targets.cuda_driver import load_module
+
+    fatbin = tmp_path / "selftest.fatbin"
+    r = subprocess.run(["nvcc", "-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-fatbin",
+                        f"-I{ROOT / 'templates/common'}", str(ROOT / "tests/sm90_selftest.cu"), "-o", str(fatbin)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    dev = torch.cuda.current_device()
+    mod = load_module(fatbin, dev, "sm90_selftest")
+    gen = torch.Generator().manual_seed(5)
+    rnd = lambda *s: torch.randn(*s, generator=gen).bfloat16().cuda()  # noqa: E731
+
+    def run(kernel, a, b, rows_out, cols_out, flag=0):
+        d = torch.full((rows_out, cols_out), float("nan"), device="cuda")
+        args = _Args(a.data_ptr(), b.data_ptr(), d.data_ptr(), flag, 0)
+        mod.launch(mod.function(kernel), (1, 1, 1), (128, 1, 1), 0, torch.cuda.current_stream().cuda_stream,
+                   args, kernel)
+        torch.cuda.synchronize()
+        return d
+
+    def close(got, want, what):
+        err = ((got - want).norm() / want.norm()).item()
+        assert err < 1e-4, f"{what}: rel err {err:.3e}\n got {got[:2, :8]}\n want {want[:2, :8]}"
+
+    a, b = rnd(64, 128), rnd(16, 128)
+    close(run("t_k16", a, b, 64, 16), a.float() @ b.float().T, "K-major 128B-swizzled B (Qd/W), scale-a +1")
+    close(run("t_k16n", a, b, 64, 16), -(a.float() @ b.float().T), "K-major 128B-swizzled B, scale-a -1")
+    a, b = rnd(64, 16), rnd(16, 128)
+    close(run("t_mn", a, b, 64, 128), a.float() @ b.float(), "MN-major 128B-swizzled B (Kr), tnspB")
+    for rows in (16, 5):
+        v, b = rnd(16, 64), rnd(16, 16)
+        vm = v.float().clone()
+        vm[rows:] = 0
+        close(run("t_vt", v, b, 64, 16, flag=rows), vm.T @ b.float().T,
+              f"bulk copy + mbarrier, ldmatrix.trans v^T (valid rows {rows}), interleaved B")
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("T", [1, 15, 16, 17, 63, 64, 65, 1000])
+@pytest.mark.parametrize("va", VARIANTS, ids=VIDS)
+def test_sm90_lengths(va, T):
+    """Lengths around the chunk, GQA (H 2, HV 4), both layouts and both state layouts, chunk states."""
+    v, _ = va
+    kw = make_case(v, "cuda", B=2, T=T, H=2, HV=4, layout="BSND" if T % 2 else "BNSD",
+                   state_layout="KV" if T % 3 == 0 else "VK", chunk_states=v.state != "none", seed=T)
+    run_and_compare(v, kw)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("gate", ["normal", "g=-8", "g=0", "g=+8", "U(-8,8)", "N(0,8)", "dt=+4", "dt=-4", "dt=+8",
+                                  "dt=-8"])
+@pytest.mark.parametrize("va", VARIANTS, ids=VIDS)
+def test_sm90_gate_sweep(va, gate):
+    v, _ = va
+    kw = make_case(v, "cuda", T=300, H=2, HV=2, gate_scenario=gate, seed=7)
+    run_and_compare(v, kw, tol=GATE_TOL if v.state != "bf16" else None)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("lens", [[1300, 547, 2048, 963, 271, 3063], [0, 5, 0, 64, 0, 130, 1, 0]],
+                         ids=["varlen6", "empty"])
+@pytest.mark.parametrize("va", VARIANTS, ids=VIDS)
+def test_sm90_varlen(va, lens):
+    """Packed sequences (with empty and length-1 ones), chunk states, GQA."""
+    v, _ = va
+    kw = make_case(v, "cuda", lens=lens, H=1, HV=2, chunk_states=v.state != "none", seed=len(lens))
+    run_and_compare(v, kw)
+
+
+def test_sm90_algorithm_emulation():
+    """The kernel's chunk-16 algorithm in torch, with the kernel's record (Qd, W, Kr, Mqk in
+    hi + lo bf16 with an fp32 diagonal, (I+L)^-1 diag(b) in hi + lo) and its bf16 rounding points,
+    one head on CPU, against the float64 reference: checks the consumer's formulas
+    (U^T = v^T (A_hi + A_lo)^T - S W^T, o^T = S Qd^T + U^T Mqk^T, S = S Gamma_C + U^T Kr)
+    independently of any GPU, and the accuracy they allow (sm80's rounding points: o 3.9e-3)."""
+    from kdagen.reference import activate_gate, kda_reference, rel_rmse
+
+    torch.manual_seed(3)
+    T, K = 70, 64
+    bf = lambda x: x.bfloat16().float()  # noqa: E731
+    q, k, v = (torch.randn(1, T, 1, K).bfloat16() for _ in range(3))
+    g, beta = torch.randn(1, T, 1, K), torch.randn(1, T, 1)
+    A_log, dt_bias = torch.tensor([0.3]), torch.randn(1, K) * 0.5
+    S0 = torch.randn(1, 1, K, K) * 0.5  # [N, HV, V, K]
+    ro, rs, _ = kda_reference(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0, gate="bounded",
+                              initial_state=S0, output_final_state=True)
+    a = activate_gate(g, gate="bounded", A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0).float()[0, :, 0]
+    nrm = lambda x: x / torch.sqrt((x * x).sum(-1, keepdim=True) + 1e-6)  # noqa: E731
+    qh, kh, vv = nrm(q.float()[0, :, 0]), nrm(k.float()[0, :, 0]), v.float()[0, :, 0]
+    b = torch.sigmoid(beta[0, :, 0])
+    scale = K ** -0.5
+    S = S0[0, 0].clone()
+    o = torch.zeros(T, K)
+    for c0 in range(0, T, 16):
+        rows = min(16, T - c0)
+        pad = lambda x: torch.cat([x[c0:c0 + rows], torch.zeros(16 - rows, *x.shape[1:])])  # noqa: E731
+        qc, kc, vc, ac, bc = pad(qh), pad(kh), pad(vv), pad(a), pad(b)
+        G = torch.cumsum(ac, 0)
+        Gam = torch.exp(G)
+        Qd, Kr = bf(scale * qc * Gam), bf(kc * torch.exp(G[-1] - G))
+        L = torch.tril(bc[:, None] * (bf(kc * Gam) @ bf(kc / Gam).T), -1)
+        M = torch.tril(scale * (bf(qc * Gam) @ bf(kc / Gam).T), -1) + torch.diag(scale * (qc * kc).sum(-1))
+        Mh, Ml = bf(M), bf(M - bf(M))
+        Ai = torch.linalg.inv(torch.eye(16) + L)
+        X = bc[:, None] * kc * Gam
+        Xh, Ih = bf(X), bf(Ai)
+        W = bf(bf(Ai - Ih) @ Xh + Ih @ bf(X - Xh) + Ih @ Xh)
+        Ab = Ai * bc[None, :]
+        Ah = bf(Ab)
+        Sb = bf(S)
+        Ut = vc.T @ (Ah + bf(Ab - Ah)).T - Sb @ W.T  # [V, 16]
+        Uh, Ul = bf(Ut), bf(Ut - bf(Ut))
+        ot = Sb @ Qd.T + Uh @ (Mh + Ml).T + Ul @ Mh.T
+        S = S * torch.exp(G[-1])[None, :] + Uh @ Kr
+        o[c0:c0 + rows] = bf(ot.T[:rows])
+    e_o, e_s = rel_rmse(o[None, :, None].double(), ro), rel_rmse(S[None, None].double(), rs)
+    assert e_o < 2.5e-3 and e_s < 3e-3, (e_o, e_s)  # measured: 1.94e-3, 2.16e-3
