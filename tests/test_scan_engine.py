@@ -128,7 +128,8 @@ def test_whole_calls_pass_through_and_bad_input_is_named():
     with pytest.raises(KdaInputError, match="mode: expected 'rerun' or 'correct'"):
         scan_prefill(**kw, segments=2, mode="fast", prefill=reference_prefill)
     with pytest.raises(KdaInputError, match="workspace"):
-        scan_prefill(**kw, segments=2, workspace=torch.empty(8, dtype=torch.uint8), prefill=reference_prefill)
+        scan_prefill(**kw, segments=2, chunk_size=16, workspace=torch.empty(8, dtype=torch.uint8),
+                     prefill=reference_prefill)
     var = make_kw(5, lens=[64, 64])
     with pytest.raises(KdaInputError, match="cu_seqlens: the scan cuts sequences on the host"):
         scan_prefill(**var, segments=2, assume_valid=True, prefill=reference_prefill)

@@ -27,12 +27,12 @@ import torch
 from torch import Tensor
 
 from ..errors import KdaInputError
-from ..inputs import check_call
+from ..inputs import CallInfo, check_call
 from .chain import chain_states
 from .layout import SegmentLayout, split
 from .maps import fold
 
-__all__ = ["Packed", "pack", "scan_prefill", "maps_step", "rerun_step", "correct_step", "compose_segments"]
+__all__ = ["Packed", "validate", "pack", "scan_prefill", "maps_step", "rerun_step", "correct_step", "compose_segments"]
 
 Prefill = Callable[..., Any]
 
@@ -81,10 +81,11 @@ class Packed:
         return prefill(q, k, v, g, beta, **base)
 
 
-def pack(q, k, v, g, beta, *, A_log=None, dt_bias=None, initial_state=None, cu_seqlens=None, cu_seqlens_cpu=None,
-         layout="BSND", state_layout="VK", state_dtype=None, output_final_state=False, return_chunk_states=False,
-         final_state=None, chunk_states=None, assume_valid=False, **kw) -> Packed:
-    """Validate a kda_prefill call (its own checks and messages) and pack its inputs."""
+def validate(q, k, v, g, beta, *, A_log=None, dt_bias=None, initial_state=None, cu_seqlens=None,
+             cu_seqlens_cpu=None, layout="BSND", state_layout="VK", state_dtype=None, output_final_state=False,
+             return_chunk_states=False, final_state=None, chunk_states=None, assume_valid=False, **kw
+             ) -> tuple[CallInfo, list[int]]:
+    """A kda_prefill call's own checks and messages, and the sequences' packed offsets (host)."""
     info = check_call(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, scale=kw.get("scale"),
                       lower_bound=kw.get("lower_bound", -5.0), gate=kw.get("gate"), initial_state=initial_state,
                       output_final_state=output_final_state, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
@@ -101,6 +102,15 @@ def pack(q, k, v, g, beta, *, A_log=None, dt_bias=None, initial_state=None, cu_s
         cu = [int(x) for x in info.cu_seqlens_host]
     else:
         cu = [i * info.T for i in range(info.B + 1)]
+    return info, cu
+
+
+def pack(q, k, v, g, beta, *, A_log=None, dt_bias=None, initial_state=None, layout="BSND", state_layout="VK",
+         state_dtype=None, final_state=None, chunk_states=None, checked=None, **kw) -> Packed:
+    """Validate a kda_prefill call (unless `checked` holds validate's result) and pack its inputs."""
+    info, cu = checked or validate(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, initial_state=initial_state,
+                                   layout=layout, state_layout=state_layout, state_dtype=state_dtype,
+                                   final_state=final_state, chunk_states=chunk_states, **kw)
     bsnd = info.layout == "bsnd"
     B, T, HV, K = info.B, info.T, info.HV, info.K
 
@@ -232,28 +242,27 @@ def scan_prefill(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *,
     prefill: the kda_prefill to compose (default kdagen.kda_prefill)."""
     if mode not in ("rerun", "correct"):
         raise KdaInputError(f"mode: expected 'rerun' or 'correct', found {mode!r}")
-    if kw.get("workspace") is not None:
-        raise KdaInputError("workspace: the scan makes several calls with their own scratch; pass None")
     prefill = prefill or _default_prefill()
     out, final_state, chunk_buf = kw.pop("out", None), kw.get("final_state"), kw.get("chunk_states")
     want_final = bool(kw.get("output_final_state")) or final_state is not None
     want_cs = bool(kw.get("return_chunk_states")) or chunk_buf is not None
     kw.setdefault("output_final_state", want_final)
     kw.setdefault("return_chunk_states", want_cs)
-    P = pack(q, k, v, g, beta, **kw)
-    align = P.kw.get("chunk_size") or 64
+    info, cu = validate(q, k, v, g, beta, **kw)
+    align = kw.get("chunk_size") or 64
     if segments is None:
         from .planner import plan_segments
         from ..select import _sm_count
 
-        lens = [b - a for a, b in zip(P.cu, P.cu[1:])]
-        chunk = P.kw.get("chunk_size") or 16
-        segments = plan_segments(lens, heads=P.HV, v_blocks=max(1, P.K // 32), sm_count=_sm_count(q.device),
-                                 chunk=chunk, costs=costs, align=align).segments
-    lay = split(P.cu, segments, align)
+        lens = [b - a for a, b in zip(cu, cu[1:])]
+        segments = plan_segments(lens, heads=info.HV, v_blocks=max(1, info.K // 32), sm_count=_sm_count(q.device),
+                                 chunk=kw.get("chunk_size") or 16, costs=costs, align=align).segments
+    lay = split(cu, segments, align)
     if not lay.split_any:
-        kw.pop("workspace", None)
         return prefill(q, k, v, g, beta, out=out, **kw)
+    if kw.get("workspace") is not None:
+        raise KdaInputError("workspace: the scan makes several calls with their own scratch; pass None")
+    P = pack(q, k, v, g, beta, checked=(info, cu), **kw)
 
     known = [True] * lay.num_sequences
     A, B, o2, cs2 = maps_step(P, lay, known, prefill, outputs=(mode == "correct"))
