@@ -1,7 +1,8 @@
 """Context-parallel prefill over the GPUs of one host (issue 19; GPU, not a test).
 
     NCCL_NVLS_ENABLE=0 PYTHONPATH=$PWD torchrun --nproc_per_node 2 scripts/cp_bench.py \
-        [--T 1048576 --H 8] [--segments auto,4,8,16] [--iters 5] [--out benchmarks/results/DATE_cp_h200.md]
+        [--T 1048576 --H 8] [--segments auto,4,8,16] [--modes rerun,correct] [--iters 5]
+        [--out benchmarks/results/DATE_cp_h200.md]
 
 A smoke run on CPU (gloo, the Triton interpreter): TRITON_INTERPRET=1 torchrun --nproc_per_node 2
 scripts/cp_bench.py --device cpu --T 256 --H 1 --D 32 --segments auto,2 --iters 1
@@ -9,7 +10,8 @@ scripts/cp_bench.py --device cpu --T 256 --H 1 --D 32 --segments auto,2 --iters 
 Every rank builds the same inputs (bench_kda.make_inputs: bf16, D=128, fp32 state, one sequence
 of T tokens) and keeps its even slice. Rank 0 first times the single-GPU calls alone (kdagen's
 one piece, and the one-GPU scan at the planner's segments); then all ranks time
-kdagen.kda_prefill(..., cp_context=ctx) for each --segments value (wall time between barriers,
+kdagen.kda_prefill(..., cp_context=ctx) for each --segments value and mode ("rerun": step 3
+reruns the segments; "correct": o corrected from step 1's outputs) (wall time between barriers,
 median), gather o and the final state on rank 0 and compare them with the single-GPU call.
 Done when (issue 19): on 2 GPUs at least 1.7x faster than one GPU, o and final state within
 5e-3; on 4 GPUs at least 3x.
@@ -66,6 +68,7 @@ def main() -> int:
     ap.add_argument("--T", type=int, default=1 << 20)
     ap.add_argument("--H", type=int, default=8)
     ap.add_argument("--segments", default="auto,4,8,16", help="per-rank scan segments to time ('auto': planner)")
+    ap.add_argument("--modes", default="rerun,correct")
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--D", type=int, default=128)
     ap.add_argument("--device", default="cuda", help="cuda (NCCL) or cpu (gloo: a smoke run)")
@@ -110,13 +113,13 @@ def main() -> int:
     h0 = ctx.local_initial_state(kw["initial_state"])
     del kw
     base = min(single.values()) if single else None
-    for seg in [s for s in a.segments.split(",") if s]:
+    for seg, mode in [(s, m) for m in a.modes.split(",") if m for s in a.segments.split(",") if s]:
         segs = None if seg == "auto" else int(seg)
 
         def run():
             from kdagen.cp import kda_prefill_cp
 
-            return kda_prefill_cp(**loc, **call, initial_state=h0, cp_context=ctx, segments=segs)
+            return kda_prefill_cp(**loc, **call, initial_state=h0, cp_context=ctx, segments=segs, mode=mode)
 
         out = run()
         ms = wall_ms(run, a.iters, True)
@@ -130,7 +133,7 @@ def main() -> int:
             o = torch.cat(parts, dim=1)
             final = fparts[world - 1]
             speed = f", {base / ms:.2f}x the best single-GPU call" if base else ""
-            say(f"- {world} GPUs, segments per rank {seg}: {ms:.2f} ms{speed}; o {rel_rmse(o, ref[0]):.2e}, "
+            say(f"- {world} GPUs, {mode}, segments per rank {seg}: {ms:.2f} ms{speed}; o {rel_rmse(o, ref[0]):.2e}, "
                 f"final state {rel_rmse(final, ref[1]):.2e} against the one-GPU one-piece call")
         del out, parts, fparts
     if rank == 0 and a.out:
