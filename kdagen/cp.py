@@ -35,7 +35,7 @@ from .errors import KdaInputError
 from .scan.chain import chain_states
 from .scan.engine import _default_prefill, _unpack, correct_step, maps_step, pack, rerun_step
 from .scan.layout import split
-from .scan.maps import fold
+from .scan.maps import fold, ieee_fp32
 
 __all__ = ["Piece", "CPContext", "build_cp_context", "kda_prefill_cp"]
 
@@ -234,7 +234,8 @@ def kda_prefill_cp(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, 
         A, B, o2, cs2 = maps_step(P, lay, known, prefill, outputs=(mode == "correct"))
         if pieces[-1].outgoing:
             last = slice(lay.first[-1], lay.first[-1] + lay.counts[-1])
-            Ap, Bp = fold(A[last], B[last], dim=0)
+            with ieee_fp32():
+                Ap, Bp = fold(A[last], B[last], dim=0)
             out_map[:, :K], out_map[:, K:] = Bp, Ap
 
     # 2. Exchange and chain across ranks.
@@ -242,10 +243,11 @@ def kda_prefill_cp(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, 
     S0 = P.h0.clone()
     if pieces and pieces[0].incoming:
         S = torch.zeros(HV, K, K, dtype=torch.float32, device=dev)
-        for r in ctx.holders(pieces[0].seq):
-            if r == ctx.rank:
-                break
-            S = S @ maps[r][:, K:] + maps[r][:, :K]
+        with ieee_fp32():
+            for r in ctx.holders(pieces[0].seq):
+                if r == ctx.rank:
+                    break
+                S = S @ maps[r][:, K:] + maps[r][:, :K]
         S0[0] = S
 
     # 3. Every local segment from its true entering state.

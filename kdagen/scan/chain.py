@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from .maps import chain as chain_torch
+from .maps import ieee_fp32
 
 __all__ = ["chain_states", "chain_triton", "triton_fits"]
 
@@ -93,4 +94,5 @@ def chain_states(A: Tensor, B: Tensor, S0: Tensor, counts: Sequence[int], impl: 
         raise ValueError(f"impl: expected 'auto', 'torch' or 'triton', found {impl!r}")
     if impl == "triton" or (impl == "auto" and A.is_cuda and triton_fits(A, B)):
         return chain_triton(A, B, S0, counts)
-    return chain_torch(A, B, S0, list(counts))
+    with ieee_fp32():
+        return chain_torch(A, B, S0, list(counts))

@@ -30,9 +30,9 @@ from ..errors import KdaInputError
 from ..inputs import CallInfo, check_call
 from .chain import chain_states
 from .layout import SegmentLayout, split
-from .maps import fold
+from .maps import ieee_fp32
 
-__all__ = ["Packed", "validate", "pack", "scan_prefill", "maps_step", "rerun_step", "correct_step", "compose_segments"]
+__all__ = ["Packed", "validate", "pack", "scan_prefill", "maps_step", "rerun_step", "correct_step"]
 
 Prefill = Callable[..., Any]
 
@@ -163,12 +163,6 @@ def maps_step(P: Packed, lay: SegmentLayout, known: Sequence[bool], prefill: Pre
     return Am, Bm, (o2 if outputs else None), (res[2] if want_cs else None)
 
 
-def compose_segments(A: Tensor, B: Tensor, lay: SegmentLayout) -> tuple[Tensor, Tensor]:
-    """Each sequence's map: its segments' maps composed ([N, HV, K, K], [N, HV, V, K])."""
-    out = [fold(A[f:f + c], B[f:f + c], dim=0) for f, c in zip(lay.first, lay.counts)]
-    return torch.stack([a for a, _ in out]), torch.stack([b for _, b in out])
-
-
 def rerun_step(P: Packed, lay: SegmentLayout, S_in: Tensor, prefill: Prefill, chunk_states: bool
                ) -> tuple[Tensor, Tensor, Optional[Tensor]]:
     """Step 3: every segment from its true entering state S_in [S, HV, V, K] (fp32). Returns
@@ -190,13 +184,14 @@ def correct_step(P: Packed, lay: SegmentLayout, S_in: Tensor, known: Sequence[bo
     cA = cs2[:, 1::2] if cs2 is not None else None
     applied = {lay.first[n] for n in range(lay.num_sequences) if known[n]}
     row = 0
-    for s, (a, b) in enumerate(zip(lay.bounds, lay.bounds[1:])):
-        rows = -(-(b - a) // C) if C else 0
-        if s not in applied and b > a:
-            o[0, a:b] += torch.einsum("thk,hvk->thv", oA[0, a:b].float(), S_in[s])
-            if cs is not None:
-                cs[row:row + rows] += torch.einsum("hvk,rhkj->rhvj", S_in[s], cA[row:row + rows])
-        row += rows
+    with ieee_fp32():
+        for s, (a, b) in enumerate(zip(lay.bounds, lay.bounds[1:])):
+            rows = -(-(b - a) // C) if C else 0
+            if s not in applied and b > a:
+                o[0, a:b] += torch.einsum("thk,hvk->thv", oA[0, a:b].float(), S_in[s])
+                if cs is not None:
+                    cs[row:row + rows] += torch.einsum("hvk,rhkj->rhvj", S_in[s], cA[row:row + rows])
+            row += rows
     return o.to(o2.dtype), cs
 
 

@@ -21,7 +21,9 @@ dtype of the inputs (float32 or float64).
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 from torch import Tensor
@@ -38,7 +40,20 @@ __all__ = [
     "segment_maps",
     "chain",
     "rerun",
+    "ieee_fp32",
 ]
+
+
+@contextlib.contextmanager
+def ieee_fp32() -> Iterator[None]:
+    """fp32 products without TF32 inside (a caller may have enabled it globally): the chain and
+    the corrections multiply transitions that must stay exact to fp32 rounding."""
+    saved = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved
 
 
 @dataclass
