@@ -350,22 +350,37 @@ def run_and_compare(v: Variant, kw: dict, tol: Optional[float | dict[str, float]
 # ----------------------------------------------------------------------------- benchmarks
 
 
-def bench_case(T: Optional[int] = None, H: int = 8, lens: Optional[list[int]] = None, D: int = 128, seed: int = 0,
-               device="cuda", B: int = 1) -> dict:
-    """The benchmarks' inputs (kda_prefill kwargs): bf16 q, k, v, g [B, T, H, D], beta [B, T, H],
-    the bounded gate at lower_bound -5, an fp32 initial state [N, H, D, D] and the final state,
-    q/k L2 norm in the kernel (DESIGN.md section 5's setting). Drawn on `device`."""
-    gen = torch.Generator(device=device).manual_seed(seed)
+def bench_inputs(T: Optional[int] = None, H: int = 8, lens: Optional[list[int]] = None, D: int = 128, seed: int = 0,
+                 dev="cuda", B: int = 1, dtype: str = "bf16", gate: str = "bounded") -> tuple[dict, Any]:
+    """The benchmarks' tensors and cu_seqlens apart: q, k, v, g [B, T, H, D] and beta [B, T, H] in
+    `dtype`, A_log and dt_bias (None for the precomputed gate, whose g is then a log-decay in the
+    bounded gate's range), an fp32 initial state [N, H, D, D] and the gate form (DESIGN.md
+    section 5's setting). Drawn on `dev`; callers pass the other arguments themselves."""
+    gen = torch.Generator(device=dev).manual_seed(seed)
     if lens is not None:
         T = sum(lens)
+    dt = torch_dtype(dtype)
 
     def r(*s):
-        return torch.randn(*s, generator=gen, device=device)
+        return torch.randn(*s, generator=gen, device=dev)
 
-    kw = dict(q=r(B, T, H, D).bfloat16(), k=r(B, T, H, D).bfloat16(), v=r(B, T, H, D).bfloat16(),
-              g=r(B, T, H, D).bfloat16(), beta=r(B, T, H).bfloat16(),
-              A_log=torch.rand(H, generator=gen, device=device), dt_bias=r(H, D) * 0.1, lower_bound=-5.0,
-              initial_state=r(len(lens) if lens else B, H, D, D) * 0.1, output_final_state=True)
-    if lens is not None:
-        kw["cu_seqlens"] = torch.tensor(_cumsum(lens), dtype=torch.int32, device=device)
+    g = r(B, T, H, D)
+    if gate == "precomputed":
+        g = -5.0 * torch.sigmoid(g)
+    kw = dict(q=r(B, T, H, D).to(dt), k=r(B, T, H, D).to(dt), v=r(B, T, H, D).to(dt), g=g.to(dt), beta=r(B, T, H).to(dt),
+              A_log=torch.rand(H, generator=gen, device=dev) if gate != "precomputed" else None,
+              dt_bias=r(H, D) * 0.1 if gate != "precomputed" else None,
+              initial_state=r(len(lens) if lens else B, H, D, D) * 0.1, gate=gate)
+    cu = torch.tensor(_cumsum(lens), dtype=torch.int32, device=dev) if lens else None
+    return kw, cu
+
+
+def bench_case(T: Optional[int] = None, H: int = 8, lens: Optional[list[int]] = None, D: int = 128, seed: int = 0,
+               device="cuda", B: int = 1, dtype: str = "bf16", gate: str = "bounded") -> dict:
+    """bench_inputs as kda_prefill kwargs: lower_bound -5 (bounded gate), the final state asked
+    for, cu_seqlens in."""
+    kw, cu = bench_inputs(T, H, lens, D, seed, device, B, dtype, gate)
+    kw.update(output_final_state=True, lower_bound=-5.0 if gate == "bounded" else None)
+    if cu is not None:
+        kw["cu_seqlens"] = cu
     return kw

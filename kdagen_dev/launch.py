@@ -49,6 +49,27 @@ def capture_call(kw: dict, variant: str):
     return captured[0]
 
 
+def median_ms(fn: Callable[[Any], Any], sets: list, warmup: int = 5, iters: int = 30) -> float:
+    """Median milliseconds of `fn(s)` with the input sets `sets` in rotation (so the L2 cache does
+    not flatter small cases), CUDA events around each call, after warm-up."""
+    import statistics
+
+    import torch
+
+    for i in range(warmup):
+        fn(sets[i % len(sets)])
+    torch.cuda.synchronize()
+    times = []
+    for i in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn(sets[i % len(sets)])
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
 def timeit(fn: Callable[[], Any], warmup: int = 3, iters: int = 10) -> float:
     """Median milliseconds of `fn()` on the current CUDA stream (CUDA events, after warm-up)."""
     import torch
