@@ -58,15 +58,15 @@ PATHS: dict[str, dict[str, Any]] = {
 }
 
 
-# The ill-conditioned case amplifies fp32 rounding through the chunk-16 inverse (repeated
-# squaring of an L whose powers grow): measured up to 4.8e-5 (o, states) at chunk 16, against
-# 3.5e-7 at chunk 64 (forward substitution); a dropped factor of the inverse gives ~1e-2.
-ILL_CONDITIONED_C16_TOL = 2e-4
+# The ill-conditioned case amplifies fp32 rounding through the 16x16 inverses (repeated squaring
+# of an L whose powers grow; chunk 64 solves by blocks of 16 too): measured up to 6.6e-5 (o,
+# states); a dropped factor of the inverse gives ~1e-2.
+ILL_CONDITIONED_TOL = 3e-4
 
 
 def path_tolerance(v: Variant, path: str) -> Optional[float]:
     """A path's own bound where it differs from `tolerances` (None: the variant's)."""
-    return ILL_CONDITIONED_C16_TOL if path == "ill_conditioned" and v.chunk == 16 else None
+    return ILL_CONDITIONED_TOL if path == "ill_conditioned" else None
 
 
 def path_reason(v: Variant, path: str) -> Optional[str]:
@@ -219,23 +219,24 @@ def _fused_views(t: dict, *, K: int, V: int, pad_tokens: int) -> dict:
 def tolerances(v: Variant, device) -> dict[str, float]:
     """Bound on the rel RMSE of each output, from measured errors (kdagen_dev/error_table.py).
 
-    CPU (Triton interpreter, every case of the suite, 2026-12-01): fp32 outputs of fp32 variants
-    and the fp32 state of 16-bit variants measure <= 2.4e-7, held to 2e-6. 16-bit outputs carry
-    their own rounding (bf16 alone ~3.3e-3; measured up to 3.6e-3 for o, 3.4e-3 for a bf16 final
-    state), held to 5e-3. On a GPU the kernels take tf32 or 16-bit products (sm80 measured 2.4e-3
-    to 2.9e-3 for the fp32 state, 3.2e-3 to 4.0e-3 for o, on the H200), so 16-bit variants keep
-    5e-3 for every output and fp32 variants 1e-5 until a GPU run's error table says otherwise.
+    Measured on the CPU over every case of the suite (2026-12-01, the chunk-parallel Triton
+    template, whose interpreter runs round operands as the GPU's tensor cores do): fp32 variants
+    <= 2.4e-7 for every output, held to 2e-6 (1e-5 on a GPU until a GPU run's table says
+    otherwise). 16-bit variants: o carries its own rounding (bf16 alone ~3.3e-3; measured up to
+    3.4e-3) and so does the state, even where it is carried in fp32, since the recurrence takes it
+    as a bf16 operand (measured 2.8e-3; sm80 on the H200 2.4e-3 to 2.9e-3): both held to 5e-3.
+    Their chunk states measure up to 3.1e-4 (the early chunks carry little error): held to 2e-3
+    on the CPU, 5e-3 on a GPU (not yet measured there).
     """
-    # fp32 arithmetic throughout only where the Triton interpreter runs the kernel (the Ascend
-    # model on the CPU emulates the hardware's 16-bit cube operands)
+    # the Triton interpreter is the one CPU path of these kernels (the Ascend model on the CPU
+    # emulates the hardware's own precision and keeps the GPU bounds)
     cpu = torch.device(device).type == "cpu" and v.target in ("triton", "triton_twin")
-    fp32 = 2e-6 if cpu else 1e-5  # an fp32-carried output
-    rounded = 5e-3  # a 16-bit output
+    rounded = 5e-3  # a 16-bit output, or one computed from 16-bit operands
     if v.dtype == "fp32":
+        fp32 = 2e-6 if cpu else 1e-5
         state = rounded if v.state == "bf16" else fp32
         return {"o": fp32, "state": state, "chunk_states": state}
-    state = rounded if (v.state == "bf16" or not cpu) else fp32
-    return {"o": rounded, "state": state, "chunk_states": state}
+    return {"o": rounded, "state": rounded, "chunk_states": 2e-3 if cpu and v.state != "bf16" else rounded}
 
 
 # ----------------------------------------------------------------------------- running

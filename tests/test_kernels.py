@@ -88,13 +88,8 @@ def _gate_applies(v: Variant, scenario: str) -> bool:
     return not (v.gate == "precomputed" and scenario.startswith("dt"))  # no dt_bias there
 
 
-# Chunk 64 on the CPU: the scenarios with the longest decay spans (the activation is shared code).
-CPU_C64_GATES = ("g=-8", "g=+8", "N(0,8)")
-
-
 def _cpu_gate_pick(v: Variant, scenario: str) -> bool:
-    return (v.dtype == "fp32" and v.state == "fp32" and v.k == v.v == 32 and _gate_applies(v, scenario)
-            and (v.chunk == 16 or scenario in CPU_C64_GATES))
+    return v.dtype == "fp32" and v.state == "fp32" and v.k == v.v == 32 and _gate_applies(v, scenario)
 
 
 @pytest.mark.parametrize("v,dev,case", _params(GATE_SCENARIOS, _cpu_gate_pick, _gate_applies))
@@ -107,25 +102,28 @@ def test_gates(v, dev, case):
 # ----------------------------------------------------------------------------- paths
 
 def _cpu_path_pick(v: Variant, path: str) -> bool:
-    """Where a path's code is on the CPU: the fp32 bounded variants at K = V = 32, chunk 16 for every
-    path and chunk 64 for the chunk-specific ones (the inverse, long decay spans, chunk offsets);
-    K != V for the strides and state offsets; the other gate forms where the path reads the gate."""
-    if path_reason(v, path) or v.dtype != "fp32":
+    """Where a path's code is on the CPU: every path on the fp32 bounded variants at K = V = 32 (both
+    chunk sizes); K != V for the strides and state offsets; the other gate forms where the path
+    reads the gate; and the 16-bit variant's own code (16-bit g and beta, its exact prep pass for
+    decays beyond exp(85)) on bf16 at chunk 16."""
+    if path_reason(v, path):
         return False
-    base = v.gate == "bounded" and v.k == v.v == 32
-    if base:
-        return v.chunk == 16 or path in ("ill_conditioned", "lower_bound_-20", "fused_varlen")
+    if v.dtype == "bf16":
+        return (v.k == v.v == 32 and v.chunk == 16 and v.state == "fp32" and v.gate == "bounded"
+                and path in ("fused_varlen", "lower_bound_-20"))
+    if v.gate == "bounded" and v.k == v.v == 32:
+        return True
     if v.chunk != 16:
         return False
     if v.k != v.v:
         return path in ("fused_varlen", "fused_bnsd", "gva_hv6")
-    return path in ("no_dt_bias", "gva_hv4", "ill_conditioned") and v.gate != "bounded"
+    return path in ("no_dt_bias", "gva_hv4", "ill_conditioned")
 
 
 @pytest.mark.parametrize("v,dev,case", _params(PATHS, _cpu_path_pick, lambda v, p: path_reason(v, p) is None))
 def test_paths(v, dev, case):
     _skip_unless_runs(v, dev)
-    kw = path_case(v, dev, case, seed=4, max_chunks=1 if dev == "cpu" and v.chunk == 64 else None)
+    kw = path_case(v, dev, case, seed=4)
     run_and_compare(v, kw, tol=path_tolerance(v, case))
 
 
@@ -151,7 +149,8 @@ def _extreme_applies(v: Variant, case: str) -> bool:
 
 @pytest.mark.parametrize("v,dev,case", _params(
     {c: None for c in EXTREMES},
-    lambda v, c: _extreme_applies(v, c) and v.dtype == "fp32" and v.k == v.v == 32 and v.gate != "precomputed",
+    lambda v, c: (_extreme_applies(v, c) and v.k == v.v == 32 and v.state != "bf16"
+                  and (v.dtype == "fp32" and v.gate != "precomputed" or c == "huge_decay")),
     _extreme_applies))
 def test_extremes(v, dev, case):
     _skip_unless_runs(v, dev)
