@@ -10,6 +10,7 @@ passes them or promises valid input with `assume_valid=True`).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import warnings
 from typing import Any, Optional
@@ -22,6 +23,7 @@ from .dtypes import torch_dtype
 from .errors import KdaInputError, NoVariantError
 from .inputs import CallInfo, check_offsets, check_signature
 from .registry import Entry, Registry
+from .padding import PaddedPlan, at_dims, choose_covering, coverage_note, target_dims
 from .select import GENERATE, Candidate, choose, miss_message, preference, rejection
 
 log = logging.getLogger("kdagen")
@@ -33,6 +35,7 @@ _LOGGED: set = set()
 # Choices by what selection depends on (so a new token count with the same sequences and heads
 # skips the candidate scan): functional key, device, N, HV, and whether sequences average >= 512.
 _CHOICES: dict[tuple, str] = {}
+_CHECKPOINT_CHUNK: dict[tuple, int] = {}  # kernel chunk that served checkpoints, by kind of call
 # Deprecated: tests used to set this to NaN-fill every output; pass NaN-filled out= /
 # final_state= / chunk_states= buffers instead (allocate_outputs(..., fill=nan) makes them).
 POISON_OUTPUTS = False
@@ -55,6 +58,7 @@ def reset() -> Registry:
     _PLANS.clear()
     _LOGGED.clear()
     _CHOICES.clear()
+    _CHECKPOINT_CHUNK.clear()
     return registry()
 
 
@@ -105,6 +109,12 @@ def kda_prefill(
     chunk_states: Optional[torch.Tensor] = None,
     workspace: Optional[torch.Tensor] = None,
     assume_valid: bool = False,
+    beta_is_logit: bool = True,
+    state_pool: Optional[torch.Tensor] = None,
+    state_indices: Optional[torch.Tensor] = None,
+    checkpoint_every: Optional[int] = None,
+    checkpoints: Optional[torch.Tensor] = None,
+    checkpoint_offsets: Optional[torch.Tensor] = None,
 ):
     """Kimi Delta Attention prefill.
 
@@ -112,9 +122,24 @@ def kda_prefill(
     ("BNSD" swaps T and the head axis). HV must be a multiple of H (GQA/GVA).
     Gate: bounded lower_bound*sigmoid(exp(A_log)*(g+dt_bias)) (default), unbounded
     -exp(A_log)*softplus(g+dt_bias) (lower_bound=None), or precomputed log-decay g
-    (A_log=None); `gate` names one explicitly. beta is a logit (sigmoid in kernel).
+    (A_log=None); `gate` names one explicitly. beta is a logit (b = sigmoid(beta), x2 with
+    allow_neg_eigval), or with beta_is_logit=False the coefficient b itself (in [0, 2];
+    values outside give NaN). Head dims K and V (which may differ) up to 256: sizes no variant
+    has are zero-padded to the next one a target builds (exact; see kdagen.padding).
     States are [N, HV, V, K] (state_layout "VK") or [N, HV, K, V] ("KV"), float32
     or bfloat16. cu_seqlens (int32/int64, B=1) packs N sequences along T.
+
+    State pool (serving engines): state_pool [P, HV, V, K] (or [P, HV, K, V]) and
+    state_indices [N] (int32/int64; -1: a padding sequence, whose slot is neither read nor
+    written) replace initial_state/final_state: sequence n starts from state_pool[idx[n]]
+    and its final state is written back there in place. Indices are checked (range, no
+    duplicates) on the host unless assume_valid; pass them on the CPU to spare a device read.
+
+    Checkpoints (prefix caching): checkpoint_every=n (a multiple of the chunk size, 16 or 64)
+    writes the state after every n tokens of each sequence (n, 2n, ... <= its length) to
+    `checkpoints` [rows, HV, *state] (allocated when None): sequence i's j-th at row
+    checkpoint_offsets[i] + j (offsets [N + 1]; default: packed in order). Needs the lengths
+    on the host (cu_seqlens_cpu, else a read of cu_seqlens).
 
     Engine-owned memory: `out` (v's shape and dtype, unit last stride), `final_state`
     (implies output_final_state), `chunk_states` (implies return_chunk_states; at least the
@@ -128,9 +153,13 @@ def kda_prefill(
 
     Returns (o, final_state), or (o, final_state, chunk_states) when return_chunk_states: the
     state entering every chunk of `chunk_size` tokens, [NC_total, HV, *state], sequences'
-    chunks concatenated. `variant` (or KDAGEN_FORCE_VARIANT) forces a variant by name (it must
-    still fit the call).
+    chunks concatenated; checkpoints, when asked, come last. `variant` (or
+    KDAGEN_FORCE_VARIANT) forces a variant by name (it must still fit the call).
     """
+    if beta_is_logit is not True:
+        if beta_is_logit is not False:
+            raise KdaInputError(f"beta_is_logit: expected True or False, found {beta_is_logit!r}")
+        beta, allow_neg_eigval = _beta_logits(beta), True
     if torch.compiler.is_compiling():
         from .ops import traced_prefill
 
@@ -141,7 +170,13 @@ def kda_prefill(
                               allow_neg_eigval=allow_neg_eigval, chunk_size=chunk_size,
                               return_chunk_states=return_chunk_states, variant=variant, out=out,
                               final_state=final_state, chunk_states=chunk_states, workspace=workspace,
-                              assume_valid=assume_valid)
+                              assume_valid=assume_valid, state_pool=state_pool, state_indices=state_indices,
+                              checkpoint_every=checkpoint_every, checkpoints=checkpoints,
+                              checkpoint_offsets=checkpoint_offsets)
+    if state_pool is not None or state_indices is not None or checkpoint_every is not None \
+            or checkpoints is not None or checkpoint_offsets is not None:
+        return _engine_call(q, k, v, g, beta, {n: val for n, val in locals().items() if n in _DEFAULTS},
+                            state_pool, state_indices, checkpoint_every, checkpoints, checkpoint_offsets)
     # The signature: everything validation and selection depend on but tensor values. Spelled
     # out (no helper per tensor): this line is most of the host cost of a repeated call.
     try:
@@ -178,14 +213,103 @@ def kda_prefill(
                 chunk_states, workspace)
 
 
+def _beta_logits(beta) -> torch.Tensor:
+    """Logits the kernels' 2 * sigmoid turns back into the coefficient b: logit(b / 2), float32
+    (b in [0, 2]; b = 0 and 2 give -inf and +inf, which the kernels' sigmoid maps exactly)."""
+    if not isinstance(beta, torch.Tensor) or not beta.is_floating_point():
+        raise KdaInputError(f"beta: expected a floating-point tensor, found "
+                            f"{beta.dtype if isinstance(beta, torch.Tensor) else type(beta).__name__}")
+    return (beta.to(torch.float32) * 0.5).logit_()
+
+
+def _engine_call(q, k, v, g, beta, kw: dict, state_pool, state_indices, checkpoint_every, checkpoints,
+                 checkpoint_offsets):
+    """kda_prefill with a state pool and/or checkpoints: gathers and scatters around one call."""
+    from . import checkpoints as ckpt
+    from . import state_pool as pool_io
+
+    for name, t in (("q", q), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise KdaInputError(f"{name}: expected a 4-dim tensor, found "
+                                f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+    bsnd = str(kw["layout"]).upper() == "BSND"
+    cu = kw["cu_seqlens"]
+    B, T = q.shape[0], (q.shape[1] if bsnd else q.shape[2])
+    N = cu.shape[0] - 1 if isinstance(cu, torch.Tensor) else B
+    HV, K, V = (v.shape[2] if bsnd else v.shape[1]), q.shape[-1], v.shape[-1]
+    st = (K, V) if kw["state_layout"] == "KV" else (V, K)
+    want_final = bool(kw["output_final_state"]) or kw["final_state"] is not None
+    pc = None
+    if state_pool is not None or state_indices is not None:
+        if state_pool is None or state_indices is None:
+            raise KdaInputError("state_pool, state_indices: expected both (the pool and each sequence's slot) or "
+                                "neither, found only " + ("state_pool" if state_indices is None else "state_indices"))
+        for name in ("initial_state", "final_state"):
+            if kw[name] is not None:
+                raise KdaInputError(f"{name}: expected None with state_pool (the pool holds the initial and final "
+                                    f"states), found a tensor")
+        pc = pool_io.gather(state_pool, state_indices, N=N, HV=HV, state_shape=st, device=q.device,
+                            state_dtype=kw["state_dtype"], assume_valid=bool(kw["assume_valid"]))
+        kw = dict(kw, initial_state=pc.initial_state, final_state=pc.final_state, output_final_state=True)
+    cp = None
+    if checkpoint_every is not None or checkpoints is not None or checkpoint_offsets is not None:
+        if checkpoint_every is None:
+            raise KdaInputError("checkpoint_every: expected the checkpoints' spacing in tokens with checkpoints= / "
+                                "checkpoint_offsets=, found None")
+        chunks = ckpt.kernel_chunks(checkpoint_every, kw["chunk_size"])
+        lens = ckpt.host_lengths(B, T, cu, kw["cu_seqlens_cpu"], "checkpoint_every")
+        if cu is not None and kw["cu_seqlens_cpu"] is None:
+            kw = dict(kw, cu_seqlens_cpu=torch.tensor([0, *itertools.accumulate(lens)], dtype=cu.dtype))
+        st_dtype = next((t.dtype for t in (kw["initial_state"], kw["final_state"], kw["chunk_states"])
+                         if t is not None), kw["state_dtype"] or torch.float32)
+        user_chunks = bool(kw["return_chunk_states"]) or kw["chunk_states"] is not None
+        kw = dict(kw, output_final_state=True, return_chunk_states=True, state_dtype=st_dtype)
+        # the chunk that served this kind of call last time first: a miss costs a full selection
+        memo = (q.dtype, K, V, q.device, kw["A_log"] is None, kw["lower_bound"] is None, kw["gate"], st_dtype,
+                bsnd, cu is None, chunks)
+        if memo in _CHECKPOINT_CHUNK:
+            chunks = (_CHECKPOINT_CHUNK[memo], *(c for c in chunks if c != _CHECKPOINT_CHUNK[memo]))
+        for i, chunk in enumerate(chunks):
+            cp = ckpt.plan(checkpoint_every, lens, HV=HV, state_shape=st, dtype=st_dtype, device=q.device,
+                           chunk=chunk, buffer=checkpoints, offsets=checkpoint_offsets,
+                           assume_valid=bool(kw["assume_valid"]))
+            try:
+                res = kda_prefill(q, k, v, g, beta, **dict(kw, chunk_size=chunk))
+                _CHECKPOINT_CHUNK[memo] = chunk
+                break
+            except NoVariantError:
+                if i == len(chunks) - 1:
+                    raise
+        cp.rows.copy(cp.buffer, res[2], res[1])
+        res = (res[0], res[1] if want_final else None, *((res[2],) if user_chunks else ()), cp.buffer)
+    else:
+        res = kda_prefill(q, k, v, g, beta, **kw)
+        if not want_final:
+            res = (res[0], None, *res[2:])
+    if pc is not None:
+        pool_io.scatter(pc)
+    return res
+
+
+def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+            **kwargs: Any) -> "Plan":
+    """Validate the call kda_prefill(q, k, v, g, beta, **kwargs) and select (generating and
+    building if need be) its variant, without running it: raises what the call would raise
+    before its launch. State pools and checkpoints are not taken here."""
+    kw = dict(kwargs)
+    if not kw.pop("beta_is_logit", True):
+        # the call would pass float32 logits
+        beta = torch.empty(beta.shape, dtype=torch.float32, device=beta.device)
+        kw["allow_neg_eigval"] = True
+    return _make_plan(q, k, v, g, beta, **_with_defaults(kw))
+
+
 def workspace_size(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                    **kwargs: Any) -> int:
     """Bytes of `workspace=` the call kda_prefill(q, k, v, g, beta, **kwargs) needs (0 when its
     variant takes none). It grows with T and the number of sequences: ask with the largest
     shapes an engine will pass, and allocate once."""
-    kwargs = dict(kwargs, workspace=None, out=None)
-    plan = _make_plan(q, k, v, g, beta, **_with_defaults(kwargs))
-    return plan.workspace_bytes()
+    return prepare(q, k, v, g, beta, **dict(kwargs, workspace=None, out=None)).workspace_bytes()
 
 
 def allocate_outputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -261,11 +385,15 @@ def _make_plan(q, k, v, g, beta, **kw) -> "Plan":
     reg = registry()
     dev = q.device
     launcher = reg.launcher(entry.name, f"{dev.type}:{dev.index}")
-    key = (entry.name, info.layout, info.varlen, info.state)
+    padded = (entry.variant.k, entry.variant.v) != (info.K, info.V)
+    key = (entry.name, info.layout, info.varlen, info.state, info.K, info.V)
     if key not in _LOGGED:
         _LOGGED.add(key)
-        log.info("kdagen: %s for B=%d T=%d N=%d H=%d HV=%d %s", entry.name, info.B, info.T, info.N, info.H,
-                 info.HV, info.describe())
+        log.info("kdagen: %s for B=%d T=%d N=%d H=%d HV=%d %s%s", entry.name, info.B, info.T, info.N, info.H,
+                 info.HV, info.describe(),
+                 f" (zero-padded to K={entry.variant.k} V={entry.variant.v})" if padded else "")
+    if padded:
+        return PaddedPlan(entry, launcher, info, q, k, v, g, beta, kw, Plan)
     return Plan(entry, launcher, info, q, k, v, g, beta, kw)
 
 
@@ -315,26 +443,30 @@ def _select_entry(reg: Registry, info: CallInfo, forced: Optional[str], variant:
 
     if forced:
         best = _candidate_for_name(reg, forced)
-        why = rejection(best, info)
+        # a forced variant with larger head dims serves the call zero-padded
+        covers = best.variant.k >= info.K and best.variant.v >= info.V
+        why = rejection(best, at_dims(info, best.variant.k, best.variant.v) if covers else info)
         if why:
             src = "variant=" if variant else "KDAGEN_FORCE_VARIANT"
             raise NoVariantError(f"variant {forced!r} (from {src}) cannot serve this call: {why}\n"
                                  f"  Found:     {info.describe()}")
     else:
+        # Variants with the call's head dims or larger ones (zero-padded): see kdagen.padding.
         cands = [Candidate(v, *reg.status(v.name)) for v in reg.variants()]
-        best, rejected = choose(cands, info)
+        tier = cands
+        best, binfo = choose_covering(cands, info)
         if best is None:
             # No listed variant serves the call: one that a target supports is generated for it.
-            extra = [Candidate(v, GENERATE, _generate_blocked(v))
-                     for t in TARGETS
-                     for v in ondemand.variants_for(t, dtype=info.dtype, k=info.K, v=info.V, gate=info.gate,
-                                                    state=info.state, chunk=info.chunk_size)
-                     if v.name not in reg.entries]
-            best, more = choose(extra, info)
-            rejected += more
+            tier = [Candidate(v, GENERATE, _generate_blocked(v))
+                    for t in TARGETS if (dims := target_dims(t, info)) is not None
+                    for v in ondemand.variants_for(t, dtype=info.dtype, k=dims[0], v=dims[1], gate=info.gate,
+                                                   state=info.state, chunk=info.chunk_size)
+                    if v.name not in reg.entries]
+            best, binfo = choose_covering(tier, info)
             if best is None:
-                raise NoVariantError(miss_message(rejected, info))
-        _warn_if_better_blocked(best, rejected, info)
+                rejected = choose(cands, info)[1] + choose(tier, info)[1]
+                raise NoVariantError(miss_message(rejected, info) + "\n" + coverage_note(info))
+        _warn_if_better_blocked(best, choose(tier, binfo)[1], binfo)
     if best.readiness == GENERATE:
         log.warning("kdagen: no spec lists a variant for %s; generating %s (`kdagen build --variant %s` "
                     "makes it ahead of time)", info.describe(), best.variant.name, best.variant.name)
@@ -371,7 +503,8 @@ class Plan:
     def __init__(self, entry: Entry, launcher, info: CallInfo, q, k, v, g, beta, kw: dict) -> None:
         self.entry, self.variant, self.launcher, self.info = entry, entry.variant, launcher, info
         lay = info.layout
-        self.device = q.device
+        # info's device: a padded call plans its inner call from tensors on the meta device
+        self.device = info.device
         self.layout = lay
         self.strides = (_strides(q, lay), _strides(k, lay), _strides(v, lay), _strides(g, lay),
                         _strides(beta.unsqueeze(-1), lay))
@@ -401,8 +534,8 @@ class Plan:
         self.h0_like = h0 is not None and h0.is_contiguous() and h0.dtype == self.st_dtype
         self.v_contiguous = v.is_contiguous()
         cu = kw["cu_seqlens"]
-        self.cu_ready = cu is None or (cu.dtype == torch.int32 and cu.is_contiguous() and cu.device == q.device)
-        self.on_cuda = q.device.type == "cuda"
+        self.cu_ready = cu is None or (cu.dtype == torch.int32 and cu.is_contiguous() and cu.device == self.device)
+        self.on_cuda = self.device.type == "cuda"
         self._static_offsets: Optional[torch.Tensor] = None
         self.fast: Any = _UNBOUND  # the launcher's bound launch of this signature (None: it has none)
 
