@@ -65,6 +65,9 @@ TARGETS: dict[str, TargetInfo] = {
         name="triton",
         description="Triton kernels (portable GPUs; CPU through TRITON_INTERPRET=1)",
         chunks=(16, 64),
+        # K != V included. The template also runs every other multiple of 16 up to 128 (padded
+        # tiles, tests/test_triton_design.py renders K = 16, 48, 80); tests/test_runtime_errors.py
+        # uses 48 as the head dim no target has, so those stay unlisted for now.
         head_dims=(32, 64, 128),
         dtypes=("fp32", "bf16", "fp16"),
         gates=("bounded", "unbounded", "precomputed"),
@@ -79,6 +82,11 @@ TARGETS: dict[str, TargetInfo] = {
         # bf16/fp16 tl.dot needs sm_80 MMA; validated on an H200 (sm_90)
         devices=("cuda", "cpu"), min_compute_capability=(8, 0), rank=2,
         device_env=(("cpu", "TRITON_INTERPRET", "1"),),
+        # NOT YET MEASURED for the chunk-parallel kernels: chunk size by the selection's length
+        # heuristic (preferred_chunk None) and the default V-split rule (the widest block_v with
+        # 2 programs per SM, else the narrowest) until the H200 run of `benchmarks/bench_kda.py
+        # --cases issue21 --variants all`. (On sm_90 a chunk-64 recurrence program takes ~125 KB
+        # of shared memory with its 2-stage prefetch, so one runs per SM.)
     ),
     "sm80": TargetInfo(
         name="sm80",
