@@ -105,14 +105,15 @@ def verify(*args, **kwargs) -> tuple[bool, Optional[str]]:
     import torch
 
     if torch.is_grad_enabled():
-        return False, "kdagen serves inference only (grad mode is on: run under torch.inference_mode())"
-    key = (tuple(_meta(a) for a in args), tuple(sorted((n, _meta(a)) for n, a in kwargs.items())))
-    hit = _MEMO.get(key)
-    if hit is None:
-        hit = _verify(args, kwargs)
-        if len(_MEMO) >= _MEMO_LIMIT:
-            _MEMO.pop(next(iter(_MEMO)))
-        _MEMO[key] = hit
+        hit = (False, "kdagen serves inference only (grad mode is on: run under torch.inference_mode())")
+    else:
+        key = (tuple(_meta(a) for a in args), tuple(sorted((n, _meta(a)) for n, a in kwargs.items())))
+        hit = _MEMO.get(key)
+        if hit is None:
+            hit = _verify(args, kwargs)
+            if len(_MEMO) >= _MEMO_LIMIT:
+                _MEMO.pop(next(iter(_MEMO)))
+            _MEMO[key] = hit
     if not hit[0] and hit[1] not in _DECLINED:
         _DECLINED.add(hit[1])
         log.info("kdagen: fla chunk_kda falls back to fla: %s", hit[1])

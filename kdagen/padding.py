@@ -14,15 +14,17 @@ the usual preference (readiness, state, chunk, V-split).
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Iterable, Optional
 
 import torch
 
 from .inputs import MAX_HEAD_DIM, CallInfo
-from .select import Candidate, choose, preference, _sm_count
+from .select import Candidate, _sm_count, preference, rejection
 from .targets import TARGETS
 
 __all__ = ["MAX_HEAD_DIM", "PaddedPlan", "choose_covering", "target_dims"]
+log = logging.getLogger("kdagen")
 
 
 def target_dims(target: str, info: CallInfo) -> Optional[tuple[int, int]]:
@@ -37,25 +39,36 @@ def at_dims(info: CallInfo, k: int, v: int) -> CallInfo:
     return info if (k, v) == (info.K, info.V) else dataclasses.replace(info, K=k, V=v)
 
 
-def choose_covering(cands: Iterable[Candidate], info: CallInfo) -> tuple[Optional[Candidate], CallInfo]:
-    """The preferred candidate whose head dims are >= the call's (exact ones included) and
-    the call as that candidate sees it (its head dims)."""
-    groups: dict[tuple[int, int], list[Candidate]] = {}
-    for c in cands:
-        if c.variant.k >= info.K and c.variant.v >= info.V:
-            groups.setdefault((c.variant.k, c.variant.v), []).append(c)
+def choose_covering(cands: Iterable[Candidate], info: CallInfo) -> tuple[Optional[Candidate], CallInfo,
+                                                                         list[tuple[Candidate, str]]]:
+    """The preferred candidate whose head dims are >= the call's (exact ones included), the
+    call as that candidate sees it (at its head dims), and every rejected candidate with its
+    reason (each logged at debug level, as select.choose does)."""
     sms = _sm_count(info.device)
-    best: Optional[tuple[tuple, Candidate, CallInfo]] = None
-    for (k, v), group in sorted(groups.items()):
-        pinfo = at_dims(info, k, v)
-        cand, _ = choose(group, pinfo)
-        if cand is None:
+    at: dict[tuple[int, int], CallInfo] = {}
+    rejected: list[tuple[Candidate, str]] = []
+    fits: list[tuple[tuple, Candidate, CallInfo]] = []
+    for c in cands:
+        var = c.variant
+        covers = var.k >= info.K and var.v >= info.V
+        pinfo = at.setdefault((var.k, var.v), at_dims(info, var.k, var.v)) if covers else info
+        why = rejection(c, pinfo)
+        if why:
+            rejected.append((c, why))
             continue
-        pref = preference(cand, pinfo, sms)
-        key = (pref[0], (k - info.K) + (v - info.V), *pref[1:])
-        if best is None or key < best[0]:
-            best = (key, cand, pinfo)
-    return (best[1], best[2]) if best is not None else (None, info)
+        pref = preference(c, pinfo, sms)
+        fits.append(((pref[0], (var.k - info.K) + (var.v - info.V), *pref[1:]), c, pinfo))
+    best = min(fits, key=lambda f: f[0]) if fits else None
+    if log.isEnabledFor(logging.DEBUG):
+        for c, why in rejected:
+            log.debug("kdagen: rejected %s: %s", c.variant.name, why)
+        for _, c, _ in fits:
+            if c is not best[1]:
+                log.debug("kdagen: passed over %s: %s is preferred (target rank, padding, readiness, state, chunk, "
+                          "block_v)", c.variant.name, best[1].variant.name)
+    if best is None:
+        return None, info, rejected
+    return best[1], best[2], rejected
 
 
 def coverage_note(info: CallInfo) -> str:

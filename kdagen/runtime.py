@@ -24,7 +24,7 @@ from .errors import KdaInputError, NoVariantError
 from .inputs import CallInfo, check_offsets, check_signature
 from .registry import Entry, Registry
 from .padding import PaddedPlan, at_dims, choose_covering, coverage_note, target_dims
-from .select import GENERATE, Candidate, choose, miss_message, preference, rejection
+from .select import GENERATE, Candidate, miss_message, preference, rejection
 
 log = logging.getLogger("kdagen")
 
@@ -453,20 +453,19 @@ def _select_entry(reg: Registry, info: CallInfo, forced: Optional[str], variant:
     else:
         # Variants with the call's head dims or larger ones (zero-padded): see kdagen.padding.
         cands = [Candidate(v, *reg.status(v.name)) for v in reg.variants()]
-        tier = cands
-        best, binfo = choose_covering(cands, info)
+        best, binfo, rejected = choose_covering(cands, info)
         if best is None:
             # No listed variant serves the call: one that a target supports is generated for it.
-            tier = [Candidate(v, GENERATE, _generate_blocked(v))
-                    for t in TARGETS if (dims := target_dims(t, info)) is not None
-                    for v in ondemand.variants_for(t, dtype=info.dtype, k=dims[0], v=dims[1], gate=info.gate,
-                                                   state=info.state, chunk=info.chunk_size)
-                    if v.name not in reg.entries]
-            best, binfo = choose_covering(tier, info)
+            extra = [Candidate(v, GENERATE, _generate_blocked(v))
+                     for t in TARGETS if (dims := target_dims(t, info)) is not None
+                     for v in ondemand.variants_for(t, dtype=info.dtype, k=dims[0], v=dims[1], gate=info.gate,
+                                                    state=info.state, chunk=info.chunk_size)
+                     if v.name not in reg.entries]
+            best, binfo, more = choose_covering(extra, info)
+            rejected += more
             if best is None:
-                rejected = choose(cands, info)[1] + choose(tier, info)[1]
                 raise NoVariantError(miss_message(rejected, info) + "\n" + coverage_note(info))
-        _warn_if_better_blocked(best, choose(tier, binfo)[1], binfo)
+        _warn_if_better_blocked(best, rejected, binfo)
     if best.readiness == GENERATE:
         log.warning("kdagen: no spec lists a variant for %s; generating %s (`kdagen build --variant %s` "
                     "makes it ahead of time)", info.describe(), best.variant.name, best.variant.name)

@@ -55,8 +55,11 @@ def gather(pool, indices, *, N: int, HV: int, state_shape: tuple[int, int], devi
         raise KdaInputError(f"state_indices: expected a tensor on {device} or on the CPU, found {indices.device}")
     P = pool.shape[0]
     host = None
-    if indices.device.type == "cpu" or not assume_valid:
-        host = indices.tolist()  # a device sync when they live on a GPU: pass them on the CPU, or assume_valid
+    # Read on the host to check them (a device sync when they live on a GPU: pass them on the
+    # CPU, or assume_valid), or because they are there anyway. A CPU call with assume_valid
+    # takes the device path (nothing read), as a GPU call would.
+    if not assume_valid or (indices.device.type == "cpu" and device.type != "cpu"):
+        host = indices.tolist()
         if not assume_valid:
             _check(host, P)
     index = indices.to(device=device, dtype=torch.int64, non_blocking=True)

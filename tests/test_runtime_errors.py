@@ -72,7 +72,7 @@ def test_miss_shows_supported_found_and_what_targets_support():
     assert "Supported (" in msg and "candidate variants on cpu" in msg and "head dims K=32,V=32 != K=192,V=192" in msg
     assert "sm80:" not in msg.split("Rejections")[0], "variants of other devices crowd the list"
     assert "What the targets of this device support:" in msg
-    assert "triton: dtype fp32/bf16/fp16, head dims 32/64/128" in msg
+    assert "triton: dtype fp32/bf16/fp16, head dims 16/32/48/64/80/96/112/128" in msg
     assert "Head dims: K=192 V=192; a call whose head dims no variant has is zero-padded to the next size a " \
            "target builds (triton up to 128" in msg
 
@@ -88,8 +88,8 @@ def test_forcing_an_unknown_variant():
     with pytest.raises(NoVariantError, match="variant 'kda_fwd_nope' is not registered and cannot be generated: "
                                              "'kda_fwd_nope' is not a variant name; expected kda_fwd_<target>_c"):
         call(variant="kda_fwd_nope")
-    with pytest.raises(NoVariantError, match="triton has no head dim K 48"):
-        call(variant="kda_fwd_triton_c16_k48_v48_fp32_gb_sfp32_bv16")
+    with pytest.raises(NoVariantError, match="triton has no head dim K 144"):
+        call(variant="kda_fwd_triton_c16_k144_v144_fp32_gb_sfp32_bv16")
 
 
 def test_forcing_a_variant_that_does_not_fit():
