@@ -20,7 +20,8 @@ from typing import Iterable, Optional
 import torch
 
 from .inputs import MAX_HEAD_DIM, CallInfo
-from .select import Candidate, _sm_count, preference, rejection
+from . import select
+from .select import Candidate
 from .targets import TARGETS
 
 __all__ = ["MAX_HEAD_DIM", "PaddedPlan", "choose_covering", "target_dims"]
@@ -44,7 +45,7 @@ def choose_covering(cands: Iterable[Candidate], info: CallInfo) -> tuple[Optiona
     """The preferred candidate whose head dims are >= the call's (exact ones included), the
     call as that candidate sees it (at its head dims), and every rejected candidate with its
     reason (each logged at debug level, as select.choose does)."""
-    sms = _sm_count(info.device)
+    sms = select._sm_count(info.device)
     at: dict[tuple[int, int], CallInfo] = {}
     rejected: list[tuple[Candidate, str]] = []
     fits: list[tuple[tuple, Candidate, CallInfo]] = []
@@ -52,11 +53,11 @@ def choose_covering(cands: Iterable[Candidate], info: CallInfo) -> tuple[Optiona
         var = c.variant
         covers = var.k >= info.K and var.v >= info.V
         pinfo = at.setdefault((var.k, var.v), at_dims(info, var.k, var.v)) if covers else info
-        why = rejection(c, pinfo)
+        why = select.rejection(c, pinfo)
         if why:
             rejected.append((c, why))
             continue
-        pref = preference(c, pinfo, sms)
+        pref = select.preference(c, pinfo, sms)
         fits.append(((pref[0], (var.k - info.K) + (var.v - info.V), *pref[1:]), c, pinfo))
     best = min(fits, key=lambda f: f[0]) if fits else None
     if log.isEnabledFor(logging.DEBUG):
