@@ -144,6 +144,11 @@ def plan(case: str, targets: list, variants: str, configs: list) -> list:
     reg = registry()
     jobs = []
     for t in targets:
+        if t.startswith("kda_fwd_") and t not in reg.entries:  # a variant no spec lists: generated for the run
+            from kdagen import ondemand
+            from kdagen.paths import cache_build_dir
+
+            reg.add_root(ondemand.register([ondemand.parse_name(t)]), cache_build_dir())
         cands = [v for v in reg.variants() if t in (v.target, v.name)]
         try:
             chosen = select(cands, info)
@@ -224,7 +229,17 @@ def main() -> int:
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--out", default=None, help="also write the rows as JSON here")
+    ap.add_argument("--extra-triton-head-dims", default="", help="experiment: let the Triton target build these "
+                    "head dims too (e.g. 256; not validated), for variant names in --targets")
     args = ap.parse_args()
+    if args.extra_triton_head_dims:
+        import dataclasses
+
+        from kdagen.targets import TARGETS
+
+        tri = TARGETS["triton"]
+        extra = tuple(int(d) for d in args.extra_triton_head_dims.split(","))
+        TARGETS["triton"] = dataclasses.replace(tri, head_dims=tuple(sorted(set(tri.head_dims + extra))))
     lists = {"all": list(CASES), "issue4": ISSUE4, "issue15": ISSUE15, "issue16": ISSUE16, "issue21": ISSUE21}
     names = lists.get(args.cases) or args.cases.split(",")
     targets = [t for t in args.targets.split(",") if t]
