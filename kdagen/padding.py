@@ -6,9 +6,11 @@ to the L2 norm; zero v columns and zero state rows/columns stay zero through eve
 columns come out 0 and are sliced off. Padded gate channels get g = 0 and dt_bias = 0: a
 finite decay, like a real channel's, applied to state columns that stay zero.
 
-Selection: among the variants whose head dims cover the call's, the target's rank first (a
-CUDA kernel padded beats a Triton kernel at the exact size), then the least padding, then
-the usual preference (readiness, state, chunk, V-split).
+Selection: registered variants first (as for any call), among them those whose head dims
+cover the call's: the target's rank first (a CUDA kernel padded beats a Triton kernel at the
+exact size), then the least padding, then the usual preference (readiness, state, chunk,
+V-split). When none is registered, each target's smallest covering sizes are generated on
+demand, by the same order.
 """
 
 from __future__ import annotations
@@ -19,8 +21,8 @@ from typing import Iterable, Optional
 
 import torch
 
-from .inputs import MAX_HEAD_DIM, CallInfo
 from . import select
+from .inputs import MAX_HEAD_DIM, CallInfo
 from .select import Candidate
 from .targets import TARGETS
 

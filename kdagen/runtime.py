@@ -125,7 +125,8 @@ def kda_prefill(
     (A_log=None); `gate` names one explicitly. beta is a logit (b = sigmoid(beta), x2 with
     allow_neg_eigval), or with beta_is_logit=False the coefficient b itself (in [0, 2];
     values outside give NaN). Head dims K and V (which may differ) up to 256: sizes no variant
-    has are zero-padded to the next one a target builds (exact; see kdagen.padding).
+    has are zero-padded to larger ones a registered variant has, else to the next a target
+    builds on demand (exact; see kdagen.padding).
     States are [N, HV, V, K] (state_layout "VK") or [N, HV, K, V] ("KV"), float32
     or bfloat16. cu_seqlens (int32/int64, B=1) packs N sequences along T.
 

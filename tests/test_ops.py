@@ -14,6 +14,7 @@ import kdagen
 import kdagen.runtime as rt
 from kdagen.reference import kda_reference, rel_rmse
 
+from .cuda_graphs import capture
 from .runtime_env import fresh_runtime  # noqa: F401
 from .test_runtime_errors import inputs
 
@@ -155,15 +156,7 @@ def test_gpu_cuda_graph_replays_new_values_and_offsets(through_op):
         else:
             kdagen.kda_prefill(**kw, cu_seqlens=cu, initial_state=h0, out=out, final_state=fs, assume_valid=True)
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):  # warm up: plans, modules, launch parameters
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph = capture(step)
     for lens, seed in ((lens_a, 5), (lens_b, 6)):
         new, new_cu, new_h0 = _case("cuda", dtype=torch.bfloat16, K=128, H=2, HV=4, lens=lens, seed=seed)
         for n in kw:

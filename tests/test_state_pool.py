@@ -14,6 +14,7 @@ from kdagen.reference import kda_reference, rel_rmse
 from kdagen.variant import Variant
 
 from .kda_cases import make_case
+from .cuda_graphs import capture
 from .runtime_env import fresh_runtime  # noqa: F401
 
 LENS = [9, 5, 12, 6]
@@ -114,15 +115,7 @@ def test_gpu_pool_under_cuda_graph_replays_new_indices(state_layout, state):
     def step():
         kdagen.kda_prefill(**kw, out=out, state_pool=pool, state_indices=idx, assume_valid=True)
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph = capture(step)
     for new in ([0, 3, -1, 2], [-1, -1, 5, 4]):
         idx.copy_(torch.tensor(new, dtype=torch.int32))
         start = (torch.randn(pool.shape, device="cuda") * 0.5).to(pool.dtype)
