@@ -109,6 +109,7 @@ def kda_prefill(
     chunk_states: Optional[torch.Tensor] = None,
     workspace: Optional[torch.Tensor] = None,
     assume_valid: bool = False,
+    cp_context: Optional[Any] = None,
     beta_is_logit: bool = True,
     state_pool: Optional[torch.Tensor] = None,
     state_indices: Optional[torch.Tensor] = None,
@@ -156,11 +157,24 @@ def kda_prefill(
     state entering every chunk of `chunk_size` tokens, [NC_total, HV, *state], sequences'
     chunks concatenated; checkpoints, when asked, come last. `variant` (or
     KDAGEN_FORCE_VARIANT) forces a variant by name (it must still fit the call).
+
+    cp_context (kdagen.cp.build_cp_context): context-parallel across a torch.distributed group;
+    q..beta are this rank's tokens and every rank calls (kdagen.cp.kda_prefill_cp says more).
     """
     if beta_is_logit is not True:
         if beta_is_logit is not False:
             raise KdaInputError(f"beta_is_logit: expected True or False, found {beta_is_logit!r}")
         beta, allow_neg_eigval = _beta_logits(beta), True
+    engine_io = state_pool is not None or state_indices is not None or checkpoint_every is not None \
+        or checkpoints is not None or checkpoint_offsets is not None
+    if cp_context is not None:
+        if engine_io:
+            raise KdaInputError("cp_context: expected None with state_pool / checkpoint_every (not implemented "
+                                "together), found a context")
+        from .cp import kda_prefill_cp
+
+        return kda_prefill_cp(q, k, v, g, beta, cp_context=cp_context,
+                              **{n: val for n, val in locals().items() if n in _DEFAULTS})
     if torch.compiler.is_compiling():
         from .ops import traced_prefill
 
@@ -174,8 +188,7 @@ def kda_prefill(
                               assume_valid=assume_valid, state_pool=state_pool, state_indices=state_indices,
                               checkpoint_every=checkpoint_every, checkpoints=checkpoints,
                               checkpoint_offsets=checkpoint_offsets)
-    if state_pool is not None or state_indices is not None or checkpoint_every is not None \
-            or checkpoints is not None or checkpoint_offsets is not None:
+    if engine_io:
         return _engine_call(q, k, v, g, beta, {n: val for n, val in locals().items() if n in _DEFAULTS},
                             state_pool, state_indices, checkpoint_every, checkpoints, checkpoint_offsets)
     # The signature: everything validation and selection depend on but tensor values. Spelled

@@ -81,11 +81,13 @@ TARGETS: dict[str, TargetInfo] = {
         # bf16/fp16 tl.dot needs sm_80 MMA; validated on an H200 (sm_90)
         devices=("cuda", "cpu"), min_compute_capability=(8, 0), rank=2,
         device_env=(("cpu", "TRITON_INTERPRET", "1"),),
-        # NOT YET MEASURED for the chunk-parallel kernels: chunk size by the selection's length
-        # heuristic (preferred_chunk None) and the default V-split rule (the widest block_v with
-        # 2 programs per SM, else the narrowest) until the H200 run of `benchmarks/bench_kda.py
-        # --cases issue21 --variants all`. (On sm_90 a chunk-64 recurrence program takes ~125 KB
-        # of shared memory with its 2-stage prefetch, so one runs per SM.)
+        # H200, 2026-12-01 (`bench_kda.py --cases issue21 --variants all`): chunk 16 block_v 32 was
+        # the fastest variant on four of six rows and within 2% on a fifth; chunk 64's prep is
+        # 3-4x slower (T8192 H96 4.19 vs 1.38 ms). Only B1 T2048 H8 favoured chunk 64 (0.205 vs
+        # 0.228 ms). Table: benchmarks/results/2026-12-01_h200_triton.md.
+        preferred_chunk=16,
+        vsplit_min_waves=0.7,
+        preferred_block_v=32,
     ),
     "sm80": TargetInfo(
         name="sm80",
