@@ -57,6 +57,9 @@ def rows(lens: Sequence[int], chunk: int, positions: Sequence[Sequence[int]], ds
          device: torch.device) -> Rows:
     """Rows for the states after positions[n] tokens of sequence n (each a multiple of `chunk`,
     at most lens[n]), written to rows dst_first[n], dst_first[n] + 1, ..."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise KdaInputError("checkpoint_every: not under CUDA graph capture (the rows are placed from host "
+                            "lengths, which a replay would not see change)")
     chunk_src, chunk_dst, final_src, final_dst = [], [], [], []
     first_chunk = 0
     for n, (L, pos, dst) in enumerate(zip(lens, positions, dst_first)):

@@ -53,6 +53,13 @@ def gather(pool, indices, *, N: int, HV: int, state_shape: tuple[int, int], devi
                             f"sequence; -1: padding), found {_found(indices)}")
     if indices.device not in (device, torch.device("cpu")):
         raise KdaInputError(f"state_indices: expected a tensor on {device} or on the CPU, found {indices.device}")
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        if indices.device.type == "cpu":
+            raise KdaInputError("state_indices: expected a tensor on the GPU under CUDA graph capture (a graph "
+                                "cannot copy host memory in again on replay), found one on the CPU")
+        if not assume_valid:
+            raise KdaInputError("state_indices: cannot be checked during CUDA graph capture; pass assume_valid=True "
+                                "(they are read by the kernels' gather on every replay)")
     P = pool.shape[0]
     host = None
     # Read on the host to check them (a device sync when they live on a GPU: pass them on the
