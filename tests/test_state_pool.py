@@ -126,3 +126,15 @@ def test_gpu_pool_under_cuda_graph_replays_new_indices(state_layout, state):
         pool.copy_(start)
         want_o, _ = kdagen.kda_prefill(**kw, state_pool=pool, state_indices=idx.cpu())
         assert torch.equal(got_o, want_o) and torch.equal(got_pool, pool), new
+
+
+@pytest.mark.gpu
+def test_gpu_capture_refuses_host_indices_and_host_checks():
+    kw, pool = _case("cuda", lens=[20, 12])
+    kdagen.kda_prefill(**kw, state_pool=pool, state_indices=torch.tensor([1, 0], device="cuda"))  # warm, eager
+    for idx, av, needle in ((torch.tensor([1, 0]), True, "expected a tensor on the GPU under CUDA graph capture"),
+                            (torch.tensor([1, 0], device="cuda"), False, "pass assume_valid=True")):
+        graph = torch.cuda.CUDAGraph()
+        with pytest.raises(KdaInputError, match=needle):
+            with torch.cuda.graph(graph):
+                kdagen.kda_prefill(**kw, state_pool=pool, state_indices=idx, assume_valid=av)
