@@ -5,9 +5,7 @@ struct the general path builds (checked on the CPU with a recording stand-in for
 
 from __future__ import annotations
 
-import ctypes
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +15,8 @@ import kdagen.runtime as rt
 from kdagen.reference import kda_reference, rel_rmse
 
 from .runtime_env import fresh_runtime  # noqa: F401
+from . import fake_cuda
+from .fake_cuda import sm80_on_cpu
 from .test_runtime_errors import inputs
 
 
@@ -153,49 +153,17 @@ def test_plan_uses_the_launchers_bound_launch_after_the_first_call(monkeypatch):
 
 # ----------------------------------------------------------------------------- the sm80 bound launch
 
-class _RecordingDriver:
-    """cuLaunchKernel that records the kernel, grid, block, shared memory and parameter bytes."""
-
-    def __init__(self, size: int) -> None:
-        self.size, self.launches = size, []
-
-    def cuLaunchKernel(self, f, gx, gy, gz, bx, by, bz, smem, stream, argv, extra):
-        struct_addr = ctypes.cast(argv, ctypes.POINTER(ctypes.c_void_p))[0]
-        self.launches.append((f, (gx, gy, gz), (bx, by, bz), smem, ctypes.string_at(struct_addr, self.size)))
-        return (0,)
-
-    def CUstream(self, raw):
-        return raw
-
-
-class _RecordingModule:
-    def __init__(self, drv) -> None:
-        self.drv = drv
-
-    def launch(self, func, grid, block, smem, stream, params, what):
-        self.drv.launches.append((func, tuple(grid), tuple(block), smem, bytes(params)))
-
-    def function(self, name, smem=0):
-        return name
-
-
 @pytest.mark.parametrize("varlen", [False, True], ids=["batch", "varlen"])
-def test_sm80_bound_launch_passes_the_general_paths_struct(monkeypatch, varlen):
+def test_sm80_bound_launch_passes_the_general_paths_struct(varlen):
+    with sm80_on_cpu() as (la, drv):
+        _bound_against_general(la, drv, varlen)
+
+
+def _bound_against_general(la, drv, varlen):
     import kdagen.targets.sm80 as sm80
     from kdagen.targets.cuda_launch import KdaParams
-    from kdagen.variant import Variant
 
-    drv = _RecordingDriver(ctypes.sizeof(KdaParams))
-    mod = _RecordingModule(drv)
-    monkeypatch.setattr(sm80, "driver", lambda: drv)
-    monkeypatch.setattr(sm80, "current_stream_handle", lambda idx: 7)
-    monkeypatch.setattr(sm80, "_sm_count", lambda device: 132)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda dev=None: type("S", (), {"cuda_stream": 7})())
-    var = Variant("sm80", 16, 64, 64, "bf16", "bounded", "fp32", 32)
-    la = sm80.Sm80Launcher(var, Path("unused.fatbin"))
-    rec = 1024
-    monkeypatch.setattr(la, "_module", lambda dev: (0, (mod, "kda_prep", "kda_recur", rec, 5000, 6000, 128, 160)))
-
+    rec = fake_cuda.META[0]
     T, H, HV, K = 48, 2, 4, 64
     lens = [5, 0, 43] if varlen else None
 
@@ -238,9 +206,9 @@ def test_sm80_bound_launch_passes_the_general_paths_struct(monkeypatch, varlen):
     drv.launches.clear()
     assert bound.launch(c2.q, c2.k, c2.v, c2.g, c2.beta, c2.o, c2.A_log, c2.dt_bias, c2.cu_seqlens, c2.initial_state,
                         c2.final_state, None, None, ws, c2.max_len)
-    assert drv.launches == general  # kernels, grids, blocks, shared memory and every byte of the struct
+    assert drv.launches == general  # kernels, grids, blocks, shared memory, stream, every byte of the struct
     assert [x[1] for x in general] == [(3, N, HV), (2, N, HV)]  # ceil(43 or 48 / 16) chunks; V / block_v
-    p = KdaParams.from_buffer_copy(general[0][4])
+    p = KdaParams.from_buffer_copy(general[0][5])
     assert (p.q, p.o, p.ws, p.max_len, p.T, p.N) == (c2.q.data_ptr(), c2.o.data_ptr(), ws.data_ptr(),
                                                      43 if varlen else T, T, N)
     # an unaligned input is not the bound launch's job: it declines (launching nothing), the
@@ -253,23 +221,23 @@ def test_sm80_bound_launch_passes_the_general_paths_struct(monkeypatch, varlen):
     assert drv.launches == []
     # without a caller workspace: one scratch buffer per stream, reused by the next call (not
     # under capture, not while another call holds it)
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    drv.capturing = False
     sm80.Sm80Bound._ARENAS.clear()
     args = (c2.q, c2.k, c2.v, c2.g, c2.beta, c2.o, c2.A_log, c2.dt_bias, c2.cu_seqlens, c2.initial_state,
             c2.final_state, None, None, None, c2.max_len)
     drv.launches.clear()
     assert bound.launch(*args) and bound.launch(*args)
-    ws_of = [KdaParams.from_buffer_copy(x[4]).ws for x in drv.launches]
-    assert len(set(ws_of)) == 1 and ws_of[0] == sm80.Sm80Bound._ARENAS[7].data_ptr()
-    assert sm80.Sm80Bound._ARENAS[7].numel() == ws_bytes
+    ws_of = [KdaParams.from_buffer_copy(x[5]).ws for x in drv.launches]
+    assert len(set(ws_of)) == 1 and ws_of[0] == sm80.Sm80Bound._ARENAS[fake_cuda.STREAM].data_ptr()
+    assert sm80.Sm80Bound._ARENAS[fake_cuda.STREAM].numel() == ws_bytes
     drv.launches.clear()
     with sm80.Sm80Bound._ARENA_LOCK:
         assert bound.launch(*args)
-    assert KdaParams.from_buffer_copy(drv.launches[0][4]).ws != ws_of[0]
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert KdaParams.from_buffer_copy(drv.launches[0][5]).ws != ws_of[0]
+    drv.capturing = True
     drv.launches.clear()
     assert bound.launch(*args)
-    assert KdaParams.from_buffer_copy(drv.launches[0][4]).ws != ws_of[0]
+    assert KdaParams.from_buffer_copy(drv.launches[0][5]).ws != ws_of[0]
     sm80.Sm80Bound._ARENAS.clear()
     # a second thread holding the struct makes a call decline rather than wait
     bound.lock.acquire()
