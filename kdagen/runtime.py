@@ -142,10 +142,26 @@ def kda_prefill(
                               return_chunk_states=return_chunk_states, variant=variant, out=out,
                               final_state=final_state, chunk_states=chunk_states, workspace=workspace,
                               assume_valid=assume_valid)
+    return _prefill(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, out, final_state,
+                    chunk_states, workspace,
+                    (scale, lower_bound, gate, output_final_state, layout, state_layout, state_dtype, use_qk_l2norm,
+                     allow_neg_eigval, chunk_size, return_chunk_states, variant, assume_valid))
+
+
+# The order of _prefill's `flags`: kda_prefill's keyword arguments that are no tensors.
+_FLAGS = ("scale", "lower_bound", "gate", "output_final_state", "layout", "state_layout", "state_dtype",
+          "use_qk_l2norm", "allow_neg_eigval", "chunk_size", "return_chunk_states", "variant", "assume_valid")
+
+
+def _prefill(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, out, final_state,
+             chunk_states, workspace, flags: tuple):
+    """The positional entry kda_prefill and torch.ops.kdagen.kda_prefill share: the plan of the
+    call's signature (validated, selected and cached on first sight), run on this call's tensors."""
     # The signature: everything validation and selection depend on but tensor values. Spelled
-    # out (no helper per tensor): this line is most of the host cost of a repeated call.
+    # out (no helper per tensor): this line is most of the host cost of a repeated call. The
+    # autograd flag is one bool: a plan is never made (nor cached) for a call it would be True.
     try:
-        key = (q.dtype, q.shape, q.stride(), q.device, k.dtype, k.shape, k.stride(), k.device,
+        key = (flags, q.dtype, q.shape, q.stride(), q.device, k.dtype, k.shape, k.stride(), k.device,
                v.dtype, v.shape, v.stride(), v.device, g.dtype, g.shape, g.stride(), g.device,
                beta.dtype, beta.shape, beta.stride(), beta.device,
                None if A_log is None else (A_log.dtype, A_log.shape, A_log.stride(), A_log.device),
@@ -161,21 +177,21 @@ def kda_prefill(
                None if chunk_states is None else (chunk_states.dtype, chunk_states.shape, chunk_states.stride(),
                                                   chunk_states.device),
                None if workspace is None else (workspace.dtype, workspace.shape, workspace.stride(), workspace.device),
-               torch.is_grad_enabled() and (q.requires_grad, k.requires_grad, v.requires_grad, g.requires_grad,
-                                            beta.requires_grad),
-               scale, lower_bound, gate, output_final_state, layout, state_layout, state_dtype, use_qk_l2norm,
-               allow_neg_eigval, chunk_size, return_chunk_states, variant, assume_valid)
+               torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or g.requires_grad
+                                            or beta.requires_grad))
     except AttributeError:  # not a tensor: the checks below say which argument
         key = None
     plan = _PLANS.get(key)
     if plan is None:
-        plan = _make_plan(q, k, v, g, beta, **{n: val for n, val in locals().items() if n in _DEFAULTS})
+        plan = _make_plan(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, initial_state=initial_state,
+                          cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, out=out, final_state=final_state,
+                          chunk_states=chunk_states, workspace=workspace, **dict(zip(_FLAGS, flags)))
         if len(_PLANS) >= _PLAN_LIMIT:
             _PLANS.pop(next(iter(_PLANS)))
         if key is not None:
             _PLANS[key] = plan
-    return plan(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, out, final_state,
-                chunk_states, workspace)
+    return plan.run(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, out, final_state,
+                    chunk_states, workspace)
 
 
 def workspace_size(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -382,6 +398,8 @@ class Plan:
         self.state_kv = kw["state_layout"] == "KV"
         st = (info.K, info.V) if self.state_kv else (info.V, info.K)
         self.st_shape = st
+        self.fs_shape = (info.N, info.HV, *st)
+        self.varlen, self.T = info.varlen, info.T
         self.st_dtype = torch_dtype(info.state) if info.state != "none" else torch.float32
         self.want_final = bool(kw["output_final_state"]) and info.state != "none"
         self.want_chunks = bool(kw["return_chunk_states"])
@@ -404,7 +422,22 @@ class Plan:
         self.cu_ready = cu is None or (cu.dtype == torch.int32 and cu.is_contiguous() and cu.device == q.device)
         self.on_cuda = q.device.type == "cuda"
         self._static_offsets: Optional[torch.Tensor] = None
-        self.fast: Any = _UNBOUND  # the launcher's bound launch of this signature (None: it has none)
+        # Calls a bound launch serves whole (_run_bound): no per-call conversion, no chunk states.
+        gate_args = (A is None and dt is None) if self.precomputed else \
+            (self.A_ready and (dt is None or self.dt_ready))
+        self.bound_whole = gate_args and self.h0_ready and self.cu_ready and not self.want_chunks and info.N > 0
+        self.fast = _UNBOUND  # the launcher's bound launch of this signature (None: it has none)
+
+    @property
+    def fast(self) -> Any:
+        return self._fast
+
+    @fast.setter
+    def fast(self, bound: Any) -> None:
+        """Set the bound launch; `run` (what every call of the signature calls) follows it."""
+        self._fast = bound
+        whole = self.bound_whole and bound is not None and bound is not _UNBOUND
+        self.run = self._run_bound if whole else self.__call__
 
     def workspace_bytes(self) -> int:
         fn = getattr(self.launcher, "workspace_bytes", None)
@@ -456,7 +489,26 @@ class Plan:
         torch.cumsum((cu32[1:] - cu32[:-1] + (C - 1)) // C, 0, dtype=torch.int32, out=co[1:])
         return co, -1
 
+    def _run_bound(self, q, k, v, g, beta, A_log, dt_bias, h0, cu, cu_cpu, out, fs, cs, ws):
+        """A call of a signature whose bound launch serves it whole: offsets (varlen), outputs,
+        launch; the general path only where the launch declines (or the deprecated poison)."""
+        if POISON_OUTPUTS:
+            return self(q, k, v, g, beta, A_log, dt_bias, h0, cu, cu_cpu, out, fs, cs, ws)
+        max_len = self._offsets(cu, cu_cpu)[0] if self.varlen else self.T
+        if out is None:
+            # empty_like where it gives the same layout: it costs a third of torch.empty(shape, ...)
+            out = torch.empty_like(v) if self.v_contiguous else torch.empty(self.o_shape, dtype=self.o_dtype,
+                                                                              device=self.device)
+        if fs is None and self.want_final:
+            fs = torch.empty_like(h0) if self.h0_like else torch.empty(self.fs_shape, dtype=self.st_dtype,
+                                                                       device=self.device)
+        if self._fast.launch(q, k, v, g, beta, out, A_log, dt_bias, cu, h0, fs, None, None, ws, max_len):
+            return out, fs
+        return self(q, k, v, g, beta, A_log, dt_bias, h0, cu, cu_cpu, out, fs, cs, ws)
+
     def __call__(self, q, k, v, g, beta, A_log, dt_bias, h0, cu, cu_cpu, out, fs, cs, ws):
+        """The general path: conversions, chunk offsets, the launcher's checked launch (and, on
+        the first call, its bind)."""
         info, dev = self.info, self.device
         max_len, host = info.T, None
         cu32 = None

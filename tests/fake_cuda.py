@@ -31,6 +31,7 @@ class RecordingDriver:
         self.record, self.launches, self.count = record, [], 0
         self.size = ctypes.sizeof(KdaParams)
         self.capturing = False  # what torch.cuda.is_current_stream_capturing() answers
+        self.stream = STREAM  # the raw handle of torch's current stream
 
     def cuLaunchKernel(self, f, gx, gy, gz, bx, by, bz, smem, stream, argv, extra):
         self.count += 1
@@ -70,10 +71,11 @@ def sm80_on_cpu(variant: Optional[Variant] = None,
     la = sm80.Sm80Launcher(variant, Path("unused.fatbin"))
     la._module = lambda dev: (0, (mod, "kda_prep", "kda_recur", *META))
     stream = type("Stream", (), {"cuda_stream": STREAM})()
-    saved = [(sm80, n, getattr(sm80, n)) for n in ("driver", "current_stream_handle", "_sm_count")]
+    saved = [(sm80, n, getattr(sm80, n)) for n in ("driver", "driver_binding", "current_stream_handle", "_sm_count")]
     saved += [(torch.cuda, n, getattr(torch.cuda, n)) for n in ("current_stream", "is_current_stream_capturing")]
     sm80.driver = lambda: drv
-    sm80.current_stream_handle = lambda idx: STREAM
+    sm80.driver_binding = lambda: "the stand-in driver of tests/fake_cuda.py (launches dropped)"
+    sm80.current_stream_handle = lambda idx: drv.stream
     sm80._sm_count = lambda device: 132
     torch.cuda.current_stream = lambda device=None: stream
     torch.cuda.is_current_stream_capturing = lambda: drv.capturing

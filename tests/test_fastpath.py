@@ -219,8 +219,8 @@ def _bound_against_general(la, drv, varlen):
                                                       c2.cu_seqlens, c2.initial_state, c2.final_state, None, None,
                                                       ws, c2.max_len)
     assert drv.launches == []
-    # without a caller workspace: one scratch buffer per stream, reused by the next call (not
-    # under capture, not while another call holds it)
+    # without a caller workspace: one scratch buffer per (device, stream), reused by the next call;
+    # not under capture; the legacy default stream (handle 0) cannot capture and is not asked
     drv.capturing = False
     sm80.Sm80Bound._ARENAS.clear()
     args = (c2.q, c2.k, c2.v, c2.g, c2.beta, c2.o, c2.A_log, c2.dt_bias, c2.cu_seqlens, c2.initial_state,
@@ -228,24 +228,40 @@ def _bound_against_general(la, drv, varlen):
     drv.launches.clear()
     assert bound.launch(*args) and bound.launch(*args)
     ws_of = [KdaParams.from_buffer_copy(x[5]).ws for x in drv.launches]
-    assert len(set(ws_of)) == 1 and ws_of[0] == sm80.Sm80Bound._ARENAS[fake_cuda.STREAM].data_ptr()
-    assert sm80.Sm80Bound._ARENAS[fake_cuda.STREAM].numel() == ws_bytes
-    drv.launches.clear()
-    with sm80.Sm80Bound._ARENA_LOCK:
-        assert bound.launch(*args)
-    assert KdaParams.from_buffer_copy(drv.launches[0][5]).ws != ws_of[0]
+    arena, arena_ptr = sm80.Sm80Bound._ARENAS[(0, fake_cuda.STREAM)]
+    assert len(set(ws_of)) == 1 and ws_of[0] == arena.data_ptr() == arena_ptr and arena.numel() == ws_bytes
     drv.capturing = True
     drv.launches.clear()
     assert bound.launch(*args)
     assert KdaParams.from_buffer_copy(drv.launches[0][5]).ws != ws_of[0]
-    sm80.Sm80Bound._ARENAS.clear()
-    # a second thread holding the struct makes a call decline rather than wait
-    bound.lock.acquire()
-    try:
+    drv.stream = 0
+
+    def never_asked():
+        raise AssertionError("the legacy default stream was asked whether it captures")
+
+    torch.cuda.is_current_stream_capturing = never_asked
+    drv.launches.clear()
+    assert bound.launch(*args) and bound.launch(*args)
+    on_default = {KdaParams.from_buffer_copy(x[5]).ws for x in drv.launches}
+    assert on_default == {sm80.Sm80Bound._ARENAS[(0, 0)][1]} and on_default != {ws_of[0]}
+    # the same stream handle on another device (handle 0 is every device's default stream):
+    # another arena, on that device
+    module0 = la._module
+    la._module = lambda dev: (1, module0(dev)[1])
+    bound1 = la.bind(call_of(t, B, N, ws))
+    drv.launches.clear()
+    assert bound1.launch(*args)
+    assert KdaParams.from_buffer_copy(drv.launches[0][5]).ws == sm80.Sm80Bound._ARENAS[(1, 0)][1] \
+        != sm80.Sm80Bound._ARENAS[(0, 0)][1]
+    assert bound1.lock is not bound.lock
+    # another thread launching on the device (it holds the device's lock) makes a call decline
+    # rather than wait, with a caller workspace or without
+    drv.launches.clear()
+    with bound.lock:
+        assert not bound.launch(*args)
         assert not bound.launch(c2.q, c2.k, c2.v, c2.g, c2.beta, c2.o, c2.A_log, c2.dt_bias, c2.cu_seqlens,
                                 c2.initial_state, c2.final_state, None, None, ws, c2.max_len)
-    finally:
-        bound.lock.release()
+    assert drv.launches == []
 
 
 # ----------------------------------------------------------------------------- on a GPU (sm80)
