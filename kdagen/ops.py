@@ -31,14 +31,12 @@ DEVICE_KEYS = ("CPU", "CUDA", "PrivateUse1")  # PrivateUse1: Ascend NPUs through
 def _impl(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, out, final_state,
           chunk_states, workspace, *, scale=None, lower_bound=-5.0, gate=None, layout="BSND", state_layout="VK",
           use_qk_l2norm=True, allow_neg_eigval=False, chunk_size=None, assume_valid=False, variant=None) -> None:
-    from .runtime import kda_prefill
-
-    kda_prefill(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, scale=scale, lower_bound=lower_bound, gate=gate,
-                initial_state=initial_state, output_final_state=final_state is not None, cu_seqlens=cu_seqlens,
-                cu_seqlens_cpu=cu_seqlens_cpu, layout=layout, state_layout=state_layout,
-                use_qk_l2norm=use_qk_l2norm, allow_neg_eigval=allow_neg_eigval, chunk_size=chunk_size,
-                return_chunk_states=chunk_states is not None, variant=variant, out=out, final_state=final_state,
-                chunk_states=chunk_states, workspace=workspace, assume_valid=assume_valid)
+    # kda_prefill's positional entry, skipping its keyword handling; the flags are the ones
+    # kda_prefill would pass for these arguments (in runtime._FLAGS order), so both share plans.
+    _prefill(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, out, final_state,
+             chunk_states, workspace,
+             (scale, lower_bound, gate, final_state is not None, layout, state_layout, None, use_qk_l2norm,
+              allow_neg_eigval, chunk_size, chunk_states is not None, variant, assume_valid))
 
 
 def _fake(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, out, final_state,
@@ -60,6 +58,9 @@ if not _registered():
     for _key in DEVICE_KEYS:
         _LIB.impl("kda_prefill", _impl, _key)
     torch.library.register_fake("kdagen::kda_prefill", _fake, lib=_LIB)
+
+
+from .runtime import _prefill  # noqa: E402  (runtime imports this module at its end)
 
 
 def traced_prefill(q, k, v, g, beta, *, A_log, dt_bias, scale, lower_bound, gate, initial_state,
