@@ -137,19 +137,53 @@ class Case:
             row[col] = statistics.median(ts) * 1e6
         return row
 
-    def breakdown(self, calls: int) -> dict:
-        """Host us of the bound launch alone (buffers given, the driver calls inside), of the two
-        output allocations alone, and of one whole plain call for comparison."""
+    def breakdown(self, calls: int, stub: bool) -> dict:
+        """Host us of the bound launch alone (buffers given, the driver calls inside), of one
+        driver call through each binding (GPU only), of the two output allocations alone, and of
+        one whole plain call for comparison."""
         kw, fast = self.kw, self.plan.fast
         res = {}
         if fast is not None and hasattr(fast, "launch"):
             args = (kw["q"], kw["k"], kw["v"], kw["g"], kw["beta"], self.out, kw["A_log"], kw["dt_bias"],
                     kw.get("cu_seqlens"), kw["initial_state"], self.fs, None, None, None, kw["q"].shape[1])
             res["bound_launch_us"] = statistics.median(host_times(lambda: fast.launch(*args), calls)) * 1e6
+            if not stub:
+                try:
+                    res.update(self.driver_calls(calls))
+                except Exception as e:  # the table matters more than this line
+                    print(f"host_overhead: driver calls not measured: {type(e).__name__}: {e}")
         v, h0 = kw["v"], kw["initial_state"]
         res["two_allocations_us"] = statistics.median(
             host_times(lambda: (torch.empty_like(v), torch.empty_like(h0)), calls)) * 1e6
         res["plain_call_us"] = statistics.median(host_times(self.call, calls)) * 1e6
+        return res
+
+
+    def driver_calls(self, calls: int) -> dict:
+        """Host us of one kda_recur launch (the bound struct as the last launch left it) through
+        cuda-bindings, as the bound launch calls it, and through ctypes straight into libcuda's
+        cuLaunchKernel (argument types set once): which binding costs less on this machine."""
+        import ctypes
+
+        from kdagen.targets.cuda_driver import current_stream_handle
+
+        fast = self.plan.fast
+        raw = current_stream_handle(fast.idx)
+        stream = fast.streams[raw]  # made by the bound launch timed just before, on this stream
+        gx, gy, gz = fast.recur_grid
+        args = (fast.f2, gx, gy, gz, fast.nt2, 1, 1, fast.smem2, stream, fast.argv_addr, 0)
+        res = {"driver_call_cuda_bindings_us": statistics.median(
+            host_times(lambda: fast.launch_kernel(*args)[0], calls)) * 1e6}
+        try:
+            fn = ctypes.CDLL("libcuda.so.1").cuLaunchKernel
+            fn.restype = ctypes.c_int
+            fn.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
+            cargs = (int(fast.f2), gx, gy, gz, fast.nt2, 1, 1, fast.smem2, raw, fast.argv_addr, None)
+            if fn(*cargs):
+                raise RuntimeError(f"cuLaunchKernel returned {fn(*cargs)}")
+            res["driver_call_ctypes_us"] = statistics.median(host_times(lambda: fn(*cargs), calls)) * 1e6
+        except Exception as e:  # the table matters more than this line
+            print(f"host_overhead: ctypes launch not measured: {e}")
         return res
 
 
@@ -159,15 +193,12 @@ def _stub_setup():
     from contextlib import ExitStack
 
     os.environ.setdefault("TRITON_INTERPRET", "1")  # lets selection pass on the CPU; no kernel runs
-    import kdagen.registry as registry
     from kdagen.variant import Variant
-    from tests.fake_cuda import sm80_on_cpu
+    from tests.fake_cuda import route_launcher, sm80_on_cpu
 
     stack = ExitStack()
     la, _drv = stack.enter_context(sm80_on_cpu(Variant(*VARIANT), record=False))
-    real = registry.Registry.launcher
-    registry.Registry.launcher = lambda self, name, device_key: la
-    stack.callback(setattr, registry.Registry, "launcher", real)
+    stack.enter_context(route_launcher(la))
     return stack
 
 
@@ -193,7 +224,7 @@ def main() -> int:
             c.round(args.calls)
     rows = [c.row() for c in cases]
     tiny_case = cases[0]
-    split = tiny_case.breakdown(args.calls)
+    split = tiny_case.breakdown(args.calls, stub)
     if not stub:
         for c, r in zip(cases, rows):
             r["eager_ms"] = gpu_ms(c.owned)

@@ -85,3 +85,17 @@ def sm80_on_cpu(variant: Optional[Variant] = None,
         for owner, name, value in saved:
             setattr(owner, name, value)
         sm80.Sm80Bound._ARENAS.clear()
+
+
+@contextmanager
+def route_launcher(la) -> Iterator[None]:
+    """Every registry entry launches through `la` (selection still runs, on the CPU): so
+    kdagen.kda_prefill drives the fake sm80 launcher end to end."""
+    import kdagen.registry as registry
+
+    real = registry.Registry.launcher
+    registry.Registry.launcher = lambda self, name, device_key: la
+    try:
+        yield
+    finally:
+        registry.Registry.launcher = real

@@ -264,6 +264,152 @@ def _bound_against_general(la, drv, varlen):
     assert drv.launches == []
 
 
+# ----------------------------------------------------------------------------- the runtime over it
+
+def _sm80_case(lens, seed=0):
+    from kdagen.variant import Variant
+
+    from .kda_cases import make_case
+
+    var = Variant("sm80", 16, 64, 64, "bf16", "bounded", "fp32", 32)
+    kw = make_case(var, "cpu", B=2, T=32, H=2, HV=4, lens=lens, seed=seed)
+    if lens is not None:
+        kw["cu_seqlens_cpu"] = kw["cu_seqlens"].clone()
+    return var, kw
+
+
+def _fields(raw: bytes) -> dict:
+    from kdagen.targets.cuda_launch import KdaParams
+
+    p = KdaParams.from_buffer_copy(raw)
+    return {n: (list(getattr(p, n)) if hasattr(getattr(p, n), "__len__") else getattr(p, n))
+            for n, _ in KdaParams._fields_}
+
+
+@pytest.mark.parametrize("lens", [None, [5, 0, 27]], ids=["batch", "varlen"])
+def test_runtime_runs_a_bound_signature_through_the_bound_launch(lens):
+    """kda_prefill end to end over the sm80 launcher (fake driver): the first call of a
+    signature launches the general way and binds; every later one goes through the bound
+    launch whole, with exactly the general path's launches (owned buffers: every byte; fresh
+    outputs: all but the output and scratch addresses, which are this call's)."""
+    from .fake_cuda import route_launcher
+
+    var, kw = _sm80_case(lens)
+    with sm80_on_cpu(var) as (la, drv), route_launcher(la):
+        out, fs = torch.empty_like(kw["v"]), torch.empty_like(kw["initial_state"])
+        nbytes = kdagen.workspace_size(**kw)
+        ws = torch.empty(nbytes + 256, dtype=torch.uint8)
+        ws = ws[(-ws.data_ptr()) % 256:][:nbytes]
+        owned = dict(kw, out=out, final_state=fs, workspace=ws)
+        assert kdagen.kda_prefill(**owned) == (out, fs)
+        plan = rt._LAST[1]
+        assert plan.run == plan._run_bound and type(plan.fast).__name__ == "Sm80Bound"
+        general = drv.launches[:]
+        assert len(general) == 2
+        drv.launches.clear()
+        kw2 = {n: (t.clone() if isinstance(t, torch.Tensor) and n in ("q", "k", "v", "g", "beta") else t)
+               for n, t in owned.items()}  # new tensors, same signature
+        assert kdagen.kda_prefill(**kw2) == (out, fs)
+        assert [x[:5] for x in drv.launches] == [x[:5] for x in general]
+        for got, want in zip(drv.launches, general):
+            g_, w_ = _fields(got[5]), _fields(want[5])
+            assert {n: g_[n] for n in ("q", "k", "v", "g", "beta")} == \
+                {n: kw2[n].data_ptr() for n in ("q", "k", "v", "g", "beta")}
+            assert {n: x for n, x in g_.items() if n not in ("q", "k", "v", "g", "beta")} == \
+                {n: x for n, x in w_.items() if n not in ("q", "k", "v", "g", "beta")}
+        # fresh outputs: the plain call's own plan, bound on its first call
+        drv.launches.clear()
+        kdagen.kda_prefill(**kw)
+        general = drv.launches[:]
+        drv.launches.clear()
+        o, st = kdagen.kda_prefill(**kw)
+        assert rt._LAST[1].run == rt._LAST[1]._run_bound and len(rt._PLANS) == 2
+        assert [x[:5] for x in drv.launches] == [x[:5] for x in general]
+        for got, want in zip(drv.launches, general):
+            g_, w_ = _fields(got[5]), _fields(want[5])
+            assert (g_["o"], g_["ht"]) == (o.data_ptr(), st.data_ptr())
+            assert g_["ws"] == sm80_arena_ptr()
+            assert {n: x for n, x in g_.items() if n not in ("o", "ht", "ws")} == \
+                {n: x for n, x in w_.items() if n not in ("o", "ht", "ws")}
+        # host offsets are still checked on every call of the signature
+        if lens is not None:
+            with pytest.raises(kdagen.runtime.KdaInputError, match="non-decreasing offsets"):
+                kdagen.kda_prefill(**dict(kw, cu_seqlens_cpu=torch.tensor([0, 9, 5, 32], dtype=torch.int32)))
+
+
+def sm80_arena_ptr() -> int:
+    import kdagen.targets.sm80 as sm80
+
+    (arena,) = sm80.Sm80Bound._ARENAS.values()
+    return arena[1]
+
+
+def test_bound_signature_falls_back_to_the_general_path_when_the_launch_declines():
+    """Same signature, unaligned q (the bound launch declines): the general path realigns it;
+    and the deprecated POISON_OUTPUTS still poisons on a bound signature."""
+    from .fake_cuda import route_launcher
+
+    var, kw = _sm80_case(None)
+    with sm80_on_cpu(var) as (la, drv), route_launcher(la):
+        kdagen.kda_prefill(**kw)
+        q = kw["q"]
+        q_off = torch.empty(q.numel() + 8, dtype=q.dtype)[1:1 + q.numel()].view(q.shape).copy_(q)
+        assert q_off.data_ptr() % 16
+        drv.launches.clear()
+        o, _ = kdagen.kda_prefill(**dict(kw, q=q_off))
+        assert rt._LAST[1].run == rt._LAST[1]._run_bound and len(rt._PLANS) == 1
+        assert len(drv.launches) == 2
+        q_seen = {_fields(x[5])["q"] for x in drv.launches}
+        assert len(q_seen) == 1 and q_seen != {q_off.data_ptr()} and q_seen.pop() % 16 == 0  # a realigned copy
+        rt.POISON_OUTPUTS = True
+        try:
+            with pytest.warns(DeprecationWarning, match="POISON_OUTPUTS is deprecated"):
+                o, st = kdagen.kda_prefill(**kw)
+        finally:
+            rt.POISON_OUTPUTS = False
+        assert torch.isnan(o).all() and torch.isnan(st).all()  # the fake driver writes nothing
+
+
+def test_the_latest_signature_shortcut_never_serves_another_signature(monkeypatch):
+    """Alternating signatures, and flags whose hashes collide (hash(-1.0) == hash(-2.0)), each
+    get their own plan and the right result."""
+    made = []
+    real = rt._make_plan
+    monkeypatch.setattr(rt, "_make_plan", lambda *a, **k: made.append(k["lower_bound"]) or real(*a, **k))
+    a, b = inputs(T=20), inputs(T=21)
+    assert hash(-1.0) == hash(-2.0)
+    want = {}
+    for kw, lb in ((a, -1.0), (a, -1.0), (b, -1.0), (a, -2.0), (a, -1.0), (b, -1.0), (a, -2.0)):
+        o, _ = kdagen.kda_prefill(**kw, lower_bound=lb)
+        ref = _ref(dict(kw, lower_bound=lb))[0]
+        assert rel_rmse(o, ref) < 1e-5
+        want.setdefault((kw["q"].shape[1], lb), o)
+        assert torch.equal(o, want[(kw["q"].shape[1], lb)])
+    assert made == [-1.0, -1.0, -2.0] and len(rt._PLANS) == 3
+    assert not torch.equal(want[(20, -1.0)], want[(20, -2.0)])
+
+
+def test_torch_op_and_kda_prefill_share_one_plan_and_its_checks(monkeypatch):
+    kw = inputs()
+    h0 = torch.randn(1, 2, 32, 32)
+    out, fs = torch.empty_like(kw["v"]), torch.empty_like(h0)
+    o1, s1 = kdagen.kda_prefill(**kw, initial_state=h0, output_final_state=True, out=out, final_state=fs)
+    o1, s1 = o1.clone(), s1.clone()
+    made = []
+    monkeypatch.setattr(rt, "check_signature", lambda *a, **k: made.append(1))
+    out.fill_(float("nan"))
+    fs.fill_(float("nan"))
+    args = (kw["q"], kw["k"], kw["v"], kw["g"], kw["beta"], kw["A_log"], kw["dt_bias"], h0, None, None, out, fs,
+            None, None)
+    assert torch.ops.kdagen.kda_prefill(*args) is None
+    assert made == [] and len(rt._PLANS) == 1  # the plan kda_prefill made
+    assert torch.equal(out, o1) and torch.equal(fs, s1)
+    monkeypatch.undo()
+    bad = (kw["q"], kw["k"][:, :, :, :16], *args[2:])  # a new signature: checked like kda_prefill's
+    with pytest.raises(kdagen.runtime.KdaInputError, match="k: expected shape"):
+        torch.ops.kdagen.kda_prefill(*bad)
+
+
 # ----------------------------------------------------------------------------- on a GPU (sm80)
 
 def _gpu_case(lens, chunk=False):
@@ -339,3 +485,27 @@ def test_a_new_token_count_reuses_the_choice(monkeypatch):
     assert scans == [] and len(rt._PLANS) == 2
     kdagen.kda_prefill(**inputs(T=600))  # sequences now average >= 512 tokens: chunk preference may change
     assert scans == [1]
+
+
+def test_host_overhead_script_on_the_cpu_stub(capsys, monkeypatch):
+    """The script the H200 run uses, on the CPU stand-ins: its table, launch path and split
+    lines (the GPU columns and pass/fail bars need the GPU)."""
+    import importlib.util
+    import re
+    import sys
+
+    from kdagen.paths import ROOT
+
+    spec = importlib.util.spec_from_file_location("host_overhead", ROOT / "scripts" / "host_overhead.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    monkeypatch.setattr(sys, "argv", ["host_overhead.py", "--stub", "--calls", "30", "--rounds", "1"])
+    assert mod.main() == 0
+    out = capsys.readouterr().out
+    rows = re.findall(r"^\| (tiny T64 H4|T64 H32|T1024 H8|T2048 H8|varlen 4x512 H32) \| "
+                      r"kda_fwd_sm80_c16_k128_v128_bf16_gb_sfp32_bv(?:16|32) \(Sm80Bound\) \| "
+                      r"([\d.]+) \| ([\d.]+) \| ([\d.]+) \|$", out, re.M)
+    assert len(rows) == 5 and all(0 < float(x) < 1000 for r in rows for x in r[1:]), out
+    assert "- launch path: cuLaunchKernel through the stand-in driver of tests/fake_cuda.py" in out
+    assert re.search(r"- tiny case split: bound launch [\d.]+ us, two allocations [\d.]+ us, plain call [\d.]+ us",
+                     out), out
