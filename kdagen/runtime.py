@@ -79,6 +79,36 @@ def _contiguous_strides(shape) -> tuple[int, ...]:
     return tuple(reversed(out))
 
 
+def _raw_empty(device: torch.device):
+    """(shape, strides, dtype) -> an uninitialized tensor on `device` from the caching allocator,
+    the cheap way: the allocator entry torch.compile's generated code calls (torch.empty_like
+    and torch.empty go through the dispatcher; measured 0.90 -> 0.56 us per CPU tensor). It
+    allocates on the current CUDA device, so a CUDA plan checks that per call; where torch lacks
+    the entry or it answers unlike torch.empty_strided, torch.empty_strided itself."""
+    guards = getattr(getattr(torch._C, "_dynamo", None), "guards", None)
+    raw = getattr(guards, f"_empty_strided_{device.type}", None) if device.type in ("cpu", "cuda") else None
+
+    def general(shape, strides, dtype):
+        return torch.empty_strided(shape, strides, dtype=dtype, device=device)
+
+    if raw is None:
+        return general
+    if device.type == "cuda":
+        current = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)  # the former skips a lazy-init check
+        idx = device.index if device.index is not None else torch.cuda.current_device()
+
+        def fast(shape, strides, dtype):
+            return raw(shape, strides, dtype) if current() == idx else general(shape, strides, dtype)
+    else:
+        fast = raw
+    try:
+        t = fast((2, 3), (3, 1), torch.bfloat16)
+        ok = (t.device, t.shape, t.stride(), t.dtype) == (device, (2, 3), (3, 1), torch.bfloat16)
+    except Exception:
+        ok = False
+    return fast if ok else general
+
+
 def kda_prefill(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -409,6 +439,8 @@ class Plan:
         st = (info.K, info.V) if self.state_kv else (info.V, info.K)
         self.st_shape = st
         self.fs_shape = (info.N, info.HV, *st)
+        self.fs_cstrides = _contiguous_strides(self.fs_shape)
+        self.o_cstrides = _contiguous_strides(self.o_shape)
         self.varlen, self.T = info.varlen, info.T
         self.st_dtype = torch_dtype(info.state) if info.state != "none" else torch.float32
         self.want_final = bool(kw["output_final_state"]) and info.state != "none"
@@ -436,6 +468,7 @@ class Plan:
         gate_args = (A is None and dt is None) if self.precomputed else \
             (self.A_ready and (dt is None or self.dt_ready))
         self.bound_whole = gate_args and self.h0_ready and self.cu_ready and not self.want_chunks and info.N > 0
+        self.empty = _raw_empty(q.device) if self.bound_whole else None
         self.fast = _UNBOUND  # the launcher's bound launch of this signature (None: it has none)
 
     @property
@@ -506,12 +539,9 @@ class Plan:
             return self(q, k, v, g, beta, A_log, dt_bias, h0, cu, cu_cpu, out, fs, cs, ws)
         max_len = self._offsets(cu, cu_cpu)[0] if self.varlen else self.T
         if out is None:
-            # empty_like where it gives the same layout: it costs a third of torch.empty(shape, ...)
-            out = torch.empty_like(v) if self.v_contiguous else torch.empty(self.o_shape, dtype=self.o_dtype,
-                                                                              device=self.device)
+            out = self.empty(self.o_shape, self.o_cstrides, self.o_dtype)
         if fs is None and self.want_final:
-            fs = torch.empty_like(h0) if self.h0_like else torch.empty(self.fs_shape, dtype=self.st_dtype,
-                                                                       device=self.device)
+            fs = self.empty(self.fs_shape, self.fs_cstrides, self.st_dtype)
         if self._fast.launch(q, k, v, g, beta, out, A_log, dt_bias, cu, h0, fs, None, None, ws, max_len):
             return out, fs
         return self(q, k, v, g, beta, A_log, dt_bias, h0, cu, cu_cpu, out, fs, cs, ws)

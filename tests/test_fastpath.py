@@ -324,6 +324,8 @@ def test_runtime_runs_a_bound_signature_through_the_bound_launch(lens):
         drv.launches.clear()
         o, st = kdagen.kda_prefill(**kw)
         assert rt._LAST[1].run == rt._LAST[1]._run_bound and len(rt._PLANS) == 2
+        assert (o.shape, o.dtype, o.is_contiguous()) == (kw["v"].shape, kw["v"].dtype, True)
+        assert (st.shape, st.dtype, st.is_contiguous()) == (kw["initial_state"].shape, torch.float32, True)
         assert [x[:5] for x in drv.launches] == [x[:5] for x in general]
         for got, want in zip(drv.launches, general):
             g_, w_ = _fields(got[5]), _fields(want[5])
@@ -335,6 +337,26 @@ def test_runtime_runs_a_bound_signature_through_the_bound_launch(lens):
         if lens is not None:
             with pytest.raises(kdagen.runtime.KdaInputError, match="non-decreasing offsets"):
                 kdagen.kda_prefill(**dict(kw, cu_seqlens_cpu=torch.tensor([0, 9, 5, 32], dtype=torch.int32)))
+
+
+def test_bound_outputs_come_from_the_allocator_entry_when_it_behaves(monkeypatch):
+    guards = torch._C._dynamo.guards
+    cpu = torch.device("cpu")
+    empty = rt._raw_empty(cpu)
+    assert empty is guards._empty_strided_cpu
+    t = empty((2, 5, 3), (15, 3, 1), torch.bfloat16)
+    assert (t.shape, t.stride(), t.dtype, t.device, t.requires_grad) == ((2, 5, 3), (15, 3, 1), torch.bfloat16, cpu,
+                                                                         False)
+    with torch.inference_mode():  # like torch.empty there: an inference tensor
+        assert empty((1,), (1,), torch.float32).is_inference()
+    # an entry that answers unlike torch.empty_strided (or is missing) is not used
+    monkeypatch.setattr(guards, "_empty_strided_cpu", lambda shape, strides, dtype: torch.empty(shape))
+    general = rt._raw_empty(cpu)
+    assert general((2, 3), (1, 2), torch.bfloat16).stride() == (1, 2)
+    monkeypatch.delattr(guards, "_empty_strided_cpu")
+    assert rt._raw_empty(cpu)((4,), (1,), torch.int32).dtype == torch.int32
+    if not torch.cuda.is_available():  # the CUDA entry of a CPU-only torch raises: not used
+        assert rt._raw_empty(torch.device("cuda", 0)).__name__ == "general"
 
 
 def sm80_arena_ptr() -> int:
@@ -507,5 +529,5 @@ def test_host_overhead_script_on_the_cpu_stub(capsys, monkeypatch):
                       r"([\d.]+) \| ([\d.]+) \| ([\d.]+) \|$", out, re.M)
     assert len(rows) == 5 and all(0 < float(x) < 1000 for r in rows for x in r[1:]), out
     assert "- launch path: cuLaunchKernel through the stand-in driver of tests/fake_cuda.py" in out
-    assert re.search(r"- tiny case split: bound launch [\d.]+ us, two allocations [\d.]+ us, plain call [\d.]+ us",
-                     out), out
+    assert re.search(r"- tiny case split: bound launch [\d.]+ us, two allocations [\d.]+ us, two empty like [\d.]+ us, "
+                     r"plain call [\d.]+ us", out), out
