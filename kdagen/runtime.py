@@ -23,6 +23,7 @@ from .errors import KdaInputError, NoVariantError
 from .inputs import CallInfo, check_offsets, check_signature
 from .registry import Entry, Registry
 from .select import GENERATE, Candidate, choose, miss_message, preference, rejection
+from .signature_guard import make_guard, placeholders
 
 log = logging.getLogger("kdagen")
 
@@ -30,8 +31,10 @@ _REGISTRY: Optional[Registry] = None
 _PLANS: dict[tuple, "Plan"] = {}
 _PLAN_LIMIT = 4096  # signatures kept; an engine sees one per distinct token count
 _LOGGED: set = set()
-_NO_PLAN = (object(), None)  # _LAST before any call: equal to no key
-_LAST: tuple = _NO_PLAN  # (key, plan) of the latest call
+_NO_PLAN = (object(), None, None, None)  # _LAST with no latest plan: its flags equal no call's
+_LAST: tuple = _NO_PLAN  # (flags, grad mode, guard, plan) of the latest call
+_GUARD_BUILDS = 8  # guards a plan gets at most
+_ABSENT = placeholders(9)  # what a guard sees for None in _prefill's optional tensor slots (5..13)
 # Choices by what selection depends on (so a new token count with the same sequences and heads
 # skips the candidate scan): functional key, device, N, HV, and whether sequences average >= 512.
 _CHOICES: dict[tuple, str] = {}
@@ -190,9 +193,23 @@ def _prefill(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seq
              chunk_states, workspace, flags: tuple):
     """The positional entry kda_prefill and torch.ops.kdagen.kda_prefill share: the plan of the
     call's signature (validated, selected and cached on first sight), run on this call's tensors."""
+    last = _LAST
+    # The latest call's plan, where torch's C++ tensor guard says this call has its signature (the
+    # flags and grad mode compared here): a model's layers repeat one signature.
+    guarded = flags == last[0] and torch.is_grad_enabled() is last[1]
+    if guarded:
+        a5, a6, a7, a8, a9, a10, a11, a12, a13 = _ABSENT
+        if last[2].check(q, k, v, g, beta, a5 if A_log is None else A_log, a6 if dt_bias is None else dt_bias,
+                         a7 if initial_state is None else initial_state, a8 if cu_seqlens is None else cu_seqlens,
+                         a9 if cu_seqlens_cpu is None else cu_seqlens_cpu, a10 if out is None else out,
+                         a11 if final_state is None else final_state, a12 if chunk_states is None else chunk_states,
+                         a13 if workspace is None else workspace):
+            return last[3].run(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, out,
+                               final_state, chunk_states, workspace)
     # The signature: everything validation and selection depend on but tensor values. Spelled
-    # out (no helper per tensor): this line is most of the host cost of a repeated call. The
-    # autograd flag is one bool: a plan is never made (nor cached) for a call it would be True.
+    # out (no helper per tensor): this line is most of the host cost of a call the guard above
+    # does not serve. The autograd flag is one bool: a plan is never made (nor cached) for a
+    # call it would be True.
     try:
         key = (flags, q.dtype, q.shape, q.stride(), q.device, k.dtype, k.shape, k.stride(), k.device,
                v.dtype, v.shape, v.stride(), v.device, g.dtype, g.shape, g.stride(), g.device,
@@ -214,11 +231,6 @@ def _prefill(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seq
                                             or beta.requires_grad))
     except AttributeError:  # not a tensor: the checks below say which argument
         key = None
-    global _LAST
-    last = _LAST
-    if key == last[0]:  # the signature of the call before (a model's layers repeat it): no hashing
-        return last[1].run(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, out,
-                           final_state, chunk_states, workspace)
     plan = _PLANS.get(key)
     if plan is None:
         plan = _make_plan(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, initial_state=initial_state,
@@ -229,9 +241,27 @@ def _prefill(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seq
         if key is not None:
             _PLANS[key] = plan
     if key is not None:
-        _LAST = (key, plan)
+        _remember(plan, flags, (q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, out,
+                                final_state, chunk_states, workspace), guarded and plan is last[3])
     return plan.run(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, out, final_state,
                     chunk_states, workspace)
+
+
+def _remember(plan: "Plan", flags: tuple, tensors: tuple, failed: bool) -> None:
+    """Make `plan` the latest, with a guard of this call's tensors: its own from an earlier call,
+    or a new one where it has none or its guard just `failed` a call of its signature
+    (inference mode, a tensor subclass); a plan whose guards keep failing (a caller passing one
+    tensor in two slots) stops getting new ones."""
+    global _LAST
+    guard = plan.guard
+    if guard is None or failed:
+        if plan.guard_builds >= _GUARD_BUILDS:
+            _LAST = _NO_PLAN
+            return
+        plan.guard_builds += 1
+        guard = plan.guard = make_guard(tensors[:5] + tuple(a if t is None else t
+                                                            for a, t in zip(_ABSENT, tensors[5:])))
+    _LAST = (flags, torch.is_grad_enabled(), guard, plan) if guard is not None else _NO_PLAN
 
 
 def workspace_size(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -470,6 +500,8 @@ class Plan:
         self.bound_whole = gate_args and self.h0_ready and self.cu_ready and not self.want_chunks and info.N > 0
         self.empty = _raw_empty(q.device) if self.bound_whole else None
         self.fast = _UNBOUND  # the launcher's bound launch of this signature (None: it has none)
+        self.guard: Any = None  # signature_guard's check of a call with this plan's signature
+        self.guard_builds = 0
 
     @property
     def fast(self) -> Any:

@@ -58,7 +58,7 @@ def make_inputs(lens: list[int], H: int, device: str, seed: int = 0) -> dict:
     kw = make_case(Variant(*VARIANT), device, B=1, T=sum(lens), H=H, HV=H, lens=lens if len(lens) > 1 else None,
                    seed=seed)
     if len(lens) > 1:
-        kw["cu_seqlens_cpu"] = kw["cu_seqlens"].cpu()
+        kw["cu_seqlens_cpu"] = kw["cu_seqlens"].cpu().clone()  # its own tensor also when device is the CPU
     return kw
 
 

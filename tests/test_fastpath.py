@@ -302,7 +302,7 @@ def test_runtime_runs_a_bound_signature_through_the_bound_launch(lens):
         ws = ws[(-ws.data_ptr()) % 256:][:nbytes]
         owned = dict(kw, out=out, final_state=fs, workspace=ws)
         assert kdagen.kda_prefill(**owned) == (out, fs)
-        plan = rt._LAST[1]
+        plan = list(rt._PLANS.values())[-1]
         assert plan.run == plan._run_bound and type(plan.fast).__name__ == "Sm80Bound"
         general = drv.launches[:]
         assert len(general) == 2
@@ -323,7 +323,7 @@ def test_runtime_runs_a_bound_signature_through_the_bound_launch(lens):
         general = drv.launches[:]
         drv.launches.clear()
         o, st = kdagen.kda_prefill(**kw)
-        assert rt._LAST[1].run == rt._LAST[1]._run_bound and len(rt._PLANS) == 2
+        assert list(rt._PLANS.values())[-1].run == list(rt._PLANS.values())[-1]._run_bound and len(rt._PLANS) == 2
         assert (o.shape, o.dtype, o.is_contiguous()) == (kw["v"].shape, kw["v"].dtype, True)
         assert (st.shape, st.dtype, st.is_contiguous()) == (kw["initial_state"].shape, torch.float32, True)
         assert [x[:5] for x in drv.launches] == [x[:5] for x in general]
@@ -379,7 +379,7 @@ def test_bound_signature_falls_back_to_the_general_path_when_the_launch_declines
         assert q_off.data_ptr() % 16
         drv.launches.clear()
         o, _ = kdagen.kda_prefill(**dict(kw, q=q_off))
-        assert rt._LAST[1].run == rt._LAST[1]._run_bound and len(rt._PLANS) == 1
+        assert list(rt._PLANS.values())[-1].run == list(rt._PLANS.values())[-1]._run_bound and len(rt._PLANS) == 1
         assert len(drv.launches) == 2
         q_seen = {_fields(x[5])["q"] for x in drv.launches}
         assert len(q_seen) == 1 and q_seen != {q_off.data_ptr()} and q_seen.pop() % 16 == 0  # a realigned copy
@@ -390,6 +390,55 @@ def test_bound_signature_falls_back_to_the_general_path_when_the_launch_declines
         finally:
             rt.POISON_OUTPUTS = False
         assert torch.isnan(o).all() and torch.isnan(st).all()  # the fake driver writes nothing
+
+
+@pytest.mark.parametrize("guarded", [True, False], ids=["guard", "key_only"])
+def test_a_cached_plan_serves_only_calls_of_its_signature(monkeypatch, guarded):
+    """Which plan serves a call (torch's tensor guard first, else the Python key): another
+    stride, a missing tensor, autograd, grad and inference modes, one tensor in two slots."""
+    from kdagen import signature_guard
+
+    from .fake_cuda import route_launcher
+
+    if guarded:
+        assert signature_guard.available()
+    else:
+        monkeypatch.setattr(rt, "make_guard", lambda args: None)
+    served = []
+    for name in ("_run_bound", "__call__"):
+        real = getattr(rt.Plan, name)
+        monkeypatch.setattr(rt.Plan, name, (lambda f: lambda self, *a: served.append(self) or f(self, *a))(real))
+    var, kw = _sm80_case(None)
+
+    def call(**over):
+        served.clear()
+        kdagen.kda_prefill(**dict(kw, **over))
+        return served[0]
+
+    with sm80_on_cpu(var) as (la, _drv), route_launcher(la):
+        base = call()
+        assert call() is base and (rt._LAST[3] is base) == guarded
+        strided = kw["q"].transpose(1, 2).contiguous().transpose(1, 2)
+        assert strided.shape == kw["q"].shape and strided.stride() != kw["q"].stride()
+        other = call(q=strided)
+        assert other is not base and call(q=strided) is other and call() is base
+        no_dt = call(dt_bias=None)
+        assert no_dt not in (base, other) and call(dt_bias=None) is no_dt and call() is base
+        with torch.no_grad():
+            assert call() is base and call() is base
+        with torch.inference_mode():
+            assert call() is base and call() is base
+        with pytest.raises(kdagen.runtime.KdaInputError, match="forward-only"):
+            call(q=kw["q"].clone().requires_grad_())
+        with torch.no_grad():  # allowed there, with the plan of its facts
+            assert call(q=kw["q"].clone().requires_grad_()) is base
+        # one tensor in two slots (k is q: same facts): the Python key serves it; a guard cannot
+        # (it fails such calls), and the plan stops getting new ones
+        builds = base.guard_builds
+        assert builds == 3 or not guarded  # the first; inference mode in and out (its dispatch keys)
+        assert all(call(k=kw["q"]) is base for _ in range(12))
+        assert base.guard_builds == (rt._GUARD_BUILDS if guarded else builds)
+        assert call() is base and len(rt._PLANS) == 3
 
 
 def test_the_latest_signature_shortcut_never_serves_another_signature(monkeypatch):
