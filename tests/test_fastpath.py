@@ -228,8 +228,9 @@ def _bound_against_general(la, drv, varlen):
     drv.launches.clear()
     assert bound.launch(*args) and bound.launch(*args)
     ws_of = [KdaParams.from_buffer_copy(x[5]).ws for x in drv.launches]
-    arena, arena_ptr = sm80.Sm80Bound._ARENAS[(0, fake_cuda.STREAM)]
-    assert len(set(ws_of)) == 1 and ws_of[0] == arena.data_ptr() == arena_ptr and arena.numel() == ws_bytes
+    arena, arena_ptr, arena_bytes = sm80.Sm80Bound._ARENAS[(0, fake_cuda.STREAM)]
+    assert len(set(ws_of)) == 1 and ws_of[0] == arena.data_ptr() == arena_ptr
+    assert arena.numel() == arena_bytes == ws_bytes
     drv.capturing = True
     drv.launches.clear()
     assert bound.launch(*args)

@@ -387,7 +387,7 @@ class Sm80Bound:
             if wp % _WS_ALIGN or ws.numel() * ws.element_size() < self.ws_bytes:
                 return False  # the general path carves (and checks) a caller workspace
         lock = self.lock
-        if not lock.acquire(blocking=False):
+        if not lock.acquire(False):  # not blocking
             return False
         try:
             raw = current_stream_handle(self.idx)
@@ -419,7 +419,7 @@ class Sm80Bound:
     # under CUDA graph capture (the graph keeps its own; the legacy default stream, handle 0,
     # cannot capture, so it is not asked), not above ARENA_MAX (long calls: noise).
     ARENA_MAX = 64 << 20
-    _ARENAS: dict[tuple[int, int], tuple[torch.Tensor, int]] = {}  # (device, stream) -> (buffer, its address)
+    _ARENAS: dict[tuple[int, int], tuple[torch.Tensor, int, int]] = {}  # (device, stream) -> (buffer, address, bytes)
 
     def _scratch(self, raw_stream: int) -> tuple[torch.Tensor, int]:
         """This call's scratch and its address (the caller holds the device lock)."""
@@ -429,7 +429,7 @@ class Sm80Bound:
             return buf, buf.data_ptr()
         key = (self.idx, raw_stream)
         arena = Sm80Bound._ARENAS.get(key)
-        if arena is None or arena[0].numel() < n:
+        if arena is None or arena[2] < n:
             buf = torch.empty(n, dtype=torch.uint8, device=self.device)
-            arena = Sm80Bound._ARENAS[key] = (buf, buf.data_ptr())
-        return arena
+            arena = Sm80Bound._ARENAS[key] = (buf, buf.data_ptr(), n)
+        return arena[0], arena[1]
