@@ -141,6 +141,7 @@ def kda_prefill(
     chunk_states: Optional[torch.Tensor] = None,
     workspace: Optional[torch.Tensor] = None,
     assume_valid: bool = False,
+    cp_context: Optional[Any] = None,
 ):
     """Kimi Delta Attention prefill.
 
@@ -166,7 +167,15 @@ def kda_prefill(
     state entering every chunk of `chunk_size` tokens, [NC_total, HV, *state], sequences'
     chunks concatenated. `variant` (or KDAGEN_FORCE_VARIANT) forces a variant by name (it must
     still fit the call).
+
+    cp_context (kdagen.cp.build_cp_context): context-parallel across a torch.distributed group;
+    q..beta are this rank's tokens and every rank calls (kdagen.cp.kda_prefill_cp says more).
     """
+    if cp_context is not None:
+        from .cp import kda_prefill_cp
+
+        return kda_prefill_cp(q, k, v, g, beta, cp_context=cp_context,
+                              **{n: val for n, val in locals().items() if n in _DEFAULTS})
     if torch.compiler.is_compiling():
         from .ops import traced_prefill
 

@@ -66,9 +66,9 @@ def test_disable_jit_forbids_generating_a_variant_no_spec_lists(monkeypatch):
     with pytest.raises(NoVariantError) as ei:
         kdagen.kda_prefill(**kw)
     msg = str(ei.value)
-    assert "Would fit if built: kda_fwd_triton_c16_k64_v64_fp32_gb_snone_bv64: no spec lists it, and " \
+    assert "Would fit if built: kda_fwd_triton_c16_k64_v64_fp32_gb_snone_bv32: no spec lists it, and " \
            "KDAGEN_DISABLE_JIT=1 forbids generating it now (`kdagen build --variant " \
-           "kda_fwd_triton_c16_k64_v64_fp32_gb_snone_bv64` makes it ahead of time)" in msg, msg
+           "kda_fwd_triton_c16_k64_v64_fp32_gb_snone_bv32` makes it ahead of time)" in msg, msg
     monkeypatch.setenv("KDAGEN_DISABLE_JIT", "maybe")
     with pytest.raises(KdagenError, match="KDAGEN_DISABLE_JIT: expected 1 or 0, found 'maybe'"):
         env.disable_jit()

@@ -45,3 +45,10 @@ def test_checkout_paths_and_cache_layout(monkeypatch, tmp_path):
     monkeypatch.delenv("KDAGEN_CACHE_DIR")
     assert paths.build_dir_for(ROOT / "generated") == ROOT / "build"
     assert paths.build_dir_for(tmp_path / "x" / "generated") == tmp_path / "x" / "build"
+
+
+def test_every_python_subpackage_of_kdagen_ships():
+    st = _pyproject()["tool"]["setuptools"]
+    for init in sorted((ROOT / "kdagen").rglob("__init__.py")):
+        pkg = ".".join(init.parent.relative_to(ROOT).parts)
+        assert pkg in st["packages"], f"{pkg} is not shipped: add it to [tool.setuptools] packages in pyproject.toml"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 
 import pytest
@@ -40,7 +42,15 @@ def test_cuda_target_preferred_over_triton(any_device):
 def test_chunk_preference_measured_per_target_else_by_length(any_device):
     # sm80: chunk 16 measured faster at every benchmarked length
     assert sel.select([var("sm80", 16), var("sm80", 64)], info()).chunk == 16
-    # triton (no measurement): long sequences take chunk 64, short ones chunk 16
+    # triton: chunk 16 measured faster (H200, 2026-12-01), at every length
+    tri = [var("triton", 16), var("triton", 64)]
+    assert sel.select(tri, info()).chunk == 16
+    assert sel.select(tri, info(T=256, max_len=256)).chunk == 16
+
+
+def test_chunk_by_length_where_a_target_has_no_measurement(any_device, monkeypatch):
+    # without a measured preference long sequences take chunk 64, short ones chunk 16
+    monkeypatch.setitem(sel.TARGETS, "triton", dataclasses.replace(sel.TARGETS["triton"], preferred_chunk=None))
     tri = [var("triton", 16), var("triton", 64)]
     assert sel.select(tri, info()).chunk == 64
     assert sel.select(tri, info(T=256, max_len=256)).chunk == 16

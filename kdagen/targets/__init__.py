@@ -65,6 +65,9 @@ TARGETS: dict[str, TargetInfo] = {
         name="triton",
         description="Triton kernels (portable GPUs; CPU through TRITON_INTERPRET=1)",
         chunks=(16, 64),
+        # K != V included. The template also runs every other multiple of 16 up to 128 (padded
+        # tiles, tests/test_triton_design.py renders K = 16, 48, 80); tests/test_runtime_errors.py
+        # uses 48 as the head dim no target has, so those stay unlisted for now.
         head_dims=(32, 64, 128),
         dtypes=("fp32", "bf16", "fp16"),
         gates=("bounded", "unbounded", "precomputed"),
@@ -79,6 +82,13 @@ TARGETS: dict[str, TargetInfo] = {
         # bf16/fp16 tl.dot needs sm_80 MMA; validated on an H200 (sm_90)
         devices=("cuda", "cpu"), min_compute_capability=(8, 0), rank=2,
         device_env=(("cpu", "TRITON_INTERPRET", "1"),),
+        # H200, 2026-12-01 (`bench_kda.py --cases issue21 --variants all`): chunk 16 block_v 32 was
+        # the fastest variant on four of six rows and within 2% on a fifth; chunk 64's prep is
+        # 3-4x slower (T8192 H96 4.19 vs 1.38 ms). Only B1 T2048 H8 favoured chunk 64 (0.205 vs
+        # 0.228 ms). Table: benchmarks/results/2026-12-01_h200_triton.md.
+        preferred_chunk=16,
+        vsplit_min_waves=0.7,
+        preferred_block_v=32,
     ),
     "sm80": TargetInfo(
         name="sm80",

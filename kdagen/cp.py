@@ -1,0 +1,276 @@
+"""Context-parallel KDA prefill across ranks of a torch.distributed process group (issue 19).
+
+Each rank holds a contiguous slice of the packed tokens of a varlen batch; a sequence may span
+ranks. Built from the global cu_seqlens, a `CPContext` tells every rank which pieces of which
+sequences it holds. `kda_prefill_cp` (also reached as `kdagen.kda_prefill(..., cp_context=ctx)`)
+then runs on every rank of the group at once:
+
+1. the rank's pieces through the scan engine's step 1 (kdagen.scan.engine.maps_step): each
+   segment's transition A and from-zero state B; a piece whose sequence starts on this rank
+   starts from its initial state, so the map the rank sends on for it is (A = 0, B = its true
+   exit state);
+2. one all_gather of every rank's outgoing map (its last piece, when that sequence continues on
+   the next rank: [HV, V + K, K] fp32, zeros otherwise), then each rank chains the maps of the
+   ranks before it that hold its first piece's sequence into that piece's entering state;
+3. the rank's segments rerun from their true entering states (or o corrected, mode="correct").
+
+A rank with no piece entering from elsewhere and no segment to split runs one plain call, before
+the exchange. Communication is torch.distributed only (gloo on CPU, NCCL on GPUs: launch with
+NCCL_NVLS_ENABLE=0, NVLink multicast off). Every rank of the group must make the call.
+
+States: `initial_state` holds one row per sequence that STARTS on this rank (ctx.starts, global
+indices), the returned final state one row per sequence that ENDS here (ctx.ends); an empty
+sequence belongs to the rank whose slice holds its offset (the last rank for offset T).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from .errors import KdaInputError
+from .scan.chain import chain_states
+from .scan.engine import _default_prefill, _unpack, correct_step, maps_step, pack, rerun_step
+from .scan.layout import split
+from .scan.maps import fold, ieee_fp32
+
+__all__ = ["Piece", "CPContext", "build_cp_context", "kda_prefill_cp"]
+
+
+@dataclass(frozen=True)
+class Piece:
+    """The part of global sequence `seq` on this rank: local packed tokens [start, end)."""
+
+    seq: int
+    start: int
+    end: int
+    incoming: bool  # the sequence began on an earlier rank
+    outgoing: bool  # the sequence continues on a later rank
+
+
+@dataclass(frozen=True)
+class CPContext:
+    group: Any  # torch.distributed ProcessGroup (None: the default group)
+    rank: int
+    world: int
+    cu: tuple[int, ...]  # global offsets [N + 1]
+    rank_bounds: tuple[int, ...]  # [world + 1]: rank r holds global tokens [rank_bounds[r], rank_bounds[r+1])
+    pieces: tuple[Piece, ...]  # this rank's, in order
+    starts: tuple[int, ...]  # global sequences whose first token (or empty offset) is on this rank
+    ends: tuple[int, ...]  # global sequences whose last token (or empty offset) is on this rank
+
+    @property
+    def local_tokens(self) -> int:
+        return self.rank_bounds[self.rank + 1] - self.rank_bounds[self.rank]
+
+    @property
+    def local_cu(self) -> list[int]:
+        """The pieces' local packed offsets (a varlen cu_seqlens of the rank's tokens)."""
+        return [0] + [p.end for p in self.pieces]
+
+    def local_initial_state(self, initial_state: Tensor) -> Tensor:
+        """This rank's rows (ctx.starts) of a global [N, ...] initial state."""
+        return initial_state[list(self.starts)]
+
+    def holders(self, seq: int) -> list[int]:
+        """Ranks holding tokens of global sequence `seq`, in order."""
+        s, e = self.cu[seq], self.cu[seq + 1]
+        return [r for r in range(self.world)
+                if max(s, self.rank_bounds[r]) < min(e, self.rank_bounds[r + 1])]
+
+
+def _owner(pos: int, bounds: Sequence[int]) -> int:
+    """The rank whose slice holds global token `pos` (the last non-empty one for pos = T)."""
+    world = len(bounds) - 1
+    for r in range(world):
+        if bounds[r] <= pos < bounds[r + 1]:
+            return r
+    return max([r for r in range(world) if bounds[r + 1] > bounds[r]] or [world - 1])
+
+
+def build_cp_context(cu_seqlens: Sequence[int] | Tensor, group: Any = None, *,
+                     tokens_per_rank: Optional[Sequence[int]] = None, rank: Optional[int] = None,
+                     world: Optional[int] = None) -> CPContext:
+    """The context of this rank. cu_seqlens: the global offsets (host values; a tensor is read
+    once). tokens_per_rank: each rank's token count (default: T split evenly, the remainder to
+    the first ranks). rank/world default to the group's (torch.distributed)."""
+    if rank is None or world is None:
+        import torch.distributed as dist
+
+        if not dist.is_available() or not dist.is_initialized():
+            raise KdaInputError("group: torch.distributed is not initialised; call init_process_group first "
+                                "(or pass rank= and world= to build a context without one)")
+        rank = dist.get_rank(group) if rank is None else rank
+        world = dist.get_world_size(group) if world is None else world
+    cu = [int(x) for x in (cu_seqlens.tolist() if isinstance(cu_seqlens, Tensor) else cu_seqlens)]
+    if len(cu) < 2 or cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])):
+        raise KdaInputError(f"cu_seqlens: expected non-decreasing global offsets from 0, found "
+                            f"{cu if len(cu) <= 12 else cu[:6] + ['...'] + cu[-3:]}")
+    if not (0 <= rank < world):
+        raise KdaInputError(f"rank: expected 0 <= rank < world={world}, found {rank}")
+    T = cu[-1]
+    if tokens_per_rank is None:
+        tokens_per_rank = [T // world + (1 if r < T % world else 0) for r in range(world)]
+    tokens_per_rank = [int(x) for x in tokens_per_rank]
+    if len(tokens_per_rank) != world or any(x < 0 for x in tokens_per_rank) or sum(tokens_per_rank) != T:
+        raise KdaInputError(f"tokens_per_rank: expected {world} counts >= 0 summing to T={T}, found {tokens_per_rank}")
+    bounds = [0]
+    for x in tokens_per_rank:
+        bounds.append(bounds[-1] + x)
+    r0, r1 = bounds[rank], bounds[rank + 1]
+    pieces, starts, ends = [], [], []
+    for n, (s, e) in enumerate(zip(cu, cu[1:])):
+        if s == e:
+            if _owner(s, bounds) == rank:
+                pieces.append(Piece(n, s - r0, s - r0, False, False))
+                starts.append(n)
+                ends.append(n)
+            continue
+        a, b = max(s, r0), min(e, r1)
+        if a >= b:
+            continue
+        pieces.append(Piece(n, a - r0, b - r0, s < r0, e > r1))
+        if s >= r0:
+            starts.append(n)
+        if e <= r1:
+            ends.append(n)
+    return CPContext(group, rank, world, tuple(cu), tuple(bounds), tuple(pieces), tuple(starts), tuple(ends))
+
+
+def _all_gather(x: Tensor, ctx: CPContext) -> list[Tensor]:
+    import torch.distributed as dist
+
+    out = [torch.empty_like(x) for _ in range(ctx.world)]
+    dist.all_gather(out, x.contiguous(), group=ctx.group)
+    return out
+
+
+def kda_prefill_cp(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, cp_context: CPContext,
+                   segments: int | Sequence[int] | None = None, mode: str = "rerun", prefill=None,
+                   chain_impl: str = "auto", costs: str = "h200-engine", **kw: Any):
+    """This rank's part of a context-parallel kda_prefill. q, k, v, g, beta: the rank's tokens,
+    B = 1, layout "BSND" ([1, T_local, heads, D]) or "BNSD"; no cu_seqlens (the context has the
+    global ones). Other keywords as kdagen.kda_prefill; initial_state [len(ctx.starts), HV, ...].
+    segments: per local piece (or one count) how many scan segments to cut it into; None asks
+    the planner. Returns (o local, final state [len(ctx.ends), HV, ...] or None) like
+    kda_prefill, and chunk states (the local pieces' chunks) with return_chunk_states."""
+    ctx = cp_context
+    if not isinstance(ctx, CPContext):
+        raise KdaInputError(f"cp_context: expected a kdagen.cp.CPContext (build_cp_context), found "
+                            f"{type(ctx).__name__}")
+    for name in ("cu_seqlens", "cu_seqlens_cpu", "workspace", "out", "assume_valid"):
+        if kw.get(name) is not None and kw.get(name) is not False:
+            raise KdaInputError(f"{name}: expected None with cp_context (the context holds the global offsets; "
+                                "buffers are the scan's)")
+        kw.pop(name, None)
+    if mode not in ("rerun", "correct"):
+        raise KdaInputError(f"mode: expected 'rerun' or 'correct', found {mode!r}")
+    prefill = prefill or _default_prefill()
+    layout = str(kw.get("layout", "BSND")).upper()
+    t_axis = 1 if layout == "BSND" else 2
+    if q.dim() != 4 or q.shape[0] != 1 or q.shape[t_axis] != ctx.local_tokens:
+        raise KdaInputError(f"q: expected B = 1 and this rank's {ctx.local_tokens} tokens on the T axis "
+                            f"(layout {layout}), found shape {tuple(q.shape)}")
+    final_buf, chunk_buf = kw.pop("final_state", None), kw.pop("chunk_states", None)
+    want_final = bool(kw.pop("output_final_state", False)) or final_buf is not None
+    want_cs = bool(kw.pop("return_chunk_states", False)) or chunk_buf is not None
+    h0_user = kw.pop("initial_state", None)
+    pieces = ctx.pieces
+    n_local = len(pieces)
+    C = kw.get("chunk_size")
+    if want_cs:
+        if C is None:
+            raise KdaInputError("chunk_size: 16 or 64 required with return_chunk_states")
+        for p in pieces:
+            if p.incoming and (ctx.rank_bounds[ctx.rank] - ctx.cu[p.seq]) % C:
+                raise KdaInputError(f"return_chunk_states: rank {ctx.rank} starts inside chunk of sequence {p.seq}; "
+                                    f"chunk states need rank boundaries on multiples of chunk_size={C} from the "
+                                    "sequence's start (tokens_per_rank)")
+
+    # Initial states of the local pieces: the caller's rows for sequences starting here; zeros
+    # hold the place of a piece entering from another rank until the exchange.
+    h0 = None
+    if h0_user is not None:
+        if not isinstance(h0_user, Tensor) or h0_user.dim() != 4 or h0_user.shape[0] != len(ctx.starts):
+            raise KdaInputError(f"initial_state: expected one row per sequence starting on rank {ctx.rank} "
+                                f"([{len(ctx.starts)}, HV, ...], ctx.starts), found "
+                                f"{tuple(h0_user.shape) if isinstance(h0_user, Tensor) else type(h0_user).__name__}")
+        h0 = h0_user.new_zeros(n_local, *h0_user.shape[1:])
+        row = {n: i for i, n in enumerate(ctx.starts)}
+        for i, p in enumerate(pieces):
+            if not p.incoming:
+                h0[i] = h0_user[row[p.seq]]
+    if n_local == 0:  # nothing here, but the collective needs every rank
+        HV, K = v.shape[2 if layout == "BSND" else 1], q.shape[-1]
+        _all_gather(torch.zeros(HV, 2 * K, K, dtype=torch.float32, device=q.device), ctx)
+        return _empty_result(q, v, HV, K, kw, want_final, want_cs, final_buf, chunk_buf)
+    cu_cpu = torch.tensor(ctx.local_cu, dtype=torch.int32)
+    P = pack(q, k, v, g, beta, cu_seqlens=cu_cpu.to(q.device), cu_seqlens_cpu=cu_cpu, initial_state=h0,
+             output_final_state=True, return_chunk_states=want_cs, **kw)
+    HV, K, dev = P.HV, P.K, q.device
+    known = [not p.incoming for p in pieces]
+    align = C or 64
+    if segments is None:
+        from .scan.planner import plan_segments
+        from .select import _sm_count
+
+        segments = plan_segments([p.end - p.start for p in pieces], heads=HV, v_blocks=max(1, K // 32),
+                                 sm_count=_sm_count(dev), chunk=C or 16, costs=costs, align=align,
+                                 force=not all(known)).segments
+    lay = split(ctx.local_cu, segments, align)
+    plain = all(known) and not lay.split_any
+
+    # 1. Maps (or, with nothing to wait for, the whole local call).
+    out_map = torch.zeros(HV, 2 * K, K, dtype=torch.float32, device=dev)
+    if plain:
+        res = P.call(prefill, lay, initial_state=P.h0, output_final_state=True, return_chunk_states=want_cs)
+        o, finals, cs = res[0], res[1], (res[2] if want_cs else None)
+        if pieces[-1].outgoing:
+            out_map[:, :K] = finals[-1]  # A = 0: the sequence's state leaving this rank, exactly
+    else:
+        A, B, o2, cs2 = maps_step(P, lay, known, prefill, outputs=(mode == "correct"))
+        if pieces[-1].outgoing:
+            last = slice(lay.first[-1], lay.first[-1] + lay.counts[-1])
+            with ieee_fp32():
+                Ap, Bp = fold(A[last], B[last], dim=0)
+            out_map[:, :K], out_map[:, K:] = Bp, Ap
+
+    # 2. Exchange and chain across ranks.
+    maps = _all_gather(out_map, ctx)
+    S0 = P.h0.clone()
+    if pieces and pieces[0].incoming:
+        S = torch.zeros(HV, K, K, dtype=torch.float32, device=dev)
+        with ieee_fp32():
+            for r in ctx.holders(pieces[0].seq):
+                if r == ctx.rank:
+                    break
+                S = S @ maps[r][:, K:] + maps[r][:, :K]
+        S0[0] = S
+
+    # 3. Every local segment from its true entering state.
+    if not plain:
+        S_in, finals = chain_states(A, B, S0, lay.counts, impl=chain_impl)
+        if mode == "rerun":
+            o, finals, cs = rerun_step(P, lay, S_in, prefill, want_cs)
+        else:
+            o, cs = correct_step(P, lay, S_in, known, o2, cs2)
+    ends = torch.tensor([i for i, p in enumerate(pieces) if not p.outgoing], dtype=torch.long, device=dev)
+    return _unpack(P, o, finals[ends], cs, out=None, final_state=final_buf, chunk_states_buf=chunk_buf,
+                   want_final=want_final, want_cs=want_cs)
+
+
+def _empty_result(q: Tensor, v: Tensor, HV: int, K: int, kw: dict, want_final: bool, want_cs: bool,
+                  final_buf: Optional[Tensor], chunk_buf: Optional[Tensor]):
+    """Outputs of a rank that holds no piece: an empty o, no states."""
+    st = (K, K)
+    dtype = kw.get("state_dtype") or torch.float32
+    fs = None
+    if want_final:
+        fs = final_buf if final_buf is not None else torch.empty(0, HV, *st, dtype=dtype, device=q.device)
+    o = torch.empty_like(v)
+    if want_cs:
+        return o, fs, (chunk_buf if chunk_buf is not None else torch.empty(0, HV, *st, dtype=dtype, device=q.device))
+    return o, fs

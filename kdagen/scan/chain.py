@@ -1,0 +1,98 @@
+"""The sequential pass over segment boundary states: S_in[first] = S0, S_in[j+1] = S_in[j] A_j + B_j.
+
+Two implementations of one contract (kdagen.scan.maps.chain): torch (a batched step per segment
+of the longest sequence: one launch each on a GPU) and one Triton kernel (a program per
+(sequence, head, V block) walks all of its sequence's segments: one launch in all). With 8-32
+segments the launches of the torch form cost 0.1-0.3 ms on a GPU, as much as the scan saves on
+the shapes it is for, hence the kernel. fp32 only, products in IEEE fp32 (no TF32).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+from .maps import chain as chain_torch
+from .maps import ieee_fp32
+
+__all__ = ["chain_states", "chain_triton", "triton_fits"]
+
+try:  # Triton is optional at run time (the torch form needs none)
+    import triton
+    import triton.language as tl
+except Exception:  # pragma: no cover - exercised only where triton is missing
+    triton = None
+
+
+if triton is not None:
+
+    @triton.jit
+    def _chain_kernel(A, B, S0, S_in, S_out, offsets, HV, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr):
+        n = tl.program_id(0)
+        h = tl.program_id(1)
+        vb = tl.program_id(2)
+        s_begin = tl.load(offsets + n)
+        s_end = tl.load(offsets + n + 1)
+        rv = vb * BV + tl.arange(0, BV)
+        rk = tl.arange(0, K)
+        vk = rv[:, None] * K + rk[None, :]  # [BV, K] inside one [V, K] state
+        kk = rk[:, None] * K + rk[None, :]  # [K, K]
+        S = tl.load(S0 + (n * HV + h) * V * K + vk)
+        for s in range(s_begin, s_end):
+            base = s * HV + h
+            tl.store(S_in + base * V * K + vk, S)
+            a = tl.load(A + base * K * K + kk)
+            b = tl.load(B + base * V * K + vk)
+            S = tl.dot(S, a, input_precision="ieee") + b
+        tl.store(S_out + (n * HV + h) * V * K + vk, S)
+
+
+def triton_fits(A: Tensor, B: Tensor) -> bool:
+    """Whether the Triton kernel takes these shapes (power-of-two K and V >= 16, fp32) here."""
+    if triton is None or A.dtype != torch.float32 or B.dtype != torch.float32:
+        return False
+    K, V = A.shape[-1], B.shape[-2]
+    pow2 = lambda x: x >= 16 and x & (x - 1) == 0  # noqa: E731
+    runs = A.is_cuda or (A.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
+    return runs and pow2(K) and pow2(V)
+
+
+def chain_triton(A: Tensor, B: Tensor, S0: Tensor, counts: Sequence[int]) -> tuple[Tensor, Tensor]:
+    """kdagen.scan.maps.chain in one Triton launch. A [S, HV, K, K], B [S, HV, V, K],
+    S0 [N, HV, V, K], all fp32; counts[n] segments of sequence n."""
+    if not triton_fits(A, B):
+        raise ValueError(f"A, B: the Triton chain needs fp32 power-of-two K, V >= 16 on a GPU or the "
+                         f"interpreter, found A {tuple(A.shape)} {A.dtype}, B {tuple(B.shape)} on {A.device}")
+    S, HV, K, _ = A.shape
+    V = B.shape[-2]
+    N = S0.shape[0]
+    if len(counts) != N or sum(counts) != S or tuple(B.shape) != (S, HV, V, K) or tuple(S0.shape) != (N, HV, V, K):
+        raise ValueError(f"counts: expected {N} sequences with {S} segments in all and B [{S}, {HV}, V, {K}], "
+                         f"S0 [{N}, {HV}, V, {K}], found counts {list(counts)}, B {tuple(B.shape)}, "
+                         f"S0 {tuple(S0.shape)}")
+    A, B, S0 = A.contiguous(), B.contiguous(), S0.contiguous()
+    offs = [0]
+    for c in counts:
+        offs.append(offs[-1] + int(c))
+    offsets = torch.tensor(offs, dtype=torch.int32, device=A.device)
+    S_in = torch.empty_like(B)
+    S_out = torch.empty_like(S0)
+    if N and HV:
+        BV = min(V, 32)
+        _chain_kernel[(N, HV, V // BV)](A, B, S0, S_in, S_out, offsets, HV, K=K, V=V, BV=BV)
+    return S_in, S_out
+
+
+def chain_states(A: Tensor, B: Tensor, S0: Tensor, counts: Sequence[int], impl: str = "auto"
+                 ) -> tuple[Tensor, Tensor]:
+    """(states entering every segment, each sequence's final state); impl "torch", "triton" or
+    "auto" (the kernel on a GPU where it fits, else torch)."""
+    if impl not in ("auto", "torch", "triton"):
+        raise ValueError(f"impl: expected 'auto', 'torch' or 'triton', found {impl!r}")
+    if impl == "triton" or (impl == "auto" and A.is_cuda and triton_fits(A, B)):
+        return chain_triton(A, B, S0, counts)
+    with ieee_fp32():
+        return chain_torch(A, B, S0, list(counts))

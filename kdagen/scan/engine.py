@@ -1,0 +1,271 @@
+"""The three-step scan composed of kdagen.kda_prefill calls (any target's kernels).
+
+Segments become varlen sequences, so today's kernels run every step:
+
+1. Maps: one call over all segments with every value head doubled. Head 2h carries v and starts
+   from zero (or from the sequence's initial state for its first segment): its final state is
+   the segment's from-zero state B. Head 2h+1 carries v = 0 and starts from the identity: the
+   recurrence is linear in the state then, so its final state is the segment's transition A
+   (K = V). Both read q/k head h // (HV / H) (the GQA rule with twice the ratio), the same g and
+   beta. With the A head's o, o itself is affine in the entering state: o = o_B + o_A S_in^T.
+2. Chain: S_in of every segment from the sequence's initial state (kdagen.scan.chain).
+3. Rerun: one call over all segments from their true entering states (o, chunk states, final
+   states); or, mode="correct", o = o_B + o_A S_in^T from step 1's outputs with no rerun (o_A is
+   rounded to the input dtype: keep it for fp32 inputs or where measured accurate enough).
+
+States between the steps are fp32 [*, HV, V, K]; the caller's layouts and dtypes are converted at
+the edges. Dedicated kernels (step 1 without o and with the prep shared with step 3) replace the
+calls without changing these pieces: see kdagen/scan/planner.py for the costs they target.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from ..errors import KdaInputError
+from ..inputs import CallInfo, check_call
+from .chain import chain_states
+from .layout import SegmentLayout, split
+from .maps import ieee_fp32
+
+__all__ = ["Packed", "validate", "pack", "scan_prefill", "maps_step", "rerun_step", "correct_step"]
+
+Prefill = Callable[..., Any]
+
+# kda_prefill keywords that pass through unchanged to every call the scan makes.
+_PASS = ("scale", "lower_bound", "gate", "use_qk_l2norm", "allow_neg_eigval", "chunk_size", "variant")
+
+
+def _default_prefill() -> Prefill:
+    from ..runtime import kda_prefill
+
+    return kda_prefill
+
+
+@dataclass
+class Packed:
+    """A call's inputs as the scan's calls take them: one packed BSND row, fp32 [N, HV, V, K]
+    states, host offsets."""
+
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    g: Tensor
+    beta: Tensor
+    A_log: Optional[Tensor]
+    dt_bias: Optional[Tensor]
+    h0: Tensor  # [N, HV, V, K] fp32
+    cu: list[int]  # sequences' packed offsets
+    B: int
+    T: int
+    HV: int
+    K: int
+    layout: str  # the caller's
+    state_layout: str
+    state_dtype: torch.dtype  # of the caller's states
+    kw: dict  # _PASS keywords
+
+    def call(self, prefill: Prefill, lay: SegmentLayout, **kw) -> Any:
+        bounds = list(lay.bounds)
+        cu_cpu = torch.tensor(bounds, dtype=torch.int32)
+        cu_dev = cu_cpu.to(self.q.device)
+        args = {n: kw.pop(n) for n in ("q", "k", "v", "g", "beta") if n in kw}
+        q, k, v, g, beta = (args.get(n, getattr(self, n)) for n in ("q", "k", "v", "g", "beta"))
+        base = dict(self.kw, A_log=self.A_log, dt_bias=self.dt_bias, cu_seqlens=cu_dev, cu_seqlens_cpu=cu_cpu,
+                    layout="BSND", state_layout="VK")
+        base.update(kw)
+        return prefill(q, k, v, g, beta, **base)
+
+
+def validate(q, k, v, g, beta, *, A_log=None, dt_bias=None, initial_state=None, cu_seqlens=None,
+             cu_seqlens_cpu=None, layout="BSND", state_layout="VK", state_dtype=None, output_final_state=False,
+             return_chunk_states=False, final_state=None, chunk_states=None, assume_valid=False, **kw
+             ) -> tuple[CallInfo, list[int]]:
+    """A kda_prefill call's own checks and messages, and the sequences' packed offsets (host)."""
+    info = check_call(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, scale=kw.get("scale"),
+                      lower_bound=kw.get("lower_bound", -5.0), gate=kw.get("gate"), initial_state=initial_state,
+                      output_final_state=output_final_state, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
+                      layout=layout, state_layout=state_layout, state_dtype=state_dtype,
+                      chunk_size=kw.get("chunk_size"), return_chunk_states=return_chunk_states,
+                      final_state=final_state, chunk_states=chunk_states, assume_valid=assume_valid)
+    if info.K != info.V:
+        raise KdaInputError(f"v: the scan carries each segment's K x K transition in the value slots of a doubled "
+                            f"head, so it needs V == K; found K={info.K}, V={info.V}")
+    if info.varlen:
+        if info.cu_seqlens_host is None:
+            raise KdaInputError("cu_seqlens: the scan cuts sequences on the host; pass cu_seqlens_cpu (assume_valid "
+                                "without host offsets cannot be split)")
+        cu = [int(x) for x in info.cu_seqlens_host]
+    else:
+        cu = [i * info.T for i in range(info.B + 1)]
+    return info, cu
+
+
+def pack(q, k, v, g, beta, *, A_log=None, dt_bias=None, initial_state=None, layout="BSND", state_layout="VK",
+         state_dtype=None, final_state=None, chunk_states=None, checked=None, **kw) -> Packed:
+    """Validate a kda_prefill call (unless `checked` holds validate's result) and pack its inputs."""
+    info, cu = checked or validate(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, initial_state=initial_state,
+                                   layout=layout, state_layout=state_layout, state_dtype=state_dtype,
+                                   final_state=final_state, chunk_states=chunk_states, **kw)
+    bsnd = info.layout == "bsnd"
+    B, T, HV, K = info.B, info.T, info.HV, info.K
+
+    def tok(x: Tensor) -> Tensor:  # [B, T, heads, D] / [B, heads, T, D] -> [1, B*T, heads, D]
+        x = x if bsnd else x.transpose(1, 2)
+        return x.reshape(1, B * T, *x.shape[2:])
+
+    beta_p = (beta if bsnd else beta.transpose(1, 2)).reshape(1, B * T, HV)
+    if initial_state is None:
+        h0 = torch.zeros(info.N, HV, K, K, dtype=torch.float32, device=q.device)
+    else:
+        h0 = initial_state if state_layout == "VK" else initial_state.transpose(-1, -2)
+        h0 = h0.to(torch.float32).contiguous()
+    st_dtype = next((t.dtype for t in (initial_state, final_state, chunk_states) if t is not None),
+                    state_dtype or torch.float32)
+    passed = {n: kw[n] for n in _PASS if n in kw}
+    return Packed(tok(q), tok(k), tok(v), tok(g), beta_p, A_log, dt_bias, h0, cu, B, T, HV, K, info.layout,
+                  state_layout, st_dtype, passed)
+
+
+def maps_step(P: Packed, lay: SegmentLayout, known: Sequence[bool], prefill: Prefill,
+              outputs: bool = False) -> tuple[Tensor, Tensor, Optional[Tensor], Optional[Tensor]]:
+    """Step 1: every segment's map (A [S, HV, K, K], B [S, HV, V, K], fp32). A sequence whose
+    entering state is known (known[n]) starts its first segment from P.h0[n]: that segment's B is
+    its true exit state and its A is returned as 0. With outputs: also step 1's o [1, T, 2HV, V]
+    and chunk states [rows, 2HV, V, K] (P.kw chunk_size) for mode "correct"."""
+    HV, K, dev = P.HV, P.K, P.q.device
+    S = lay.num_segments
+    v2 = P.v.new_zeros(1, P.v.shape[1], 2 * HV, K)
+    v2[:, :, 0::2] = P.v
+    g2 = P.g.repeat_interleave(2, dim=2)
+    beta2 = P.beta.repeat_interleave(2, dim=2)
+    A2 = P.A_log.reshape(-1).repeat_interleave(2) if P.A_log is not None else None
+    dt2 = P.dt_bias.reshape(HV, K).repeat_interleave(2, dim=0) if P.dt_bias is not None else None
+    h = torch.zeros(S, 2 * HV, K, K, dtype=torch.float32, device=dev)
+    h[:, 1::2] = torch.eye(K, dtype=torch.float32, device=dev)
+    first = lay.first
+    known_first = [first[n] for n in range(lay.num_sequences) if known[n]]
+    if known_first:
+        idx = torch.tensor(known_first, dtype=torch.long, device=dev)
+        h[idx, 0::2] = P.h0[torch.tensor([n for n in range(lay.num_sequences) if known[n]], device=dev)]
+    want_cs = outputs and P.kw.get("chunk_size") is not None
+    res = P.call(prefill, lay, v=v2, g=g2, beta=beta2, A_log=A2, dt_bias=dt2, initial_state=h,
+                 output_final_state=True, return_chunk_states=want_cs)
+    o2, fin = res[0], res[1]
+    Bm = fin[:, 0::2].contiguous()
+    Am = fin[:, 1::2].contiguous()
+    if known_first:
+        Am[idx] = 0.0
+    return Am, Bm, (o2 if outputs else None), (res[2] if want_cs else None)
+
+
+def rerun_step(P: Packed, lay: SegmentLayout, S_in: Tensor, prefill: Prefill, chunk_states: bool
+               ) -> tuple[Tensor, Tensor, Optional[Tensor]]:
+    """Step 3: every segment from its true entering state S_in [S, HV, V, K] (fp32). Returns
+    (o [1, T, HV, V], each sequence's final state [N, HV, V, K] fp32, chunk states or None)."""
+    res = P.call(prefill, lay, initial_state=S_in.contiguous(), output_final_state=True,
+                 return_chunk_states=chunk_states)
+    last = torch.tensor(lay.last, dtype=torch.long, device=S_in.device)
+    return res[0], res[1][last], (res[2] if chunk_states else None)
+
+
+def correct_step(P: Packed, lay: SegmentLayout, S_in: Tensor, known: Sequence[bool], o2: Tensor,
+                 cs2: Optional[Tensor]) -> tuple[Tensor, Optional[Tensor]]:
+    """Step 3 without a rerun: o = o_B + o_A S_in^T and chunk states B_c + S_in A_c per segment
+    (segments whose entering state was already applied in step 1 keep o_B, B_c)."""
+    o = o2[:, :, 0::2].float().clone()
+    oA = o2[:, :, 1::2]
+    C = P.kw.get("chunk_size")
+    cs = cs2[:, 0::2].clone() if cs2 is not None else None
+    cA = cs2[:, 1::2] if cs2 is not None else None
+    applied = {lay.first[n] for n in range(lay.num_sequences) if known[n]}
+    row = 0
+    with ieee_fp32():
+        for s, (a, b) in enumerate(zip(lay.bounds, lay.bounds[1:])):
+            rows = -(-(b - a) // C) if C else 0
+            if s not in applied and b > a:
+                o[0, a:b] += torch.einsum("thk,hvk->thv", oA[0, a:b].float(), S_in[s])
+                if cs is not None:
+                    cs[row:row + rows] += torch.einsum("hvk,rhkj->rhvj", S_in[s], cA[row:row + rows])
+            row += rows
+    return o.to(o2.dtype), cs
+
+
+def _unpack(P: Packed, o: Tensor, final: Optional[Tensor], cs: Optional[Tensor], *, out, final_state,
+            chunk_states_buf, want_final: bool, want_cs: bool):
+    o = o.reshape(P.B, P.T, *o.shape[2:])
+    if P.layout == "bnsd":
+        o = o.transpose(1, 2)
+    if out is not None:
+        out.copy_(o)
+        o = out
+    else:
+        o = o.contiguous()
+
+    def st(x: Tensor) -> Tensor:
+        x = x if P.state_layout == "VK" else x.transpose(-1, -2)
+        return x.to(P.state_dtype).contiguous()
+
+    fs = None
+    if want_final:
+        fs = st(final)
+        if final_state is not None:
+            final_state.copy_(fs)
+            fs = final_state
+    if want_cs:
+        c = st(cs)
+        if chunk_states_buf is not None:
+            chunk_states_buf[: c.shape[0]].copy_(c)
+            c = chunk_states_buf
+        return o, fs, c
+    return o, fs
+
+
+def scan_prefill(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *,
+                 segments: int | Sequence[int] | None = None, mode: str = "rerun",
+                 prefill: Optional[Prefill] = None, chain_impl: str = "auto", costs: str = "h200-engine",
+                 **kw: Any):
+    """kda_prefill (same arguments and results) through the three-step scan.
+
+    segments: per sequence (or one count for all) how many segments to cut it into; None asks
+    the planner (kdagen.scan.planner), which leaves the call whole where the scan does not pay.
+    mode: "rerun" (step 3 reruns every segment) or "correct" (o corrected from step 1's outputs).
+    prefill: the kda_prefill to compose (default kdagen.kda_prefill)."""
+    if mode not in ("rerun", "correct"):
+        raise KdaInputError(f"mode: expected 'rerun' or 'correct', found {mode!r}")
+    prefill = prefill or _default_prefill()
+    out, final_state, chunk_buf = kw.pop("out", None), kw.get("final_state"), kw.get("chunk_states")
+    want_final = bool(kw.get("output_final_state")) or final_state is not None
+    want_cs = bool(kw.get("return_chunk_states")) or chunk_buf is not None
+    kw.setdefault("output_final_state", want_final)
+    kw.setdefault("return_chunk_states", want_cs)
+    info, cu = validate(q, k, v, g, beta, **kw)
+    align = kw.get("chunk_size") or 64
+    if segments is None:
+        from .planner import plan_segments
+        from ..select import _sm_count
+
+        lens = [b - a for a, b in zip(cu, cu[1:])]
+        segments = plan_segments(lens, heads=info.HV, v_blocks=max(1, info.K // 32), sm_count=_sm_count(q.device),
+                                 chunk=kw.get("chunk_size") or 16, costs=costs, align=align).segments
+    lay = split(cu, segments, align)
+    if not lay.split_any:
+        return prefill(q, k, v, g, beta, out=out, **kw)
+    if kw.get("workspace") is not None:
+        raise KdaInputError("workspace: the scan makes several calls with their own scratch; pass None")
+    P = pack(q, k, v, g, beta, checked=(info, cu), **kw)
+
+    known = [True] * lay.num_sequences
+    A, B, o2, cs2 = maps_step(P, lay, known, prefill, outputs=(mode == "correct"))
+    S_in, final = chain_states(A, B, P.h0, lay.counts, impl=chain_impl)
+    if mode == "rerun":
+        o, final_r, cs = rerun_step(P, lay, S_in, prefill, want_cs)
+        final = final_r
+    else:
+        o, cs = correct_step(P, lay, S_in, known, o2, cs2)
+    return _unpack(P, o, final, cs, out=out, final_state=final_state, chunk_states_buf=chunk_buf,
+                   want_final=want_final, want_cs=want_cs)

@@ -1,0 +1,104 @@
+"""Sequences split into segments on chunk boundaries (the unit every scan step works on).
+
+Tokens are packed: sequence n covers [cu[n], cu[n+1]). Each sequence is cut into consecutive
+segments whose boundaries fall on multiples of `align` tokens from the sequence's start (a
+multiple of the chunk size, so every segment is chunked exactly as the one-piece call chunks the
+sequence); only a sequence's last segment may end mid-chunk. Segments tile the packed tokens in
+order, so their offsets are a refinement of cu and serve directly as a varlen cu_seqlens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+__all__ = ["SegmentLayout", "split", "balanced"]
+
+
+def balanced(units: int, parts: int) -> list[int]:
+    """`units` split into `parts` sizes that differ by at most one (larger first)."""
+    if units < 0 or parts < 1:
+        raise ValueError(f"balanced: expected units >= 0 and parts >= 1, found {units}, {parts}")
+    return [units // parts + (1 if i < units % parts else 0) for i in range(parts)]
+
+
+@dataclass(frozen=True)
+class SegmentLayout:
+    """cu: the sequences' packed offsets [N + 1]; bounds: the segments' [S + 1]; counts[n]:
+    segments of sequence n (at least one; an empty sequence has one empty segment)."""
+
+    cu: tuple[int, ...]
+    bounds: tuple[int, ...]
+    counts: tuple[int, ...]
+    align: int
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self.counts)
+
+    @property
+    def num_segments(self) -> int:
+        return len(self.bounds) - 1
+
+    @property
+    def first(self) -> list[int]:
+        """Index of each sequence's first segment."""
+        out, at = [], 0
+        for c in self.counts:
+            out.append(at)
+            at += c
+        return out
+
+    @property
+    def last(self) -> list[int]:
+        """Index of each sequence's last segment."""
+        return [f + c - 1 for f, c in zip(self.first, self.counts)]
+
+    @property
+    def sequence_of(self) -> list[int]:
+        """The sequence of every segment."""
+        return [n for n, c in enumerate(self.counts) for _ in range(c)]
+
+    @property
+    def lengths(self) -> list[int]:
+        return [b - a for a, b in zip(self.bounds, self.bounds[1:])]
+
+    @property
+    def split_any(self) -> bool:
+        return any(c > 1 for c in self.counts)
+
+    def chunks(self, chunk: int) -> list[int]:
+        """Chunks of `chunk` tokens in every segment (a ragged tail counts as one)."""
+        if self.align % chunk:
+            raise ValueError(f"chunk: expected a divisor of the layout's alignment {self.align}, found {chunk}")
+        return [-(-n // chunk) for n in self.lengths]
+
+    def bounds_tensor(self, device=None, dtype=torch.int32) -> torch.Tensor:
+        return torch.tensor(self.bounds, dtype=dtype, device=device)
+
+
+def split(cu: Sequence[int], segments: int | Sequence[int], align: int) -> SegmentLayout:
+    """Cut each sequence of `cu` into `segments` (one count for all, or one per sequence) near-equal
+    segments of whole `align`-token units; a sequence of fewer units gets fewer segments."""
+    cu = [int(x) for x in cu]
+    if len(cu) < 2 or cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])):
+        raise ValueError(f"cu: expected non-decreasing offsets from 0 with at least 2 entries, found {cu}")
+    if align < 1:
+        raise ValueError(f"align: expected a positive number of tokens, found {align}")
+    N = len(cu) - 1
+    want = [int(segments)] * N if isinstance(segments, int) else [int(s) for s in segments]
+    if len(want) != N or any(s < 1 for s in want):
+        raise ValueError(f"segments: expected one count >= 1 or {N} of them, found {segments}")
+    bounds, counts = [0], []
+    for (a, b), s in zip(zip(cu, cu[1:]), want):
+        units = -(-(b - a) // align)
+        sizes = [u for u in balanced(units, max(1, min(s, units)))]
+        at = a
+        for u in sizes[:-1]:
+            at += u * align
+            bounds.append(at)
+        bounds.append(b)
+        counts.append(len(sizes))
+    return SegmentLayout(tuple(cu), tuple(bounds), tuple(counts), align)

@@ -1,0 +1,169 @@
+"""The segment scan on one GPU (issue 17): the one-piece call against the scan, its pieces' times
+(to replace the planner's placeholder costs) and its accuracy (GPU; not a test).
+
+    PYTHONPATH=$PWD python scripts/scan_bench.py [--rows issue17|all|NAME,...] [--segments 2,4,8,16,32]
+                                                 [--accuracy] [--out benchmarks/results/DATE_scan_h200.md]
+
+Inputs and timing are benchmarks/bench_kda.py's (bf16, D=128, fp32 state, median of CUDA-event
+times over rotated input sets). Per row: kdagen's one-piece call (runtime's choice), the scan
+composed of kda_prefill calls (kdagen.scan.engine) at each segment count, what the planner picks
+under each cost set, and at the fastest count the time of step 1 (the doubled-head call), the
+chain (torch and Triton) and step 3 (the rerun), with per-chunk-step figures for the planner.
+--accuracy adds the checks of issue 17: T = 1,048,576 H = 2 and a gate that barely decays
+(lower_bound -1e-3) against the one-piece call, and T = 8192 H = 4 against the float64 reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import kdagen  # noqa: E402
+from bench_kda import make_inputs, median_ms  # noqa: E402
+from bench_sm80 import timeit  # noqa: E402
+from kdagen.reference import rel_rmse  # noqa: E402
+from kdagen.scan.chain import chain_states  # noqa: E402
+from kdagen.scan.engine import maps_step, pack, rerun_step, scan_prefill  # noqa: E402
+from kdagen.scan.layout import split  # noqa: E402
+from kdagen.scan.planner import COSTS, plan_segments  # noqa: E402
+
+ROWS = {
+    # issue 17's rows (targets there), then rows where the planner must stay off
+    "B1 T32768 H32": dict(T=32768, H=32),
+    "B1 T65536 H24": dict(T=65536, H=24),
+    "skew H32": dict(lens=[30000, 7, 1, 64, 999, 3000], H=32),
+    "B1 T8192 H4": dict(T=8192, H=4),
+    "B1 T32768 H8": dict(T=32768, H=8),
+    "B1 T65536 H8": dict(T=65536, H=8),
+    "B1 T131072 H4": dict(T=131072, H=4),
+    "varlen 4x8192 H4": dict(lens=[8192] * 4, H=4),
+    "B1 T8192 H96": dict(T=8192, H=96),
+    "B1 T2048 H8": dict(T=2048, H=8),
+}
+ISSUE17 = list(ROWS)[:8]
+
+
+def call_kw(kw, cu, lower_bound=-5.0):
+    return dict(A_log=kw["A_log"], dt_bias=kw["dt_bias"], lower_bound=lower_bound, initial_state=kw["initial_state"],
+                output_final_state=True, cu_seqlens=cu, cu_seqlens_cpu=cu.cpu() if cu is not None else None)
+
+
+def one_piece(s, lb=-5.0):
+    kw, cu = s
+    return kdagen.kda_prefill(kw["q"], kw["k"], kw["v"], kw["g"], kw["beta"], **call_kw(kw, cu, lb))
+
+
+def scanned(s, segments, lb=-5.0, mode="rerun"):
+    kw, cu = s
+    return scan_prefill(kw["q"], kw["k"], kw["v"], kw["g"], kw["beta"], segments=segments, mode=mode,
+                        **call_kw(kw, cu, lb))
+
+
+def pieces(s, segments) -> dict:
+    """Times (ms) of the scan's steps on their own, at `segments`."""
+    kw, cu = s
+    P = pack(kw["q"], kw["k"], kw["v"], kw["g"], kw["beta"], **call_kw(kw, cu))
+    lay = split(P.cu, segments, 64)
+    known = [True] * lay.num_sequences
+    prefill = kdagen.kda_prefill
+    A, B, _, _ = maps_step(P, lay, known, prefill)
+    S_in, _ = chain_states(A, B, P.h0, lay.counts)
+    res = {"step1 ms": timeit(lambda: maps_step(P, lay, known, prefill)),
+           "chain torch ms": timeit(lambda: chain_states(A, B, P.h0, lay.counts, impl="torch")),
+           "chain triton ms": timeit(lambda: chain_states(A, B, P.h0, lay.counts, impl="triton")),
+           "step3 ms": timeit(lambda: rerun_step(P, lay, S_in, prefill, False))}
+    longest = max(lay.chunks(16))
+    res["step1 us/chunk-step"] = 1000 * res["step1 ms"] / longest
+    res["step3 us/chunk-step"] = 1000 * res["step3 ms"] / longest
+    return res
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", default="issue17", help="issue17 | all | comma-separated row names")
+    ap.add_argument("--segments", default="2,4,8,16,32")
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--accuracy", action="store_true")
+    ap.add_argument("--out", default=None, help="write the markdown report here too")
+    a = ap.parse_args()
+    names = {"issue17": ISSUE17, "all": list(ROWS)}.get(a.rows) or a.rows.split(",")
+    counts = [int(x) for x in a.segments.split(",") if x]
+    torch.backends.cuda.matmul.allow_tf32 = False
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    lines = [f"# Segment scan on one GPU ({torch.cuda.get_device_name(0)}, {sms} SMs)", "",
+             "kdagen one piece (runtime's choice) against the scan composed of kda_prefill calls; median ms; "
+             "d: rel RMSE of o against the one-piece o.", "",
+             "| case | one piece | " + " | ".join(f"scan S={s}" for s in counts) + " | planner (engine / kernels costs) |",
+             "|---" * (3 + len(counts)) + "|"]
+    detail = []
+    for name in names:
+        c = ROWS[name]
+        sets = [make_inputs(**c, seed=i) for i in range(2)]
+        one = median_ms(one_piece, sets, iters=a.iters)
+        ref = one_piece(sets[0])
+        cells, best = [], (None, float("inf"))
+        for S in counts:
+            try:
+                ms = median_ms(lambda s: scanned(s, S), sets, warmup=2, iters=max(3, a.iters // 2))
+                out = scanned(sets[0], S)
+                d = rel_rmse(out[0], ref[0])
+                cells.append(f"{ms:.3f} (d {d:.0e})")
+                if ms < best[1]:
+                    best = (S, ms)
+            except Exception as e:  # a count too large for memory: say so, keep going
+                cells.append(f"error: {str(e).splitlines()[0][:40]}")
+        lens = c.get("lens") or [c["T"]]
+        plans = [plan_segments(lens, heads=c["H"], v_blocks=4, sm_count=sms, costs=k) for k in COSTS]
+        cells.append(" / ".join(str(max(p.segments)) if p.split else "off" for p in plans))
+        lines.append(f"| {name} | {one:.3f} | " + " | ".join(cells) + " |")
+        print(lines[-1], flush=True)
+        if best[0] is not None:
+            pc = pieces(sets[0], best[0])
+            detail.append(f"- {name}, S={best[0]}: " + ", ".join(f"{k} {v:.3f}" for k, v in pc.items()))
+            print(detail[-1], flush=True)
+        del sets
+        torch.cuda.empty_cache()
+    lines += ["", "Pieces at the fastest segment count (us/chunk-step: step time over the longest segment's "
+              "chunk-16 steps):", ""] + detail
+    if a.accuracy:
+        lines += ["", "Accuracy against the one-piece call:", ""]
+        for label, c, S, lb in (("B1 T1048576 H2", dict(T=1 << 20, H=2), 64, -5.0),
+                                ("B1 T65536 H8 lower_bound -1e-3", dict(T=65536, H=8), 16, -1e-3)):
+            s = make_inputs(**c, seed=5)
+            t0 = time.time()
+            ref = one_piece(s, lb)
+            out = scanned(s, S, lb)
+            lines.append(f"- {label}, S={S}: o {rel_rmse(out[0], ref[0]):.2e}, final state "
+                         f"{rel_rmse(out[1], ref[1]):.2e} ({time.time() - t0:.1f} s)")
+            print(lines[-1], flush=True)
+            del s
+            torch.cuda.empty_cache()
+        # against the float64 token-by-token recurrence (a Python loop: a short case)
+        from kdagen.reference import kda_reference
+
+        s = make_inputs(T=8192, H=4, seed=6)
+        kw, _ = s
+        out = scanned(s, 8, -1e-3)
+        ro, rs, _ = kda_reference(kw["q"], kw["k"], kw["v"], kw["g"], kw["beta"], A_log=kw["A_log"],
+                                  dt_bias=kw["dt_bias"], lower_bound=-1e-3, initial_state=kw["initial_state"],
+                                  output_final_state=True)
+        lines.append(f"- B1 T8192 H4 lower_bound -1e-3, S=8, against float64: o {rel_rmse(out[0], ro):.2e}, "
+                     f"final state {rel_rmse(out[1], rs):.2e}")
+        print(lines[-1], flush=True)
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if a.out:
+        Path(a.out).write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

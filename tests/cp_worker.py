@@ -1,0 +1,79 @@
+"""One rank of the context-parallel tests (tests/test_cp.py, scripts/cp_bench.py): problems built
+alike on every rank from a seed, the rank's slice run through kdagen.cp, results saved."""
+
+from __future__ import annotations
+
+import datetime
+import os
+from typing import Any
+
+import torch
+
+
+def cu_of(lens: list[int]) -> list[int]:
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    return cu
+
+
+def problem(case: dict, device: str = "cpu") -> tuple[dict, dict]:
+    """(tensors, keywords) of a case's whole single-process call (B = 1, packed, BSND or BNSD)."""
+    gen = torch.Generator().manual_seed(case.get("seed", 0))
+    lens, H, HV, K = case["lens"], case.get("H", 1), case.get("HV", 1), case.get("K", 32)
+    dtype = case.get("dtype", torch.float32)
+    T = sum(lens)
+
+    def r(*s, scale=1.0):
+        return torch.randn(*s, generator=gen) * scale
+
+    t = dict(q=r(1, T, H, K).to(dtype), k=r(1, T, H, K).to(dtype), v=r(1, T, HV, K).to(dtype),
+             g=r(1, T, HV, K), beta=r(1, T, HV))
+    if case.get("layout", "BSND") == "BNSD":
+        t = {n: x.transpose(1, 2).contiguous() for n, x in t.items()}
+    kw: dict[str, Any] = dict(A_log=r(HV, scale=0.5), dt_bias=r(HV, K), lower_bound=case.get("lower_bound", -1e-3),
+                              layout=case.get("layout", "BSND"), state_layout=case.get("state_layout", "VK"),
+                              chunk_size=case.get("chunk", 16), output_final_state=True)
+    kw["initial_state"] = r(len(lens), HV, K, K, scale=0.5).to(case.get("state_dtype", torch.float32))
+    if case.get("chunk_states"):
+        kw["return_chunk_states"] = True
+    t = {n: x.to(device) for n, x in t.items()}
+    kw = {n: (x.to(device) if isinstance(x, torch.Tensor) else x) for n, x in kw.items()}
+    return t, kw
+
+
+def local_slice(t: dict, a: int, b: int, layout: str) -> dict:
+    ax = 1 if layout == "BSND" else 2
+    return {n: x.narrow(ax, a, b - a).contiguous() for n, x in t.items()}
+
+
+def run_rank(rank: int, world: int, store: str, cases: list[dict], out_dir: str, backend: str = "gloo",
+             device: str = "cpu") -> None:
+    """torch.multiprocessing.spawn entry: every case on this rank, results to out_dir/r{rank}_{i}.pt."""
+    torch.set_num_threads(1)  # the ranks share the machine's few cores
+    import torch.distributed as dist
+
+    import kdagen
+    from kdagen.cp import build_cp_context, kda_prefill_cp
+    from kdagen.scan.reference import reference_prefill
+
+    dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=300))
+    try:
+        for i, case in enumerate(cases):
+            t, kw = problem(case, device)
+            ctx = build_cp_context(cu_of(case["lens"]), tokens_per_rank=case.get("tokens_per_rank"))
+            a, b = ctx.rank_bounds[rank], ctx.rank_bounds[rank + 1]
+            loc = local_slice(t, a, b, kw["layout"])
+            kw["initial_state"] = ctx.local_initial_state(kw["initial_state"])
+            extra = dict(segments=case.get("segments"), mode=case.get("mode", "rerun"))
+            if case.get("engine") == "ref":
+                res = kda_prefill_cp(**loc, **kw, cp_context=ctx, prefill=reference_prefill, **extra)
+            elif extra["segments"] is None and extra["mode"] == "rerun":
+                res = kdagen.kda_prefill(**loc, **kw, cp_context=ctx)  # the runtime's pass-through
+            else:
+                res = kda_prefill_cp(**loc, **kw, cp_context=ctx, **extra)
+            torch.save(dict(out=[x.cpu() if x is not None else None for x in res], ends=list(ctx.ends), a=a, b=b),
+                       os.path.join(out_dir, f"r{rank}_{i}.pt"))
+    finally:
+        dist.destroy_process_group()
