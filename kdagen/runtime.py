@@ -6,6 +6,12 @@ caches a Plan: the chosen launcher, the strides and what to allocate. Later call
 signature only look the plan up and launch; the only per-call host work left is the offsets of
 varlen calls, read from `cu_seqlens_cpu` when given (never from the device when the caller
 passes them or promises valid input with `assume_valid=True`).
+
+The lookup: a call with the latest call's flags is first checked by torch's C++ tensor guard
+against that call's signature (signature_guard.py); any other call builds the Python key of
+every tensor's facts. A plan whose launcher bound the signature (sm80) runs it whole in
+Plan._run_bound: outputs from the caching allocator's own entry, then the bound launch.
+kda_prefill and torch.ops.kdagen.kda_prefill both enter at _prefill (positional).
 """
 
 from __future__ import annotations
