@@ -6,15 +6,17 @@ how close eager calls come to the same work replayed from a CUDA graph.
 
 For each case (bf16, K = V = 128, bounded gate, fp32 state in and out):
 - host_us: median CPU wall time of one call over `--calls` back-to-back calls of a signature
-  seen before, in `--rounds` rounds taken in turn over the cases (so no case is measured only
-  while the process is new); a sync every 100 calls keeps the launch queue from filling, so a
-  GPU slower than the host does not show up as host time. Also with engine-owned
-  out=/final_state=/workspace= and through torch.ops.kdagen.kda_prefill;
+  seen before, in `--rounds` rounds taken in turn over the cases after one uncounted round (so
+  no case is measured while the process is new); a sync every 100 calls keeps the launch queue
+  from filling, so a GPU slower than the host does not show up as host time. Also with
+  engine-owned out=/final_state=/workspace= and through torch.ops.kdagen.kda_prefill;
 - eager_ms / graph_ms: GPU-timeline time per call of 100 back-to-back eager calls and of 100
   replays of one captured call (CUDA events), and their ratio.
 It first checks that the fast path gives the general path's result bit for bit, says which launch
-path the calls took, and splits the tiny case's host time into the bound launch (with the driver
-calls), the two output allocations and the rest. Exit status 1 when the tiny case costs more than
+path the calls took, and splits the tiny case's host time: the bound launch alone (the driver
+calls inside), one driver call through cuda-bindings and through ctypes, the two output
+allocations (as the plan makes them, and as torch.empty_like would) and the whole plain call.
+Exit status 1 when the tiny case costs more than
 20 us of host time or T2048 H8 runs eager more than 1.3x its graph time (the issue's bars); JSON
 and a markdown table go to --out.
 
@@ -122,10 +124,12 @@ class Case:
         self.op = lambda: torch.ops.kdagen.kda_prefill(*op_args, gate=kw["gate"], layout=kw["layout"])  # noqa: E731
         self.times: dict[str, list[float]] = {"host_us": [], "host_us_owned_buffers": [], "host_us_torch_op": []}
 
-    def round(self, calls: int) -> None:
+    def round(self, calls: int, record: bool = True) -> None:
         for col, fn in (("host_us", self.call), ("host_us_owned_buffers", self.owned),
                         ("host_us_torch_op", self.op)):
-            self.times[col] += host_times(fn, calls)
+            times = host_times(fn, calls)
+            if record:
+                self.times[col] += times
 
     def row(self) -> dict:
         fast = self.plan.fast
@@ -223,9 +227,9 @@ def main() -> int:
 
     rt.reset()
     cases = [Case(name, lens, H, "cpu" if stub else "cuda") for name, (lens, H) in CASES.items()]
-    for _ in range(args.rounds):
+    for i in range(args.rounds + 1):  # the first round warms the process up and is not counted
         for c in cases:
-            c.round(args.calls)
+            c.round(args.calls, record=i > 0)
     rows = [c.row() for c in cases]
     tiny_case = cases[0]
     split = tiny_case.breakdown(args.calls, stub)
