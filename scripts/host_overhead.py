@@ -270,6 +270,17 @@ def _graph_ms(c: Case) -> float:
     return gpu_ms(graph.replay)
 
 
+def _cpu_model() -> str:
+    """The host CPU's model name (host times differ between machines of one kind)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
+
+
 def _report(rows: list[dict], split: dict, stub: bool, args) -> tuple[list[str], list[tuple[str, bool]]]:
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
@@ -278,7 +289,8 @@ def _report(rows: list[dict], split: dict, stub: bool, args) -> tuple[list[str],
     where = ("CPU stub (launches dropped, CPU tensors)" if stub
              else f"{torch.cuda.get_device_name()}")
     head = (f"kdagen host overhead, {time.strftime('%Y-%m-%d')}, commit {commit or 'unknown'}, {where}, "
-            f"torch {torch.__version__}, median of {args.rounds} x {args.calls} calls per cell")
+            f"host CPU {_cpu_model()}, torch {torch.__version__}, median of {args.rounds} x {args.calls} calls "
+            "per cell")
     cols = "| case | variant | host us | host us, owned buffers | host us, torch op |"
     rule = "|---|---|---|---|---|"
     if not stub:
