@@ -166,7 +166,6 @@ class Case:
         res["plain_call_us"] = statistics.median(host_times(self.call, calls)) * 1e6
         return res
 
-
     def driver_calls(self, calls: int) -> dict:
         """Host us of one kda_recur launch (the bound struct as the last launch left it) through
         cuda-bindings, as the bound launch calls it, and through ctypes straight into libcuda's
@@ -187,8 +186,9 @@ class Case:
             fn.restype = ctypes.c_int
             fn.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
             cargs = (int(fast.f2), gx, gy, gz, fast.nt2, 1, 1, fast.smem2, raw, fast.argv_addr, None)
-            if fn(*cargs):
-                raise RuntimeError(f"cuLaunchKernel returned {fn(*cargs)}")
+            err = fn(*cargs)
+            if err:
+                raise RuntimeError(f"cuLaunchKernel returned {err}")
             res["driver_call_ctypes_us"] = statistics.median(host_times(lambda: fn(*cargs), calls)) * 1e6
         except Exception as e:  # the table matters more than this line
             print(f"host_overhead: ctypes launch not measured: {e}")
