@@ -211,7 +211,10 @@ def _prefill(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seq
     last = _LAST
     # The latest call's plan, where torch's C++ tensor guard says this call has its signature (the
     # flags and grad mode compared here): a model's layers repeat one signature.
-    guarded = flags == last[0] and torch.is_grad_enabled() is last[1]
+    try:
+        guarded = flags == last[0] and torch.is_grad_enabled() is last[1]
+    except Exception:  # a flag that does not compare (a tensor for scale): the checks below name it
+        guarded = False
     if guarded:
         a5, a6, a7, a8, a9, a10, a11, a12, a13 = _ABSENT
         if last[2].check(q, k, v, g, beta, a5 if A_log is None else A_log, a6 if dt_bias is None else dt_bias,

@@ -461,6 +461,13 @@ def test_the_latest_signature_shortcut_never_serves_another_signature(monkeypatc
     assert not torch.equal(want[(20, -1.0)], want[(20, -2.0)])
 
 
+def test_a_bad_flag_after_a_cached_call_is_named():
+    kw = inputs()
+    kdagen.kda_prefill(**kw, scale=0.25)  # the latest call's flags hold a float scale
+    with pytest.raises(kdagen.runtime.KdaInputError, match="scale: expected a float or None, found Tensor"):
+        kdagen.kda_prefill(**kw, scale=torch.tensor([0.25, 0.5]))  # would not compare with it
+
+
 def test_torch_op_and_kda_prefill_share_one_plan_and_its_checks(monkeypatch):
     kw = inputs()
     h0 = torch.randn(1, 2, 32, 32)
