@@ -34,6 +34,15 @@ def _impl(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlen
           scale=None, lower_bound=-5.0, gate=None, layout="BSND", state_layout="VK", use_qk_l2norm=True,
           allow_neg_eigval=False, chunk_size=None, assume_valid=False, variant=None, beta_is_logit=True,
           checkpoint_every=None) -> None:
+    if state_pool is None and state_indices is None and checkpoints is None and checkpoint_offsets is None \
+            and checkpoint_every is None and beta_is_logit is True:
+        # kda_prefill's positional entry, skipping its keyword handling; the flags are the ones
+        # kda_prefill would pass for these arguments (in runtime._FLAGS order), so both share plans.
+        _prefill(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, out, final_state,
+                 chunk_states, workspace,
+                 (scale, lower_bound, gate, final_state is not None, layout, state_layout, None, use_qk_l2norm,
+                  allow_neg_eigval, chunk_size, chunk_states is not None, variant, assume_valid))
+        return
     from .errors import KdaInputError
     from .runtime import kda_prefill
 
@@ -68,6 +77,9 @@ if not _registered():
     for _key in DEVICE_KEYS:
         _LIB.impl("kda_prefill", _impl, _key)
     torch.library.register_fake("kdagen::kda_prefill", _fake, lib=_LIB)
+
+
+from .runtime import _prefill  # noqa: E402  (runtime imports this module at its end)
 
 
 def traced_prefill(q, k, v, g, beta, *, A_log, dt_bias, scale, lower_bound, gate, initial_state,

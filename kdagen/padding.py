@@ -142,6 +142,9 @@ class PaddedPlan:
         pinfo = at_dims(info, self.Kp, self.Vp)
         self.inner = plan_cls(entry, launcher, pinfo, pk(q), pk(k), pv(v), pk(g), _meta_like(beta), inner_kw)
         self.st_shape = st
+        # what the runtime's fast path expects of a plan: its entry point and its signature guard
+        self.run = self.__call__
+        self.guard, self.guard_builds = None, 0
 
     def workspace_bytes(self) -> int:
         return self.inner.workspace_bytes()

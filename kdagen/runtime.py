@@ -6,6 +6,12 @@ caches a Plan: the chosen launcher, the strides and what to allocate. Later call
 signature only look the plan up and launch; the only per-call host work left is the offsets of
 varlen calls, read from `cu_seqlens_cpu` when given (never from the device when the caller
 passes them or promises valid input with `assume_valid=True`).
+
+The lookup: a call with the latest call's flags is first checked by torch's C++ tensor guard
+against that call's signature (signature_guard.py); any other call builds the Python key of
+every tensor's facts. A plan whose launcher bound the signature (sm80) runs it whole in
+Plan._run_bound: outputs from the caching allocator's own entry, then the bound launch.
+kda_prefill and torch.ops.kdagen.kda_prefill both enter at _prefill (positional).
 """
 
 from __future__ import annotations
@@ -24,7 +30,8 @@ from .errors import KdaInputError, NoVariantError
 from .inputs import CallInfo, check_offsets, check_signature
 from .registry import Entry, Registry
 from .padding import PaddedPlan, at_dims, choose_covering, coverage_note, target_dims
-from .select import GENERATE, Candidate, miss_message, preference, rejection
+from .select import GENERATE, Candidate, choose, miss_message, preference, rejection
+from .signature_guard import make_guard, placeholders
 
 log = logging.getLogger("kdagen")
 
@@ -32,6 +39,10 @@ _REGISTRY: Optional[Registry] = None
 _PLANS: dict[tuple, "Plan"] = {}
 _PLAN_LIMIT = 4096  # signatures kept; an engine sees one per distinct token count
 _LOGGED: set = set()
+_NO_PLAN = (object(), None, None, None)  # _LAST with no latest plan: its flags equal no call's
+_LAST: tuple = _NO_PLAN  # (flags, grad mode, guard, plan) of the latest call
+_GUARD_BUILDS = 8  # guards a plan gets at most
+_ABSENT = placeholders(9)  # what a guard sees for None in _prefill's optional tensor slots (5..13)
 # Choices by what selection depends on (so a new token count with the same sequences and heads
 # skips the candidate scan): functional key, device, N, HV, and whether sequences average >= 512.
 _CHOICES: dict[tuple, str] = {}
@@ -53,8 +64,9 @@ def registry() -> Registry:
 def reset() -> Registry:
     """Forget the registry, the cached plans and the logged choices, and read the environment
     (KDAGEN_*) again on the next call."""
-    global _REGISTRY
+    global _REGISTRY, _LAST
     _REGISTRY = None
+    _LAST = _NO_PLAN
     _PLANS.clear()
     _LOGGED.clear()
     _CHOICES.clear()
@@ -78,6 +90,36 @@ def _contiguous_strides(shape) -> tuple[int, ...]:
         out.append(acc)
         acc *= max(int(s), 1)
     return tuple(reversed(out))
+
+
+def _raw_empty(device: torch.device):
+    """(shape, strides, dtype) -> an uninitialized tensor on `device` from the caching allocator,
+    the cheap way: the allocator entry torch.compile's generated code calls (torch.empty_like
+    and torch.empty go through the dispatcher; measured 0.90 -> 0.56 us per CPU tensor). It
+    allocates on the current CUDA device, so a CUDA plan checks that per call; where torch lacks
+    the entry or it answers unlike torch.empty_strided, torch.empty_strided itself."""
+    guards = getattr(getattr(torch._C, "_dynamo", None), "guards", None)
+    raw = getattr(guards, f"_empty_strided_{device.type}", None) if device.type in ("cpu", "cuda") else None
+
+    def general(shape, strides, dtype):
+        return torch.empty_strided(shape, strides, dtype=dtype, device=device)
+
+    if raw is None:
+        return general
+    if device.type == "cuda":
+        current = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)  # the former skips a lazy-init check
+        idx = device.index if device.index is not None else torch.cuda.current_device()
+
+        def fast(shape, strides, dtype):
+            return raw(shape, strides, dtype) if current() == idx else general(shape, strides, dtype)
+    else:
+        fast = raw
+    try:
+        t = fast((2, 3), (3, 1), torch.bfloat16)
+        ok = (t.device, t.shape, t.stride(), t.dtype) == (device, (2, 3), (3, 1), torch.bfloat16)
+    except Exception:
+        ok = False
+    return fast if ok else general
 
 
 def kda_prefill(
@@ -191,10 +233,43 @@ def kda_prefill(
     if engine_io:
         return _engine_call(q, k, v, g, beta, {n: val for n, val in locals().items() if n in _DEFAULTS},
                             state_pool, state_indices, checkpoint_every, checkpoints, checkpoint_offsets)
-    # The signature: everything validation and selection depend on but tensor values. Spelled
-    # out (no helper per tensor): this line is most of the host cost of a repeated call.
+    return _prefill(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, out, final_state,
+                    chunk_states, workspace,
+                    (scale, lower_bound, gate, output_final_state, layout, state_layout, state_dtype, use_qk_l2norm,
+                     allow_neg_eigval, chunk_size, return_chunk_states, variant, assume_valid))
+
+
+# The order of _prefill's `flags`: kda_prefill's keyword arguments that are no tensors.
+_FLAGS = ("scale", "lower_bound", "gate", "output_final_state", "layout", "state_layout", "state_dtype",
+          "use_qk_l2norm", "allow_neg_eigval", "chunk_size", "return_chunk_states", "variant", "assume_valid")
+
+
+def _prefill(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, out, final_state,
+             chunk_states, workspace, flags: tuple):
+    """The positional entry kda_prefill and torch.ops.kdagen.kda_prefill share: the plan of the
+    call's signature (validated, selected and cached on first sight), run on this call's tensors."""
+    last = _LAST
+    # The latest call's plan, where torch's C++ tensor guard says this call has its signature (the
+    # flags and grad mode compared here): a model's layers repeat one signature.
     try:
-        key = (q.dtype, q.shape, q.stride(), q.device, k.dtype, k.shape, k.stride(), k.device,
+        guarded = flags == last[0] and torch.is_grad_enabled() is last[1]
+    except Exception:  # a flag that does not compare (a tensor for scale): the checks below name it
+        guarded = False
+    if guarded:
+        a5, a6, a7, a8, a9, a10, a11, a12, a13 = _ABSENT
+        if last[2].check(q, k, v, g, beta, a5 if A_log is None else A_log, a6 if dt_bias is None else dt_bias,
+                         a7 if initial_state is None else initial_state, a8 if cu_seqlens is None else cu_seqlens,
+                         a9 if cu_seqlens_cpu is None else cu_seqlens_cpu, a10 if out is None else out,
+                         a11 if final_state is None else final_state, a12 if chunk_states is None else chunk_states,
+                         a13 if workspace is None else workspace):
+            return last[3].run(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, out,
+                               final_state, chunk_states, workspace)
+    # The signature: everything validation and selection depend on but tensor values. Spelled
+    # out (no helper per tensor): this line is most of the host cost of a call the guard above
+    # does not serve. The autograd flag is one bool: a plan is never made (nor cached) for a
+    # call it would be True.
+    try:
+        key = (flags, q.dtype, q.shape, q.stride(), q.device, k.dtype, k.shape, k.stride(), k.device,
                v.dtype, v.shape, v.stride(), v.device, g.dtype, g.shape, g.stride(), g.device,
                beta.dtype, beta.shape, beta.stride(), beta.device,
                None if A_log is None else (A_log.dtype, A_log.shape, A_log.stride(), A_log.device),
@@ -210,21 +285,41 @@ def kda_prefill(
                None if chunk_states is None else (chunk_states.dtype, chunk_states.shape, chunk_states.stride(),
                                                   chunk_states.device),
                None if workspace is None else (workspace.dtype, workspace.shape, workspace.stride(), workspace.device),
-               torch.is_grad_enabled() and (q.requires_grad, k.requires_grad, v.requires_grad, g.requires_grad,
-                                            beta.requires_grad),
-               scale, lower_bound, gate, output_final_state, layout, state_layout, state_dtype, use_qk_l2norm,
-               allow_neg_eigval, chunk_size, return_chunk_states, variant, assume_valid)
+               torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or g.requires_grad
+                                            or beta.requires_grad))
     except AttributeError:  # not a tensor: the checks below say which argument
         key = None
     plan = _PLANS.get(key)
     if plan is None:
-        plan = _make_plan(q, k, v, g, beta, **{n: val for n, val in locals().items() if n in _DEFAULTS})
+        plan = _make_plan(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, initial_state=initial_state,
+                          cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, out=out, final_state=final_state,
+                          chunk_states=chunk_states, workspace=workspace, **dict(zip(_FLAGS, flags)))
         if len(_PLANS) >= _PLAN_LIMIT:
             _PLANS.pop(next(iter(_PLANS)))
         if key is not None:
             _PLANS[key] = plan
-    return plan(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, out, final_state,
-                chunk_states, workspace)
+    if key is not None:
+        _remember(plan, flags, (q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, out,
+                                final_state, chunk_states, workspace), guarded and plan is last[3])
+    return plan.run(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, out, final_state,
+                    chunk_states, workspace)
+
+
+def _remember(plan: "Plan", flags: tuple, tensors: tuple, failed: bool) -> None:
+    """Make `plan` the latest, with a guard of this call's tensors: its own from an earlier call,
+    or a new one where it has none or its guard just `failed` a call of its signature
+    (inference mode, a tensor subclass); a plan whose guards keep failing (a caller passing one
+    tensor in two slots) stops getting new ones."""
+    global _LAST
+    guard = plan.guard
+    if guard is None or failed:
+        if plan.guard_builds >= _GUARD_BUILDS:
+            _LAST = _NO_PLAN
+            return
+        plan.guard_builds += 1
+        guard = plan.guard = make_guard(tensors[:5] + tuple(a if t is None else t
+                                                            for a, t in zip(_ABSENT, tensors[5:])))
+    _LAST = (flags, torch.is_grad_enabled(), guard, plan) if guard is not None else _NO_PLAN
 
 
 def _beta_logits(beta) -> torch.Tensor:
@@ -528,6 +623,10 @@ class Plan:
         self.state_kv = kw["state_layout"] == "KV"
         st = (info.K, info.V) if self.state_kv else (info.V, info.K)
         self.st_shape = st
+        self.fs_shape = (info.N, info.HV, *st)
+        self.fs_cstrides = _contiguous_strides(self.fs_shape)
+        self.o_cstrides = _contiguous_strides(self.o_shape)
+        self.varlen, self.T = info.varlen, info.T
         self.st_dtype = torch_dtype(info.state) if info.state != "none" else torch.float32
         self.want_final = bool(kw["output_final_state"]) and info.state != "none"
         self.want_chunks = bool(kw["return_chunk_states"])
@@ -550,7 +649,25 @@ class Plan:
         self.cu_ready = cu is None or (cu.dtype == torch.int32 and cu.is_contiguous() and cu.device == self.device)
         self.on_cuda = self.device.type == "cuda"
         self._static_offsets: Optional[torch.Tensor] = None
-        self.fast: Any = _UNBOUND  # the launcher's bound launch of this signature (None: it has none)
+        # Calls a bound launch serves whole (_run_bound): no per-call conversion, no chunk states.
+        gate_args = (A is None and dt is None) if self.precomputed else \
+            (self.A_ready and (dt is None or self.dt_ready))
+        self.bound_whole = gate_args and self.h0_ready and self.cu_ready and not self.want_chunks and info.N > 0
+        self.empty = _raw_empty(q.device) if self.bound_whole else None
+        self.fast = _UNBOUND  # the launcher's bound launch of this signature (None: it has none)
+        self.guard: Any = None  # signature_guard's check of a call with this plan's signature
+        self.guard_builds = 0
+
+    @property
+    def fast(self) -> Any:
+        return self._fast
+
+    @fast.setter
+    def fast(self, bound: Any) -> None:
+        """Set the bound launch; `run` (what every call of the signature calls) follows it."""
+        self._fast = bound
+        whole = self.bound_whole and bound is not None and bound is not _UNBOUND
+        self.run = self._run_bound if whole else self.__call__
 
     def workspace_bytes(self) -> int:
         fn = getattr(self.launcher, "workspace_bytes", None)
@@ -602,7 +719,23 @@ class Plan:
         torch.cumsum((cu32[1:] - cu32[:-1] + (C - 1)) // C, 0, dtype=torch.int32, out=co[1:])
         return co, -1
 
+    def _run_bound(self, q, k, v, g, beta, A_log, dt_bias, h0, cu, cu_cpu, out, fs, cs, ws):
+        """A call of a signature whose bound launch serves it whole: offsets (varlen), outputs,
+        launch; the general path only where the launch declines (or the deprecated poison)."""
+        if POISON_OUTPUTS:
+            return self(q, k, v, g, beta, A_log, dt_bias, h0, cu, cu_cpu, out, fs, cs, ws)
+        max_len = self._offsets(cu, cu_cpu)[0] if self.varlen else self.T
+        if out is None:
+            out = self.empty(self.o_shape, self.o_cstrides, self.o_dtype)
+        if fs is None and self.want_final:
+            fs = self.empty(self.fs_shape, self.fs_cstrides, self.st_dtype)
+        if self._fast.launch(q, k, v, g, beta, out, A_log, dt_bias, cu, h0, fs, None, None, ws, max_len):
+            return out, fs
+        return self(q, k, v, g, beta, A_log, dt_bias, h0, cu, cu_cpu, out, fs, cs, ws)
+
     def __call__(self, q, k, v, g, beta, A_log, dt_bias, h0, cu, cu_cpu, out, fs, cs, ws):
+        """The general path: conversions, chunk offsets, the launcher's checked launch (and, on
+        the first call, its bind)."""
         info, dev = self.info, self.device
         max_len, host = info.T, None
         cu32 = None
@@ -613,7 +746,7 @@ class Plan:
         if poison:
             warnings.warn("kdagen.runtime.POISON_OUTPUTS is deprecated: pass NaN-filled out=/final_state=/"
                           "chunk_states= (kdagen.runtime.allocate_outputs(..., fill=float('nan')))",
-                          DeprecationWarning, stacklevel=3)
+                          DeprecationWarning, stacklevel=4)
         mine = []
         # empty_like where it gives the same layout: it costs a third of torch.empty(shape, ...)
         if out is None:
