@@ -1,6 +1,6 @@
 """Benchmark (not a test): kdagen's targets next to fla's chunk_kda on the same inputs.
 
-    PYTHONPATH=$PWD python benchmarks/bench_kda.py [--cases all|issue4|issue16|issue21] [--targets sm80,triton] [--out F]
+    PYTHONPATH=$PWD python benchmarks/bench_kda.py [--cases all|issue4|issue15|issue16|issue21] [--targets sm80,triton] [--out F]
         [--variants all|NAME,...] [--parts] [--triton-configs 'k=v,..;..'] [--warm-procs N]
 
 A --targets entry is a target (the runtime's selection among its variants) or a variant's name.
@@ -22,8 +22,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
+
+os.environ.setdefault("KDAGEN_FLA_BACKEND", "0")  # the fla column times fla's own kernels, never kdagen's
 
 import torch
 
@@ -48,11 +51,14 @@ CASES = {
     "B4 T4096 H32": dict(T=4096, H=32, B=4),
     "B1 T8192 H32 fp16 unbounded": dict(T=8192, H=32, dtype="fp16", gate="unbounded"),
     "B1 T8192 H32 D64 precomputed": dict(T=8192, H=32, D=64, gate="precomputed"),
+    "B1 T8192 H32 D64": dict(T=8192, H=32, D=64),
+    "B1 T8192 H16 D256": dict(T=8192, H=16, D=256),
 }
 ISSUE4 = ["B1 T8192 H96", "B1 T65536 H24"]
 ISSUE16 = ["B1 T8192 H96", "B1 T8192 H64", "varlen6 H96", "varlen 8x1024 H64", "B1 T16384 H48", "B4 T4096 H32"]
 ISSUE21 = ["B1 T8192 H96", "B1 T65536 H24", "B1 T2048 H8", "B1 T8192 H32 fp16 unbounded",
            "B1 T8192 H32 D64 precomputed", "varlen6 H96"]
+ISSUE15 = ["B1 T8192 H32 D64", "B1 T8192 H16 D256"]  # head dims of issue 15 (D=256: needs a 256 variant)
 FLASHKDA_MS = {"B1 T8192 H96": 1.49, "B1 T8192 H64": 1.26, "varlen6 H96": 1.49, "varlen 8x1024 H64": 0.85,
                "B1 T16384 H48": 2.22, "B1 T32768 H32": 3.99, "B1 T65536 H24": 7.31, "B1 T4096 H16": 0.50,
                "B1 T2048 H8": 0.31}
@@ -103,6 +109,11 @@ def plan(case: str, targets: list, variants: str, configs: list) -> list:
     reg = registry()
     jobs = []
     for t in targets:
+        if t.startswith("kda_fwd_") and t not in reg.entries:  # a variant no spec lists: generated for the run
+            from kdagen import ondemand
+            from kdagen.paths import cache_build_dir
+
+            reg.add_root(ondemand.register([ondemand.parse_name(t)]), cache_build_dir())
         cands = [v for v in reg.variants() if t in (v.target, v.name)]
         try:
             chosen = select(cands, info)
@@ -172,7 +183,7 @@ def warm_tasks(names, plans, with_fla) -> list:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--cases", default="all", help="all | issue4 | issue16 | issue21 | comma-separated case names")
+    ap.add_argument("--cases", default="all", help="all | issue4 | issue15 | issue16 | issue21 | comma-separated case names")
     ap.add_argument("--targets", default="sm80,triton")
     ap.add_argument("--variants", default="selected",
                     help="selected | all (every variant of the target that fits) | comma-separated names, timed beside the selected one")
@@ -183,8 +194,18 @@ def main() -> int:
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--out", default=None, help="also write the rows as JSON here")
+    ap.add_argument("--extra-triton-head-dims", default="", help="experiment: let the Triton target build these "
+                    "head dims too (e.g. 256; not validated), for variant names in --targets")
     args = ap.parse_args()
-    lists = {"all": list(CASES), "issue4": ISSUE4, "issue16": ISSUE16, "issue21": ISSUE21}
+    if args.extra_triton_head_dims:
+        import dataclasses
+
+        from kdagen.targets import TARGETS
+
+        tri = TARGETS["triton"]
+        extra = tuple(int(d) for d in args.extra_triton_head_dims.split(","))
+        TARGETS["triton"] = dataclasses.replace(tri, head_dims=tuple(sorted(set(tri.head_dims + extra))))
+    lists = {"all": list(CASES), "issue4": ISSUE4, "issue15": ISSUE15, "issue16": ISSUE16, "issue21": ISSUE21}
     names = lists.get(args.cases) or args.cases.split(",")
     targets = [t for t in args.targets.split(",") if t]
     configs = parse_configs(args.triton_configs)

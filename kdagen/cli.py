@@ -67,8 +67,25 @@ def list_cmd(specs: tuple[str, ...], pattern: str, verbose: bool) -> None:
                 click.echo(f"# dropped: {len(dropped)}")
                 for d in dropped:
                     click.echo(f"- {d.variant.name}: {d.reason}")
+        if verbose:
+            _echo_coverage()
     except KdagenError as e:
         _fail(e)
+
+
+def _echo_coverage() -> None:
+    """What each target covers: the head dims it builds, and the padding of the others."""
+    from .inputs import MAX_HEAD_DIM
+    from .targets import TARGETS
+
+    click.echo(f"# targets: head dims each builds (K and V apart); the runtime zero-pads any other K, V up to "
+               f"{MAX_HEAD_DIM} to the next size a target builds")
+    for name, t in sorted(TARGETS.items()):
+        dims = sorted(t.head_dims)
+        beyond = f", none above {dims[-1]}" if dims[-1] < MAX_HEAD_DIM else ""
+        click.echo(f"- {name}: head dims {'/'.join(map(str, dims))} (other sizes up to {dims[-1]} by padding{beyond}), "
+                   f"dtypes {'/'.join(t.dtypes)}, gates {'/'.join(t.gates)}, states {'/'.join(t.states)}, "
+                   f"chunks {'/'.join(map(str, t.chunks))}, devices {'/'.join(t.devices or ()) or '-'}")
 
 
 @main.command()

@@ -17,6 +17,7 @@ VARIABLES = {
     "KDAGEN_CACHE_DIR": "generated sources and builds (default ~/.cache/kdagen/<version>)",
     "KDAGEN_DISABLE_JIT": "1: never compile during a call; a missing build is an error naming the command",
     "KDAGEN_FORCE_VARIANT": "a canonical variant name every call must use",
+    "KDAGEN_FLA_BACKEND": "0: do not register kdagen as a backend of fla's chunk_kda (default 1; read at import)",
     "KDAGEN_LOGLEVEL": "0 warnings, 1 each choice and build (default), 2 also every rejected candidate",
     "KDAGEN_LOCK_TIMEOUT": "seconds to wait for another process's build lock (default 600)",
     "MAX_JOBS": "parallel compile jobs (default: the core count)",
@@ -38,6 +39,10 @@ def _flag(name: str) -> bool:
 
 def disable_jit() -> bool:
     return _flag("KDAGEN_DISABLE_JIT")
+
+
+def fla_backend() -> bool:
+    return "KDAGEN_FLA_BACKEND" not in os.environ or _flag("KDAGEN_FLA_BACKEND")
 
 
 def force_variant() -> Optional[str]:

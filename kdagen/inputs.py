@@ -11,6 +11,7 @@ from .dtypes import GATES, dtype_name
 from .errors import KdaInputError
 
 LAYOUTS = ("BSND", "BNSD")
+MAX_HEAD_DIM = 256  # K and V; sizes no variant has are zero-padded (kdagen.padding)
 
 
 @dataclass
@@ -153,6 +154,9 @@ def check_signature(q, k, v, g, beta, *, A_log, dt_bias, scale, lower_bound, gat
         raise _err("beta", f"shape {exp_beta} (layout {layout})", _shape(beta))
     if HV % H:
         raise _err("v", f"a number of value heads HV that is a multiple of the q/k heads H={H}", f"HV={HV}")
+    for name, d, what in (("q", K, "K"), ("v", V, "V")):
+        if not 1 <= d <= MAX_HEAD_DIM:
+            raise _err(name, f"a head dim {what} from 1 to {MAX_HEAD_DIM}", f"{what}={d}")
     for name, t in (("q", q), ("k", k), ("v", v), ("g", g)):
         if t.stride(-1) != 1:
             raise _err(name, "a contiguous last (feature) dimension (call .contiguous())", f"stride {t.stride(-1)}")

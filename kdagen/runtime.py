@@ -6,10 +6,17 @@ caches a Plan: the chosen launcher, the strides and what to allocate. Later call
 signature only look the plan up and launch; the only per-call host work left is the offsets of
 varlen calls, read from `cu_seqlens_cpu` when given (never from the device when the caller
 passes them or promises valid input with `assume_valid=True`).
+
+The lookup: a call with the latest call's flags is first checked by torch's C++ tensor guard
+against that call's signature (signature_guard.py); any other call builds the Python key of
+every tensor's facts. A plan whose launcher bound the signature (sm80) runs it whole in
+Plan._run_bound: outputs from the caching allocator's own entry, then the bound launch.
+kda_prefill and torch.ops.kdagen.kda_prefill both enter at _prefill (positional).
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import warnings
 from typing import Any, Optional
@@ -22,7 +29,9 @@ from .dtypes import torch_dtype
 from .errors import KdaInputError, NoVariantError
 from .inputs import CallInfo, check_offsets, check_signature
 from .registry import Entry, Registry
+from .padding import PaddedPlan, at_dims, choose_covering, coverage_note, target_dims
 from .select import GENERATE, Candidate, choose, miss_message, preference, rejection
+from .signature_guard import make_guard, placeholders
 
 log = logging.getLogger("kdagen")
 
@@ -30,9 +39,14 @@ _REGISTRY: Optional[Registry] = None
 _PLANS: dict[tuple, "Plan"] = {}
 _PLAN_LIMIT = 4096  # signatures kept; an engine sees one per distinct token count
 _LOGGED: set = set()
+_NO_PLAN = (object(), None, None, None)  # _LAST with no latest plan: its flags equal no call's
+_LAST: tuple = _NO_PLAN  # (flags, grad mode, guard, plan) of the latest call
+_GUARD_BUILDS = 8  # guards a plan gets at most
+_ABSENT = placeholders(9)  # what a guard sees for None in _prefill's optional tensor slots (5..13)
 # Choices by what selection depends on (so a new token count with the same sequences and heads
 # skips the candidate scan): functional key, device, N, HV, and whether sequences average >= 512.
 _CHOICES: dict[tuple, str] = {}
+_CHECKPOINT_CHUNK: dict[tuple, int] = {}  # kernel chunk that served checkpoints, by kind of call
 # Deprecated: tests used to set this to NaN-fill every output; pass NaN-filled out= /
 # final_state= / chunk_states= buffers instead (allocate_outputs(..., fill=nan) makes them).
 POISON_OUTPUTS = False
@@ -50,11 +64,13 @@ def registry() -> Registry:
 def reset() -> Registry:
     """Forget the registry, the cached plans and the logged choices, and read the environment
     (KDAGEN_*) again on the next call."""
-    global _REGISTRY
+    global _REGISTRY, _LAST
     _REGISTRY = None
+    _LAST = _NO_PLAN
     _PLANS.clear()
     _LOGGED.clear()
     _CHOICES.clear()
+    _CHECKPOINT_CHUNK.clear()
     return registry()
 
 
@@ -74,6 +90,36 @@ def _contiguous_strides(shape) -> tuple[int, ...]:
         out.append(acc)
         acc *= max(int(s), 1)
     return tuple(reversed(out))
+
+
+def _raw_empty(device: torch.device):
+    """(shape, strides, dtype) -> an uninitialized tensor on `device` from the caching allocator,
+    the cheap way: the allocator entry torch.compile's generated code calls (torch.empty_like
+    and torch.empty go through the dispatcher; measured 0.90 -> 0.56 us per CPU tensor). It
+    allocates on the current CUDA device, so a CUDA plan checks that per call; where torch lacks
+    the entry or it answers unlike torch.empty_strided, torch.empty_strided itself."""
+    guards = getattr(getattr(torch._C, "_dynamo", None), "guards", None)
+    raw = getattr(guards, f"_empty_strided_{device.type}", None) if device.type in ("cpu", "cuda") else None
+
+    def general(shape, strides, dtype):
+        return torch.empty_strided(shape, strides, dtype=dtype, device=device)
+
+    if raw is None:
+        return general
+    if device.type == "cuda":
+        current = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)  # the former skips a lazy-init check
+        idx = device.index if device.index is not None else torch.cuda.current_device()
+
+        def fast(shape, strides, dtype):
+            return raw(shape, strides, dtype) if current() == idx else general(shape, strides, dtype)
+    else:
+        fast = raw
+    try:
+        t = fast((2, 3), (3, 1), torch.bfloat16)
+        ok = (t.device, t.shape, t.stride(), t.dtype) == (device, (2, 3), (3, 1), torch.bfloat16)
+    except Exception:
+        ok = False
+    return fast if ok else general
 
 
 def kda_prefill(
@@ -106,6 +152,12 @@ def kda_prefill(
     workspace: Optional[torch.Tensor] = None,
     assume_valid: bool = False,
     cp_context: Optional[Any] = None,
+    beta_is_logit: bool = True,
+    state_pool: Optional[torch.Tensor] = None,
+    state_indices: Optional[torch.Tensor] = None,
+    checkpoint_every: Optional[int] = None,
+    checkpoints: Optional[torch.Tensor] = None,
+    checkpoint_offsets: Optional[torch.Tensor] = None,
 ):
     """Kimi Delta Attention prefill.
 
@@ -113,9 +165,25 @@ def kda_prefill(
     ("BNSD" swaps T and the head axis). HV must be a multiple of H (GQA/GVA).
     Gate: bounded lower_bound*sigmoid(exp(A_log)*(g+dt_bias)) (default), unbounded
     -exp(A_log)*softplus(g+dt_bias) (lower_bound=None), or precomputed log-decay g
-    (A_log=None); `gate` names one explicitly. beta is a logit (sigmoid in kernel).
+    (A_log=None); `gate` names one explicitly. beta is a logit (b = sigmoid(beta), x2 with
+    allow_neg_eigval), or with beta_is_logit=False the coefficient b itself (in [0, 2];
+    values outside give NaN). Head dims K and V (which may differ) up to 256: sizes no variant
+    has are zero-padded to larger ones a registered variant has, else to the next a target
+    builds on demand (exact; see kdagen.padding).
     States are [N, HV, V, K] (state_layout "VK") or [N, HV, K, V] ("KV"), float32
     or bfloat16. cu_seqlens (int32/int64, B=1) packs N sequences along T.
+
+    State pool (serving engines): state_pool [P, HV, V, K] (or [P, HV, K, V]) and
+    state_indices [N] (int32/int64; -1: a padding sequence, whose slot is neither read nor
+    written) replace initial_state/final_state: sequence n starts from state_pool[idx[n]]
+    and its final state is written back there in place. Indices are checked (range, no
+    duplicates) on the host unless assume_valid; pass them on the CPU to spare a device read.
+
+    Checkpoints (prefix caching): checkpoint_every=n (a multiple of the chunk size, 16 or 64)
+    writes the state after every n tokens of each sequence (n, 2n, ... <= its length) to
+    `checkpoints` [rows, HV, *state] (allocated when None): sequence i's j-th at row
+    checkpoint_offsets[i] + j (offsets [N + 1]; default: packed in order). Needs the lengths
+    on the host (cu_seqlens_cpu, else a read of cu_seqlens).
 
     Engine-owned memory: `out` (v's shape and dtype, unit last stride), `final_state`
     (implies output_final_state), `chunk_states` (implies return_chunk_states; at least the
@@ -129,13 +197,22 @@ def kda_prefill(
 
     Returns (o, final_state), or (o, final_state, chunk_states) when return_chunk_states: the
     state entering every chunk of `chunk_size` tokens, [NC_total, HV, *state], sequences'
-    chunks concatenated. `variant` (or KDAGEN_FORCE_VARIANT) forces a variant by name (it must
-    still fit the call).
+    chunks concatenated; checkpoints, when asked, come last. `variant` (or
+    KDAGEN_FORCE_VARIANT) forces a variant by name (it must still fit the call).
 
     cp_context (kdagen.cp.build_cp_context): context-parallel across a torch.distributed group;
     q..beta are this rank's tokens and every rank calls (kdagen.cp.kda_prefill_cp says more).
     """
+    if beta_is_logit is not True:
+        if beta_is_logit is not False:
+            raise KdaInputError(f"beta_is_logit: expected True or False, found {beta_is_logit!r}")
+        beta, allow_neg_eigval = _beta_logits(beta), True
+    engine_io = state_pool is not None or state_indices is not None or checkpoint_every is not None \
+        or checkpoints is not None or checkpoint_offsets is not None
     if cp_context is not None:
+        if engine_io:
+            raise KdaInputError("cp_context: expected None with state_pool / checkpoint_every (not implemented "
+                                "together), found a context")
         from .cp import kda_prefill_cp
 
         return kda_prefill_cp(q, k, v, g, beta, cp_context=cp_context,
@@ -150,11 +227,49 @@ def kda_prefill(
                               allow_neg_eigval=allow_neg_eigval, chunk_size=chunk_size,
                               return_chunk_states=return_chunk_states, variant=variant, out=out,
                               final_state=final_state, chunk_states=chunk_states, workspace=workspace,
-                              assume_valid=assume_valid)
-    # The signature: everything validation and selection depend on but tensor values. Spelled
-    # out (no helper per tensor): this line is most of the host cost of a repeated call.
+                              assume_valid=assume_valid, state_pool=state_pool, state_indices=state_indices,
+                              checkpoint_every=checkpoint_every, checkpoints=checkpoints,
+                              checkpoint_offsets=checkpoint_offsets)
+    if engine_io:
+        return _engine_call(q, k, v, g, beta, {n: val for n, val in locals().items() if n in _DEFAULTS},
+                            state_pool, state_indices, checkpoint_every, checkpoints, checkpoint_offsets)
+    return _prefill(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, out, final_state,
+                    chunk_states, workspace,
+                    (scale, lower_bound, gate, output_final_state, layout, state_layout, state_dtype, use_qk_l2norm,
+                     allow_neg_eigval, chunk_size, return_chunk_states, variant, assume_valid))
+
+
+# The order of _prefill's `flags`: kda_prefill's keyword arguments that are no tensors.
+_FLAGS = ("scale", "lower_bound", "gate", "output_final_state", "layout", "state_layout", "state_dtype",
+          "use_qk_l2norm", "allow_neg_eigval", "chunk_size", "return_chunk_states", "variant", "assume_valid")
+
+
+def _prefill(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, out, final_state,
+             chunk_states, workspace, flags: tuple):
+    """The positional entry kda_prefill and torch.ops.kdagen.kda_prefill share: the plan of the
+    call's signature (validated, selected and cached on first sight), run on this call's tensors."""
+    last = _LAST
+    # The latest call's plan, where torch's C++ tensor guard says this call has its signature (the
+    # flags and grad mode compared here): a model's layers repeat one signature.
     try:
-        key = (q.dtype, q.shape, q.stride(), q.device, k.dtype, k.shape, k.stride(), k.device,
+        guarded = flags == last[0] and torch.is_grad_enabled() is last[1]
+    except Exception:  # a flag that does not compare (a tensor for scale): the checks below name it
+        guarded = False
+    if guarded:
+        a5, a6, a7, a8, a9, a10, a11, a12, a13 = _ABSENT
+        if last[2].check(q, k, v, g, beta, a5 if A_log is None else A_log, a6 if dt_bias is None else dt_bias,
+                         a7 if initial_state is None else initial_state, a8 if cu_seqlens is None else cu_seqlens,
+                         a9 if cu_seqlens_cpu is None else cu_seqlens_cpu, a10 if out is None else out,
+                         a11 if final_state is None else final_state, a12 if chunk_states is None else chunk_states,
+                         a13 if workspace is None else workspace):
+            return last[3].run(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, out,
+                               final_state, chunk_states, workspace)
+    # The signature: everything validation and selection depend on but tensor values. Spelled
+    # out (no helper per tensor): this line is most of the host cost of a call the guard above
+    # does not serve. The autograd flag is one bool: a plan is never made (nor cached) for a
+    # call it would be True.
+    try:
+        key = (flags, q.dtype, q.shape, q.stride(), q.device, k.dtype, k.shape, k.stride(), k.device,
                v.dtype, v.shape, v.stride(), v.device, g.dtype, g.shape, g.stride(), g.device,
                beta.dtype, beta.shape, beta.stride(), beta.device,
                None if A_log is None else (A_log.dtype, A_log.shape, A_log.stride(), A_log.device),
@@ -170,21 +285,132 @@ def kda_prefill(
                None if chunk_states is None else (chunk_states.dtype, chunk_states.shape, chunk_states.stride(),
                                                   chunk_states.device),
                None if workspace is None else (workspace.dtype, workspace.shape, workspace.stride(), workspace.device),
-               torch.is_grad_enabled() and (q.requires_grad, k.requires_grad, v.requires_grad, g.requires_grad,
-                                            beta.requires_grad),
-               scale, lower_bound, gate, output_final_state, layout, state_layout, state_dtype, use_qk_l2norm,
-               allow_neg_eigval, chunk_size, return_chunk_states, variant, assume_valid)
+               torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or g.requires_grad
+                                            or beta.requires_grad))
     except AttributeError:  # not a tensor: the checks below say which argument
         key = None
     plan = _PLANS.get(key)
     if plan is None:
-        plan = _make_plan(q, k, v, g, beta, **{n: val for n, val in locals().items() if n in _DEFAULTS})
+        plan = _make_plan(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, initial_state=initial_state,
+                          cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, out=out, final_state=final_state,
+                          chunk_states=chunk_states, workspace=workspace, **dict(zip(_FLAGS, flags)))
         if len(_PLANS) >= _PLAN_LIMIT:
             _PLANS.pop(next(iter(_PLANS)))
         if key is not None:
             _PLANS[key] = plan
-    return plan(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, out, final_state,
-                chunk_states, workspace)
+    if key is not None:
+        _remember(plan, flags, (q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, out,
+                                final_state, chunk_states, workspace), guarded and plan is last[3])
+    return plan.run(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, out, final_state,
+                    chunk_states, workspace)
+
+
+def _remember(plan: "Plan", flags: tuple, tensors: tuple, failed: bool) -> None:
+    """Make `plan` the latest, with a guard of this call's tensors: its own from an earlier call,
+    or a new one where it has none or its guard just `failed` a call of its signature
+    (inference mode, a tensor subclass); a plan whose guards keep failing (a caller passing one
+    tensor in two slots) stops getting new ones."""
+    global _LAST
+    guard = plan.guard
+    if guard is None or failed:
+        if plan.guard_builds >= _GUARD_BUILDS:
+            _LAST = _NO_PLAN
+            return
+        plan.guard_builds += 1
+        guard = plan.guard = make_guard(tensors[:5] + tuple(a if t is None else t
+                                                            for a, t in zip(_ABSENT, tensors[5:])))
+    _LAST = (flags, torch.is_grad_enabled(), guard, plan) if guard is not None else _NO_PLAN
+
+
+def _beta_logits(beta) -> torch.Tensor:
+    """Logits the kernels' 2 * sigmoid turns back into the coefficient b: logit(b / 2), float32
+    (b in [0, 2]; b = 0 and 2 give -inf and +inf, which the kernels' sigmoid maps exactly)."""
+    if not isinstance(beta, torch.Tensor) or not beta.is_floating_point():
+        raise KdaInputError(f"beta: expected a floating-point tensor, found "
+                            f"{beta.dtype if isinstance(beta, torch.Tensor) else type(beta).__name__}")
+    return (beta.to(torch.float32) * 0.5).logit_()
+
+
+def _engine_call(q, k, v, g, beta, kw: dict, state_pool, state_indices, checkpoint_every, checkpoints,
+                 checkpoint_offsets):
+    """kda_prefill with a state pool and/or checkpoints: gathers and scatters around one call."""
+    from . import checkpoints as ckpt
+    from . import state_pool as pool_io
+
+    for name, t in (("q", q), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise KdaInputError(f"{name}: expected a 4-dim tensor, found "
+                                f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+    bsnd = str(kw["layout"]).upper() == "BSND"
+    cu = kw["cu_seqlens"]
+    B, T = q.shape[0], (q.shape[1] if bsnd else q.shape[2])
+    N = cu.shape[0] - 1 if isinstance(cu, torch.Tensor) else B
+    HV, K, V = (v.shape[2] if bsnd else v.shape[1]), q.shape[-1], v.shape[-1]
+    st = (K, V) if kw["state_layout"] == "KV" else (V, K)
+    want_final = bool(kw["output_final_state"]) or kw["final_state"] is not None
+    pc = None
+    if state_pool is not None or state_indices is not None:
+        if state_pool is None or state_indices is None:
+            raise KdaInputError("state_pool, state_indices: expected both (the pool and each sequence's slot) or "
+                                "neither, found only " + ("state_pool" if state_indices is None else "state_indices"))
+        for name in ("initial_state", "final_state"):
+            if kw[name] is not None:
+                raise KdaInputError(f"{name}: expected None with state_pool (the pool holds the initial and final "
+                                    f"states), found a tensor")
+        pc = pool_io.gather(state_pool, state_indices, N=N, HV=HV, state_shape=st, device=q.device,
+                            state_dtype=kw["state_dtype"], assume_valid=bool(kw["assume_valid"]))
+        kw = dict(kw, initial_state=pc.initial_state, final_state=pc.final_state, output_final_state=True)
+    cp = None
+    if checkpoint_every is not None or checkpoints is not None or checkpoint_offsets is not None:
+        if checkpoint_every is None:
+            raise KdaInputError("checkpoint_every: expected the checkpoints' spacing in tokens with checkpoints= / "
+                                "checkpoint_offsets=, found None")
+        chunks = ckpt.kernel_chunks(checkpoint_every, kw["chunk_size"])
+        lens = ckpt.host_lengths(B, T, cu, kw["cu_seqlens_cpu"], "checkpoint_every")
+        if cu is not None and kw["cu_seqlens_cpu"] is None:
+            kw = dict(kw, cu_seqlens_cpu=torch.tensor([0, *itertools.accumulate(lens)], dtype=cu.dtype))
+        st_dtype = next((t.dtype for t in (kw["initial_state"], kw["final_state"], kw["chunk_states"])
+                         if t is not None), kw["state_dtype"] or torch.float32)
+        user_chunks = bool(kw["return_chunk_states"]) or kw["chunk_states"] is not None
+        kw = dict(kw, output_final_state=True, return_chunk_states=True, state_dtype=st_dtype)
+        # the chunk that served this kind of call last time first: a miss costs a full selection
+        memo = (q.dtype, K, V, q.device, kw["A_log"] is None, kw["lower_bound"] is None, kw["gate"], st_dtype,
+                bsnd, cu is None, chunks)
+        if memo in _CHECKPOINT_CHUNK:
+            chunks = (_CHECKPOINT_CHUNK[memo], *(c for c in chunks if c != _CHECKPOINT_CHUNK[memo]))
+        for i, chunk in enumerate(chunks):
+            cp = ckpt.plan(checkpoint_every, lens, HV=HV, state_shape=st, dtype=st_dtype, device=q.device,
+                           chunk=chunk, buffer=checkpoints, offsets=checkpoint_offsets,
+                           assume_valid=bool(kw["assume_valid"]))
+            try:
+                res = kda_prefill(q, k, v, g, beta, **dict(kw, chunk_size=chunk))
+                _CHECKPOINT_CHUNK[memo] = chunk
+                break
+            except NoVariantError:
+                if i == len(chunks) - 1:
+                    raise
+        cp.rows.copy(cp.buffer, res[2], res[1])
+        res = (res[0], res[1] if want_final else None, *((res[2],) if user_chunks else ()), cp.buffer)
+    else:
+        res = kda_prefill(q, k, v, g, beta, **kw)
+        if not want_final:
+            res = (res[0], None, *res[2:])
+    if pc is not None:
+        pool_io.scatter(pc)
+    return res
+
+
+def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+            **kwargs: Any) -> "Plan":
+    """Validate the call kda_prefill(q, k, v, g, beta, **kwargs) and select (generating and
+    building if need be) its variant, without running it: raises what the call would raise
+    before its launch. State pools and checkpoints are not taken here."""
+    kw = dict(kwargs)
+    if not kw.pop("beta_is_logit", True):
+        # the call would pass float32 logits
+        beta = torch.empty(beta.shape, dtype=torch.float32, device=beta.device)
+        kw["allow_neg_eigval"] = True
+    return _make_plan(q, k, v, g, beta, **_with_defaults(kw))
 
 
 def workspace_size(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -192,9 +418,7 @@ def workspace_size(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
     """Bytes of `workspace=` the call kda_prefill(q, k, v, g, beta, **kwargs) needs (0 when its
     variant takes none). It grows with T and the number of sequences: ask with the largest
     shapes an engine will pass, and allocate once."""
-    kwargs = dict(kwargs, workspace=None, out=None)
-    plan = _make_plan(q, k, v, g, beta, **_with_defaults(kwargs))
-    return plan.workspace_bytes()
+    return prepare(q, k, v, g, beta, **dict(kwargs, workspace=None, out=None)).workspace_bytes()
 
 
 def allocate_outputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -270,11 +494,15 @@ def _make_plan(q, k, v, g, beta, **kw) -> "Plan":
     reg = registry()
     dev = q.device
     launcher = reg.launcher(entry.name, f"{dev.type}:{dev.index}")
-    key = (entry.name, info.layout, info.varlen, info.state)
+    padded = (entry.variant.k, entry.variant.v) != (info.K, info.V)
+    key = (entry.name, info.layout, info.varlen, info.state, info.K, info.V)
     if key not in _LOGGED:
         _LOGGED.add(key)
-        log.info("kdagen: %s for B=%d T=%d N=%d H=%d HV=%d %s", entry.name, info.B, info.T, info.N, info.H,
-                 info.HV, info.describe())
+        log.info("kdagen: %s for B=%d T=%d N=%d H=%d HV=%d %s%s", entry.name, info.B, info.T, info.N, info.H,
+                 info.HV, info.describe(),
+                 f" (zero-padded to K={entry.variant.k} V={entry.variant.v})" if padded else "")
+    if padded:
+        return PaddedPlan(entry, launcher, info, q, k, v, g, beta, kw, Plan)
     return Plan(entry, launcher, info, q, k, v, g, beta, kw)
 
 
@@ -324,26 +552,29 @@ def _select_entry(reg: Registry, info: CallInfo, forced: Optional[str], variant:
 
     if forced:
         best = _candidate_for_name(reg, forced)
-        why = rejection(best, info)
+        # a forced variant with larger head dims serves the call zero-padded
+        covers = best.variant.k >= info.K and best.variant.v >= info.V
+        why = rejection(best, at_dims(info, best.variant.k, best.variant.v) if covers else info)
         if why:
             src = "variant=" if variant else "KDAGEN_FORCE_VARIANT"
             raise NoVariantError(f"variant {forced!r} (from {src}) cannot serve this call: {why}\n"
                                  f"  Found:     {info.describe()}")
     else:
+        # Variants with the call's head dims or larger ones (zero-padded): see kdagen.padding.
         cands = [Candidate(v, *reg.status(v.name)) for v in reg.variants()]
-        best, rejected = choose(cands, info)
+        best, binfo, rejected = choose_covering(cands, info)
         if best is None:
             # No listed variant serves the call: one that a target supports is generated for it.
             extra = [Candidate(v, GENERATE, _generate_blocked(v))
-                     for t in TARGETS
-                     for v in ondemand.variants_for(t, dtype=info.dtype, k=info.K, v=info.V, gate=info.gate,
+                     for t in TARGETS if (dims := target_dims(t, info)) is not None
+                     for v in ondemand.variants_for(t, dtype=info.dtype, k=dims[0], v=dims[1], gate=info.gate,
                                                     state=info.state, chunk=info.chunk_size)
                      if v.name not in reg.entries]
-            best, more = choose(extra, info)
+            best, binfo, more = choose_covering(extra, info)
             rejected += more
             if best is None:
-                raise NoVariantError(miss_message(rejected, info))
-        _warn_if_better_blocked(best, rejected, info)
+                raise NoVariantError(miss_message(rejected, info) + "\n" + coverage_note(info))
+        _warn_if_better_blocked(best, rejected, binfo)
     if best.readiness == GENERATE:
         log.warning("kdagen: no spec lists a variant for %s; generating %s (`kdagen build --variant %s` "
                     "makes it ahead of time)", info.describe(), best.variant.name, best.variant.name)
@@ -380,7 +611,8 @@ class Plan:
     def __init__(self, entry: Entry, launcher, info: CallInfo, q, k, v, g, beta, kw: dict) -> None:
         self.entry, self.variant, self.launcher, self.info = entry, entry.variant, launcher, info
         lay = info.layout
-        self.device = q.device
+        # info's device: a padded call plans its inner call from tensors on the meta device
+        self.device = info.device
         self.layout = lay
         self.strides = (_strides(q, lay), _strides(k, lay), _strides(v, lay), _strides(g, lay),
                         _strides(beta.unsqueeze(-1), lay))
@@ -391,6 +623,10 @@ class Plan:
         self.state_kv = kw["state_layout"] == "KV"
         st = (info.K, info.V) if self.state_kv else (info.V, info.K)
         self.st_shape = st
+        self.fs_shape = (info.N, info.HV, *st)
+        self.fs_cstrides = _contiguous_strides(self.fs_shape)
+        self.o_cstrides = _contiguous_strides(self.o_shape)
+        self.varlen, self.T = info.varlen, info.T
         self.st_dtype = torch_dtype(info.state) if info.state != "none" else torch.float32
         self.want_final = bool(kw["output_final_state"]) and info.state != "none"
         self.want_chunks = bool(kw["return_chunk_states"])
@@ -410,10 +646,28 @@ class Plan:
         self.h0_like = h0 is not None and h0.is_contiguous() and h0.dtype == self.st_dtype
         self.v_contiguous = v.is_contiguous()
         cu = kw["cu_seqlens"]
-        self.cu_ready = cu is None or (cu.dtype == torch.int32 and cu.is_contiguous() and cu.device == q.device)
-        self.on_cuda = q.device.type == "cuda"
+        self.cu_ready = cu is None or (cu.dtype == torch.int32 and cu.is_contiguous() and cu.device == self.device)
+        self.on_cuda = self.device.type == "cuda"
         self._static_offsets: Optional[torch.Tensor] = None
-        self.fast: Any = _UNBOUND  # the launcher's bound launch of this signature (None: it has none)
+        # Calls a bound launch serves whole (_run_bound): no per-call conversion, no chunk states.
+        gate_args = (A is None and dt is None) if self.precomputed else \
+            (self.A_ready and (dt is None or self.dt_ready))
+        self.bound_whole = gate_args and self.h0_ready and self.cu_ready and not self.want_chunks and info.N > 0
+        self.empty = _raw_empty(q.device) if self.bound_whole else None
+        self.fast = _UNBOUND  # the launcher's bound launch of this signature (None: it has none)
+        self.guard: Any = None  # signature_guard's check of a call with this plan's signature
+        self.guard_builds = 0
+
+    @property
+    def fast(self) -> Any:
+        return self._fast
+
+    @fast.setter
+    def fast(self, bound: Any) -> None:
+        """Set the bound launch; `run` (what every call of the signature calls) follows it."""
+        self._fast = bound
+        whole = self.bound_whole and bound is not None and bound is not _UNBOUND
+        self.run = self._run_bound if whole else self.__call__
 
     def workspace_bytes(self) -> int:
         fn = getattr(self.launcher, "workspace_bytes", None)
@@ -465,7 +719,23 @@ class Plan:
         torch.cumsum((cu32[1:] - cu32[:-1] + (C - 1)) // C, 0, dtype=torch.int32, out=co[1:])
         return co, -1
 
+    def _run_bound(self, q, k, v, g, beta, A_log, dt_bias, h0, cu, cu_cpu, out, fs, cs, ws):
+        """A call of a signature whose bound launch serves it whole: offsets (varlen), outputs,
+        launch; the general path only where the launch declines (or the deprecated poison)."""
+        if POISON_OUTPUTS:
+            return self(q, k, v, g, beta, A_log, dt_bias, h0, cu, cu_cpu, out, fs, cs, ws)
+        max_len = self._offsets(cu, cu_cpu)[0] if self.varlen else self.T
+        if out is None:
+            out = self.empty(self.o_shape, self.o_cstrides, self.o_dtype)
+        if fs is None and self.want_final:
+            fs = self.empty(self.fs_shape, self.fs_cstrides, self.st_dtype)
+        if self._fast.launch(q, k, v, g, beta, out, A_log, dt_bias, cu, h0, fs, None, None, ws, max_len):
+            return out, fs
+        return self(q, k, v, g, beta, A_log, dt_bias, h0, cu, cu_cpu, out, fs, cs, ws)
+
     def __call__(self, q, k, v, g, beta, A_log, dt_bias, h0, cu, cu_cpu, out, fs, cs, ws):
+        """The general path: conversions, chunk offsets, the launcher's checked launch (and, on
+        the first call, its bind)."""
         info, dev = self.info, self.device
         max_len, host = info.T, None
         cu32 = None
@@ -476,7 +746,7 @@ class Plan:
         if poison:
             warnings.warn("kdagen.runtime.POISON_OUTPUTS is deprecated: pass NaN-filled out=/final_state=/"
                           "chunk_states= (kdagen.runtime.allocate_outputs(..., fill=float('nan')))",
-                          DeprecationWarning, stacklevel=3)
+                          DeprecationWarning, stacklevel=4)
         mine = []
         # empty_like where it gives the same layout: it costs a third of torch.empty(shape, ...)
         if out is None:

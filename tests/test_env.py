@@ -121,8 +121,8 @@ def test_loglevel(tmp_path):
     # every registered variant but the chosen one, each once, with its reason
     names = {ln.split()[2].rstrip(":") for ln in rejected + passed}
     assert len(chosen) == 1 and len(rejected) + len(passed) == len(names) == len(Registry.load(GENERATED_DIR).entries) - 1
-    assert passed and all(ln.endswith(f": {chosen[0].split()[1]} is preferred (target rank, readiness, state, chunk, "
-                                      "block_v)") for ln in passed)
+    assert passed and all(ln.endswith(f": {chosen[0].split()[1]} is preferred (target rank, padding, readiness, "
+                                      "state, chunk, block_v)") for ln in passed)
     assert any(ln.endswith(": gate unbounded != bounded") for ln in rejected)
     assert any(ln.endswith(": dtype bf16 != fp32") for ln in rejected)
 

@@ -5,9 +5,7 @@ struct the general path builds (checked on the CPU with a recording stand-in for
 
 from __future__ import annotations
 
-import ctypes
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +15,8 @@ import kdagen.runtime as rt
 from kdagen.reference import kda_reference, rel_rmse
 
 from .runtime_env import fresh_runtime  # noqa: F401
+from . import fake_cuda
+from .fake_cuda import sm80_on_cpu
 from .test_runtime_errors import inputs
 
 
@@ -153,49 +153,17 @@ def test_plan_uses_the_launchers_bound_launch_after_the_first_call(monkeypatch):
 
 # ----------------------------------------------------------------------------- the sm80 bound launch
 
-class _RecordingDriver:
-    """cuLaunchKernel that records the kernel, grid, block, shared memory and parameter bytes."""
-
-    def __init__(self, size: int) -> None:
-        self.size, self.launches = size, []
-
-    def cuLaunchKernel(self, f, gx, gy, gz, bx, by, bz, smem, stream, argv, extra):
-        struct_addr = ctypes.cast(argv, ctypes.POINTER(ctypes.c_void_p))[0]
-        self.launches.append((f, (gx, gy, gz), (bx, by, bz), smem, ctypes.string_at(struct_addr, self.size)))
-        return (0,)
-
-    def CUstream(self, raw):
-        return raw
-
-
-class _RecordingModule:
-    def __init__(self, drv) -> None:
-        self.drv = drv
-
-    def launch(self, func, grid, block, smem, stream, params, what):
-        self.drv.launches.append((func, tuple(grid), tuple(block), smem, bytes(params)))
-
-    def function(self, name, smem=0):
-        return name
-
-
 @pytest.mark.parametrize("varlen", [False, True], ids=["batch", "varlen"])
-def test_sm80_bound_launch_passes_the_general_paths_struct(monkeypatch, varlen):
+def test_sm80_bound_launch_passes_the_general_paths_struct(varlen):
+    with sm80_on_cpu() as (la, drv):
+        _bound_against_general(la, drv, varlen)
+
+
+def _bound_against_general(la, drv, varlen):
     import kdagen.targets.sm80 as sm80
     from kdagen.targets.cuda_launch import KdaParams
-    from kdagen.variant import Variant
 
-    drv = _RecordingDriver(ctypes.sizeof(KdaParams))
-    mod = _RecordingModule(drv)
-    monkeypatch.setattr(sm80, "driver", lambda: drv)
-    monkeypatch.setattr(sm80, "current_stream_handle", lambda idx: 7)
-    monkeypatch.setattr(sm80, "_sm_count", lambda device: 132)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda dev=None: type("S", (), {"cuda_stream": 7})())
-    var = Variant("sm80", 16, 64, 64, "bf16", "bounded", "fp32", 32)
-    la = sm80.Sm80Launcher(var, Path("unused.fatbin"))
-    rec = 1024
-    monkeypatch.setattr(la, "_module", lambda dev: (0, (mod, "kda_prep", "kda_recur", rec, 5000, 6000, 128, 160)))
-
+    rec = fake_cuda.META[0]
     T, H, HV, K = 48, 2, 4, 64
     lens = [5, 0, 43] if varlen else None
 
@@ -238,9 +206,9 @@ def test_sm80_bound_launch_passes_the_general_paths_struct(monkeypatch, varlen):
     drv.launches.clear()
     assert bound.launch(c2.q, c2.k, c2.v, c2.g, c2.beta, c2.o, c2.A_log, c2.dt_bias, c2.cu_seqlens, c2.initial_state,
                         c2.final_state, None, None, ws, c2.max_len)
-    assert drv.launches == general  # kernels, grids, blocks, shared memory and every byte of the struct
+    assert drv.launches == general  # kernels, grids, blocks, shared memory, stream, every byte of the struct
     assert [x[1] for x in general] == [(3, N, HV), (2, N, HV)]  # ceil(43 or 48 / 16) chunks; V / block_v
-    p = KdaParams.from_buffer_copy(general[0][4])
+    p = KdaParams.from_buffer_copy(general[0][5])
     assert (p.q, p.o, p.ws, p.max_len, p.T, p.N) == (c2.q.data_ptr(), c2.o.data_ptr(), ws.data_ptr(),
                                                      43 if varlen else T, T, N)
     # an unaligned input is not the bound launch's job: it declines (launching nothing), the
@@ -251,33 +219,274 @@ def test_sm80_bound_launch_passes_the_general_paths_struct(monkeypatch, varlen):
                                                       c2.cu_seqlens, c2.initial_state, c2.final_state, None, None,
                                                       ws, c2.max_len)
     assert drv.launches == []
-    # without a caller workspace: one scratch buffer per stream, reused by the next call (not
-    # under capture, not while another call holds it)
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    # without a caller workspace: one scratch buffer per (device, stream), reused by the next call;
+    # not under capture; the legacy default stream (handle 0) cannot capture and is not asked
+    drv.capturing = False
     sm80.Sm80Bound._ARENAS.clear()
     args = (c2.q, c2.k, c2.v, c2.g, c2.beta, c2.o, c2.A_log, c2.dt_bias, c2.cu_seqlens, c2.initial_state,
             c2.final_state, None, None, None, c2.max_len)
     drv.launches.clear()
     assert bound.launch(*args) and bound.launch(*args)
-    ws_of = [KdaParams.from_buffer_copy(x[4]).ws for x in drv.launches]
-    assert len(set(ws_of)) == 1 and ws_of[0] == sm80.Sm80Bound._ARENAS[7].data_ptr()
-    assert sm80.Sm80Bound._ARENAS[7].numel() == ws_bytes
-    drv.launches.clear()
-    with sm80.Sm80Bound._ARENA_LOCK:
-        assert bound.launch(*args)
-    assert KdaParams.from_buffer_copy(drv.launches[0][4]).ws != ws_of[0]
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    ws_of = [KdaParams.from_buffer_copy(x[5]).ws for x in drv.launches]
+    arena, arena_ptr, arena_bytes = sm80.Sm80Bound._ARENAS[(0, fake_cuda.STREAM)]
+    assert len(set(ws_of)) == 1 and ws_of[0] == arena.data_ptr() == arena_ptr
+    assert arena.numel() == arena_bytes == ws_bytes
+    drv.capturing = True
     drv.launches.clear()
     assert bound.launch(*args)
-    assert KdaParams.from_buffer_copy(drv.launches[0][4]).ws != ws_of[0]
-    sm80.Sm80Bound._ARENAS.clear()
-    # a second thread holding the struct makes a call decline rather than wait
-    bound.lock.acquire()
-    try:
+    assert KdaParams.from_buffer_copy(drv.launches[0][5]).ws != ws_of[0]
+    drv.stream = 0
+
+    def never_asked():
+        raise AssertionError("the legacy default stream was asked whether it captures")
+
+    torch.cuda.is_current_stream_capturing = never_asked
+    drv.launches.clear()
+    assert bound.launch(*args) and bound.launch(*args)
+    on_default = {KdaParams.from_buffer_copy(x[5]).ws for x in drv.launches}
+    assert on_default == {sm80.Sm80Bound._ARENAS[(0, 0)][1]} and on_default != {ws_of[0]}
+    # the same stream handle on another device (handle 0 is every device's default stream):
+    # another arena, on that device
+    module0 = la._module
+    la._module = lambda dev: (1, module0(dev)[1])
+    bound1 = la.bind(call_of(t, B, N, ws))
+    drv.launches.clear()
+    assert bound1.launch(*args)
+    assert KdaParams.from_buffer_copy(drv.launches[0][5]).ws == sm80.Sm80Bound._ARENAS[(1, 0)][1] \
+        != sm80.Sm80Bound._ARENAS[(0, 0)][1]
+    assert bound1.lock is not bound.lock
+    # another thread launching on the device (it holds the device's lock) makes a call decline
+    # rather than wait, with a caller workspace or without
+    drv.launches.clear()
+    with bound.lock:
+        assert not bound.launch(*args)
         assert not bound.launch(c2.q, c2.k, c2.v, c2.g, c2.beta, c2.o, c2.A_log, c2.dt_bias, c2.cu_seqlens,
                                 c2.initial_state, c2.final_state, None, None, ws, c2.max_len)
-    finally:
-        bound.lock.release()
+    assert drv.launches == []
+
+
+# ----------------------------------------------------------------------------- the runtime over it
+
+def _sm80_case(lens, seed=0):
+    from kdagen.variant import Variant
+
+    from kdagen.cases import make_case
+
+    var = Variant("sm80", 16, 64, 64, "bf16", "bounded", "fp32", 32)
+    kw = make_case(var, "cpu", B=2, T=32, H=2, HV=4, lens=lens, seed=seed)
+    if lens is not None:
+        kw["cu_seqlens_cpu"] = kw["cu_seqlens"].clone()
+    return var, kw
+
+
+def _fields(raw: bytes) -> dict:
+    from kdagen.targets.cuda_launch import KdaParams
+
+    p = KdaParams.from_buffer_copy(raw)
+    return {n: (list(getattr(p, n)) if hasattr(getattr(p, n), "__len__") else getattr(p, n))
+            for n, _ in KdaParams._fields_}
+
+
+@pytest.mark.parametrize("lens", [None, [5, 0, 27]], ids=["batch", "varlen"])
+def test_runtime_runs_a_bound_signature_through_the_bound_launch(lens):
+    """kda_prefill end to end over the sm80 launcher (fake driver): the first call of a
+    signature launches the general way and binds; every later one goes through the bound
+    launch whole, with exactly the general path's launches (owned buffers: every byte; fresh
+    outputs: all but the output and scratch addresses, which are this call's)."""
+    from .fake_cuda import route_launcher
+
+    var, kw = _sm80_case(lens)
+    with sm80_on_cpu(var) as (la, drv), route_launcher(la):
+        out, fs = torch.empty_like(kw["v"]), torch.empty_like(kw["initial_state"])
+        nbytes = kdagen.workspace_size(**kw)
+        ws = torch.empty(nbytes + 256, dtype=torch.uint8)
+        ws = ws[(-ws.data_ptr()) % 256:][:nbytes]
+        owned = dict(kw, out=out, final_state=fs, workspace=ws)
+        assert kdagen.kda_prefill(**owned) == (out, fs)
+        plan = list(rt._PLANS.values())[-1]
+        assert plan.run == plan._run_bound and type(plan.fast).__name__ == "Sm80Bound"
+        general = drv.launches[:]
+        assert len(general) == 2
+        drv.launches.clear()
+        kw2 = {n: (t.clone() if isinstance(t, torch.Tensor) and n in ("q", "k", "v", "g", "beta") else t)
+               for n, t in owned.items()}  # new tensors, same signature
+        assert kdagen.kda_prefill(**kw2) == (out, fs)
+        assert [x[:5] for x in drv.launches] == [x[:5] for x in general]
+        for got, want in zip(drv.launches, general):
+            g_, w_ = _fields(got[5]), _fields(want[5])
+            assert {n: g_[n] for n in ("q", "k", "v", "g", "beta")} == \
+                {n: kw2[n].data_ptr() for n in ("q", "k", "v", "g", "beta")}
+            assert {n: x for n, x in g_.items() if n not in ("q", "k", "v", "g", "beta")} == \
+                {n: x for n, x in w_.items() if n not in ("q", "k", "v", "g", "beta")}
+        # fresh outputs: the plain call's own plan, bound on its first call
+        drv.launches.clear()
+        kdagen.kda_prefill(**kw)
+        general = drv.launches[:]
+        drv.launches.clear()
+        o, st = kdagen.kda_prefill(**kw)
+        assert list(rt._PLANS.values())[-1].run == list(rt._PLANS.values())[-1]._run_bound and len(rt._PLANS) == 2
+        assert (o.shape, o.dtype, o.is_contiguous()) == (kw["v"].shape, kw["v"].dtype, True)
+        assert (st.shape, st.dtype, st.is_contiguous()) == (kw["initial_state"].shape, torch.float32, True)
+        assert [x[:5] for x in drv.launches] == [x[:5] for x in general]
+        for got, want in zip(drv.launches, general):
+            g_, w_ = _fields(got[5]), _fields(want[5])
+            assert (g_["o"], g_["ht"]) == (o.data_ptr(), st.data_ptr())
+            assert g_["ws"] == sm80_arena_ptr()
+            assert {n: x for n, x in g_.items() if n not in ("o", "ht", "ws")} == \
+                {n: x for n, x in w_.items() if n not in ("o", "ht", "ws")}
+        # host offsets are still checked on every call of the signature
+        if lens is not None:
+            with pytest.raises(kdagen.runtime.KdaInputError, match="non-decreasing offsets"):
+                kdagen.kda_prefill(**dict(kw, cu_seqlens_cpu=torch.tensor([0, 9, 5, 32], dtype=torch.int32)))
+
+
+def test_bound_outputs_come_from_the_allocator_entry_when_it_behaves(monkeypatch):
+    guards = torch._C._dynamo.guards
+    cpu = torch.device("cpu")
+    empty = rt._raw_empty(cpu)
+    assert empty is guards._empty_strided_cpu
+    t = empty((2, 5, 3), (15, 3, 1), torch.bfloat16)
+    assert (t.shape, t.stride(), t.dtype, t.device, t.requires_grad) == ((2, 5, 3), (15, 3, 1), torch.bfloat16, cpu,
+                                                                         False)
+    with torch.inference_mode():  # like torch.empty there: an inference tensor
+        assert empty((1,), (1,), torch.float32).is_inference()
+    # an entry that answers unlike torch.empty_strided (or is missing) is not used
+    monkeypatch.setattr(guards, "_empty_strided_cpu", lambda shape, strides, dtype: torch.empty(shape))
+    general = rt._raw_empty(cpu)
+    assert general((2, 3), (1, 2), torch.bfloat16).stride() == (1, 2)
+    monkeypatch.delattr(guards, "_empty_strided_cpu")
+    assert rt._raw_empty(cpu)((4,), (1,), torch.int32).dtype == torch.int32
+    if not torch.cuda.is_available():  # the CUDA entry of a CPU-only torch raises: not used
+        assert rt._raw_empty(torch.device("cuda", 0)).__name__ == "general"
+
+
+def sm80_arena_ptr() -> int:
+    import kdagen.targets.sm80 as sm80
+
+    (arena,) = sm80.Sm80Bound._ARENAS.values()
+    return arena[1]
+
+
+def test_bound_signature_falls_back_to_the_general_path_when_the_launch_declines():
+    """Same signature, unaligned q (the bound launch declines): the general path realigns it;
+    and the deprecated POISON_OUTPUTS still poisons on a bound signature."""
+    from .fake_cuda import route_launcher
+
+    var, kw = _sm80_case(None)
+    with sm80_on_cpu(var) as (la, drv), route_launcher(la):
+        kdagen.kda_prefill(**kw)
+        q = kw["q"]
+        q_off = torch.empty(q.numel() + 8, dtype=q.dtype)[1:1 + q.numel()].view(q.shape).copy_(q)
+        assert q_off.data_ptr() % 16
+        drv.launches.clear()
+        o, _ = kdagen.kda_prefill(**dict(kw, q=q_off))
+        assert list(rt._PLANS.values())[-1].run == list(rt._PLANS.values())[-1]._run_bound and len(rt._PLANS) == 1
+        assert len(drv.launches) == 2
+        q_seen = {_fields(x[5])["q"] for x in drv.launches}
+        assert len(q_seen) == 1 and q_seen != {q_off.data_ptr()} and q_seen.pop() % 16 == 0  # a realigned copy
+        rt.POISON_OUTPUTS = True
+        try:
+            with pytest.warns(DeprecationWarning, match="POISON_OUTPUTS is deprecated"):
+                o, st = kdagen.kda_prefill(**kw)
+        finally:
+            rt.POISON_OUTPUTS = False
+        assert torch.isnan(o).all() and torch.isnan(st).all()  # the fake driver writes nothing
+
+
+@pytest.mark.parametrize("guarded", [True, False], ids=["guard", "key_only"])
+def test_a_cached_plan_serves_only_calls_of_its_signature(monkeypatch, guarded):
+    """Which plan serves a call (torch's tensor guard first, else the Python key): another
+    stride, a missing tensor, autograd, grad and inference modes, one tensor in two slots."""
+    from kdagen import signature_guard
+
+    from .fake_cuda import route_launcher
+
+    if guarded:
+        assert signature_guard.available()
+    else:
+        monkeypatch.setattr(rt, "make_guard", lambda args: None)
+    served = []
+    for name in ("_run_bound", "__call__"):
+        real = getattr(rt.Plan, name)
+        monkeypatch.setattr(rt.Plan, name, (lambda f: lambda self, *a: served.append(self) or f(self, *a))(real))
+    var, kw = _sm80_case(None)
+
+    def call(**over):
+        served.clear()
+        kdagen.kda_prefill(**dict(kw, **over))
+        return served[0]
+
+    with sm80_on_cpu(var) as (la, _drv), route_launcher(la):
+        base = call()
+        assert call() is base and (rt._LAST[3] is base) == guarded
+        strided = kw["q"].transpose(1, 2).contiguous().transpose(1, 2)
+        assert strided.shape == kw["q"].shape and strided.stride() != kw["q"].stride()
+        other = call(q=strided)
+        assert other is not base and call(q=strided) is other and call() is base
+        no_dt = call(dt_bias=None)
+        assert no_dt not in (base, other) and call(dt_bias=None) is no_dt and call() is base
+        with torch.no_grad():
+            assert call() is base and call() is base
+        with torch.inference_mode():
+            assert call() is base and call() is base
+        with pytest.raises(kdagen.runtime.KdaInputError, match="forward-only"):
+            call(q=kw["q"].clone().requires_grad_())
+        with torch.no_grad():  # allowed there, with the plan of its facts
+            assert call(q=kw["q"].clone().requires_grad_()) is base
+        # one tensor in two slots (k is q: same facts): the Python key serves it; a guard cannot
+        # (it fails such calls), and the plan stops getting new ones
+        builds = base.guard_builds
+        assert builds == 3 or not guarded  # the first; inference mode in and out (its dispatch keys)
+        assert all(call(k=kw["q"]) is base for _ in range(12))
+        assert base.guard_builds == (rt._GUARD_BUILDS if guarded else builds)
+        assert call() is base and len(rt._PLANS) == 3
+
+
+def test_the_latest_signature_shortcut_never_serves_another_signature(monkeypatch):
+    """Alternating signatures, and flags whose hashes collide (hash(-1.0) == hash(-2.0)), each
+    get their own plan and the right result."""
+    made = []
+    real = rt._make_plan
+    monkeypatch.setattr(rt, "_make_plan", lambda *a, **k: made.append(k["lower_bound"]) or real(*a, **k))
+    a, b = inputs(T=20), inputs(T=21)
+    assert hash(-1.0) == hash(-2.0)
+    want = {}
+    for kw, lb in ((a, -1.0), (a, -1.0), (b, -1.0), (a, -2.0), (a, -1.0), (b, -1.0), (a, -2.0)):
+        o, _ = kdagen.kda_prefill(**kw, lower_bound=lb)
+        ref = _ref(dict(kw, lower_bound=lb))[0]
+        assert rel_rmse(o, ref) < 1e-5
+        want.setdefault((kw["q"].shape[1], lb), o)
+        assert torch.equal(o, want[(kw["q"].shape[1], lb)])
+    assert made == [-1.0, -1.0, -2.0] and len(rt._PLANS) == 3
+    assert not torch.equal(want[(20, -1.0)], want[(20, -2.0)])
+
+
+def test_a_bad_flag_after_a_cached_call_is_named():
+    kw = inputs()
+    kdagen.kda_prefill(**kw, scale=0.25)  # the latest call's flags hold a float scale
+    with pytest.raises(kdagen.runtime.KdaInputError, match="scale: expected a float or None, found Tensor"):
+        kdagen.kda_prefill(**kw, scale=torch.tensor([0.25, 0.5]))  # would not compare with it
+
+
+def test_torch_op_and_kda_prefill_share_one_plan_and_its_checks(monkeypatch):
+    kw = inputs()
+    h0 = torch.randn(1, 2, 32, 32)
+    out, fs = torch.empty_like(kw["v"]), torch.empty_like(h0)
+    o1, s1 = kdagen.kda_prefill(**kw, initial_state=h0, output_final_state=True, out=out, final_state=fs)
+    o1, s1 = o1.clone(), s1.clone()
+    made = []
+    monkeypatch.setattr(rt, "check_signature", lambda *a, **k: made.append(1))
+    out.fill_(float("nan"))
+    fs.fill_(float("nan"))
+    args = (kw["q"], kw["k"], kw["v"], kw["g"], kw["beta"], kw["A_log"], kw["dt_bias"], h0, None, None, out, fs,
+            None, None)
+    assert torch.ops.kdagen.kda_prefill(*args) is None
+    assert made == [] and len(rt._PLANS) == 1  # the plan kda_prefill made
+    assert torch.equal(out, o1) and torch.equal(fs, s1)
+    monkeypatch.undo()
+    bad = (kw["q"], kw["k"][:, :, :, :16], *args[2:])  # a new signature: checked like kda_prefill's
+    with pytest.raises(kdagen.runtime.KdaInputError, match="k: expected shape"):
+        torch.ops.kdagen.kda_prefill(*bad)
 
 
 # ----------------------------------------------------------------------------- on a GPU (sm80)
@@ -355,3 +564,27 @@ def test_a_new_token_count_reuses_the_choice(monkeypatch):
     assert scans == [] and len(rt._PLANS) == 2
     kdagen.kda_prefill(**inputs(T=600))  # sequences now average >= 512 tokens: chunk preference may change
     assert scans == [1]
+
+
+def test_host_overhead_script_on_the_cpu_stub(capsys, monkeypatch):
+    """The script the H200 run uses, on the CPU stand-ins: its table, launch path and split
+    lines (the GPU columns and pass/fail bars need the GPU)."""
+    import importlib.util
+    import re
+    import sys
+
+    from kdagen.paths import ROOT
+
+    spec = importlib.util.spec_from_file_location("host_overhead", ROOT / "scripts" / "host_overhead.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    monkeypatch.setattr(sys, "argv", ["host_overhead.py", "--stub", "--calls", "30", "--rounds", "1"])
+    assert mod.main() == 0
+    out = capsys.readouterr().out
+    rows = re.findall(r"^\| (tiny T64 H4|T64 H32|T1024 H8|T2048 H8|varlen 4x512 H32) \| "
+                      r"kda_fwd_sm80_c16_k128_v128_bf16_gb_sfp32_bv(?:16|32) \(Sm80Bound\) \| "
+                      r"([\d.]+) \| ([\d.]+) \| ([\d.]+) \|$", out, re.M)
+    assert len(rows) == 5 and all(0 < float(x) < 1000 for r in rows for x in r[1:]), out
+    assert "- launch path: cuLaunchKernel through the stand-in driver of tests/fake_cuda.py" in out
+    assert re.search(r"- tiny case split: bound launch [\d.]+ us, two allocations [\d.]+ us, two empty like [\d.]+ us, "
+                     r"plain call [\d.]+ us", out), out

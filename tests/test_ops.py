@@ -14,6 +14,7 @@ import kdagen
 import kdagen.runtime as rt
 from kdagen.reference import kda_reference, rel_rmse
 
+from .cuda_graphs import capture
 from .runtime_env import fresh_runtime  # noqa: F401
 from .test_runtime_errors import inputs
 
@@ -54,6 +55,29 @@ def test_opcheck_passes():
     assert set(res.values()) == {"SUCCESS"}, res
 
 
+def _engine_op_args(kw, cu, h0):
+    """The op with a state pool (a padding slot), checkpoints and beta probabilities."""
+    pool = torch.cat([h0, torch.randn(2, *h0.shape[1:])])
+    idx = torch.tensor([3, -1], dtype=torch.int32)
+    ckpt = torch.full((2, *h0.shape[1:]), float("nan"))  # 13 // 8 = 1 row (the 7-token sequence has none)
+    args = (kw["q"], kw["k"], kw["v"], kw["g"], torch.sigmoid(kw["beta"]), kw["A_log"], kw["dt_bias"], None, cu,
+            None, torch.empty_like(kw["v"]), None, None, None, pool, idx, ckpt, None)
+    return args, dict(beta_is_logit=False, checkpoint_every=16, chunk_size=16)
+
+
+def test_op_with_state_pool_checkpoints_and_beta_probabilities():
+    kw, cu, h0 = _case(lens=(7, 20))
+    args, kwargs = _engine_op_args(kw, cu, h0)
+    pool, ckpt = args[14].clone(), args[16]
+    torch.ops.kdagen.kda_prefill(*args, **kwargs)
+    o, fs, ck = kdagen.kda_prefill(**dict(kw, beta=args[4]), beta_is_logit=False, cu_seqlens=cu, state_pool=pool,
+                                   state_indices=args[15], checkpoint_every=16, chunk_size=16)
+    assert torch.equal(args[10], o) and torch.equal(args[14], pool) and torch.equal(ckpt[:1], ck)
+    assert torch.isnan(ckpt[1:]).all()
+    res = torch.library.opcheck(torch.ops.kdagen.kda_prefill.default, args, kwargs)
+    assert set(res.values()) == {"SUCCESS"}, res
+
+
 class Mixer(torch.nn.Module):
     """What an engine's layer does around KDA: a projection in, the op, a projection out."""
 
@@ -79,6 +103,28 @@ def _compiled_matches_eager(device, backend, dtype=torch.float32, K=32):
 
 def test_fullgraph_compile_with_varlen_traces_and_matches_eager():
     _compiled_matches_eager("cpu", "aot_eager")
+
+
+class PoolMixer(torch.nn.Module):
+    """An engine's layer with its state cache: slots per sequence, beta as probabilities."""
+
+    def forward(self, q, k, v, g, beta, A_log, dt_bias, pool, idx, cu):
+        o, _ = kdagen.kda_prefill(q, k, v, g, torch.sigmoid(beta), A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu,
+                                  state_pool=pool, state_indices=idx, beta_is_logit=False, assume_valid=True)
+        return o * 2.0
+
+
+def test_fullgraph_compile_with_a_state_pool_matches_eager():
+    kw, cu, h0 = _case()
+    idx = torch.tensor([1, -1], dtype=torch.int32)
+    pools = [torch.cat([torch.randn(1, *h0.shape[1:]), h0]) for _ in range(2)]
+    pools[1].copy_(pools[0])
+    start = pools[0].clone()
+    args = (kw["q"], kw["k"], kw["v"], kw["g"], kw["beta"], kw["A_log"], kw["dt_bias"])
+    eager = PoolMixer()(*args, pools[0], idx, cu)
+    got = torch.compile(PoolMixer(), fullgraph=True, backend="aot_eager")(*args, pools[1], idx, cu)
+    assert torch.equal(got, eager) and torch.equal(pools[0], pools[1])
+    assert not torch.equal(pools[1][1], start[1]) and torch.equal(pools[1][0], start[0])  # slot 1 written, 0 not
 
 
 @pytest.mark.gpu
@@ -110,15 +156,7 @@ def test_gpu_cuda_graph_replays_new_values_and_offsets(through_op):
         else:
             kdagen.kda_prefill(**kw, cu_seqlens=cu, initial_state=h0, out=out, final_state=fs, assume_valid=True)
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):  # warm up: plans, modules, launch parameters
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph = capture(step)
     for lens, seed in ((lens_a, 5), (lens_b, 6)):
         new, new_cu, new_h0 = _case("cuda", dtype=torch.bfloat16, K=128, H=2, HV=4, lens=lens, seed=seed)
         for n in kw:

@@ -65,23 +65,32 @@ def test_varlen_needs_batch_one():
 
 
 def test_miss_shows_supported_found_and_what_targets_support():
-    kw = inputs(K=48, V=48)  # no target has head dim 48
+    kw = inputs(K=192, V=192, T=4)  # larger than any head dim a target builds here (none to pad to)
     with pytest.raises(NoVariantError) as ei:
         kda_prefill(**kw)
     msg = str(ei.value)
-    assert "Found:     dtype=fp32 K=48 V=48 layout=bsnd gate=bounded" in msg
-    assert "Supported (" in msg and "candidate variants on cpu" in msg and "head dims K=32,V=32 != K=48,V=48" in msg
+    assert "Found:     dtype=fp32 K=192 V=192 layout=bsnd gate=bounded" in msg
+    assert "Supported (" in msg and "candidate variants on cpu" in msg and "head dims K=32,V=32 != K=192,V=192" in msg
     assert "sm80:" not in msg.split("Rejections")[0], "variants of other devices crowd the list"
     assert "What the targets of this device support:" in msg
-    assert "triton: dtype fp32/bf16/fp16, head dims 32/64/128" in msg
+    assert "triton: dtype fp32/bf16/fp16, head dims 16/32/48/64/80/96/112/128" in msg
+    assert "Head dims: K=192 V=192; a call whose head dims no variant has is zero-padded to the next size a " \
+           "target builds (triton up to 128" in msg
+
+
+def test_head_dims_above_256_are_rejected():
+    with pytest.raises(KdaInputError, match="q: expected a head dim K from 1 to 256, found K=257"):
+        kda_prefill(**inputs(K=257, V=32, T=4))
+    with pytest.raises(KdaInputError, match="v: expected a head dim V from 1 to 256, found V=300"):
+        kda_prefill(**inputs(K=32, V=300, T=4))
 
 
 def test_forcing_an_unknown_variant():
     with pytest.raises(NoVariantError, match="variant 'kda_fwd_nope' is not registered and cannot be generated: "
                                              "'kda_fwd_nope' is not a variant name; expected kda_fwd_<target>_c"):
         call(variant="kda_fwd_nope")
-    with pytest.raises(NoVariantError, match="triton has no head dim K 48"):
-        call(variant="kda_fwd_triton_c16_k48_v48_fp32_gb_sfp32_bv16")
+    with pytest.raises(NoVariantError, match="triton has no head dim K 144"):
+        call(variant="kda_fwd_triton_c16_k144_v144_fp32_gb_sfp32_bv16")
 
 
 def test_forcing_a_variant_that_does_not_fit():

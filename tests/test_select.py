@@ -163,7 +163,7 @@ def test_choice_is_logged_once(caplog):
     import kdagen.runtime as rt
 
     kw = inputs()
-    rt._LOGGED.clear()
+    rt.reset()  # no plan left by another test (a plan, not only the log, makes the first call new)
     with caplog.at_level(logging.INFO, logger="kdagen"):
         rt.kda_prefill(**kw)
         rt.kda_prefill(**kw)

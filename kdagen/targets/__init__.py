@@ -65,10 +65,9 @@ TARGETS: dict[str, TargetInfo] = {
         name="triton",
         description="Triton kernels (portable GPUs; CPU through TRITON_INTERPRET=1)",
         chunks=(16, 64),
-        # K != V included. The template also runs every other multiple of 16 up to 128 (padded
-        # tiles, tests/test_triton_design.py renders K = 16, 48, 80); tests/test_runtime_errors.py
-        # uses 48 as the head dim no target has, so those stay unlisted for now.
-        head_dims=(32, 64, 128),
+        # Every multiple of 16 up to 128, K != V included (padded tiles; tests/test_triton_design.py
+        # renders K = 16, 48, 80); the runtime zero-pads other sizes to the next one.
+        head_dims=(16, 32, 48, 64, 80, 96, 112, 128),
         dtypes=("fp32", "bf16", "fp16"),
         gates=("bounded", "unbounded", "precomputed"),
         states=("fp32", "bf16", "none"),

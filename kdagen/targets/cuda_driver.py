@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,17 @@ def driver():
             ) from e
         _DRV = drv
     return _DRV
+
+
+@lru_cache(maxsize=None)
+def driver_binding() -> str:
+    """What the launches go through, for logs and benchmark tables ("cuda-bindings 13.0.1")."""
+    try:
+        from importlib.metadata import version
+
+        return f"cuda-bindings {version('cuda-bindings')}"
+    except Exception:  # pragma: no cover - depends on the machine
+        return "cuda-bindings"
 
 
 _RAW_STREAM = None

@@ -74,7 +74,7 @@ def aligned_btH(t: torch.Tensor, strides: tuple[int, int, int]) -> tuple[torch.T
     for s in strides:  # which tensor dim carries batch / time / head
         cands = [d for d in range(t.dim() - 1) if t.stride(d) == s and d not in dims]
         dims.append(cands[0] if cands else None)
-    c = t.contiguous()
+    c = t.clone(memory_format=torch.contiguous_format)  # a new allocation: aligned (contiguous() may be t)
     if None in dims or c.data_ptr() % 16:
         raise RuntimeError("cannot realign an input tensor to 16 bytes")
     return c, tuple(c.stride(d) for d in dims)  # type: ignore[arg-type]

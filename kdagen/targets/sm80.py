@@ -22,7 +22,7 @@ from ..abi import KdaCall
 from ..dtypes import torch_dtype
 from ..select import _sm_count
 from ..variant import Variant
-from .cuda_driver import current_stream_handle, driver, load_module
+from .cuda_driver import current_stream_handle, driver, driver_binding, load_module
 from .cuda_launch import KdaParams, aligned_btH, check_shared_memory
 from .cuda_launch import ptr as _ptr
 
@@ -324,6 +324,18 @@ class Sm80Launcher:
         # there (each recurrence waits for its prep): no record_stream needed.
 
 
+_PACK_PTRS = struct.Struct("<14Q").pack_into
+_PACK_INT = struct.Struct("<i").pack_into
+
+
+def _device_lock(idx: int) -> threading.Lock:
+    with _LOCKS_GUARD:
+        return Sm80Bound._LOCKS.setdefault(idx, threading.Lock())
+
+
+_LOCKS_GUARD = threading.Lock()
+
+
 class Sm80Bound:
     """One call signature's launch, prepared once: the parameter struct with strides and scalars
     filled, grids, kernels, workspace size. A call writes its 14 pointers into the struct and
@@ -333,6 +345,9 @@ class Sm80Bound:
 
     _PTRS = ("q", "k", "v", "g", "beta", "o", "A_log", "dt_bias", "cu_seqlens", "h0", "ht", "hc",
              "chunk_offsets", "ws")
+    # One lock per device guards its bound structs and its scratch arenas: a call that finds it
+    # taken (another thread is launching) takes the general path rather than wait.
+    _LOCKS: dict[int, threading.Lock] = {}
 
     def __init__(self, launcher: Sm80Launcher, call: KdaCall, idx: int, mod, params: KdaParams, f1, f2,
                  nt1: int, nt2: int, smem1: int, smem2: int, ws_bytes: int) -> None:
@@ -353,8 +368,9 @@ class Sm80Bound:
         self.varlen = call.cu_seqlens is not None
         self.ws_bytes = ws_bytes
         self.device = call.q.device
-        self.lock = threading.Lock()  # one shared struct: a second thread takes the general path
+        self.lock = _device_lock(idx)
         self.launch_kernel = driver().cuLaunchKernel
+        self.launch_path = f"cuLaunchKernel through {driver_binding()}"
         self.streams: dict[int, object] = {}
 
     def launch(self, q, k, v, g, beta, o, A_log, dt_bias, cu_seqlens, h0, ht, hc, chunk_offsets, ws,
@@ -366,52 +382,54 @@ class Sm80Bound:
         qp, kp, vp, gp, op = q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), o.data_ptr()
         if (qp | kp | vp | gp | op) & 15:
             return False
-        if ws is not None and (ws.data_ptr() % _WS_ALIGN or ws.numel() * ws.element_size() < self.ws_bytes):
-            return False  # the general path carves (and checks) a caller workspace
-        if not self.lock.acquire(blocking=False):
+        if ws is not None:
+            wp = ws.data_ptr()
+            if wp % _WS_ALIGN or ws.numel() * ws.element_size() < self.ws_bytes:
+                return False  # the general path carves (and checks) a caller workspace
+        lock = self.lock
+        if not lock.acquire(False):  # not blocking
             return False
-        arena = False
         try:
             raw = current_stream_handle(self.idx)
             if ws is None:
-                ws, arena = self._scratch(raw)
-            struct.pack_into("<14Q", self.params, self.ptr_offset, qp, kp, vp, gp, beta.data_ptr(), op,
-                             0 if A_log is None else A_log.data_ptr(), 0 if dt_bias is None else dt_bias.data_ptr(),
-                             0 if cu_seqlens is None else cu_seqlens.data_ptr(), 0 if h0 is None else h0.data_ptr(),
-                             0 if ht is None else ht.data_ptr(), 0 if hc is None else hc.data_ptr(),
-                             0 if hc is None else chunk_offsets.data_ptr(), ws.data_ptr())
+                ws, wp = self._scratch(raw)  # ws held until both launches are queued
+            params = self.params
+            _PACK_PTRS(params, self.ptr_offset, qp, kp, vp, gp, beta.data_ptr(), op,
+                       0 if A_log is None else A_log.data_ptr(), 0 if dt_bias is None else dt_bias.data_ptr(),
+                       0 if cu_seqlens is None else cu_seqlens.data_ptr(), 0 if h0 is None else h0.data_ptr(),
+                       0 if ht is None else ht.data_ptr(), 0 if hc is None else hc.data_ptr(),
+                       0 if hc is None else chunk_offsets.data_ptr(), wp)
             if self.varlen:
-                struct.pack_into("<i", self.params, self.max_len_offset, max_len)
+                _PACK_INT(params, self.max_len_offset, max_len)
             stream = self.streams.get(raw)
             if stream is None:
                 stream = self.streams[raw] = driver().CUstream(raw)
-            if max_len > 0:
-                if self.launch_kernel(self.f1, -(-max_len // self.C), self.N, self.HV, self.nt1, 1, 1, self.smem1,
-                                      stream, self.argv_addr, 0)[0]:
-                    return False
+            launch_kernel, argv = self.launch_kernel, self.argv_addr
+            if max_len > 0 and launch_kernel(self.f1, -(-max_len // self.C), self.N, self.HV, self.nt1, 1, 1,
+                                             self.smem1, stream, argv, 0)[0]:
+                return False
             gx, gy, gz = self.recur_grid
-            return not self.launch_kernel(self.f2, gx, gy, gz, self.nt2, 1, 1, self.smem2, stream,
-                                          self.argv_addr, 0)[0]
+            return not launch_kernel(self.f2, gx, gy, gz, self.nt2, 1, 1, self.smem2, stream, argv, 0)[0]
         finally:
-            if arena:
-                Sm80Bound._ARENA_LOCK.release()
-            self.lock.release()
+            lock.release()
 
-    # Scratch per stream, shared by every bound launch: each call writes it (kda_prep) and reads it
-    # (kda_recur) on that stream under the arena lock, so consecutive calls are ordered by the
-    # stream and one buffer serves them all (one allocation less per call). Not under CUDA graph
-    # capture (the graph keeps its own), not above ARENA_MAX (long calls: noise), not while
-    # another thread holds it (then a fresh buffer).
+    # Scratch per (device, stream), shared by every bound launch: each call writes it (kda_prep)
+    # and reads it (kda_recur) on that stream under the device lock, so consecutive calls are
+    # ordered by the stream and one buffer serves them all (one allocation less per call). Not
+    # under CUDA graph capture (the graph keeps its own; the legacy default stream, handle 0,
+    # cannot capture, so it is not asked), not above ARENA_MAX (long calls: noise).
     ARENA_MAX = 64 << 20
-    _ARENA_LOCK = threading.Lock()
-    _ARENAS: dict[int, torch.Tensor] = {}
+    _ARENAS: dict[tuple[int, int], tuple[torch.Tensor, int, int]] = {}  # (device, stream) -> (buffer, address, bytes)
 
-    def _scratch(self, raw_stream: int) -> tuple[torch.Tensor, bool]:
-        if self.ws_bytes <= self.ARENA_MAX and not torch.cuda.is_current_stream_capturing() \
-                and Sm80Bound._ARENA_LOCK.acquire(blocking=False):
-            buf = Sm80Bound._ARENAS.get(raw_stream)
-            if buf is None or buf.numel() < self.ws_bytes:
-                buf = Sm80Bound._ARENAS[raw_stream] = torch.empty(self.ws_bytes, dtype=torch.uint8,
-                                                                  device=self.device)
-            return buf, True
-        return torch.empty(self.ws_bytes, dtype=torch.uint8, device=self.device), False
+    def _scratch(self, raw_stream: int) -> tuple[torch.Tensor, int]:
+        """This call's scratch and its address (the caller holds the device lock)."""
+        n = self.ws_bytes
+        if n > self.ARENA_MAX or (raw_stream and torch.cuda.is_current_stream_capturing()):
+            buf = torch.empty(n, dtype=torch.uint8, device=self.device)
+            return buf, buf.data_ptr()
+        key = (self.idx, raw_stream)
+        arena = Sm80Bound._ARENAS.get(key)
+        if arena is None or arena[2] < n:
+            buf = torch.empty(n, dtype=torch.uint8, device=self.device)
+            arena = Sm80Bound._ARENAS[key] = (buf, buf.data_ptr(), n)
+        return arena[0], arena[1]

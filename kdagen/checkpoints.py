@@ -1,0 +1,139 @@
+"""States at interior positions of each sequence (prefix caching), taken from the states the
+kernels write entering every chunk (return_chunk_states) and the final state.
+
+A state after `pos` tokens of a sequence of length L (pos a multiple of the kernel's chunk) is
+the state entering chunk pos / chunk when pos < L, and the final state when pos == L.
+
+Cost: the kernel writes the state of every chunk (chunk 64: 1/64 of the state per token-head;
+16: 1/16) into a scratch buffer from which the asked rows are copied; a kernel that stores
+only every m-th chunk state would save that traffic and memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from .errors import KdaInputError
+
+KERNEL_CHUNKS = (64, 16)  # the chunk sizes the kernels have, largest (fewest chunk states) first
+
+
+def kernel_chunks(every: int, chunk_size: Optional[int], arg: str = "checkpoint_every") -> tuple[int, ...]:
+    """The kernel chunk sizes, in order of preference, whose chunk states include every
+    multiple of `every` (it must be a multiple of one of them)."""
+    if isinstance(every, bool) or not isinstance(every, int) or every <= 0:
+        raise KdaInputError(f"{arg}: expected a positive number of tokens, found {every!r}")
+    if chunk_size is not None:
+        if every % chunk_size:
+            raise KdaInputError(f"{arg}: expected a multiple of chunk_size={chunk_size}, found {every}")
+        return (chunk_size,)
+    fits = tuple(c for c in KERNEL_CHUNKS if every % c == 0)
+    if not fits:
+        raise KdaInputError(f"{arg}: expected a multiple of the kernels' chunk size "
+                            f"({' or '.join(map(str, sorted(KERNEL_CHUNKS)))}), found {every}")
+    return fits
+
+
+@dataclass
+class Rows:
+    """Which rows of the chunk states / final state go to which output rows (int64, device)."""
+
+    chunk_src: torch.Tensor
+    chunk_dst: torch.Tensor
+    final_src: torch.Tensor
+    final_dst: torch.Tensor
+
+    def copy(self, out: torch.Tensor, chunk_states: torch.Tensor, final_state: Optional[torch.Tensor]) -> None:
+        if self.chunk_src.numel():
+            out.index_copy_(0, self.chunk_dst, chunk_states.index_select(0, self.chunk_src))
+        if self.final_src.numel():
+            out.index_copy_(0, self.final_dst, final_state.index_select(0, self.final_src))
+
+
+def rows(lens: Sequence[int], chunk: int, positions: Sequence[Sequence[int]], dst_first: Sequence[int],
+         device: torch.device) -> Rows:
+    """Rows for the states after positions[n] tokens of sequence n (each a multiple of `chunk`,
+    at most lens[n]), written to rows dst_first[n], dst_first[n] + 1, ..."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise KdaInputError("checkpoint_every: not under CUDA graph capture (the rows are placed from host "
+                            "lengths, which a replay would not see change)")
+    chunk_src, chunk_dst, final_src, final_dst = [], [], [], []
+    first_chunk = 0
+    for n, (L, pos, dst) in enumerate(zip(lens, positions, dst_first)):
+        for j, p in enumerate(pos):
+            if p < L:
+                chunk_src.append(first_chunk + p // chunk)
+                chunk_dst.append(dst + j)
+            else:
+                final_src.append(n)
+                final_dst.append(dst + j)
+        first_chunk += -(-L // chunk)
+    parts = (chunk_src, chunk_dst, final_src, final_dst)
+    flat = torch.tensor([x for p in parts for x in p], dtype=torch.int64).to(device, non_blocking=True)
+    out, at = [], 0
+    for p in parts:
+        out.append(flat[at:at + len(p)])
+        at += len(p)
+    return Rows(*out)
+
+
+@dataclass
+class Checkpoints:
+    rows: Rows
+    buffer: torch.Tensor
+    offsets: list[int]
+
+
+def plan(every: int, lens: Sequence[int], *, HV: int, state_shape: tuple[int, int], dtype: torch.dtype,
+         device: torch.device, chunk: int, buffer: Optional[torch.Tensor], offsets,
+         assume_valid: bool) -> Checkpoints:
+    """Where each sequence's checkpoints go: sequence n's j-th (the state after (j + 1) * every
+    tokens, for j < L_n // every) to row offsets[n] + j of `buffer` (allocated when None)."""
+    N = len(lens)
+    counts = [L // every for L in lens]
+    if offsets is None:
+        offs = [0]
+        for c in counts:
+            offs.append(offs[-1] + c)
+    else:
+        if not isinstance(offsets, torch.Tensor) or offsets.dim() != 1 or offsets.numel() != N + 1 \
+                or offsets.dtype not in (torch.int32, torch.int64):
+            raise KdaInputError(f"checkpoint_offsets: expected a 1-D int32/int64 tensor of N + 1 = {N + 1} row "
+                                f"offsets (sequence n's checkpoints start at row offsets[n]), found "
+                                f"{tuple(offsets.shape) if isinstance(offsets, torch.Tensor) else type(offsets).__name__}")
+        offs = offsets.tolist()  # a device sync when they live on a GPU: pass them on the CPU
+        if not assume_valid:
+            for n in range(N):
+                if offs[n] < 0 or offs[n + 1] - offs[n] < counts[n]:
+                    raise KdaInputError(f"checkpoint_offsets: sequence {n} ({lens[n]} tokens, checkpoint_every="
+                                        f"{every}) needs {counts[n]} rows from offsets[{n}]={offs[n]}, found room for "
+                                        f"{offs[n + 1] - offs[n]}")
+    need = max((offs[n] + counts[n] for n in range(N)), default=0)
+    rows_shape = (HV, *state_shape)
+    if buffer is None:
+        buffer = torch.empty((max(need, offs[-1]), *rows_shape), dtype=dtype, device=device)
+    elif not isinstance(buffer, torch.Tensor) or buffer.dim() != 4 or tuple(buffer.shape[1:]) != rows_shape \
+            or buffer.dtype != dtype or buffer.device != device or buffer.shape[0] < need:
+        found = (f"shape {tuple(buffer.shape)}, dtype {buffer.dtype}, {buffer.device}"
+                 if isinstance(buffer, torch.Tensor) else type(buffer).__name__)
+        raise KdaInputError(f"checkpoints: expected a tensor of at least {need} rows, shape (rows, {HV}, "
+                            f"{state_shape[0]}, {state_shape[1]}), dtype {dtype}, on {device}, found {found}")
+    positions = [[(j + 1) * every for j in range(c)] for c in counts]
+    return Checkpoints(rows(lens, chunk, positions, offs[:N], device), buffer, offs)
+
+
+def host_lengths(B: int, T: int, cu_seqlens, cu_seqlens_cpu, what: str) -> list[int]:
+    """Every sequence's length on the host (a device read of cu_seqlens unless cu_seqlens_cpu)."""
+    if cu_seqlens is None:
+        return [T] * B
+    if cu_seqlens_cpu is not None:
+        cu = cu_seqlens_cpu.tolist()
+    elif torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise KdaInputError(f"cu_seqlens_cpu: {what} needs the sequence lengths on the host; pass cu_seqlens_cpu "
+                            "(cu_seqlens cannot be read during CUDA graph capture)")
+    else:
+        cu = cu_seqlens.tolist()
+    return [b - a for a, b in zip(cu, cu[1:])]

@@ -1,0 +1,167 @@
+"""kdagen as a backend of fla-core 0.6's chunk_kda (fla.backends): with kdagen imported, fla's
+own `fla.ops.kda.chunk_kda` is served by kdagen wherever kdagen's verifier accepts the call,
+and by fla's Triton path otherwise, with the reason logged (by fla once per backend, at INFO on
+the `fla.backends` logger, and by kdagen once per distinct reason on the `kdagen` logger).
+
+Registered when kdagen is imported: at once if fla is already imported, else right after
+`fla.ops.kda` is (an import hook; importing kdagen alone never imports torch or fla). Opt out
+with KDAGEN_FLA_BACKEND=0 (read at import, and by fla on every call). fla orders backends by
+priority, lower first: kdagen takes 2, ahead of FlashKDA (3).
+
+The verifier accepts what kdagen.chunk_kda runs: inference (no grad mode), no context
+parallelism, fla-core 0.6's keywords, and a call a variant can serve (selection runs in the
+verifier, building on demand where that is allowed); its answer is kept per call signature.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.util
+import logging
+import sys
+from typing import Any, Callable, Optional
+
+log = logging.getLogger("kdagen")
+
+BACKEND_TYPE = "kdagen"
+ENV_VAR = "KDAGEN_FLA_BACKEND"
+PRIORITY = 2
+_HOOK_MODULE = "fla.ops.kda"
+_state = {"installed": False, "registered": False}
+
+
+def install() -> None:
+    """Register now if fla's chunk_kda is loaded, else when it is (idempotent)."""
+    if _state["installed"]:
+        return
+    _state["installed"] = True
+    from . import env
+    from .errors import KdagenError
+
+    try:
+        enabled = env.fla_backend()
+    except KdagenError as e:
+        log.warning("kdagen: not registering the fla backend: %s", e)
+        return
+    if not enabled:
+        return
+    if _HOOK_MODULE in sys.modules and "fla.backends" in sys.modules:
+        _register_safely()
+    else:
+        sys.meta_path.insert(0, _AfterImport(_HOOK_MODULE, _register_safely))
+
+
+def _register_safely() -> None:
+    try:
+        register()
+    except Exception as e:  # never break the user's import of fla
+        log.warning("kdagen: could not register the fla backend: %s: %s", type(e).__name__, e)
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Runs `callback` once, right after module `name` has executed."""
+
+    def __init__(self, name: str, callback: Callable[[], None]) -> None:
+        self.name, self.callback = name, callback
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != self.name:
+            return None
+        sys.meta_path.remove(self)  # one shot, and the real finders below find the spec
+        spec = importlib.util.find_spec(fullname)
+        if spec is not None and spec.loader is not None:
+            spec.loader = _Loader(spec.loader, self.callback)
+        return spec
+
+
+class _Loader(importlib.abc.Loader):
+    def __init__(self, inner, callback: Callable[[], None]) -> None:
+        self.inner, self.callback = inner, callback
+
+    def create_module(self, spec):
+        return self.inner.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        self.inner.exec_module(module)
+        self.callback()
+
+    def __getattr__(self, name: str):  # get_source, is_package, ... of the real loader
+        return getattr(self.inner, name)
+
+
+_MEMO: dict = {}
+_MEMO_LIMIT = 4096
+_DECLINED: set = set()
+
+
+def _meta(t) -> Any:
+    if t is None or not hasattr(t, "dtype"):
+        return t if t is None or isinstance(t, (bool, int, float, str)) else type(t).__name__
+    return (t.dtype, tuple(t.shape), tuple(t.stride()), t.device, t.requires_grad)
+
+
+def verify(*args, **kwargs) -> tuple[bool, Optional[str]]:
+    """fla's verifier protocol: (True, None), or (False, why kdagen declines this call)."""
+    import torch
+
+    if torch.is_grad_enabled():
+        hit = (False, "kdagen serves inference only (grad mode is on: run under torch.inference_mode())")
+    else:
+        key = (tuple(_meta(a) for a in args), tuple(sorted((n, _meta(a)) for n, a in kwargs.items())))
+        hit = _MEMO.get(key)
+        if hit is None:
+            hit = _verify(args, kwargs)
+            if len(_MEMO) >= _MEMO_LIMIT:
+                _MEMO.pop(next(iter(_MEMO)))
+            _MEMO[key] = hit
+    if not hit[0] and hit[1] not in _DECLINED:
+        _DECLINED.add(hit[1])
+        log.info("kdagen: fla chunk_kda falls back to fla: %s", hit[1])
+    return hit
+
+
+def _verify(args, kwargs) -> tuple[bool, Optional[str]]:
+    from . import fla_compat
+    from .errors import KdagenError
+
+    try:
+        fla_compat.plan(fla_compat.translate(*args, **kwargs))
+    except (KdagenError, TypeError) as e:
+        return False, " ".join(str(e).split())  # one line: fla logs it on one
+    return True, None
+
+
+def serve(*args, **kwargs):
+    from . import fla_compat
+
+    return fla_compat.chunk_kda(*args, **kwargs)
+
+
+def register() -> None:
+    """Add the kdagen backend to fla's chunk_kda registry (fla must be importable)."""
+    from fla.backends import BaseBackend
+    from fla.backends import register as fla_register
+    from fla.ops.kda.chunk import chunk_kda
+
+    class KdagenBackend(BaseBackend):
+        """kdagen's generated KDA prefill kernels (forward, inference only)."""
+
+        backend_type = BACKEND_TYPE
+        package_name = "kdagen"
+        env_var = ENV_VAR
+        default_enable = True
+        priority = PRIORITY
+
+        def chunk_kda_verifier(self, *args, **kwargs) -> tuple[bool, Optional[str]]:
+            return verify(*args, **kwargs)
+
+        def chunk_kda(self, *args, **kwargs):
+            return serve(*args, **kwargs)
+
+    fla_register(chunk_kda)(KdagenBackend)
+    _state["registered"] = True
+    log.debug("kdagen: registered as fla chunk_kda backend %r (priority %d)", BACKEND_TYPE, PRIORITY)
+
+
+def registered() -> bool:
+    return _state["registered"]

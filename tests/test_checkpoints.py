@@ -1,0 +1,122 @@
+"""Checkpoints for prefix caching: checkpoint_every=n writes the state after every n tokens of
+each sequence into a caller's buffer at per-sequence offsets; they equal the chunk states the
+kernels write at those positions (and the final state where a sequence ends on one)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kdagen
+import kdagen.runtime as rt
+from kdagen.errors import KdaInputError
+from kdagen.reference import kda_reference, rel_rmse
+from kdagen.variant import Variant
+
+from kdagen.cases import make_case
+from .runtime_env import fresh_runtime  # noqa: F401
+
+
+def _case(device, lens, chunk=16, state="fp32"):
+    v = Variant("triton", chunk, 32, 32, "bf16", "bounded", state, 16)
+    return make_case(v, device, H=1, HV=2, lens=lens, seed=3)
+
+
+def _chunk_rows(lens, chunk):
+    """Row of each sequence's first chunk state."""
+    first, at = [], 0
+    for L in lens:
+        first.append(at)
+        at += -(-L // chunk)
+    return first
+
+
+def test_checkpoints_equal_the_chunk_states_at_those_positions(device):
+    lens = [20, 0, 37, 16, 40]
+    kw = _case(device, lens)
+    # room for more than each needs (20//16=1, 0, 2, 1, 2): rows outside the written ones stay NaN
+    offsets = torch.tensor([0, 2, 2, 6, 8, 11])
+    buf = torch.full((12, 2, 32, 32), float("nan"), device=device)
+    o, fs, ck = kdagen.kda_prefill(**kw, checkpoint_every=16, checkpoints=buf, checkpoint_offsets=offsets)
+    assert ck is buf
+    o2, fs2, cs = kdagen.kda_prefill(**kw, return_chunk_states=True, chunk_size=16)
+    assert torch.equal(o, o2) and torch.equal(fs, fs2)
+    first = _chunk_rows(lens, 16)
+    written = set()
+    for n, L in enumerate(lens):
+        for j in range(L // 16):
+            pos = (j + 1) * 16
+            want = cs[first[n] + pos // 16] if pos < L else fs2[n]  # sequence 3 ends on its checkpoint
+            row = int(offsets[n]) + j
+            assert torch.equal(buf[row], want), (n, j)
+            written.add(row)
+    assert sorted(written) == [0, 2, 3, 6, 8, 9]
+    assert all(torch.isnan(buf[r]).all() for r in range(12) if r not in written)
+
+
+def test_checkpoints_every_64_use_the_chunk_64_states(device):
+    """A multiple of 64 takes the chunk-64 kernel (a quarter of the chunk states of chunk 16)."""
+    lens = [70, 64]
+    kw = _case(device, lens, chunk=64)
+    o, fs, ck = kdagen.kda_prefill(**kw, checkpoint_every=64)
+    assert ck.shape == (2, 2, 32, 32)  # one each, packed in order
+    assert list(rt._CHECKPOINT_CHUNK.values()) == [64]
+    ref = {n: (t.cpu() if isinstance(t, torch.Tensor) else t) for n, t in kw.items()}
+    _, rs, rc = kda_reference(**ref, chunk_states_size=64)
+    assert torch.equal(ck[1], fs[1])  # sequence 1 ends on its checkpoint
+    assert rel_rmse(ck[0].cpu(), rc[1]) < 6e-3 and rel_rmse(ck[1].cpu(), rs[1]) < 6e-3
+
+
+def test_checkpoints_with_a_state_pool_and_chunk_states(device):
+    lens = [20, 33]
+    kw = _case(device, lens)
+    h0 = kw.pop("initial_state")
+    kw.pop("output_final_state")
+    pool = torch.zeros(3, 2, 32, 32, device=device)
+    pool[2], pool[0] = h0[0], h0[1]
+    o, fs, cs, ck = kdagen.kda_prefill(**kw, state_pool=pool, state_indices=torch.tensor([2, 0]),
+                                       checkpoint_every=32, return_chunk_states=True, chunk_size=16)
+    assert fs is None
+    o2, fs2, cs2 = kdagen.kda_prefill(**kw, initial_state=h0, output_final_state=True, return_chunk_states=True,
+                                      chunk_size=16)
+    assert torch.equal(o, o2) and torch.equal(cs, cs2)
+    assert torch.equal(pool[2], fs2[0]) and torch.equal(pool[0], fs2[1])
+    assert ck.shape == (1, 2, 32, 32) and torch.equal(ck[0], cs2[2 + 2])  # sequence 1, after 32 tokens
+
+
+@pytest.mark.parametrize("over, needle", [
+    (dict(checkpoint_every=24), "checkpoint_every: expected a multiple of the kernels' chunk size (16 or 64), found 24"),
+    (dict(checkpoint_every=16, chunk_size=64), "checkpoint_every: expected a multiple of chunk_size=64, found 16"),
+    (dict(checkpoint_every=0), "checkpoint_every: expected a positive number of tokens, found 0"),
+    (dict(checkpoint_every=16, checkpoint_offsets=torch.tensor([0, 1, 1])),
+     "checkpoint_offsets: sequence 1 (37 tokens, checkpoint_every=16) needs 2 rows from offsets[1]=1, found room for 0"),
+    (dict(checkpoint_every=16, checkpoint_offsets=torch.tensor([0, 1])), "checkpoint_offsets: expected a 1-D int32/int64"),
+    (dict(checkpoint_every=16, checkpoints=torch.empty(2, 2, 32, 32)), "checkpoints: expected a tensor of at least 3 rows"),
+    (dict(checkpoint_every=16, checkpoints=torch.empty(3, 2, 32, 32, dtype=torch.bfloat16)),
+     "dtype torch.float32, on cpu, found shape (3, 2, 32, 32), dtype torch.bfloat16"),
+    (dict(checkpoints=torch.empty(3, 2, 32, 32)), "checkpoint_every: expected the checkpoints' spacing in tokens"),
+])
+def test_bad_checkpoint_calls(over, needle):
+    kw = _case("cpu", [20, 37])
+    with pytest.raises(KdaInputError) as ei:
+        kdagen.kda_prefill(**kw, **over)
+    assert needle in str(ei.value), str(ei.value)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("every", [64, 128])
+def test_gpu_checkpoints_match_chunk_states(every):
+    lens = [1000, 0, 2048, 63, 512]
+    v = Variant("sm80", 16, 128, 128, "bf16", "bounded", "fp32", 32)
+    kw = make_case(v, "cuda", H=2, HV=4, lens=lens, seed=5)
+    o, fs, ck = kdagen.kda_prefill(**kw, checkpoint_every=every, cu_seqlens_cpu=kw["cu_seqlens"].cpu())
+    chunk = 64 if every % 64 == 0 else 16
+    _, fs2, cs = kdagen.kda_prefill(**kw, return_chunk_states=True, chunk_size=chunk)
+    first, row = _chunk_rows(lens, chunk), 0
+    for n, L in enumerate(lens):
+        for j in range(L // every):
+            pos = (j + 1) * every
+            want = cs[first[n] + pos // chunk] if pos < L else fs2[n]
+            assert torch.equal(ck[row], want), (n, j)
+            row += 1
+    assert row == ck.shape[0]

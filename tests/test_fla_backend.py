@@ -1,0 +1,181 @@
+"""kdagen as a backend of fla-core 0.6's chunk_kda: registered when kdagen is imported (before
+or after fla), serving fla's own chunk_kda under inference mode (seen in fla's log and in the
+result, which equals kdagen.chunk_kda's), falling back to fla's own implementation with the
+reason logged where the verifier declines, and switched off by KDAGEN_FLA_BACKEND=0."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import kdagen
+from kdagen import fla_backend
+
+from .fla_cases import fla_case, fla_chunk_kda_args, fla_naive
+from .runtime_env import fresh_runtime  # noqa: F401
+
+fla_kda = pytest.importorskip("fla.ops.kda")
+from fla.backends import _function_registries  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _registry():
+    return _function_registries[inspect.unwrap(fla_kda.chunk_kda)]
+
+
+@pytest.fixture(autouse=True)
+def fresh_backend(monkeypatch):
+    """Each test sees fla's first-time log lines and kdagen's verifier memo afresh."""
+    monkeypatch.setattr(_registry(), "_logged", set())
+    fla_backend._MEMO.clear()
+    fla_backend._DECLINED.clear()
+    monkeypatch.delenv("KDAGEN_FLA_BACKEND", raising=False)
+
+
+def test_registered_in_fla_chunk_kda_registry():
+    backend = _registry()._backends["kdagen"]
+    assert fla_backend.registered() and backend.priority == fla_backend.PRIORITY == 2
+    assert backend.env_var == "KDAGEN_FLA_BACKEND" and backend.is_available() and backend.is_enabled()
+    # ahead of FlashKDA (priority 3) wherever both are installed
+    order = [b.backend_type for b in _registry()._get_sorted_backends()]
+    assert order.index("kdagen") < order.index("flash_kda")
+
+
+def test_fla_chunk_kda_under_inference_mode_is_served_by_kdagen(caplog, device):
+    kw = fla_case(D=32, lens=[9, 11], gate="bounded", state_v_first=True, device=device)
+    args, fkw = fla_chunk_kda_args(kw)
+    caplog.set_level(logging.INFO)
+    with torch.inference_mode():
+        o, s = fla_kda.chunk_kda(*args, **fkw)
+        mine_o, mine_s = kdagen.chunk_kda(*args, **fkw)
+    assert "[FLA Backend] fla.ops.kda.chunk.chunk_kda -> kdagen" in caplog.text
+    assert torch.equal(o, mine_o) and torch.equal(s, mine_s)
+    ro, rs = fla_naive(kw)
+    from kdagen.reference import rel_rmse
+
+    assert rel_rmse(o.float().cpu(), ro) < 6e-3 and rel_rmse(s.cpu(), rs) < 6e-3
+
+
+class _FlaOwnPath(Exception):
+    pass
+
+
+@pytest.fixture
+def fla_own_path(monkeypatch):
+    """fla's own implementation, recognised: on the CPU its Triton kernels cannot run, so the
+    autograd function fla's chunk_kda applies is replaced by one that says it was reached."""
+    import fla.ops.kda.chunk as fla_chunk
+
+    class Reached:
+        @staticmethod
+        def apply(*args):
+            raise _FlaOwnPath()
+
+    monkeypatch.setattr(fla_chunk, "ChunkKDAFunction", Reached)
+
+
+@pytest.mark.parametrize("over, why", [
+    ("grad", "kdagen serves inference only (grad mode is on"),
+    (dict(cp_context=SimpleNamespace(cu_seqlens=torch.tensor([0, 4]), cu_seqlens_cpu=None)),
+     "cp_context: expected None: context parallelism across devices is not implemented"),
+    (dict(D=256), "no kernel variant fits this call."),
+], ids=["training", "context-parallel", "D256-no-variant"])
+def test_declined_calls_fall_back_to_fla_with_the_reason_logged(over, why, caplog, fla_own_path):
+    over = dict(over) if isinstance(over, dict) else over
+    D = over.pop("D", 32) if isinstance(over, dict) else 32
+    kw = fla_case(D=D, T=4, with_state=not (isinstance(over, dict) and "cp_context" in over))
+    if isinstance(over, dict):
+        kw.update(over)
+    args, fkw = fla_chunk_kda_args(kw)
+    caplog.set_level(logging.INFO)
+    ctx = torch.enable_grad() if over == "grad" else torch.inference_mode()
+    with ctx, pytest.raises(_FlaOwnPath):
+        fla_kda.chunk_kda(*args, **fkw)
+    assert "[FLA Backend] fla.ops.kda.chunk.chunk_kda -> kdagen rejected: " in caplog.text
+    assert why in caplog.text
+    assert "kdagen: fla chunk_kda falls back to fla: " in caplog.text
+
+
+def test_verifier_answers_are_kept_per_signature(monkeypatch):
+    calls = []
+    real = fla_backend._verify
+    monkeypatch.setattr(fla_backend, "_verify", lambda a, k: calls.append(1) or real(a, k))
+    kw = fla_case(D=32, T=4)
+    args, fkw = fla_chunk_kda_args(kw)
+    with torch.inference_mode():
+        assert fla_backend.verify(*args, **fkw) == (True, None)
+        assert fla_backend.verify(*args, **fkw) == (True, None)
+        args2, fkw2 = fla_chunk_kda_args(fla_case(D=32, T=5))
+        assert fla_backend.verify(*args2, **fkw2) == (True, None)
+    assert len(calls) == 2
+
+
+def test_switched_off_at_call_time_by_the_environment(monkeypatch, fla_own_path):
+    monkeypatch.setenv("KDAGEN_FLA_BACKEND", "0")
+    args, fkw = fla_chunk_kda_args(fla_case(D=32, T=4))
+    with torch.inference_mode(), pytest.raises(_FlaOwnPath):
+        fla_kda.chunk_kda(*args, **fkw)
+
+
+def test_install_honours_the_opt_out_and_registers_at_once_when_fla_is_loaded(monkeypatch):
+    hooks = len(sys.meta_path)
+    for value, registers in (("0", False), ("1", True)):
+        monkeypatch.setattr(fla_backend, "_state", {"installed": False, "registered": False})
+        monkeypatch.setenv("KDAGEN_FLA_BACKEND", value)
+        fla_backend.install()
+        assert fla_backend.registered() is registers and len(sys.meta_path) == hooks  # no hook: fla is loaded
+    monkeypatch.setattr(fla_backend, "_state", {"installed": False, "registered": False})
+    monkeypatch.setenv("KDAGEN_FLA_BACKEND", "maybe")
+    fla_backend.install()
+    assert not fla_backend.registered()
+
+
+def test_importing_kdagen_before_fla_registers_when_fla_arrives():
+    """In a fresh interpreter: kdagen alone imports neither torch nor fla; fla's import then
+    registers the backend (the import hook); KDAGEN_FLA_BACKEND=0 leaves fla alone."""
+    code = ("import sys, kdagen\n"
+            "assert 'torch' not in sys.modules and 'fla' not in sys.modules\n"
+            "import inspect, fla.ops.kda\n"
+            "from fla.backends import _function_registries\n"
+            "r = _function_registries[inspect.unwrap(fla.ops.kda.chunk_kda)]\n"
+            "print('kdagen' in r._backends, kdagen.fla_backend.registered())\n")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), TRITON_INTERPRET="1")
+    env.pop("KDAGEN_FLA_BACKEND", None)
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[-2:] == ["True", "True"]
+
+
+@pytest.mark.gpu
+def test_gpu_fla_chunk_kda_served_and_fallback():
+    """On the GPU: fla's chunk_kda under inference mode is kdagen's result (D=128, bf16); with
+    grad mode on, fla's own kernels run; both match fla's naive reference; D=256 falls back
+    (no variant) and still matches."""
+    from kdagen.reference import rel_rmse
+
+    for D, served in ((128, True), (256, False)):
+        kw = fla_case(D=D, lens=[300, 0, 724], H=2, HV=4, gate="bounded", state_v_first=True, device="cuda")
+        args, fkw = fla_chunk_kda_args(kw)
+        ro, rs = fla_naive(kw)
+        with torch.inference_mode():
+            o, s = fla_kda.chunk_kda(*args, **fkw)
+        assert fla_backend.verify(*args, **fkw)[0] is False  # grad mode is on here
+        with torch.inference_mode():
+            assert fla_backend.verify(*args, **fkw)[0] is served
+            if served:
+                mo, ms = kdagen.chunk_kda(*args, **fkw)
+                assert torch.equal(o, mo) and torch.equal(s, ms)
+        fo, fs = fla_kda.chunk_kda(*args, **fkw)  # grad mode: fla's own
+        for name, x, ref in (("o", o, ro), ("state", s, rs), ("fla o", fo, ro), ("fla state", fs, rs)):
+            e = rel_rmse(x.detach().float().cpu(), ref)
+            print(f"D={D} {name}: {e:.2e}")
+            assert e < 6e-3, (D, name, e)
