@@ -54,11 +54,12 @@ VARIANT = ("sm80", 16, 128, 128, "bf16", "bounded", "fp32", 32)
 
 def make_inputs(lens: list[int], H: int, device: str, seed: int = 0) -> dict:
     """The shared test case builder's inputs (random, never zero), with host offsets."""
-    from kdagen.variant import Variant
     from kdagen.cases import make_case
+    from kdagen.variant import Variant
 
     kw = make_case(Variant(*VARIANT), device, B=1, T=sum(lens), H=H, HV=H, lens=lens if len(lens) > 1 else None,
                    seed=seed)
+    kw["gate"] = VARIANT[5]  # named: the torch op below takes it explicitly
     if len(lens) > 1:
         kw["cu_seqlens_cpu"] = kw["cu_seqlens"].cpu().clone()  # its own tensor also when device is the CPU
     return kw
