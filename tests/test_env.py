@@ -119,7 +119,8 @@ def test_loglevel(tmp_path):
     rejected = [ln for ln in lines if ln.startswith("kdagen: rejected ")]
     passed = [ln for ln in lines if ln.startswith("kdagen: passed over ")]
     # every registered variant but the chosen one, each once, with its reason
-    names = {ln.split()[2].rstrip(":") for ln in rejected + passed}
+    names = {ln.removeprefix("kdagen: rejected ").removeprefix("kdagen: passed over ").split(":")[0]
+             for ln in rejected + passed}
     assert len(chosen) == 1 and len(rejected) + len(passed) == len(names) == len(Registry.load(GENERATED_DIR).entries) - 1
     assert passed and all(ln.endswith(f": {chosen[0].split()[1]} is preferred (target rank, padding, readiness, "
                                       "state, chunk, block_v)") for ln in passed)
