@@ -6,6 +6,7 @@ that time a launcher alone pass it exactly what the runtime would.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable
 
@@ -26,26 +27,42 @@ def built_variants(target: str = "sm80") -> list[tuple[Any, Path]]:
     return out
 
 
+@contextmanager
+def launcher_swapped(variant: str, device_key: str, launcher: Callable):
+    """kda_prefill launches `variant` on `device_key` through `launcher` inside the block: the
+    registry's launcher is replaced and the runtime's cached plans (which hold launchers) are
+    forgotten on entry and on exit."""
+    import kdagen.runtime as rt
+
+    reg = rt.registry()
+    key = (variant, device_key)
+    saved = reg._launchers.get(key)
+
+    def forget_plans():
+        rt._PLANS.clear()
+        rt._LAST = rt._NO_PLAN
+
+    reg._launchers[key] = launcher
+    forget_plans()
+    try:
+        yield launcher
+    finally:
+        forget_plans()
+        if saved is None:
+            reg._launchers.pop(key, None)
+        else:
+            reg._launchers[key] = saved
+
+
 def capture_call(kw: dict, variant: str):
     """The KdaCall that kda_prefill(**kw, variant=variant) hands its launcher (nothing runs):
     outputs are allocated as the runtime allocates them."""
     import kdagen.runtime as rt
 
     captured: list = []
-    reg = rt.registry()
     dev = next(t.device for t in kw.values() if hasattr(t, "device"))
-    key = (variant, f"{dev.type}:{dev.index}")
-    saved, plans = reg._launchers.get(key), rt._PLANS
-    reg._launchers[key] = captured.append
-    rt._PLANS = {}  # a cached plan of this signature would hold the real launcher
-    try:
+    with launcher_swapped(variant, f"{dev.type}:{dev.index}", captured.append):
         rt.kda_prefill(**kw, variant=variant)
-    finally:
-        rt._PLANS = plans
-        if saved is None:
-            reg._launchers.pop(key, None)
-        else:
-            reg._launchers[key] = saved
     return captured[0]
 
 

@@ -86,24 +86,22 @@ SEGMENT_VARIANTS = [v for v in Registry.load().variants() if v.target == "sm80" 
 @pytest.mark.gpu
 @pytest.mark.parametrize("state_layout", ["VK", "KV"])
 @pytest.mark.parametrize("v", SEGMENT_VARIANTS, ids=[v.name for v in SEGMENT_VARIANTS])
-def test_sm80_time_segments_match_one_piece(v, state_layout, monkeypatch):
+def test_sm80_time_segments_match_one_piece(v, state_layout):
     """Prep of segment s + 1 overlapping the recurrence of segment s (few heads, long sequences)
     gives the one-piece result bit for bit, and both match the reference. The launcher the
     runtime would use is swapped for one with other settings, so the call is kda_prefill's."""
     import kdagen.runtime as rt
+    from kdagen_dev.launch import launcher_swapped
 
     kw = make_case(v, "cuda", B=2, T=1000, H=2, HV=4, state_layout=state_layout, seed=21)
-    reg = rt.registry()
-    key = (v.name, f"cuda:{kw['q'].device.index}")
-    base = reg.launcher(*key)
+    device_key = f"cuda:{kw['q'].device.index}"
+    base = rt.registry().launcher(v.name, device_key)
     outs, segments = {}, {}
     for label, settings in (("whole", dict(min_segment_tokens=None)),
                             ("split", dict(min_segment_tokens=192)),  # 1000 tokens -> 4 x 256
                             ("tail", dict(min_segment_tokens=192, last_segment_tokens=64))):  # 256 x 3, 128, 104
-        la = base.with_settings(**settings)
-        monkeypatch.setitem(reg._launchers, key, la)
-        monkeypatch.setattr(rt, "_PLANS", {})  # a cached plan would keep the previous launcher
-        outs[label] = run_poisoned(v, kw)
+        with launcher_swapped(v.name, device_key, base.with_settings(**settings)) as la:
+            outs[label] = run_poisoned(v, kw)
         segments[label] = la.last_segments
     assert segments == {"whole": 0, "split": 4, "tail": 5}
     for label in ("split", "tail"):
