@@ -4,22 +4,9 @@
 // The including translation unit defines KDA_C, KDA_K, KDA_V, KDA_BV, KDA_IN_T, KDA_GATE,
 // KDA_STATE (see kda_fwd.cu.j2).
 #pragma once
-#include "kda_common.cuh"
+#include "kda_variant.cuh"
 
 namespace kda {
-
-constexpr int C = KDA_C;
-constexpr int K = KDA_K;
-constexpr int V = KDA_V;
-constexpr int BV = KDA_BV;
-using in_t = KDA_IN_T;
-using bf16 = __nv_bfloat16;
-
-#if KDA_STATE == 2
-using state_t = __nv_bfloat16;
-#else
-using state_t = float;
-#endif
 
 static_assert(C == 16 || C == 64, "chunk");
 static_assert(K % 16 == 0 && V % 16 == 0 && V % BV == 0 && BV % 16 == 0, "dims");

@@ -1,36 +1,10 @@
-// kdagen sm80: helpers of both kda_prep kernels (gate activation, forward substitution, the
-// chunk a block works on).
+// kdagen sm80: helpers of both kda_prep kernels (the L/Mqk n-tile product, lower-triangle
+// indices, the chunk a block works on); the gate and the substitution are in common/.
 #pragma once
 #include "kda_layout.cuh"
+#include "kda_chunk_math.cuh"
 
 namespace kda {
-
-__device__ __forceinline__ float gate_act(float x, float aexp, float lb) {
-#if KDA_GATE == 0
-  return lb * sigmoidf_(aexp * x);
-#elif KDA_GATE == 1
-  return -aexp * softplusf_(x);
-#else
-  return x;
-#endif
-}
-
-// x <- (I + L)^-1 x for unit lower-triangular I + L, L given transposed (sLT[j][i] = L[i][j],
-// row pitch CP): right-looking forward substitution, one right-hand side per thread.
-__device__ __forceinline__ void forward_subst(float (&x)[C], const float* sLT) {
-#pragma unroll
-  for (int j = 0; j < C - 1; ++j) {
-    const float xj = x[j];
-#pragma unroll
-    for (int i4 = (j + 1) / 4; i4 < C / 4; ++i4) {
-      const float4 l = *reinterpret_cast<const float4*>(sLT + j * CP + 4 * i4);
-      if (4 * i4 + 0 > j) x[4 * i4 + 0] -= l.x * xj;
-      if (4 * i4 + 1 > j) x[4 * i4 + 1] -= l.y * xj;
-      if (4 * i4 + 2 > j) x[4 * i4 + 2] -= l.z * xj;
-      if (4 * i4 + 3 > j) x[4 * i4 + 3] -= l.w * xj;
-    }
-  }
-}
 
 // One 16x8 n-tile of L (A = k e^G) and of Mqk (A = q e^G) against the same B fragment (k e^-G),
 // as both preps build their 16x16 blocks.

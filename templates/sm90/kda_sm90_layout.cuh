@@ -2,22 +2,10 @@
 // kernel (see templates/sm90/DESIGN.md). The including translation unit defines KDA_C, KDA_K,
 // KDA_V, KDA_BV, KDA_IN_T, KDA_GATE, KDA_STATE (see kda_fwd.cu.j2).
 #pragma once
-#include "kda_common.cuh"
+#include "kda_variant.cuh"
 #include "kda_sm90_ptx.cuh"
 
 namespace kda {
-
-constexpr int C = KDA_C;
-constexpr int K = KDA_K;
-constexpr int V = KDA_V;
-constexpr int BV = KDA_BV;  // V columns of the state per CTA (grid z = V / BV)
-using in_t = KDA_IN_T;
-using bf16 = __nv_bfloat16;
-#if KDA_STATE == 2
-using state_t = __nv_bfloat16;
-#else
-using state_t = float;
-#endif
 
 static_assert(C == 16, "sm90: chunk 16 (chunk 64 is not written yet)");
 static_assert(K == V && (K == 64 || K == 128), "sm90: K = V in {64, 128}");
