@@ -80,6 +80,34 @@ def aligned_btH(t: torch.Tensor, strides: tuple[int, int, int]) -> tuple[torch.T
     return c, tuple(c.stride(d) for d in dims)  # type: ignore[arg-type]
 
 
+def check_call(call, v) -> None:
+    """What every CUDA launcher checks of a KdaCall against its variant `v` (the runtime has
+    validated the user's arguments; these catch a record built for another variant)."""
+    from ..dtypes import torch_dtype
+
+    who = v.name
+    in_t = torch_dtype(v.dtype)
+    for nm in ("q", "k", "v", "o"):
+        t = getattr(call, nm)
+        if t.dtype != in_t:
+            raise RuntimeError(f"{who}: {nm} has dtype {t.dtype}, expected {in_t}")
+    if (call.K, call.V) != (v.k, v.v):
+        raise RuntimeError(f"{who}: K, V = {call.K}, {call.V}; variant has {v.k}, {v.v}")
+    st_t = torch_dtype(v.state)
+    for nm in ("initial_state", "final_state", "chunk_states"):
+        t = getattr(call, nm)
+        if t is not None and (t.dtype != st_t or not t.is_contiguous()):
+            raise RuntimeError(f"{who}: {nm} must be contiguous {st_t}, found {t.dtype}")
+    if v.state == "none" and (call.initial_state is not None or call.final_state is not None):
+        raise RuntimeError(f"{who}: state 'none' variants take no initial/final state")
+    if call.HV % call.H:
+        raise RuntimeError(f"{who}: HV={call.HV} is not a multiple of H={call.H}")
+    if v.gate != "precomputed" and call.A_log is None:
+        raise RuntimeError(f"{who}: gate {v.gate!r} needs A_log")
+    if call.chunk_states is not None and call.chunk_offsets is None:
+        raise RuntimeError(f"{who}: chunk_states needs chunk_offsets")
+
+
 def check_shared_memory(who: str, needs: dict[str, int], props) -> None:
     """Refuse a variant whose kernels need more shared memory per block than the device gives
     (sm80 kernels fit an A100's 163 KB; sm_86/89 allow 99 KB), naming kernel and sizes."""

@@ -23,7 +23,7 @@ from ..dtypes import torch_dtype
 from ..select import _sm_count
 from ..variant import Variant
 from .cuda_driver import current_stream_handle, driver, driver_binding, load_module
-from .cuda_launch import KdaParams, aligned_btH, check_shared_memory
+from .cuda_launch import KdaParams, aligned_btH, check_call, check_shared_memory
 from .cuda_launch import ptr as _ptr
 
 # Caller-provided workspaces are carved into pieces at this alignment.
@@ -104,31 +104,12 @@ class Sm80Launcher:
     def _check(self, call: KdaCall) -> None:
         v = self.variant
         who = v.name
-        in_t = torch_dtype(v.dtype)
-        for nm in ("q", "k", "v", "o"):
-            t = getattr(call, nm)
-            if t.dtype != in_t:
-                raise RuntimeError(f"{who}: {nm} has dtype {t.dtype}, expected {in_t}")
-        if (call.K, call.V) != (v.k, v.v):
-            raise RuntimeError(f"{who}: K, V = {call.K}, {call.V}; variant has {v.k}, {v.v}")
-        st_t = torch_dtype(v.state)
-        for nm in ("initial_state", "final_state", "chunk_states"):
-            t = getattr(call, nm)
-            if t is not None and (t.dtype != st_t or not t.is_contiguous()):
-                raise RuntimeError(f"{who}: {nm} must be contiguous {st_t}, found {t.dtype}")
-        if v.state == "none" and (call.initial_state is not None or call.final_state is not None):
-            raise RuntimeError(f"{who}: state 'none' variants take no initial/final state")
-        if call.HV % call.H:
-            raise RuntimeError(f"{who}: HV={call.HV} is not a multiple of H={call.H}")
+        check_call(call, v)
         o = call.o
         if o.stride(-1) != 1 or o.data_ptr() % 16 or any((st * o.element_size()) % 16 for st in call.o_strides):
             # kda_recur writes o in 16-byte pieces
             raise RuntimeError(f"{who}: o must have a unit last stride and 16-byte aligned rows "
                                f"(strides {tuple(o.stride())}, data_ptr % 16 = {o.data_ptr() % 16})")
-        if v.gate != "precomputed" and call.A_log is None:
-            raise RuntimeError(f"{who}: gate {v.gate!r} needs A_log")
-        if call.chunk_states is not None and call.chunk_offsets is None:
-            raise RuntimeError(f"{who}: chunk_states needs chunk_offsets")
 
     def _params(self, call: KdaCall, g_dtype, beta_dtype, strides, max_len: int) -> KdaParams:
         """The kernels' parameter struct without its pointers (filled per call)."""

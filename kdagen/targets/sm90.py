@@ -14,43 +14,24 @@ from pathlib import Path
 import torch
 
 from ..abi import KdaCall
+from ..dtypes import torch_dtype
 from ..variant import Variant
 from .cuda_driver import load_module
-from .cuda_launch import KdaParams, check_shared_memory
+from .cuda_launch import KdaParams, check_call, check_shared_memory
 from .cuda_launch import aligned_btH as _aligned_btH
 from .cuda_launch import ptr as _ptr
 
-_IN_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-_STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "none": torch.float32}
 
 
 def build_params(call: KdaCall, v: Variant, who: str) -> tuple[KdaParams, list[torch.Tensor]]:
     """Check `call` against variant `v` and fill the kernel's parameter struct. Returns the struct
     and the tensors it points into that the caller must keep alive until the launch is queued
     (realigned or converted copies)."""
-    in_t = _IN_DTYPES[v.dtype]
-    for nm in ("q", "k", "v", "o"):
-        t = getattr(call, nm)
-        if t.dtype != in_t:
-            raise RuntimeError(f"{who}: {nm} has dtype {t.dtype}, expected {in_t}")
-    if (call.K, call.V) != (v.k, v.v):
-        raise RuntimeError(f"{who}: K, V = {call.K}, {call.V}; variant has {v.k}, {v.v}")
-    st_t = _STATE_DTYPES[v.state]
-    for nm in ("initial_state", "final_state", "chunk_states"):
-        t = getattr(call, nm)
-        if t is not None and (t.dtype != st_t or not t.is_contiguous()):
-            raise RuntimeError(f"{who}: {nm} must be contiguous {st_t}, found {t.dtype}")
-    if v.state == "none" and (call.initial_state is not None or call.final_state is not None):
-        raise RuntimeError(f"{who}: state 'none' variants take no initial/final state")
-    if call.HV % call.H:
-        raise RuntimeError(f"{who}: HV={call.HV} is not a multiple of H={call.H}")
+    check_call(call, v)
+    in_t = torch_dtype(v.dtype)
     o = call.o
     if o.stride(-1) != 1 or o.element_size() != 2:
         raise RuntimeError(f"{who}: o must be a 16-bit tensor with a unit last stride (strides {tuple(o.stride())})")
-    if v.gate != "precomputed" and call.A_log is None:
-        raise RuntimeError(f"{who}: gate {v.gate!r} needs A_log")
-    if call.chunk_states is not None and call.chunk_offsets is None:
-        raise RuntimeError(f"{who}: chunk_states needs chunk_offsets")
 
     # Rows are bulk-copied: 16-byte aligned sources (q, k, v rows are K*2 / V*2 bytes, g rows
     # K*2 or K*4). beta is read element-wise.
