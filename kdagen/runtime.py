@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import warnings
 from typing import Any, Optional
 
 import torch
@@ -30,7 +29,7 @@ from .errors import KdaInputError, NoVariantError
 from .inputs import CallInfo, check_offsets, check_signature
 from .registry import Entry, Registry
 from .padding import PaddedPlan, at_dims, choose_covering, coverage_note, target_dims
-from .select import GENERATE, Candidate, choose, miss_message, preference, rejection
+from .select import GENERATE, Candidate, miss_message, preference, rejection
 from .signature_guard import make_guard, placeholders
 
 log = logging.getLogger("kdagen")
@@ -47,10 +46,6 @@ _ABSENT = placeholders(9)  # what a guard sees for None in _prefill's optional t
 # skips the candidate scan): functional key, device, N, HV, and whether sequences average >= 512.
 _CHOICES: dict[tuple, str] = {}
 _CHECKPOINT_CHUNK: dict[tuple, int] = {}  # kernel chunk that served checkpoints, by kind of call
-# Deprecated: tests used to set this to NaN-fill every output; pass NaN-filled out= /
-# final_state= / chunk_states= buffers instead (allocate_outputs(..., fill=nan) makes them).
-POISON_OUTPUTS = False
-
 
 def registry() -> Registry:
     """The process-wide registry (checkout's generated/ and the cache), read on first use."""
@@ -721,9 +716,7 @@ class Plan:
 
     def _run_bound(self, q, k, v, g, beta, A_log, dt_bias, h0, cu, cu_cpu, out, fs, cs, ws):
         """A call of a signature whose bound launch serves it whole: offsets (varlen), outputs,
-        launch; the general path only where the launch declines (or the deprecated poison)."""
-        if POISON_OUTPUTS:
-            return self(q, k, v, g, beta, A_log, dt_bias, h0, cu, cu_cpu, out, fs, cs, ws)
+        launch; the general path only where the launch declines."""
         max_len = self._offsets(cu, cu_cpu)[0] if self.varlen else self.T
         if out is None:
             out = self.empty(self.o_shape, self.o_cstrides, self.o_dtype)
@@ -742,21 +735,13 @@ class Plan:
         if info.varlen:
             max_len, host = self._offsets(cu, cu_cpu)
             cu32 = cu if self.cu_ready else cu.to(device=dev, dtype=torch.int32).contiguous()
-        poison = POISON_OUTPUTS
-        if poison:
-            warnings.warn("kdagen.runtime.POISON_OUTPUTS is deprecated: pass NaN-filled out=/final_state=/"
-                          "chunk_states= (kdagen.runtime.allocate_outputs(..., fill=float('nan')))",
-                          DeprecationWarning, stacklevel=4)
-        mine = []
         # empty_like where it gives the same layout: it costs a third of torch.empty(shape, ...)
         if out is None:
             out = torch.empty_like(v) if self.v_contiguous else torch.empty(self.o_shape, dtype=self.o_dtype,
                                                                               device=dev)
-            mine.append(out)
         if self.want_final and fs is None:
             fs = torch.empty_like(h0) if self.h0_like else torch.empty((info.N, info.HV, *self.st_shape),
                                                                        dtype=self.st_dtype, device=dev)
-            mine.append(fs)
         co = None
         if self.want_chunks:
             co, rows = self._chunk_offsets(cu32, host)
@@ -766,13 +751,9 @@ class Plan:
                                         "needs a chunk_states= buffer (at least T // chunk_size + N rows); or pass "
                                         "cu_seqlens_cpu")
                 cs = torch.empty((rows, info.HV, *self.st_shape), dtype=self.st_dtype, device=dev)
-                mine.append(cs)
             elif 0 <= rows and cs.shape[0] < rows:
                 raise KdaInputError(f"chunk_states: expected at least {rows} rows (one per chunk of every "
                                     f"sequence), found {cs.shape[0]}")
-        if poison:
-            for t in mine:
-                t.fill_(float("nan"))
         if info.N > 0:
             A = dt = None
             if not self.precomputed:

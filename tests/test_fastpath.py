@@ -5,7 +5,6 @@ struct the general path builds (checked on the CPU with a recording stand-in for
 
 from __future__ import annotations
 
-import warnings
 
 import pytest
 import torch
@@ -103,23 +102,6 @@ def test_workspace_size_and_a_caller_workspace():
     o1, _ = kdagen.kda_prefill(**kw)
     o2, _ = kdagen.kda_prefill(**kw, workspace=torch.empty(16, dtype=torch.uint8))
     assert torch.equal(o1, o2)
-
-
-def test_poison_outputs_shim_still_poisons_and_warns(monkeypatch):
-    kw = inputs()
-    monkeypatch.setattr(rt, "POISON_OUTPUTS", True)
-    plan_seen = {}
-
-    def keep_nan(call):  # a launcher that writes nothing: the poison must show
-        plan_seen["o"] = call.o
-
-    kdagen.kda_prefill(**kw)
-    next(iter(rt._PLANS.values())).launcher = keep_nan
-    next(iter(rt._PLANS.values())).fast = None
-    with warnings.catch_warnings(record=True) as w:
-        warnings.simplefilter("always")
-        o, _ = kdagen.kda_prefill(**kw)
-    assert torch.isnan(o).all() and any("POISON_OUTPUTS is deprecated" in str(x.message) for x in w)
 
 
 def test_plan_uses_the_launchers_bound_launch_after_the_first_call(monkeypatch):
@@ -368,8 +350,7 @@ def sm80_arena_ptr() -> int:
 
 
 def test_bound_signature_falls_back_to_the_general_path_when_the_launch_declines():
-    """Same signature, unaligned q (the bound launch declines): the general path realigns it;
-    and the deprecated POISON_OUTPUTS still poisons on a bound signature."""
+    """Same signature, unaligned q (the bound launch declines): the general path realigns it."""
     from .fake_cuda import route_launcher
 
     var, kw = _sm80_case(None)
@@ -384,13 +365,6 @@ def test_bound_signature_falls_back_to_the_general_path_when_the_launch_declines
         assert len(drv.launches) == 2
         q_seen = {_fields(x[5])["q"] for x in drv.launches}
         assert len(q_seen) == 1 and q_seen != {q_off.data_ptr()} and q_seen.pop() % 16 == 0  # a realigned copy
-        rt.POISON_OUTPUTS = True
-        try:
-            with pytest.warns(DeprecationWarning, match="POISON_OUTPUTS is deprecated"):
-                o, st = kdagen.kda_prefill(**kw)
-        finally:
-            rt.POISON_OUTPUTS = False
-        assert torch.isnan(o).all() and torch.isnan(st).all()  # the fake driver writes nothing
 
 
 @pytest.mark.parametrize("guarded", [True, False], ids=["guard", "key_only"])
