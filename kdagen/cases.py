@@ -352,11 +352,13 @@ def run_and_compare(v: Variant, kw: dict, tol: Optional[float | dict[str, float]
 
 
 def bench_inputs(T: Optional[int] = None, H: int = 8, lens: Optional[list[int]] = None, D: int = 128, seed: int = 0,
-                 dev="cuda", B: int = 1, dtype: str = "bf16", gate: str = "bounded") -> tuple[dict, Any]:
-    """The benchmarks' tensors and cu_seqlens apart: q, k, v, g [B, T, H, D] and beta [B, T, H] in
-    `dtype`, A_log and dt_bias (None for the precomputed gate, whose g is then a log-decay in the
-    bounded gate's range), an fp32 initial state [N, H, D, D] and the gate form (DESIGN.md
-    section 5's setting). Drawn on `dev`; callers pass the other arguments themselves."""
+                 dev="cuda", B: int = 1, dtype: str = "bf16", gate: str = "bounded",
+                 HV: Optional[int] = None) -> tuple[dict, Any]:
+    """The benchmarks' tensors and cu_seqlens apart: q, k [B, T, H, D], v, g [B, T, HV, D] and
+    beta [B, T, HV] in `dtype` (HV: value heads, default H; more than H is GQA), A_log and dt_bias
+    (None for the precomputed gate, whose g is then a log-decay in the bounded gate's range), an
+    fp32 initial state [N, HV, D, D] and the gate form (DESIGN.md section 5's setting). Drawn on
+    `dev`; callers pass the other arguments themselves."""
     gen = torch.Generator(device=dev).manual_seed(seed)
     if lens is not None:
         T = sum(lens)
@@ -365,13 +367,15 @@ def bench_inputs(T: Optional[int] = None, H: int = 8, lens: Optional[list[int]] 
     def r(*s):
         return torch.randn(*s, generator=gen, device=dev)
 
-    g = r(B, T, H, D)
+    HV = H if HV is None else HV
+    g = r(B, T, HV, D)
     if gate == "precomputed":
         g = -5.0 * torch.sigmoid(g)
-    kw = dict(q=r(B, T, H, D).to(dt), k=r(B, T, H, D).to(dt), v=r(B, T, H, D).to(dt), g=g.to(dt), beta=r(B, T, H).to(dt),
-              A_log=torch.rand(H, generator=gen, device=dev) if gate != "precomputed" else None,
-              dt_bias=r(H, D) * 0.1 if gate != "precomputed" else None,
-              initial_state=r(len(lens) if lens else B, H, D, D) * 0.1, gate=gate)
+    kw = dict(q=r(B, T, H, D).to(dt), k=r(B, T, H, D).to(dt), v=r(B, T, HV, D).to(dt), g=g.to(dt),
+              beta=r(B, T, HV).to(dt),
+              A_log=torch.rand(HV, generator=gen, device=dev) if gate != "precomputed" else None,
+              dt_bias=r(HV, D) * 0.1 if gate != "precomputed" else None,
+              initial_state=r(len(lens) if lens else B, HV, D, D) * 0.1, gate=gate)
     cu = torch.tensor(_cumsum(lens), dtype=torch.int32, device=dev) if lens else None
     return kw, cu
 

@@ -189,6 +189,134 @@ def verify(specs: tuple[str, ...], pattern: str) -> None:
     sys.exit(0 if ok else 1)
 
 
+class _Bar:
+    """bench.Progress on click's progress bar (stderr)."""
+
+    def __init__(self, label: str) -> None:
+        self.label, self.bar = label, None
+
+    def start(self, total: int) -> None:
+        self.bar = click.progressbar(length=total, label=self.label, file=sys.stderr, show_pos=True,
+                                     item_show_func=lambda x: x)
+        self.bar.__enter__()
+
+    def advance(self, label: str) -> None:
+        if self.bar is not None:
+            self.bar.update(1, label)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.__exit__(None, None, None)
+            self.bar = None
+
+
+def _bench_options(compare: str, compare_all: bool, variants: str | None, top: int | None, no_graphs: bool,
+                   warm_procs: int, budget_ms: float):
+    from .bench import BenchError, Options, parse_compare
+
+    if top is not None and top < 0:
+        raise BenchError(f"--top: expected 0 (every candidate) or a positive count, found {top}")
+    if warm_procs < 0:
+        raise BenchError(f"--warm-procs: expected 0 or more processes, found {warm_procs}")
+    if not budget_ms > 0:
+        raise BenchError(f"--budget-ms: expected a positive number of milliseconds, found {budget_ms}")
+    # a glob names the variants to time: all of them unless --top says otherwise
+    top = (0 if variants else 3) if top is None else top
+    return Options(compare=parse_compare(compare), compare_all=compare_all, variants=variants, top=top,
+                   graphs=not no_graphs, warm_procs=warm_procs, budget_ms=budget_ms)
+
+
+def _bench_common(f):
+    for opt in reversed([
+        click.option("--cases", "cases", default="default", show_default=True,
+                     help="a case set (default, issue16, issue17, short, shapes), comma-separated case names, "
+                          "or a .yaml/.json file of cases"),
+        click.option("--variants", default=None, help="glob on variant names: time the matching candidates "
+                     "(all of them unless --top is given); the auto-selected one is always timed"),
+        click.option("--top", type=int, default=None,
+                     help="time the N most-preferred candidates of each target (default 3; 0: all)"),
+        click.option("--warm-procs", type=int, default=8, show_default=True,
+                     help="make the first calls (fla autotuning, Triton compiles) in this many processes at once"),
+        click.option("--budget-ms", type=float, default=200.0, show_default=True,
+                     help="measured time per implementation and case (20 to 200 calls)"),
+    ]):
+        f = opt(f)
+    return f
+
+
+@main.command()
+@_bench_common
+@click.option("--compare", default="fla,flashkda", show_default=True,
+              help="peers timed in the same run where importable (fla, flashkda; none)")
+@click.option("--compare-all", is_flag=True, help="time the peers on every case (default: the cases marked "
+              "compare; fla autotunes for minutes per head count)")
+@click.option("--no-graphs", is_flag=True, help="skip the CUDA-graph times of the short cases")
+@click.option("--out", type=click.Path(file_okay=False), default="bench_out", show_default=True,
+              help="folder for bench.json, bench.md and bench.png")
+@click.option("--from-json", "from_json", type=click.Path(dir_okay=False), default=None,
+              help="measure nothing: make bench.md and bench.png from this bench.json into --out")
+def bench(cases: str, compare: str, compare_all: bool, variants: str | None, top: int | None, no_graphs: bool,
+          warm_procs: int, budget_ms: float, out: str, from_json: str | None) -> None:
+    """Time every candidate variant of each case, the auto-selected one and the peers on this GPU;
+    write bench.json, a markdown report and a plot."""
+    from . import bench as b
+    from .bench_report import write_report
+
+    try:
+        if from_json:
+            results = b.read_results(Path(from_json))
+        else:
+            opts = _bench_options(compare, compare_all, variants, top, no_graphs, warm_procs, budget_ms)
+            case_list = b.load_cases(cases)
+            bar = _Bar("bench")
+            try:
+                results = b.run(case_list, opts, echo=lambda m: click.echo(m, err=True), progress=bar)
+            finally:
+                bar.close()
+            results["command"] = "kdagen bench " + " ".join(sys.argv[2:])
+            click.echo(f"results: {b.write_results(results, Path(out))}")
+        made = write_report(results, Path(out), command=results.get("command"))
+        click.echo(f"report: {made['report']}" + (f", plot: {made['plot']}" if made["plot"] else ""))
+        if made["plot_error"]:
+            click.echo(made["plot_error"], err=True)
+    except KdagenError as e:
+        _fail(e)
+
+
+@main.command()
+@_bench_common
+@click.option("--out", "out_file", type=click.Path(dir_okay=False), default=None,
+              help="the tuning file to write (default: the one dispatch reads for this GPU, "
+                   "KDAGEN_TUNING or <cache>/tuning/<GPU>.json)")
+def tune(cases: str, variants: str | None, top: int | None, warm_procs: int, budget_ms: float,
+         out_file: str | None) -> None:
+    """Measure the candidate variants per shape regime and write this GPU's tuning file (dispatch
+    prefers, in each regime, the chunk size and V-split measured fastest there)."""
+    from . import bench as b
+
+    try:
+        opts = _bench_options("none", False, variants, 0 if top is None else top, True, warm_procs, budget_ms)
+        case_list = [c for c in b.load_cases(cases)]
+        bar = _Bar("tune")
+        try:
+            path, results = b.tune(case_list, opts, Path(out_file) if out_file else None,
+                                   echo=lambda m: click.echo(m, err=True), progress=bar)
+        finally:
+            bar.close()
+        from .tuning import load
+
+        t = load(path)
+        click.echo(f"tuning file: {path} ({len(t.rules)} rule(s) for {t.gpu})")
+        for r in t.rules:
+            hi_t = "inf" if r.tokens_per_seq[1] == float("inf") else f"{r.tokens_per_seq[1]:g}"
+            hi_s = "inf" if r.seq_heads_per_sm[1] == float("inf") else f"{r.seq_heads_per_sm[1]:g}"
+            click.echo(f"  {r.target} {r.dtype} D{r.head_dim}: tokens/seq [{r.tokens_per_seq[0]:g}, {hi_t}) "
+                       f"seq x heads/SM [{r.seq_heads_per_sm[0]:g}, {hi_s}): chunk {r.chunk} block_v {r.block_v} "
+                       f"({', '.join(r.evidence.get('cases', []))})")
+    except KdagenError as e:
+        _fail(e)
+
+
 @main.command()
 def doctor() -> None:
     """What this machine has and can run: GPU, compilers, cache, built variants, one line each."""

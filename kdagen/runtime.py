@@ -31,6 +31,7 @@ from .registry import Entry, Registry
 from .padding import PaddedPlan, at_dims, choose_covering, coverage_note, target_dims
 from .select import GENERATE, Candidate, miss_message, preference, rejection
 from .signature_guard import make_guard, placeholders
+from .tuning import memo_key as tuning_memo_key
 
 log = logging.getLogger("kdagen")
 
@@ -43,7 +44,8 @@ _LAST: tuple = _NO_PLAN  # (flags, grad mode, guard, plan) of the latest call
 _GUARD_BUILDS = 8  # guards a plan gets at most
 _ABSENT = placeholders(9)  # what a guard sees for None in _prefill's optional tensor slots (5..13)
 # Choices by what selection depends on (so a new token count with the same sequences and heads
-# skips the candidate scan): functional key, device, N, HV, and whether sequences average >= 512.
+# skips the candidate scan): functional key, device, N, HV, whether sequences average >= 512, and
+# the tuning-file rules the call's regime matches.
 _CHOICES: dict[tuple, str] = {}
 _CHECKPOINT_CHUNK: dict[tuple, int] = {}  # kernel chunk that served checkpoints, by kind of call
 
@@ -531,7 +533,8 @@ def _dispatch(info: CallInfo, variant: Optional[str]) -> Entry:
     reg = registry()
     forced = variant or env.force_variant()
     memo = (info.dtype, info.K, info.V, info.layout, info.gate, info.state, info.varlen, info.H != info.HV,
-            info.chunk_size, info.device, info.N, info.HV, info.T * info.B >= 512 * max(info.N, 1), forced)
+            info.chunk_size, info.device, info.N, info.HV, info.T * info.B >= 512 * max(info.N, 1), forced,
+            tuning_memo_key(info))
     name = _CHOICES.get(memo)
     if name is not None and name in reg.entries:
         return reg.entries[name]

@@ -3,7 +3,8 @@
 The targets describe themselves (kdagen.targets: device types, minimum compute capability,
 rank); nothing here names a target. Preference, in order: the target's rank, what is ready
 (built) before what needs a build before what must first be generated, then state I/O, chunk
-size and V-split width. Every rejection has a reason (logged at KDAGEN_LOGLEVEL=2); a miss
+size and V-split width (from the GPU's tuning file where it has a rule for the call's regime,
+else the targets' constants). Every rejection has a reason (logged at KDAGEN_LOGLEVEL=2); a miss
 raises NoVariantError with Supported vs Found and the command that builds a fitting variant.
 """
 
@@ -19,6 +20,7 @@ from typing import Iterable, Optional, Union
 import torch
 
 from .errors import NoVariantError
+from . import tuning
 from .inputs import CallInfo
 from .targets import TARGETS
 from .variant import Variant
@@ -102,9 +104,12 @@ def preference(x: Union[Variant, Candidate], c: CallInfo, sms: int) -> tuple:
     rank = info.rank if info is not None and info.rank is not None else 99
     # A call without state I/O prefers a variant compiled without it.
     state_rank = 0 if v.state == c.state else (1 if v.state == "fp32" else 2)
-    # A target's measured chunk preference wins; otherwise long sequences take larger
-    # chunks (fewer serial steps).
+    # The GPU's tuning file (kdagen tune) first, for the call's shape regime; then the target's
+    # measured chunk preference; otherwise long sequences take larger chunks (fewer serial steps).
+    rule = tuning.rule_for_call(v.target, c, sms) if c.device.type == "cuda" else None
     preferred = info.preferred_chunk if info is not None else None
+    if rule is not None and rule.chunk is not None:
+        preferred = rule.chunk
     if preferred is not None:
         chunk_rank = 0 if v.chunk == preferred else 1
     else:
@@ -115,7 +120,9 @@ def preference(x: Union[Variant, Candidate], c: CallInfo, sms: int) -> tuple:
     programs = c.N * c.HV * (v.v // v.block_v)
     waves = info.vsplit_min_waves if info is not None else 2.0
     preferred_bv = info.preferred_block_v if info is not None else None
-    if programs >= waves * sms:
+    if rule is not None and rule.block_v is not None and v.block_v == rule.block_v:
+        bv_rank = (-1, 0)
+    elif programs >= waves * sms:
         bv_rank = (0, 0) if v.block_v == preferred_bv else (1, -v.block_v)
     else:
         bv_rank = (2, v.block_v)

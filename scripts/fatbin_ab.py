@@ -38,7 +38,8 @@ def main() -> int:
 
     from kdagen.cases import bench_case
     from kdagen.targets.sm80 import Sm80Launcher
-    from kdagen_dev.launch import capture_call, timeit
+    from kdagen.timing import timeit
+    from kdagen_dev.launch import capture_call
 
     var0 = entry(a.variant).variant
     T, H, D = a.T, a.H, var0.k

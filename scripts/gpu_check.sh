@@ -7,7 +7,7 @@
 #   variants with the same inputs stay in one shard, so each Triton kernel compiles once), each
 #   appending its measured errors to $OUT/errors_I.jsonl; a table of them follows (error_table).
 #   Before sharding (2026-11-30): test_triton.py ~280 s, test_sm80.py ~200 s (804 tests), serially.
-# sanitize (4 tools x ~25 variants, 6 at a time) ~300 s?, bench ~120 s (fla's first call compiles):
+# sanitize (4 tools x ~25 variants, 6 at a time) ~300 s?, bench (kdagen bench: report in $OUT/bench/) ~4 min:
 # more than one 600 s call holds, so run the stages in separate calls.
 # build is cheap there when build/ is carried: artifacts whose content key matches are kept.
 # Logs go under $OUT (the device tool brings them back). Runs from the source tree:
@@ -80,8 +80,7 @@ for stage in $STAGES; do
         | tee -a "$OUT/sanitize_summary.md"
       rm -f "$OUT/race_blind_spot" ;;
     bench)
-      timeout "${BENCH_TIMEOUT:-240}" python3 benchmarks/bench_kda.py ${BENCH_ARGS:---cases issue4} \
-        --out "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" || rc=1 ;;
+      timeout "${BENCH_TIMEOUT:-330}" python3 -m kdagen.cli bench ${BENCH_ARGS:-} --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log" || rc=1 ;;
     profile)
       # ncu on the last of 3 calls (kda_prep + kda_recur) of each PROFILE_VARIANTS entry.
       for pv in ${PROFILE_VARIANTS:-}; do

@@ -4,7 +4,7 @@
     PYTHONPATH=$PWD python scripts/scan_bench.py [--rows issue17|all|NAME,...] [--segments 2,4,8,16,32]
                                                  [--accuracy] [--out benchmarks/results/DATE_scan_h200.md]
 
-Inputs and timing are benchmarks/bench_kda.py's (bf16, D=128, fp32 state, median of CUDA-event
+Inputs and timing are `kdagen bench`'s (bf16, D=128, fp32 state, median of CUDA-event
 times over rotated input sets). Per row: kdagen's one-piece call (runtime's choice), the scan
 composed of kda_prefill calls (kdagen.scan.engine) at each segment count, what the planner picks
 under each cost set, and at the fastest count the time of step 1 (the doubled-head call), the
@@ -28,7 +28,7 @@ from kdagen.reference import rel_rmse
 from kdagen.scan.chain import chain_states
 from kdagen.scan.engine import maps_step, pack, rerun_step, scan_prefill
 from kdagen.scan.layout import split
-from kdagen_dev.launch import median_ms, timeit
+from kdagen.timing import median_ms, timeit
 from kdagen.scan.planner import COSTS, plan_segments  # noqa: E402
 
 ROWS = {

@@ -13,7 +13,8 @@ import argparse
 
 from kdagen.cases import bench_case
 from kdagen.targets.sm80 import Sm80Launcher
-from kdagen_dev.launch import built_variants, capture_call, timeit
+from kdagen.timing import timeit
+from kdagen_dev.launch import built_variants, capture_call
 
 SETTINGS = [(None, 1), (8192, 4), (4096, 8), (4096, 12), (2048, 16), (2048, 32)]
 

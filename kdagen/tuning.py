@@ -1,0 +1,327 @@
+"""The tuning file: per GPU, which chunk size and V-split width dispatch prefers in each shape
+regime, written by `kdagen tune` from measurements and read by selection (kdagen/select.py).
+
+Where no file exists (or no rule matches a call) the targets' constants apply
+(TargetInfo.preferred_chunk, preferred_block_v, vsplit_min_waves): they are the defaults.
+
+Location: KDAGEN_TUNING (a file; "off" ignores tuning files), else
+<cache dir>/tuning/<GPU name>.json. Format (JSON, versioned)::
+
+    {"format": "kdagen-tuning", "version": 1, "gpu": "NVIDIA H200", "sm_count": 132,
+     "made_by": "kdagen tune", "date": "...", "commit": "...",
+     "rules": [{"target": "sm80", "dtype": "bf16", "head_dim": 128,
+                "tokens_per_seq": [2048, 8192], "seq_heads_per_sm": [0.25, 1.0],
+                "chunk": 16, "block_v": 32, "evidence": {...}}]}
+
+A rule applies to a call of its target (dtype and head_dim: null matches any) whose average
+tokens per sequence (T * B / N) and sequences x value heads per SM (N * HV / SMs) lie in its
+ranges [lo, hi) (hi null: no bound); the first matching rule of a target wins. `chunk` and
+`block_v` (null: the default rule) become that target's preference for the call.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Iterable, Optional, Sequence
+
+from .errors import KdagenError
+
+FORMAT = "kdagen-tuning"
+VERSION = 1
+ENV = "KDAGEN_TUNING"
+# The regimes `kdagen tune` writes rules for: edges of tokens per sequence and of sequences x
+# value heads per SM (chunk size follows the serial chain's length; V-split the programs per SM).
+TOKEN_EDGES: tuple[float, ...] = (0, 512, 2048, 8192, 32768, math.inf)
+SEQ_HEAD_EDGES: tuple[float, ...] = (0, 0.0625, 0.25, 1.0, 4.0, math.inf)
+
+
+class TuningError(KdagenError):
+    """A tuning file that cannot be read: names the file, the entry and what was expected."""
+
+
+@dataclass(frozen=True)
+class Rule:
+    target: str
+    tokens_per_seq: tuple[float, float]
+    seq_heads_per_sm: tuple[float, float]
+    dtype: Optional[str] = None
+    head_dim: Optional[int] = None
+    chunk: Optional[int] = None
+    block_v: Optional[int] = None
+    evidence: dict = field(default_factory=dict, compare=False)
+
+    def matches(self, target: str, dtype: str, head_dim: int, tokens_per_seq: float, seq_heads_per_sm: float) -> bool:
+        return (self.target == target and self.dtype in (None, dtype) and self.head_dim in (None, head_dim)
+                and _inside(tokens_per_seq, self.tokens_per_seq) and _inside(seq_heads_per_sm, self.seq_heads_per_sm))
+
+    def as_dict(self) -> dict:
+        return {"target": self.target, "dtype": self.dtype, "head_dim": self.head_dim,
+                "tokens_per_seq": [_num(x) for x in self.tokens_per_seq],
+                "seq_heads_per_sm": [_num(x) for x in self.seq_heads_per_sm],
+                "chunk": self.chunk, "block_v": self.block_v, "evidence": self.evidence}
+
+
+@dataclass(frozen=True)
+class Tuning:
+    gpu: str
+    sm_count: int
+    rules: tuple[Rule, ...]
+    meta: dict = field(default_factory=dict, compare=False)  # made_by, date, commit
+
+    def rule_for(self, target: str, dtype: str, head_dim: int, tokens_per_seq: float,
+                 seq_heads_per_sm: float) -> Optional[Rule]:
+        for r in self.rules:
+            if r.matches(target, dtype, head_dim, tokens_per_seq, seq_heads_per_sm):
+                return r
+        return None
+
+    def as_dict(self) -> dict:
+        return {"format": FORMAT, "version": VERSION, "gpu": self.gpu, "sm_count": self.sm_count, **self.meta,
+                "rules": [r.as_dict() for r in self.rules]}
+
+
+def _inside(x: float, rng: tuple[float, float]) -> bool:
+    return rng[0] <= x < rng[1]
+
+
+def _num(x: float) -> Optional[float]:
+    return None if math.isinf(x) else (int(x) if float(x).is_integer() else x)
+
+
+def slug(gpu_name: str) -> str:
+    """A file name for a GPU name: 'NVIDIA H200' -> 'NVIDIA_H200'."""
+    return re.sub(r"[^A-Za-z0-9.-]+", "_", gpu_name).strip("_") or "gpu"
+
+
+def default_path(gpu_name: str) -> Path:
+    from .paths import cache_dir
+
+    return cache_dir() / "tuning" / f"{slug(gpu_name)}.json"
+
+
+def path_for(gpu_name: str) -> Optional[Path]:
+    """The tuning file dispatch reads for this GPU (KDAGEN_TUNING, else the cache's), None when
+    KDAGEN_TUNING=off."""
+    env = os.environ.get(ENV, "").strip()
+    if env.lower() in ("off", "0", "none"):
+        return None
+    return Path(env).expanduser() if env else default_path(gpu_name)
+
+
+# ----------------------------------------------------------------------------- reading, writing
+
+
+def _range(path: Path, where: str, val: Any) -> tuple[float, float]:
+    ok = isinstance(val, list) and len(val) == 2 and all(v is None or isinstance(v, (int, float)) for v in val)
+    if ok:
+        lo = 0.0 if val[0] is None else float(val[0])
+        hi = math.inf if val[1] is None else float(val[1])
+        if lo < hi:
+            return lo, hi
+    raise TuningError(f"{path}: {where}: expected [lo, hi] with lo < hi (hi null: no bound), found {val!r}")
+
+
+def _opt_int(path: Path, where: str, val: Any) -> Optional[int]:
+    if val is None or (isinstance(val, int) and not isinstance(val, bool) and val > 0):
+        return val
+    raise TuningError(f"{path}: {where}: expected a positive integer or null, found {val!r}")
+
+
+def parse(data: Any, path: Path) -> Tuning:
+    """A Tuning from the JSON value of file `path`; TuningError naming the file and the entry."""
+    if not isinstance(data, dict):
+        raise TuningError(f"{path}: expected a JSON object, found {type(data).__name__}")
+    if data.get("format") != FORMAT:
+        raise TuningError(f"{path}: format: expected {FORMAT!r}, found {data.get('format')!r}")
+    if data.get("version") != VERSION:
+        raise TuningError(f"{path}: version: expected {VERSION} (this kdagen reads version {VERSION}; "
+                          f"run `kdagen tune` again), found {data.get('version')!r}")
+    gpu, sms = data.get("gpu"), data.get("sm_count")
+    if not isinstance(gpu, str) or not gpu:
+        raise TuningError(f"{path}: gpu: expected the GPU name, found {gpu!r}")
+    if not isinstance(sms, int) or isinstance(sms, bool) or sms <= 0:
+        raise TuningError(f"{path}: sm_count: expected a positive integer, found {sms!r}")
+    raw = data.get("rules")
+    if not isinstance(raw, list):
+        raise TuningError(f"{path}: rules: expected a list, found {type(raw).__name__}")
+    from .targets import TARGETS
+
+    rules = []
+    for i, r in enumerate(raw):
+        where = f"rules[{i}]"
+        if not isinstance(r, dict):
+            raise TuningError(f"{path}: {where}: expected an object, found {type(r).__name__}")
+        unknown = sorted(set(r) - {"target", "dtype", "head_dim", "tokens_per_seq", "seq_heads_per_sm", "chunk",
+                                   "block_v", "evidence"})
+        if unknown:
+            raise TuningError(f"{path}: {where}: unknown key(s) {', '.join(unknown)}")
+        target = r.get("target")
+        if target not in TARGETS:
+            raise TuningError(f"{path}: {where}.target: expected one of {', '.join(sorted(TARGETS))}, found {target!r}")
+        info = TARGETS[target]
+        chunk = _opt_int(path, f"{where}.chunk", r.get("chunk"))
+        bv = _opt_int(path, f"{where}.block_v", r.get("block_v"))
+        if chunk is not None and chunk not in info.chunks:
+            raise TuningError(f"{path}: {where}.chunk: expected one of {info.chunks} ({target}), found {chunk}")
+        if bv is not None and bv not in info.block_v:
+            raise TuningError(f"{path}: {where}.block_v: expected one of {info.block_v} ({target}), found {bv}")
+        dtype = r.get("dtype")
+        if dtype is not None and dtype not in info.dtypes:
+            raise TuningError(f"{path}: {where}.dtype: expected null or one of {info.dtypes}, found {dtype!r}")
+        rules.append(Rule(target=target, dtype=dtype, head_dim=_opt_int(path, f"{where}.head_dim", r.get("head_dim")),
+                          tokens_per_seq=_range(path, f"{where}.tokens_per_seq", r.get("tokens_per_seq", [0, None])),
+                          seq_heads_per_sm=_range(path, f"{where}.seq_heads_per_sm",
+                                                  r.get("seq_heads_per_sm", [0, None])),
+                          chunk=chunk, block_v=bv, evidence=dict(r.get("evidence") or {})))
+    meta = {k: data[k] for k in ("made_by", "date", "commit") if k in data}
+    return Tuning(gpu=gpu, sm_count=sms, rules=tuple(rules), meta=meta)
+
+
+def load(path: Path) -> Tuning:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise TuningError(f"{path}: cannot be read ({e.strerror or e})") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise TuningError(f"{path}: not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})") from None
+    return parse(data, path)
+
+
+def save(tuning: Tuning, path: Path) -> Path:
+    """Write `tuning` to `path` (atomically: a reader sees the old file or the new one)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(tuning.as_dict(), indent=2) + "\n")
+    os.replace(tmp, path)
+    forget()
+    return path
+
+
+# ----------------------------------------------------------------------------- what dispatch reads
+
+_LOADED: dict[Path, tuple[int, Tuning]] = {}
+
+
+def forget() -> None:
+    """Forget the files read so far (they are also re-read when their mtime changes)."""
+    _LOADED.clear()
+
+
+@lru_cache(maxsize=None)
+def _device_name(index: int) -> Optional[str]:
+    """The CUDA device's name (None where torch cannot say: no GPU here)."""
+    import torch
+
+    try:
+        return torch.cuda.get_device_name(index)
+    except Exception:  # noqa: BLE001  (no driver, a CPU build of torch)
+        return None
+
+
+def for_device(device) -> Optional[Tuning]:
+    """The tuning of a CUDA device (None on other devices, or where no file exists). A file made
+    for another GPU name raises TuningError; one whose SM count differs (a MIG slice, a binned
+    part) is ignored, since its regimes are in programs per SM."""
+    if getattr(device, "type", None) != "cuda":
+        return None
+    index = device.index if device.index is not None else 0
+    name = _device_name(index)
+    if name is None:
+        return None
+    path = path_for(name)
+    if path is None:
+        return None
+    try:
+        mtime = path.stat().st_mtime_ns
+    except OSError:
+        return None
+    hit = _LOADED.get(path)
+    if hit is None or hit[0] != mtime:
+        t = load(path)
+        if t.gpu != name:
+            raise TuningError(f"{path}: gpu: this file was made on {t.gpu!r}, the device is {name!r} "
+                              f"(run `kdagen tune` here, or unset {ENV})")
+        hit = _LOADED[path] = (mtime, t)
+    from .select import _sm_count
+
+    return hit[1] if hit[1].sm_count == _sm_count(device) else None
+
+
+def regime(T: int, B: int, N: int, HV: int, sms: int) -> tuple[float, float]:
+    """(tokens per sequence, sequences x value heads per SM) of a call."""
+    n = max(N, 1)
+    return T * B / n, n * HV / max(sms, 1)
+
+
+def rule_for_call(target: str, c, sms: int) -> Optional[Rule]:
+    """The rule of `target` for CallInfo `c` on its device (None: the defaults apply)."""
+    t = for_device(c.device)
+    if t is None or not t.rules:
+        return None
+    tps, shs = regime(c.T, c.B, c.N, c.HV, sms)
+    return t.rule_for(target, c.dtype, c.K, tps, shs)
+
+
+def memo_key(c) -> tuple:
+    """What of the tuning a choice for CallInfo `c` depends on: the indices of the rules that
+    match it (so a cached choice is not reused across the regimes of a tuning file)."""
+    t = for_device(c.device)
+    if t is None or not t.rules:
+        return ()
+    from .select import _sm_count
+
+    tps, shs = regime(c.T, c.B, c.N, c.HV, _sm_count(c.device))
+    return tuple(i for i, r in enumerate(t.rules)
+                 if r.dtype in (None, c.dtype) and r.head_dim in (None, c.K)
+                 and _inside(tps, r.tokens_per_seq) and _inside(shs, r.seq_heads_per_sm))
+
+
+# ----------------------------------------------------------------------------- kdagen tune
+
+
+def bucket(x: float, edges: Sequence[float]) -> tuple[float, float]:
+    for lo, hi in zip(edges, edges[1:]):
+        if lo <= x < hi:
+            return lo, hi
+    return edges[-2], edges[-1]
+
+
+def derive_rules(measurements: Iterable[dict]) -> list[Rule]:
+    """Rules from measured cases. Each measurement: {"case", "target", "dtype", "head_dim",
+    "tokens_per_seq", "seq_heads_per_sm", "times": {(chunk, block_v): ms}}. Cases are grouped by
+    (target, dtype, head dim, regime bucket of TOKEN_EDGES x SEQ_HEAD_EDGES); each group's rule
+    takes the (chunk, block_v) with the least geometric mean of time / the case's best time over
+    the group's cases (among the settings measured on all of them)."""
+    groups: dict[tuple, list[dict]] = {}
+    for m in measurements:
+        if not m["times"]:
+            continue
+        key = (m["target"], m["dtype"], m["head_dim"], bucket(m["tokens_per_seq"], TOKEN_EDGES),
+               bucket(m["seq_heads_per_sm"], SEQ_HEAD_EDGES))
+        groups.setdefault(key, []).append(m)
+    rules = []
+    for (target, dtype, hd, tok, sh), ms in sorted(groups.items(), key=lambda kv: str(kv[0])):
+        common = set.intersection(*(set(m["times"]) for m in ms))
+        if not common:
+            continue
+
+        def score(setting) -> float:
+            return math.exp(sum(math.log(m["times"][setting] / min(m["times"].values())) for m in ms) / len(ms))
+
+        best = min(sorted(common), key=score)
+        evidence = {"cases": [m["case"] for m in ms], "geomean_vs_best": round(score(best), 4),
+                    "ms": {m["case"]: {f"c{c}_bv{b}": round(t, 4) for (c, b), t in sorted(m["times"].items())}
+                           for m in ms}}
+        rules.append(Rule(target=target, dtype=dtype, head_dim=hd, tokens_per_seq=tok, seq_heads_per_sm=sh,
+                          chunk=best[0], block_v=best[1], evidence=evidence))
+    return rules
