@@ -581,6 +581,7 @@ def _measure_case(case: Case, plan: dict, opts: Options, bw: float, timers: Any,
     if plan["error"] and not plan["peers"]:
         row["error"] = plan["error"]
         progress.advance(case.name)
+        _judge(row)
         return row
     n_sets = _n_sets(case) if device == "cuda" else 3
     sets = []

@@ -1,0 +1,231 @@
+"""`kdagen bench` / `kdagen tune` without a GPU: the engine on the CPU (Triton interpreter) with
+fake timers, the report (markdown, JSON, PNG) from fake timings, the case files and the CLI's
+argument errors. The real measurement is scripts/gpu_check.sh bench on the H200."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import types
+
+import pytest
+from click.testing import CliRunner
+
+from kdagen import bench as b
+from kdagen import tuning
+from kdagen.bench_report import markdown, write_report
+from kdagen.cli import main
+from kdagen.timing import Timing, summarize
+
+from .runtime_env import fresh_runtime  # noqa: F401
+
+
+def fake_timers(values):
+    """time_calls gives the next of `values` (ms) after running the call once; copy at 4 TB/s."""
+    it = iter(values)
+
+    def time_calls(fn, sets, **kw):
+        fn(sets[0])
+        v = next(it)
+        return Timing(median=v, p10=0.9 * v, p90=1.2 * v, min=0.8 * v, n=20)
+
+    return types.SimpleNamespace(time_calls=time_calls, copy_bandwidth=lambda: 4e12,
+                                 graph_calls=lambda fn, sets, **kw: Timing(0.25, 0.24, 0.27, 0.2, 30))
+
+
+TINY = b.Case("tiny T37", H=1, T=37, D=32, dtype="fp32")
+
+
+def test_summarize_percentiles():
+    t = summarize([5.0, 1.0, 2.0, 3.0, 4.0, 6.0, 7.0, 8.0, 9.0, 10.0])
+    assert (t.median, t.p10, t.p90, t.min, t.n) == (5.5, 1.0, 9.0, 1.0, 10)
+    assert t.spread == pytest.approx(8.0 / 5.5)
+    with pytest.raises(ValueError):
+        summarize([])
+
+
+def test_compulsory_bytes_and_floor_of_an_issue_row():
+    # issue 16's B1 T8192 H96: ~1.28 KB per token-head (q, k, v, g, o in bf16) + beta + fp32 states
+    c = next(x for x in b.CASE_SETS["default"] if x.name == "B1 T8192 H96")
+    assert c.compulsory_bytes() == 8192 * 96 * (5 * 128 * 2 + 2) + 2 * 96 * 128 * 128 * 4
+    assert c.compulsory_bytes() / 4.2e12 * 1e3 == pytest.approx(0.243, abs=1e-3)  # the issue's 0.24 ms
+    gqa = b.Case("g", H=2, HV=8, T=10, D=64)
+    assert gqa.compulsory_bytes() == 10 * 2 * (2 * 2 * 64 + 3 * 8 * 64 + 8) + 2 * 8 * 64 * 64 * 4
+
+
+def test_default_cases():
+    names = [c.name for c in b.CASE_SETS["default"]]
+    assert len(names) == len(set(names))
+    assert {"B1 T8192 H96", "B1 T65536 H24", "B1 T131072 H4", "GQA B1 T8192 H16 HV64", "B1 T8192 H16 D256",
+            "B1 T8192 H32 D64", "varlen 32x64 H32"} <= set(names)
+    short = [c for c in b.CASE_SETS["short"]]
+    assert all(c.short for c in short) and min(c.longest for c in short) == 64
+    assert not any(c.short for c in b.CASE_SETS["issue17"])
+
+
+def test_engine_on_the_cpu_and_tune_from_its_results(tmp_path, monkeypatch):
+    """The whole run on the CPU: candidates (triton c16 and c64 of the ci spec at K = 32),
+    the auto one timed through dispatch, a case no variant serves, the peers left out, then
+    the tuning file from the same kind of run."""
+    none = b.Case("D256 T20", H=1, T=20, D=256, dtype="fp32")
+    opts = b.Options(compare=(), warm_procs=0, top=0)
+    # auto (c16, preferred by the target) 1.0 ms, c64 0.5 ms
+    res = b.run([TINY, none], opts, echo=lambda m: None, device="cpu", timers=fake_timers([1.0, 0.5]))
+    row, miss = res["cases"]
+    assert [c["variant"] for c in row["variants"]] == ["kda_fwd_triton_c16_k32_v32_fp32_gb_sfp32_bv16",
+                                                       "kda_fwd_triton_c64_k32_v32_fp32_gb_sfp32_bv16"]
+    assert row["auto"] == row["variants"][0]["variant"] and row["variants"][0]["auto"]
+    assert row["best"] == row["variants"][1]["variant"]
+    assert row["dispatch_ok"] is False and "2.00x" in row["dispatch_note"] and "kdagen tune" in row["dispatch_note"]
+    # the two variants' o agree (fp32 kernels): a real comparison, not a placeholder
+    assert 0 < row["variants"][1]["rel_vs_auto"] < 1e-5
+    assert row["graph"]["median"] == 0.25 and row["short"]
+    assert row["floor_ms"] == pytest.approx(TINY.compulsory_bytes() / 4e12 * 1e3)
+    assert miss["best"] is None and "NoVariantError" in miss["error"] and miss["dispatch_ok"] is None
+    # the JSON round trip, then the report
+    path = b.write_results(res, tmp_path)
+    assert b.read_results(path)["cases"][0]["best"] == row["best"]
+    md = markdown(b.read_results(path))
+    assert "| tiny T37 | 37 | triton_c16_k32_v32_fp32_gb_sfp32_bv16 | 1.000 | 0.900-1.200 | 0.250 |" in md
+    assert "on 0 of 1 cases" in md and "D256 T20: NoVariantError" in md
+
+    # tune: the same measurements give a rule for the tiny case's regime
+    out = tmp_path / "tuning.json"
+    path, _ = b.tune([TINY], opts, out, echo=lambda m: None, device="cpu", timers=fake_timers([1.0, 0.5]))
+    t = tuning.load(path)
+    assert path == out and len(t.rules) == 1
+    r = t.rules[0]
+    assert (r.target, r.dtype, r.head_dim, r.chunk, r.block_v) == ("triton", "fp32", 32, 64, 16)
+    assert r.tokens_per_seq == (0, 512) and r.evidence["cases"] == ["tiny T37"]
+
+
+def fake_results() -> dict:
+    def cell(name, ms, auto=False, rel=None, target="sm80"):
+        c = {"variant": f"kda_fwd_{name}", "target": target, "chunk": 16, "block_v": 32, "auto": auto,
+             "timing": {"median": ms, "p10": ms * 0.95, "p90": ms * 1.1, "min": ms * 0.9, "n": 50}, "TBps": 1.0 / ms}
+        if rel is not None:
+            c["rel_vs_auto"] = rel
+        return c
+
+    rows = [
+        {"case": {"name": "B1 T8192 H96", "H": 96, "T": 8192}, "tokens": 8192, "N": 1, "short": False,
+         "floor_ms": 0.243, "auto": "kda_fwd_sm80_a", "best": "kda_fwd_sm80_a", "dispatch_ok": True,
+         "dispatch_note": "", "graph": None, "notes": [],
+         "variants": [cell("sm80_a", 1.123, True), cell("sm80_b", 1.3, rel=1.1e-3),
+                      cell("sm90_c", 2.9, rel=0.5, target="sm90")],
+         "peers": {"fla": {"timing": {"median": 2.8, "p10": 2.7, "p90": 2.9, "min": 2.6, "n": 20}, "TBps": 0.36,
+                           "rel_vs_auto": 2e-3},
+                   "flashkda": {"skipped": "not importable (No module named 'flash_kda')"}}},
+        {"case": {"name": "varlen 32x64 H32", "H": 32, "lens": [64] * 32}, "tokens": 2048, "N": 32, "short": True,
+         "floor_ms": 0.02, "auto": "kda_fwd_sm80_a", "best": "kda_fwd_sm80_b", "dispatch_ok": False,
+         "dispatch_note": "auto takes 1.50x the time of sm80_b", "notes": [],
+         "graph": {"median": 0.05, "p10": 0.049, "p90": 0.052, "min": 0.048, "n": 100},
+         "variants": [cell("sm80_a", 0.15, True), cell("sm80_b", 0.1, rel=1e-3)], "peers": {}},
+    ]
+    return {"kind": b.RESULTS_KIND, "version": b.RESULTS_VERSION, "copy_bandwidth_Bps": 4.2e12,
+            "env": {"gpu": "NVIDIA H200", "sm_count": 132, "capability": "9.0", "driver": "570.1", "torch": "2.11",
+                    "cuda_runtime": "12.8", "triton": "3.6.0", "fla": "0.6.0", "flashkda": None,
+                    "date": "2026-12-01 10:00:00 UTC", "commit": "abc1234", "kdagen": "0.1.0"},
+            "options": {"compare": ["fla", "flashkda"], "top": 3, "variants": None},
+            "warm_up": [{"call": "fla B1 T8192 H96", "s": 98.0, "error": None}], "tuning_file": None, "cases": rows}
+
+
+def test_report_markdown_json_and_png_from_fake_timings(tmp_path):
+    res = fake_results()
+    made = write_report(res, tmp_path, command="kdagen bench --out x")
+    md = made["report"].read_text()
+    for text in ("# kdagen bench: NVIDIA H200, 2026-12-01", "commit abc1234", "driver 570.1", "torch 2.11",
+                 "Triton 3.6.0", "Command: `kdagen bench --out x`", "copy bandwidth", "4.20 TB/s",
+                 "![time per case](bench.png)",
+                 "| B1 T8192 H96 | 8192 | sm80_a | 1.123 | 1.067-1.235 | - | sm80_a | 1.123 | yes | 2.800 | n/a | 0.243 |",
+                 "| varlen 32x64 H32 | 2048 | sm80_a | 0.150 | 0.142-0.165 | 0.050 | sm80_b | 0.100 | **no** "
+                 "(auto takes 1.50x the time of sm80_b) |",
+                 "on 1 of 2 cases", "peer flashkda: not importable",
+                 "| B1 T8192 H96 | sm90_c | 2.900 |", "| B1 T8192 H96 | fla | 2.800 |", "fla B1 T8192 H96 98 s"):
+        assert text in md, text
+    png = made["plot"].read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    # the report is re-made from bench.json alone
+    (tmp_path / "bench.json").write_text(json.dumps(res))
+    again = tmp_path / "again"
+    r = CliRunner().invoke(main, ["bench", "--from-json", str(tmp_path / "bench.json"), "--out", str(again)])
+    assert r.exit_code == 0, r.output
+    assert (again / "bench.md").read_text().replace("Command: `kdagen bench --out x`\n\n", "") == \
+        md.replace("Command: `kdagen bench --out x`\n\n", "")
+    assert (again / "bench.png").stat().st_size > 10_000
+
+
+def test_report_without_matplotlib_says_how_to_make_the_plot(tmp_path, monkeypatch):
+    import kdagen.bench_report as rep
+
+    def no_mpl(*a, **k):
+        raise ImportError("No module named 'matplotlib'")
+
+    monkeypatch.setattr(rep, "plot", no_mpl)
+    made = write_report(fake_results(), tmp_path)
+    assert made["plot"] is None and "kdagen bench --from-json" in made["plot_error"]
+    assert "![time per case]" not in made["report"].read_text()
+
+
+def test_cases_files(tmp_path):
+    y = tmp_path / "c.yaml"
+    y.write_text("- {name: a, H: 4, T: 128}\n- {name: b, H: 2, HV: 4, lens: [3, 0, 70], D: 64, compare: false}\n")
+    a, c = b.load_cases(str(y))
+    assert (a.tokens, a.N, a.hv, a.compare) == (128, 1, 4, True)
+    assert (c.tokens, c.N, c.hv, c.D, c.compare, c.longest) == (73, 3, 4, 64, False, 70)
+    j = tmp_path / "c.json"
+    j.write_text(json.dumps({"cases": [{"name": "x", "H": 1, "T": 5, "B": 2, "gate": "unbounded"}]}))
+    assert b.load_cases(str(j))[0].tokens == 10
+    assert [c.name for c in b.load_cases("B1 T64 H32,B1 T8192 H96")] == ["B1 T64 H32", "B1 T8192 H96"]
+    assert b.load_cases("issue17") == b.CASE_SETS["issue17"]
+
+
+@pytest.mark.parametrize("text, message", [
+    ("- {name: a, T: 128}\n", "case 0: H: expected a positive integer, found None"),
+    ("- {name: a, H: 4}\n", "case 0: T: expected T (tokens per sequence) or lens"),
+    ("- {name: a, H: 4, T: 8, lens: [1, 2]}\n", "case 0: lens: expected without T and B"),
+    ("- {name: a, H: 3, HV: 4, T: 8}\n", "case 0: HV: expected a multiple of H=3"),
+    ("- {name: a, H: 4, T: 8, gate: soft}\n", "case 0: gate: expected one of"),
+    ("- {name: a, H: 4, T: 8, heads: 2}\n", "case 0: unknown key(s) heads"),
+    ("- {name: a, H: 4, T: 8}\n- {name: a, H: 4, T: 9}\n", "case names must be unique, found a"),
+    ("{}\n", "expected a non-empty list of cases"),
+    ("- [unclosed\n", "not valid YAML"),
+])
+def test_bad_cases_file_names_the_file_and_the_key(tmp_path, text, message):
+    p = tmp_path / "cases.yaml"
+    p.write_text(text)
+    with pytest.raises(b.BenchError) as e:
+        b.load_cases(str(p))
+    assert str(p) in str(e.value) and message in str(e.value)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["bench", "--cases", "nope"], "--cases: expected a set (default, issue16, issue17, shapes, short)"),
+    (["bench", "--cases", "missing.yaml"], "--cases missing.yaml: cannot be read"),
+    (["bench", "--compare", "fla,cudnn"], "--compare: expected a comma-separated list of fla, flashkda"),
+    (["bench", "--top", "-1"], "--top: expected 0 (every candidate) or a positive count, found -1"),
+    (["bench", "--budget-ms", "0"], "--budget-ms: expected a positive number"),
+    (["tune", "--warm-procs", "-2"], "--warm-procs: expected 0 or more processes, found -2"),
+    (["bench", "--from-json", "nothing.json"], "nothing.json: cannot be read"),
+])
+def test_cli_argument_errors(tmp_path, monkeypatch, args, message):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "wrong.json").write_text("{}")
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code == 2 and message in r.output, r.output
+
+
+def test_cli_from_json_of_something_else(tmp_path):
+    p = tmp_path / "wrong.json"
+    p.write_text(json.dumps({"kind": "other"}))
+    r = CliRunner().invoke(main, ["bench", "--from-json", str(p)])
+    assert r.exit_code == 2 and "expected the bench.json of `kdagen bench`" in r.output
+
+
+def test_cli_bench_without_a_gpu_says_so(tmp_path, monkeypatch):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here")
+    r = CliRunner().invoke(main, ["bench", "--cases", "B1 T64 H32", "--out", str(tmp_path)])
+    assert r.exit_code == 2 and "needs a CUDA GPU" in r.output

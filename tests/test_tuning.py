@@ -1,0 +1,180 @@
+"""The tuning file (kdagen/tuning.py): its round trip, its errors, and dispatch reading it."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import pytest
+import torch
+
+import kdagen.select as sel
+from kdagen import tuning
+from kdagen.inputs import CallInfo
+from kdagen.tuning import Rule, Tuning, TuningError
+from kdagen.variant import Variant
+
+from .runtime_env import fresh_runtime  # noqa: F401
+
+GPU = "NVIDIA Test GPU"
+
+
+def info(**over) -> CallInfo:
+    base = dict(device=torch.device("cuda", 0), dtype="bf16", layout="bsnd", B=1, T=8192, N=1, H=96, HV=96,
+                K=128, V=128, gate="bounded", state="fp32", varlen=False, chunk_size=None, max_len=8192,
+                cu_seqlens_host=None)
+    base.update(over)
+    return CallInfo(**base)
+
+
+def sm80(chunk: int, bv: int) -> Variant:
+    return Variant(target="sm80", chunk=chunk, k=128, v=128, dtype="bf16", gate="bounded", state="fp32", block_v=bv)
+
+
+# every sm80 chunk/block_v pair the target builds at K = 128
+SM80 = [sm80(16, 16), sm80(16, 32), sm80(16, 64), sm80(64, 16), sm80(64, 32)]
+
+
+def a_tuning(**over) -> Tuning:
+    rules = (
+        Rule(target="sm80", dtype="bf16", head_dim=128, tokens_per_seq=(2048, 32768), seq_heads_per_sm=(0.25, 1.0),
+             chunk=64, block_v=16, evidence={"cases": ["B1 T8192 H96"]}),
+        Rule(target="sm80", tokens_per_seq=(32768, math.inf), seq_heads_per_sm=(0, 0.25), block_v=64),
+    )
+    kw = dict(gpu=GPU, sm_count=132, rules=rules, meta={"made_by": "test", "date": "2026-12-01", "commit": "abc"})
+    kw.update(over)
+    return Tuning(**kw)
+
+
+@pytest.fixture
+def gpu(monkeypatch, tmp_path):
+    """A CUDA device named GPU with 132 SMs (nothing runs), and KDAGEN_TUNING pointing at a file."""
+    monkeypatch.setattr(sel, "device_reason", lambda target, device: None)
+    monkeypatch.setattr(sel, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(tuning, "_device_name", lambda index: GPU)
+    path = tmp_path / "tuning.json"
+    monkeypatch.setenv(tuning.ENV, str(path))
+    tuning.forget()
+    yield path
+    tuning.forget()
+
+
+def test_round_trip(tmp_path):
+    t = a_tuning()
+    path = tuning.save(t, tmp_path / "t" / "gpu.json")
+    back = tuning.load(path)
+    assert back == t
+    assert back.rules[0].evidence == {"cases": ["B1 T8192 H96"]}
+    assert back.meta == t.meta
+    data = json.loads(path.read_text())
+    assert (data["format"], data["version"], data["gpu"], data["sm_count"]) == ("kdagen-tuning", 1, GPU, 132)
+    # an unbounded range is written as null and read back as infinity
+    assert data["rules"][1]["tokens_per_seq"] == [32768, None]
+    assert back.rules[1].tokens_per_seq == (32768.0, math.inf)
+
+
+def test_default_location_is_per_gpu_in_the_cache(monkeypatch, tmp_path):
+    monkeypatch.setenv("KDAGEN_CACHE_DIR", str(tmp_path / "c"))
+    monkeypatch.delenv(tuning.ENV, raising=False)
+    assert tuning.path_for("NVIDIA H200") == tmp_path / "c" / "tuning" / "NVIDIA_H200.json"
+    monkeypatch.setenv(tuning.ENV, "off")
+    assert tuning.path_for("NVIDIA H200") is None
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda d: d.update(version=2), "version: expected 1"),
+    (lambda d: d.update(format="other"), "format: expected 'kdagen-tuning'"),
+    (lambda d: d.pop("sm_count"), "sm_count: expected a positive integer"),
+    (lambda d: d["rules"][0].update(target="sm70"), "rules[0].target: expected one of"),
+    (lambda d: d["rules"][0].update(chunk=32), "rules[0].chunk: expected one of (16, 64)"),
+    (lambda d: d["rules"][1].update(block_v=0), "rules[1].block_v: expected a positive integer or null"),
+    (lambda d: d["rules"][0].update(tokens_per_seq=[100, 10]), "rules[0].tokens_per_seq: expected [lo, hi]"),
+    (lambda d: d["rules"][0].update(speed=1), "rules[0]: unknown key(s) speed"),
+])
+def test_invalid_files_name_the_file_and_the_entry(tmp_path, edit, message):
+    data = a_tuning().as_dict()
+    edit(data)
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(TuningError) as e:
+        tuning.load(path)
+    assert str(path) in str(e.value) and message in str(e.value)
+
+
+def test_not_json_names_the_file(tmp_path):
+    path = tmp_path / "broken.json"
+    path.write_text('{"format": "kdagen-tuning",')
+    with pytest.raises(TuningError, match=r"broken\.json: not valid JSON \(line 1"):
+        tuning.load(path)
+
+
+def test_dispatch_defaults_without_a_file(gpu):
+    assert not gpu.exists()
+    best = sel.select(SM80, info())
+    # the target's constants: chunk 16, block_v 32 (96 heads x 4 blocks >= 0.7 x 132 SMs)
+    assert (best.chunk, best.block_v) == (16, 32)
+
+
+def test_dispatch_reads_the_rule_of_the_calls_regime(gpu):
+    tuning.save(a_tuning(), gpu)
+    # T8192 H96: 8192 tokens per sequence, 96 / 132 = 0.73 sequences x heads per SM: rule 0
+    best = sel.select(SM80, info())
+    assert (best.chunk, best.block_v) == (64, 16)
+    # T65536 H24: rule 1 sets block_v only; the chunk stays the target's
+    best = sel.select(SM80, info(T=65536, max_len=65536, H=24, HV=24))
+    assert (best.chunk, best.block_v) == (16, 64)
+    # a regime no rule covers (1024 tokens per sequence): the defaults
+    best = sel.select(SM80, info(T=1024, max_len=1024))
+    assert (best.chunk, best.block_v) == (16, 32)
+    # another head dim than rule 0's: rule 0 does not apply (rule 1 does not match the regime)
+    d64 = [dataclasses.replace(x, k=64, v=64) for x in SM80]
+    best = sel.select(d64, info(K=64, V=64))
+    assert (best.chunk, best.block_v) == (16, 32)
+
+
+def test_dispatch_memo_key_follows_the_rules(gpu):
+    assert tuning.memo_key(info()) == ()
+    tuning.save(a_tuning(), gpu)
+    assert tuning.memo_key(info()) == (0,)
+    assert tuning.memo_key(info(T=65536, max_len=65536, H=24, HV=24)) == (1,)
+    assert tuning.memo_key(info(T=1024, max_len=1024)) == ()
+
+
+def test_a_file_of_another_gpu_is_an_error_and_another_sm_count_is_ignored(gpu):
+    tuning.save(a_tuning(gpu="NVIDIA Other"), gpu)
+    with pytest.raises(TuningError, match="made on 'NVIDIA Other'"):
+        sel.select(SM80, info())
+    tuning.save(a_tuning(sm_count=66), gpu)  # e.g. a MIG slice: regimes are per SM
+    assert tuning.for_device(torch.device("cuda", 0)) is None
+    assert (sel.select(SM80, info()).chunk, sel.select(SM80, info()).block_v) == (16, 32)
+
+
+def test_off_ignores_the_file(gpu, monkeypatch):
+    tuning.save(a_tuning(), gpu)
+    monkeypatch.setenv(tuning.ENV, "off")
+    assert (sel.select(SM80, info()).chunk, sel.select(SM80, info()).block_v) == (16, 32)
+
+
+def test_derive_rules_takes_the_best_geomean_per_regime():
+    def m(case, tps, shs, times):
+        return {"case": case, "target": "sm80", "dtype": "bf16", "head_dim": 128, "tokens_per_seq": tps,
+                "seq_heads_per_sm": shs, "times": times}
+
+    ms = [
+        # same regime (tokens [2048, 8192) x heads/SM [0.25, 1)): (16, 64) is best on one, close on the other
+        m("a", 4096, 0.5, {(16, 32): 1.00, (16, 64): 0.90, (64, 16): 1.50}),
+        m("b", 6000, 0.7, {(16, 32): 1.00, (16, 64): 1.02, (64, 16): 0.99}),
+        # another regime, where only two settings ran
+        m("c", 65536, 0.1, {(16, 16): 2.0, (16, 32): 1.8}),
+        m("empty", 100, 0.1, {}),
+    ]
+    rules = tuning.derive_rules(ms)
+    assert len(rules) == 2
+    r = next(r for r in rules if r.tokens_per_seq == (2048, 8192))
+    assert (r.chunk, r.block_v, r.seq_heads_per_sm) == (16, 64, (0.25, 1.0))
+    # geomean of 0.90/0.90 and 1.02/0.99
+    assert r.evidence["geomean_vs_best"] == pytest.approx(math.sqrt(1.02 / 0.99), abs=1e-4)
+    assert r.evidence["cases"] == ["a", "b"]
+    r2 = next(r for r in rules if r.tokens_per_seq == (32768, math.inf))
+    assert (r2.chunk, r2.block_v, r2.seq_heads_per_sm) == (16, 32, (0.0625, 0.25))
