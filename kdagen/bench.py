@@ -18,7 +18,6 @@ import fnmatch
 import json
 import math
 import os
-import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -258,13 +257,21 @@ def call_kwargs(case: Case, kw: dict, cu) -> dict:
 def run_kdagen(case: Case, s: tuple, variant: Optional[str]):
     from .runtime import kda_prefill
 
-    kw, cu = s[0], s[1]
+    kw = s[0]
     return kda_prefill(kw["q"], kw["k"], kw["v"], kw["g"], kw["beta"], variant=variant, **s[2])
 
 
+def peers_own_kernels() -> None:
+    """The fla column times fla's own Triton kernels: fla's backend dispatch (to kdagen, or to
+    FlashKDA where installed) is turned off. fla reads this when fla.backends is imported, so it is
+    set before anything imports fla (run() calls it first; worker processes inherit it)."""
+    os.environ["FLA_DISABLE_BACKEND_DISPATCH"] = "1"
+    os.environ["KDAGEN_FLA_BACKEND"] = "0"
+    os.environ["FLA_FLASH_KDA"] = "0"
+
+
 def _fla_call(case: Case):
-    os.environ.setdefault("KDAGEN_FLA_BACKEND", "0")  # fla's own kernels, never kdagen's
-    os.environ.setdefault("FLA_FLASH_KDA", "0")  # nor FlashKDA's, which fla dispatches to when installed
+    peers_own_kernels()
     from fla.ops.kda import chunk_kda
 
     def run(s):
@@ -501,6 +508,8 @@ def run(cases: Sequence[Case], opts: Options, echo: Callable[[str], None] = prin
     from . import timing
 
     timers = timers or timing
+    if "fla" in opts.compare:
+        peers_own_kernels()
     if device == "cuda" and not torch.cuda.is_available():
         raise BenchError("kdagen bench: needs a CUDA GPU (torch.cuda.is_available() is False)")
     torch.backends.cuda.matmul.allow_tf32 = False

@@ -57,11 +57,11 @@ def markdown(results: dict, plot: Optional[str] = PLOT_NAME, command: Optional[s
         f"fla {env.get('fla') or 'not installed'}, FlashKDA {env.get('flashkda') or 'not installed'}",
         f"- copy bandwidth (device-to-device copy of 1 GiB, read + write) {bw / 1e12:.2f} TB/s; memory floor = "
         "compulsory bytes (q, k, v, g, beta in, o out, fp32 state in and out) / that bandwidth",
-        f"- median ms of CUDA-event times per call after warm-up, inputs rotated among sets of at least 3x the L2 "
+        "- median ms of CUDA-event times per call after warm-up, inputs rotated among sets of at least 3x the L2 "
         "cache; candidates: " + (f"the {opts['top']} most preferred by dispatch of each target" if opts.get("top")
                                  else "every variant that can serve the case")
         + (f" matching `{opts['variants']}`" if opts.get("variants") else "")
-        + f"; dispatch ok: the auto-selected variant within 5% of the fastest measured",
+        + "; dispatch ok: the auto-selected variant within 5% of the fastest measured",
         f"- tuning file: {results.get('tuning_file') or 'none (the targets’ constants)'}",
         "",
     ]

@@ -122,5 +122,4 @@ def copy_bandwidth(nbytes: int = 1 << 30, iters: int = 20) -> float:
     dst = torch.empty_like(src)
     src.fill_(1)
     t = time_calls(lambda _: dst.copy_(src), [None], warmup=3, iters=iters)
-    del src, dst
     return 2.0 * nbytes / (t.median * 1e-3)

@@ -4,7 +4,6 @@ argument errors. The real measurement is scripts/gpu_check.sh bench on the H200.
 
 from __future__ import annotations
 
-import itertools
 import json
 import types
 

@@ -16,16 +16,14 @@ from kdagen.tuning import Rule, Tuning, TuningError
 from kdagen.variant import Variant
 
 from .runtime_env import fresh_runtime  # noqa: F401
+from .test_select import info as select_info
 
 GPU = "NVIDIA Test GPU"
 
 
 def info(**over) -> CallInfo:
-    base = dict(device=torch.device("cuda", 0), dtype="bf16", layout="bsnd", B=1, T=8192, N=1, H=96, HV=96,
-                K=128, V=128, gate="bounded", state="fp32", varlen=False, chunk_size=None, max_len=8192,
-                cu_seqlens_host=None)
-    base.update(over)
-    return CallInfo(**base)
+    """test_select's call (cuda:0, bf16, D128, T8192), with 96 heads unless `over` says otherwise."""
+    return select_info(**{"H": 96, "HV": 96, **over})
 
 
 def sm80(chunk: int, bv: int) -> Variant:
