@@ -19,7 +19,7 @@ import json
 import math
 import os
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
@@ -359,18 +359,15 @@ def candidates(info, auto: str, pattern: Optional[str], top: int) -> list[Candid
 
 
 def _warm_task(task: tuple) -> tuple[str, float, Optional[str]]:
-    """One first call in a worker process: a peer on the case's own inputs (fla autotunes per head
-    count and kind of call) or one Triton variant on a short input of the case's kind (a compile
-    does not depend on the lengths). Returns (label, seconds, error or None)."""
+    """One first call in a worker process, on the case's own inputs: a peer's (fla autotunes per
+    head count and kind of call) or one Triton variant's (Triton specializes its integer arguments,
+    so the same shapes compile the same kernels the timing process loads). Returns (label,
+    seconds, error or None)."""
     import torch
 
     kind, case_d, name = task
     case = Case(**{**case_d, "lens": tuple(case_d["lens"]) if case_d.get("lens") else None})
-    if kind == "variant":
-        case = replace(case, T=256 if case.lens is None else None, B=1,
-                       lens=None if case.lens is None else (256, 64), H=min(case.H, 4),
-                       HV=None if case.HV is None else min(case.H, 4) * (case.hv // case.H))
-    label = f"{kind} {name or ''} {case.name}".strip()
+    label = " ".join(x for x in (kind if kind != "variant" else None, name and _short(name), case.name) if x)
     t0 = time.perf_counter()
     try:
         kw, cu = case.inputs(seed=0)
@@ -518,21 +515,21 @@ def run(cases: Sequence[Case], opts: Options, echo: Callable[[str], None] = prin
     echo(f"{env.get('gpu')}: copy bandwidth {bw / 1e12:.2f} TB/s; {len(cases)} cases")
     # what to time, and the first calls to make in worker processes
     plans = []
-    tasks = []
+    # fla's first calls (minutes of autotuning each) are queued first; then every Triton variant on
+    # every case it serves (a compile per kind of call; a hit in Triton's cache costs little)
+    peer_tasks, variant_tasks = [], []
     seen = set()
     for case in cases:
         plans.append(_plan_case(case, opts, device))
         p = plans[-1]
-        for c in p["candidates"]:
-            if c.target.startswith("triton") and c.name not in seen:
-                seen.add(c.name)
-                tasks.append(("variant", case.as_dict(), c.name))
+        variant_tasks += [("variant", case.as_dict(), c.name) for c in p["candidates"] if c.target.startswith("triton")]
         for peer in p["peers"]:
+            # what fla's autotuning keys on: heads, head dims, varlen (not the length)
             key = (peer, case.H, case.hv, case.D, case.dtype, case.gate, case.lens is not None)
             if peer == "fla" and key not in seen:
                 seen.add(key)
-                tasks.append((peer, case.as_dict(), None))
-    warm = warm_up(tasks, opts.warm_procs, echo)
+                peer_tasks.append((peer, case.as_dict(), None))
+    warm = warm_up(peer_tasks + variant_tasks, opts.warm_procs, echo)
     progress = progress or Progress()
     progress.start(jobs_count(plans))
     rows = []

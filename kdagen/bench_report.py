@@ -86,6 +86,8 @@ def markdown(results: dict, plot: Optional[str] = PLOT_NAME, command: Optional[s
                       if "skipped" in v})
     notes = [(r["case"]["name"], n) for r in results["cases"] for n in r.get("notes", [])]
     notes += [(r["case"]["name"], brief(r["error"])) for r in results["cases"] if r.get("error")]
+    notes += [("first call in a worker", f"{w['call']}: {w['error']}") for w in results.get("warm_up") or []
+              if w.get("error")]
     if skipped or notes:
         lines += ["", "## Notes", ""]
         lines += [f"- peer {s}" for s in skipped]

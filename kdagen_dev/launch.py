@@ -1,7 +1,8 @@
 """Direct launches of one variant's kernels for timing and A/B experiments (GPU scripts).
 
 The call record comes from kda_prefill itself (`capture_call`), so the benchmarks and scripts
-that time a launcher alone pass it exactly what the runtime would.
+that time a launcher alone pass it exactly what the runtime would. Timing itself is
+kdagen.timing's (the harness of `kdagen bench`).
 """
 
 from __future__ import annotations
