@@ -323,8 +323,9 @@ class Candidate:
 
 def candidates(info, auto: str, pattern: Optional[str], top: int) -> list[Candidate]:
     """The variants that can serve the call `info` (a CallInfo) here (registered and built, or
-    Triton's JIT), the auto one first; `pattern` (a glob on names) filters them, then `top` keeps
-    the most preferred of each target by dispatch's own order (0: all)."""
+    Triton's JIT), the auto one first; `pattern` (a glob on names, with or without the kda_fwd_
+    prefix) filters them, then `top` keeps the most preferred of each target by dispatch's own
+    order (0: all)."""
     from . import runtime as rt
     from .select import Candidate as SelCand
     from .select import _sm_count, preference, rejection
@@ -336,7 +337,8 @@ def candidates(info, auto: str, pattern: Optional[str], top: int) -> list[Candid
         cand = SelCand(v, *reg.status(v.name))
         if cand.readiness != "ready" or rejection(cand, info) is not None:
             continue
-        if pattern and not fnmatch.fnmatch(v.name, pattern) and v.name != auto:
+        if pattern and v.name != auto and not (fnmatch.fnmatch(v.name, pattern)
+                                               or fnmatch.fnmatch(_short(v.name), pattern)):
             continue
         fits.append(cand)
     fits.sort(key=lambda x: preference(x, info, sms))

@@ -88,6 +88,14 @@ def test_engine_on_the_cpu_and_tune_from_its_results(tmp_path, monkeypatch):
     assert "| tiny T37 | 37 | triton_c16_k32_v32_fp32_gb_sfp32_bv16 | 1.000 | 0.900-1.200 | 0.250 |" in md
     assert "on 0 of 1 cases" in md and "D256 T20: NoVariantError" in md
 
+    # a glob (without the kda_fwd_ prefix) keeps the auto variant and the matching ones
+    res = b.run([TINY], b.Options(compare=(), warm_procs=0, top=0, variants="triton_c64_*", graphs=False),
+                echo=lambda m: None, device="cpu", timers=fake_timers([1.0, 0.5]))
+    assert [c["chunk"] for c in res["cases"][0]["variants"]] == [16, 64] and res["cases"][0]["graph"] is None
+    res = b.run([TINY], b.Options(compare=(), warm_procs=0, top=0, variants="*_c16_*", graphs=False),
+                echo=lambda m: None, device="cpu", timers=fake_timers([1.0]))
+    assert [c["chunk"] for c in res["cases"][0]["variants"]] == [16] and res["cases"][0]["dispatch_ok"]
+
     # tune: the same measurements give a rule for the tiny case's regime
     out = tmp_path / "tuning.json"
     path, _ = b.tune([TINY], opts, out, echo=lambda m: None, device="cpu", timers=fake_timers([1.0, 0.5]))
