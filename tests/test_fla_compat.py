@@ -1,5 +1,5 @@
 """kdagen.chunk_kda: fla's chunk_kda keywords with fla's meaning, checked against fla's naive
-reference (fla.ops.kda.naive) on fla-shaped inputs: head dims 32 to 128 (60 and 100 by zero
+reference (fla.ops.kda.naive) on fla-shaped inputs: head dims 32 to 256 (60 and 100 by zero
 padding), K != V, GVA, bf16 and fp16, both in-kernel gate forms and the precomputed one, beta as
 probability or logit, both state layouts, varlen; intermediate states; what is not implemented
 is rejected by name. CPU runs use the Triton interpreter; `pytest -m gpu` the GPU's kernels."""
@@ -27,6 +27,8 @@ CASES = [
     ("D64-fp16-precomputed-nol2norm", dict(D=64, T=20, dtype=torch.float16, gate="precomputed", l2norm=False)),
     ("D100-bf16-bounded_noA-B2", dict(D=100, B=2, T=18, H=2, HV=4, gate="bounded_no_A")),
     ("D128-bf16-bounded-negeig-varlen", dict(D=128, lens=[9, 11], gate="bounded", neg_eigval=True)),
+    ("D192-bf16-bounded", dict(D=192, T=20, gate="bounded")),
+    ("D256-fp16-unbounded-varlen", dict(D=256, lens=[5, 12], dtype=torch.float16, gate="unbounded")),
     ("K32V60-fp16-unbounded-nostate", dict(D=32, V=60, T=20, dtype=torch.float16, gate="unbounded",
                                            with_state=False)),
 ]
@@ -76,11 +78,11 @@ def test_intermediate_states_are_the_states_entering_fla_chunks(fla_chunk, devic
     assert rel_rmse(s.cpu(), rs) < 6e-3
 
 
-def test_large_head_dims_without_a_variant_raise_a_clear_error(device):
-    """192 and 256 need a variant of at least that size to pad to; none exists here."""
-    kw = fla_case(D=256, T=4, device=device)
+def test_head_dims_above_256_are_rejected_by_name(device):
+    kw = fla_case(D=272, T=4, device=device)
     args, fkw = fla_chunk_kda_args(kw)
-    with torch.inference_mode(), pytest.raises(NoVariantError, match="Head dims: K=256 V=256; a call whose"):
+    with torch.inference_mode(), pytest.raises(KdaInputError, match="q: expected a head dim K from 1 to 256, "
+                                                                     "found K=272"):
         kdagen.chunk_kda(*args, **fkw)
 
 

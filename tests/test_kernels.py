@@ -138,8 +138,9 @@ def _extreme_case(v: Variant, dev: str, case: str) -> dict:
         kw = make_case(v, dev, B=1, T=70, H=1, HV=1, gate_scenario="dt=+4", chunk_states=True, seed=4)
         kw["A_log"] = torch.full_like(kw["A_log"], 3.9)
         return kw
-    # three sequences of one token without state I/O; unnormalised q/k, negative eigenvalues, scale
-    return make_case(v, dev, B=3, T=1, H=1, HV=1, with_state=False, use_qk_l2norm=False, allow_neg_eigval=True,
+    # sequences of one token without state I/O; unnormalised q/k, negative eigenvalues, scale. 16 of
+    # them: o is then 16 dot products, not 3 (with 3, sm80's rel RMSE swung to 6.2e-3 on one seed)
+    return make_case(v, dev, B=16, T=1, H=1, HV=1, with_state=False, use_qk_l2norm=False, allow_neg_eigval=True,
                      scale=0.3, seed=5)
 
 

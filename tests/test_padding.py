@@ -99,8 +99,8 @@ def test_covering_choice_target_rank_then_least_padding(any_device):
 def test_kdagen_list_v_shows_what_each_target_covers():
     res = CliRunner().invoke(main, ["list", "-v", "--spec", "ci", "--filter", "none"])
     assert res.exit_code == 0, res.output
-    assert ("- triton: head dims 16/32/48/64/80/96/112/128 (other sizes up to 128 by padding, none above 128)"
-            in res.output)
+    assert ("- triton: head dims 16/32/48/64/80/96/112/128/144/160/176/192/208/224/240/256 (other sizes up to 256 "
+            "by padding)," in res.output)
     assert "- sm80: head dims 64/128 (other sizes up to 128 by padding, none above 128)" in res.output
     assert "the runtime zero-pads any other K, V up to 256" in res.output
 

@@ -64,8 +64,24 @@ def test_varlen_needs_batch_one():
         kda_prefill(**kw, cu_seqlens=torch.tensor([0, 20]))
 
 
-def test_miss_shows_supported_found_and_what_targets_support():
-    kw = inputs(K=192, V=192, T=4)  # larger than any head dim a target builds here (none to pad to)
+def test_miss_without_jit_names_the_variant_and_its_build_command(monkeypatch):
+    # no registered variant has K = 192 and, without JIT, none may be generated for it
+    monkeypatch.setenv("KDAGEN_DISABLE_JIT", "1")
+    with pytest.raises(NoVariantError) as ei:
+        kda_prefill(**inputs(K=192, V=192, T=4))
+    msg = str(ei.value)
+    assert "Would fit if built: kda_fwd_triton_c16_k192_v192_fp32_gb_snone_bv" in msg
+    assert "KDAGEN_DISABLE_JIT=1 forbids generating it now (`kdagen build --variant kda_fwd_triton_c16_k192" in msg
+
+
+def test_miss_shows_supported_found_and_what_targets_support(monkeypatch):
+    # a target that may not generate variants on demand: the call at K = 192 fits nothing, built or not
+    import dataclasses
+
+    from kdagen.targets import TARGETS
+
+    monkeypatch.setitem(TARGETS, "triton", dataclasses.replace(TARGETS["triton"], on_demand=False))
+    kw = inputs(K=192, V=192, T=4)
     with pytest.raises(NoVariantError) as ei:
         kda_prefill(**kw)
     msg = str(ei.value)
@@ -73,9 +89,9 @@ def test_miss_shows_supported_found_and_what_targets_support():
     assert "Supported (" in msg and "candidate variants on cpu" in msg and "head dims K=32,V=32 != K=192,V=192" in msg
     assert "sm80:" not in msg.split("Rejections")[0], "variants of other devices crowd the list"
     assert "What the targets of this device support:" in msg
-    assert "triton: dtype fp32/bf16/fp16, head dims 16/32/48/64/80/96/112/128" in msg
+    assert "triton: dtype fp32/bf16/fp16, head dims 16/32/48/64/80/96/112/128/144/160/176/192/208/224/240/256" in msg
     assert "Head dims: K=192 V=192; a call whose head dims no variant has is zero-padded to the next size a " \
-           "target builds (triton up to 128" in msg
+           "target builds (triton up to 256" in msg
 
 
 def test_head_dims_above_256_are_rejected():
@@ -89,8 +105,8 @@ def test_forcing_an_unknown_variant():
     with pytest.raises(NoVariantError, match="variant 'kda_fwd_nope' is not registered and cannot be generated: "
                                              "'kda_fwd_nope' is not a variant name; expected kda_fwd_<target>_c"):
         call(variant="kda_fwd_nope")
-    with pytest.raises(NoVariantError, match="triton has no head dim K 144"):
-        call(variant="kda_fwd_triton_c16_k144_v144_fp32_gb_sfp32_bv16")
+    with pytest.raises(NoVariantError, match="triton has no head dim K 24"):
+        call(variant="kda_fwd_triton_c16_k24_v24_fp32_gb_sfp32_bv16")
 
 
 def test_forcing_a_variant_that_does_not_fit():

@@ -19,7 +19,7 @@ import torch
 
 from kdagen.variant import Variant
 
-from kdagen.cases import make_case, run_and_compare
+from kdagen.cases import errors, make_case, run_and_compare, run_poisoned
 
 ROOT = Path(__file__).resolve().parents[1]
 HAS_CUDA = torch.cuda.is_available()
@@ -233,9 +233,28 @@ def test_sm90_lengths(va, T):
                                   "dt=-8"])
 @pytest.mark.parametrize("va", VARIANTS, ids=VIDS)
 def test_sm90_gate_sweep(va, gate):
+    """The issue's bar is "accuracy as sm80": GATE_TOL, or the error of sm80's variant of the same
+    K, V, dtype, gate form and state on the same input where that is larger (sm80 itself reaches
+    4.9e-3 on o at g=-8, H200 2026-12-01)."""
     v, _ = va
     kw = make_case(v, "cuda", T=300, H=2, HV=2, gate_scenario=gate, seed=7)
-    run_and_compare(v, kw, tol=GATE_TOL if v.state != "bf16" else None)
+    tol = None
+    if v.state != "bf16":
+        twin = _sm80_twin(v)
+        ref = errors(twin, kw, run_poisoned(twin, kw)) if twin is not None else {}
+        tol = {k: max(GATE_TOL, 1.05 * ref.get(k, 0.0)) for k in ("o", "state", "chunk_states")}
+    run_and_compare(v, kw, tol=tol)
+
+
+def _sm80_twin(v: Variant):
+    """The built sm80 variant computing the same thing as sm90 variant `v` (None: none built)."""
+    from kdagen.registry import Registry
+
+    same = [e.variant for e in Registry.load().entries.values()
+            if e.variant.target == "sm80" and e.built and (e.variant.k, e.variant.v, e.variant.dtype,
+                                                            e.variant.gate, e.variant.state)
+            == (v.k, v.v, v.dtype, v.gate, v.state)]
+    return min(same, key=lambda w: (w.chunk != v.chunk, w.name)) if same else None
 
 
 @gpu

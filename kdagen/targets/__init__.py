@@ -65,9 +65,10 @@ TARGETS: dict[str, TargetInfo] = {
         name="triton",
         description="Triton kernels (portable GPUs; CPU through TRITON_INTERPRET=1)",
         chunks=(16, 64),
-        # Every multiple of 16 up to 128, K != V included (padded tiles; tests/test_triton_design.py
-        # renders K = 16, 48, 80); the runtime zero-pads other sizes to the next one.
-        head_dims=(16, 32, 48, 64, 80, 96, 112, 128),
+        # Every multiple of 16 up to 256, K != V included (tiles padded to a power of two;
+        # tests/test_triton_design.py renders K = 16, 48, 80, 192); the runtime zero-pads other
+        # sizes to the next one.
+        head_dims=tuple(range(16, 257, 16)),
         dtypes=("fp32", "bf16", "fp16"),
         gates=("bounded", "unbounded", "precomputed"),
         states=("fp32", "bf16", "none"),

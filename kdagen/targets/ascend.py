@@ -18,6 +18,7 @@ twin uses the same function, so it runs the same grouping).
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import pathlib
@@ -167,6 +168,10 @@ def translate(variant, source: pathlib.Path, out_dir: pathlib.Path) -> dict:
         "group_dim": "dynamic",
         "plans": [workspace_plan(C, K, V, hv, PLAN_T) for hv in PLAN_HEADS],
     }
+    if importlib.util.find_spec("cannbotdsl") is None:
+        raise AscendError(f"translating {variant.name} needs the CANNBot DSL, which this Python "
+                          f"({sys.executable}) lacks: pip install 'cannbot-dsl==0.7.1' "
+                          f"(or leave the Ascend specs out of the build)")
     for layout in LAYOUTS:
         dump = out_dir / layout
         dump.mkdir(exist_ok=True)
