@@ -319,6 +319,7 @@ class Candidate:
     chunk: int
     block_v: int
     state: str
+    listed: bool = True  # False: no spec lists it (generated for this run, as a call would generate it)
 
 
 def candidates(info, auto: str, pattern: Optional[str], top: int) -> list[Candidate]:
@@ -327,20 +328,38 @@ def candidates(info, auto: str, pattern: Optional[str], top: int) -> list[Candid
     prefix) filters them, then `top` keeps the most preferred of each target by dispatch's own
     order (0: all)."""
     from . import runtime as rt
+    from .select import GENERATE
     from .select import Candidate as SelCand
     from .select import _sm_count, preference, rejection
 
+    from . import ondemand
+    from .paths import cache_build_dir
+    from .targets import TARGETS
+
     reg = rt.registry()
     sms = _sm_count(info.device)
+
+    def wanted(name: str) -> bool:
+        return not pattern or name == auto or fnmatch.fnmatch(name, pattern) or fnmatch.fnmatch(_short(name), pattern)
+
     fits = []
     for v in reg.variants():
         cand = SelCand(v, *reg.status(v.name))
-        if cand.readiness != "ready" or rejection(cand, info) is not None:
+        if cand.readiness == "ready" and rejection(cand, info) is None and wanted(v.name):
+            fits.append(cand)
+    # A JIT target with no listed variant for the call (e.g. Triton at D 256): the variants it
+    # would generate on demand (compiled on first call, no nvcc), registered when chosen below.
+    have = {c.variant.target for c in fits if c.variant.name != auto}
+    generated = set()
+    for t, tinfo in TARGETS.items():
+        if t in have or tinfo.build != "jit" or not tinfo.on_demand:
             continue
-        if pattern and v.name != auto and not (fnmatch.fnmatch(v.name, pattern)
-                                               or fnmatch.fnmatch(_short(v.name), pattern)):
-            continue
-        fits.append(cand)
+        for v in ondemand.variants_for(t, dtype=info.dtype, k=info.K, v=info.V, gate=info.gate, state=info.state,
+                                       chunk=info.chunk_size):
+            cand = SelCand(v, GENERATE, rt._generate_blocked(v))
+            if v.name not in reg.entries and rejection(cand, info) is None and wanted(v.name):
+                fits.append(cand)
+                generated.add(v.name)
     fits.sort(key=lambda x: preference(x, info, sms))
     out, per_target = [], {}
     for cand in fits:
@@ -349,8 +368,11 @@ def candidates(info, auto: str, pattern: Optional[str], top: int) -> list[Candid
         if v.name != auto and top and n >= top:
             continue
         per_target[v.target] = n + 1
-        out.append(Candidate(v.name, v.target, v.chunk, v.block_v, v.state))
+        out.append(Candidate(v.name, v.target, v.chunk, v.block_v, v.state, v.name not in generated))
     out.sort(key=lambda c: c.name != auto)
+    new = [ondemand.parse_name(c.name) for c in out if c.name in generated]
+    if new:
+        reg.add_root(ondemand.register(new), cache_build_dir())
     if auto not in {c.name for c in out}:
         e = reg.entries[auto].variant
         out.insert(0, Candidate(auto, e.target, e.chunk, e.block_v, e.state))
@@ -602,7 +624,7 @@ def _measure_case(case: Case, plan: dict, opts: Options, bw: float, timers: Any,
         row["error"] = plan["error"]
     for cand in plan["candidates"]:
         cell: dict[str, Any] = {"variant": cand.name, "target": cand.target, "chunk": cand.chunk,
-                                "block_v": cand.block_v, "auto": cand.name == plan["auto"]}
+                                "block_v": cand.block_v, "auto": cand.name == plan["auto"], "listed": cand.listed}
         try:
             # the auto one through dispatch (variant=None): the call a user makes
             name = None if cand.name == plan["auto"] else cand.name
@@ -669,6 +691,10 @@ def _judge(row: dict) -> None:
         ra, rb = TARGETS[auto["target"]].rank, TARGETS[best["target"]].rank
         row["dispatch_note"] = (f"auto takes {ratio:.2f}x the time of {_short(best['variant'])}: target "
                                 f"{best['target']} ranks after {auto['target']} ({rb} vs {ra})")
+    elif not best.get("listed", True):
+        row["dispatch_note"] = (f"auto takes {ratio:.2f}x the time of {_short(best['variant'])}, which no spec lists "
+                                "(dispatch serves a call with a listed variant, zero-padded if need be, before "
+                                "generating one): list it in a spec")
     else:
         row["dispatch_note"] = (f"auto takes {ratio:.2f}x the time of {_short(best['variant'])} (chunk "
                                 f"{best['chunk']}, block_v {best['block_v']}); `kdagen tune` makes dispatch prefer it")

@@ -67,6 +67,7 @@ def test_engine_on_the_cpu_and_tune_from_its_results(tmp_path, monkeypatch):
     the auto one timed through dispatch, a case no variant serves, the peers left out, then
     the tuning file from the same kind of run."""
     none = b.Case("D256 T20", H=1, T=20, D=256, dtype="fp32")
+    monkeypatch.setenv("KDAGEN_DISABLE_JIT", "1")  # no listed variant has D 256: a miss without generation
     opts = b.Options(compare=(), warm_procs=0, top=0)
     # auto (c16, preferred by the target) 1.0 ms, c64 0.5 ms
     res = b.run([TINY, none], opts, echo=lambda m: None, device="cpu", timers=fake_timers([1.0, 0.5]))
@@ -104,6 +105,22 @@ def test_engine_on_the_cpu_and_tune_from_its_results(tmp_path, monkeypatch):
     r = t.rules[0]
     assert (r.target, r.dtype, r.head_dim, r.chunk, r.block_v) == ("triton", "fp32", 32, 64, 16)
     assert r.tokens_per_seq == (0, 512) and r.evidence["cases"] == ["tiny T37"]
+
+
+def test_engine_adds_the_variants_a_jit_target_would_generate():
+    """K = V = 16: no spec lists a variant (dispatch pads to the ci spec's K = 32 one); the Triton
+    variants generated on demand for K = 16 are timed beside it."""
+    case = b.Case("D16", H=1, T=37, D=16, dtype="fp32")
+    res = b.run([case], b.Options(compare=(), warm_procs=0, top=2, graphs=False), echo=lambda m: None,
+                device="cpu", timers=fake_timers([1.0, 0.9, 0.8]))
+    row = res["cases"][0]
+    assert [(c["variant"], c["listed"]) for c in row["variants"]] == [
+        ("kda_fwd_triton_c16_k32_v32_fp32_gb_sfp32_bv16", True),
+        ("kda_fwd_triton_c16_k16_v16_fp32_gb_sfp32_bv16", False),
+        ("kda_fwd_triton_c64_k16_v16_fp32_gb_sfp32_bv16", False)]
+    # zero padding is exact: the K = 16 kernels agree with the padded K = 32 one
+    assert all(c["rel_vs_auto"] < 1e-6 for c in row["variants"][1:])
+    assert row["dispatch_ok"] is False and "no spec lists" in row["dispatch_note"]
 
 
 def fake_results() -> dict:
