@@ -520,8 +520,10 @@ class Progress:
 
 
 def run(cases: Sequence[Case], opts: Options, echo: Callable[[str], None] = print,
-        progress: Optional[Progress] = None, device: str = "cuda", timers: Any = None) -> dict:
-    """Measure `cases`; returns the results (what bench.json holds). `timers` (default
+        progress: Optional[Progress] = None, device: str = "cuda", timers: Any = None,
+        partial: Optional[Callable[[dict], None]] = None) -> dict:
+    """Measure `cases`; returns the results (what bench.json holds). `partial(results)` is called
+    after each case with the cases so far (a run cut short still leaves them). `timers` (default
     kdagen.timing) provides time_calls, graph_calls and copy_bandwidth; tests pass fakes and run
     the rest on the CPU."""
     import torch
@@ -556,15 +558,18 @@ def run(cases: Sequence[Case], opts: Options, echo: Callable[[str], None] = prin
     warm = warm_up(peer_tasks + variant_tasks, opts.warm_procs, echo)
     progress = progress or Progress()
     progress.start(jobs_count(plans))
-    rows = []
+    rows: list[dict] = []
+    results = {"kind": RESULTS_KIND, "version": RESULTS_VERSION, "env": env, "copy_bandwidth_Bps": bw,
+               "options": {"compare": list(opts.compare), "compare_all": opts.compare_all, "variants": opts.variants,
+                           "top": opts.top, "graphs": opts.graphs, "budget_ms": opts.budget_ms, **opts.extra},
+               "warm_up": [{"call": lab, "s": round(sec, 2), "error": err} for lab, sec, err in warm],
+               "tuning_file": _tuning_file(device), "cases": rows}
     for case, plan in zip(cases, plans):
         rows.append(_measure_case(case, plan, opts, bw, timers, progress, device))
         echo(_summary_line(rows[-1]))
-    return {"kind": RESULTS_KIND, "version": RESULTS_VERSION, "env": env, "copy_bandwidth_Bps": bw,
-            "options": {"compare": list(opts.compare), "compare_all": opts.compare_all, "variants": opts.variants,
-                        "top": opts.top, "graphs": opts.graphs, "budget_ms": opts.budget_ms, **opts.extra},
-            "warm_up": [{"call": lab, "s": round(sec, 2), "error": err} for lab, sec, err in warm],
-            "tuning_file": _tuning_file(device), "cases": rows}
+        if partial is not None:
+            partial(results)
+    return results
 
 
 def _tuning_file(device: str) -> Optional[str]:

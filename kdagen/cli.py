@@ -269,11 +269,17 @@ def bench(cases: str, compare: str, compare_all: bool, variants: str | None, top
             opts = _bench_options(compare, compare_all, variants, top, no_graphs, warm_procs, budget_ms)
             case_list = b.load_cases(cases)
             bar = _Bar("bench")
+            command = "kdagen bench " + " ".join(sys.argv[2:])
+
+            def partial(res: dict) -> None:  # bench.json after every case: a run cut short keeps its cases
+                b.write_results(dict(res, command=command), Path(out))
+
             try:
-                results = b.run(case_list, opts, echo=lambda m: click.echo(m, err=True), progress=bar)
+                results = b.run(case_list, opts, echo=lambda m: click.echo(m, err=True), progress=bar,
+                                partial=partial)
             finally:
                 bar.close()
-            results["command"] = "kdagen bench " + " ".join(sys.argv[2:])
+            results["command"] = command
             click.echo(f"results: {b.write_results(results, Path(out))}")
         made = write_report(results, Path(out), command=results.get("command"))
         click.echo(f"report: {made['report']}" + (f", plot: {made['plot']}" if made["plot"] else ""))

@@ -70,7 +70,10 @@ def test_engine_on_the_cpu_and_tune_from_its_results(tmp_path, monkeypatch):
     monkeypatch.setenv("KDAGEN_DISABLE_JIT", "1")  # no listed variant has D 256: a miss without generation
     opts = b.Options(compare=(), warm_procs=0, top=0)
     # auto (c16, preferred by the target) 1.0 ms, c64 0.5 ms
-    res = b.run([TINY, none], opts, echo=lambda m: None, device="cpu", timers=fake_timers([1.0, 0.5]))
+    seen = []
+    res = b.run([TINY, none], opts, echo=lambda m: None, device="cpu", timers=fake_timers([1.0, 0.5]),
+                partial=lambda r: seen.append(len(r["cases"])))
+    assert seen == [1, 2]
     row, miss = res["cases"]
     assert [c["variant"] for c in row["variants"]] == ["kda_fwd_triton_c16_k32_v32_fp32_gb_sfp32_bv16",
                                                        "kda_fwd_triton_c64_k32_v32_fp32_gb_sfp32_bv16"]
