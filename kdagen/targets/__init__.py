@@ -82,7 +82,7 @@ TARGETS: dict[str, TargetInfo] = {
         # bf16/fp16 tl.dot needs sm_80 MMA; validated on an H200 (sm_90)
         devices=("cuda", "cpu"), min_compute_capability=(8, 0), rank=2,
         device_env=(("cpu", "TRITON_INTERPRET", "1"),),
-        # H200, 2026-12-01 (`bench_kda.py --cases issue21 --variants all`): chunk 16 block_v 32 was
+        # H200, 2026-12-01 (the bench of issue 21): chunk 16 block_v 32 was
         # the fastest variant on four of six rows and within 2% on a fifth; chunk 64's prep is
         # 3-4x slower (T8192 H96 4.19 vs 1.38 ms). Only B1 T2048 H8 favoured chunk 64 (0.205 vs
         # 0.228 ms). Table: benchmarks/results/2026-12-01_h200_triton.md.
