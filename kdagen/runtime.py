@@ -31,6 +31,7 @@ from .registry import Entry, Registry
 from .padding import PaddedPlan, at_dims, choose_covering, coverage_note, target_dims
 from .select import GENERATE, Candidate, miss_message, preference, rejection
 from .signature_guard import make_check
+from .targets.cuda_driver import capture_query
 
 log = logging.getLogger("kdagen")
 
@@ -632,6 +633,7 @@ class Plan:
         cu = kw["cu_seqlens"]
         self.cu_ready = cu is None or (cu.dtype == torch.int32 and cu.is_contiguous() and cu.device == self.device)
         self.on_cuda = self.device.type == "cuda"
+        self.capturing = capture_query() if self.on_cuda else None
         self._static_offsets: Optional[torch.Tensor] = None
         # Calls a bound launch serves whole (_run_bound): no per-call conversion, no chunk states.
         gate_args = (A is None and dt is None) if self.precomputed else \
@@ -673,7 +675,7 @@ class Plan:
     def _offsets(self, cu, cu_cpu) -> tuple[int, Optional[list[int]]]:
         """(longest sequence or its bound T, host offsets or None) for a varlen call."""
         T = self.info.T
-        if self.on_cuda and torch.cuda.is_current_stream_capturing():
+        if self.on_cuda and self.capturing():
             # A graph replays with new offsets: grids sized for the longest possible sequence.
             if cu_cpu is None and not self.assume_valid:
                 raise KdaInputError("cu_seqlens: cannot be read during CUDA graph capture; pass assume_valid=True "
