@@ -247,6 +247,30 @@ def _bound_against_general(la, drv, varlen):
     assert drv.launches == []
 
 
+def test_sm80_bound_launch_of_no_tokens_launches_only_the_recurrence():
+    """T = 0 (B sequences of no tokens): no prep chunks, so only kda_recur runs (it writes the
+    initial states through), the bound launch as the general one."""
+    with sm80_on_cpu() as (la, drv):
+        B, H, K = 2, 2, 64
+        r = torch.randn
+        q, v = r(B, 0, H, K).bfloat16(), r(B, 0, H, K).bfloat16()
+        o, h0, ht = torch.empty_like(v), r(B, H, K, K), torch.empty(B, H, K, K)
+        st = (0, K * H, K)
+        call = rt.KdaCall(q=q, k=q.clone(), v=v, g=r(B, 0, H, K), beta=r(B, 0, H), o=o, q_strides=st, k_strides=st,
+                          v_strides=st, g_strides=st, beta_strides=(0, H, 1), o_strides=st, B=B, T=0, N=B, H=H,
+                          HV=H, K=K, V=K, cu_seqlens=None, A_log=r(H), dt_bias=r(H, K), scale=0.125,
+                          lower_bound=-5.0, use_qk_l2norm=True, allow_neg_eigval=False, initial_state=h0,
+                          final_state=ht, state_kv=False, chunk_states=None, chunk_offsets=None, max_len=0)
+        la(call)
+        general = drv.launches[:]
+        assert [x[0] for x in general] == ["kda_recur"]
+        bound = la.bind(call)
+        drv.launches.clear()
+        assert bound.launch(call.q, call.k, call.v, call.g, call.beta, o, call.A_log, call.dt_bias, None, h0, ht, None,
+                            None, None, 0)
+        assert [x[:5] for x in drv.launches] == [x[:5] for x in general]
+
+
 # ----------------------------------------------------------------------------- the runtime over it
 
 def _sm80_case(lens, seed=0):

@@ -367,8 +367,9 @@ class Sm80Bound:
         if stream is None:
             stream = self.streams[raw] = driver().CUstream(raw)
         argv = self.argv_addr
-        prep = None if self.varlen else (self.f1, -(-self.T // self.C), self.N, self.HV, self.nt1, 1, 1, self.smem1,
-                                         stream, argv, 0)
+        # prep: None for varlen (its grid follows each call's longest sequence), () for T = 0 (no chunks)
+        prep = None if self.varlen else () if self.T <= 0 else (self.f1, -(-self.T // self.C), self.N, self.HV,
+                                                                self.nt1, 1, 1, self.smem1, stream, argv, 0)
         gx, gy, gz = self.recur_grid
         args = self.stream_args[raw] = (prep, (self.f2, gx, gy, gz, self.nt2, 1, 1, self.smem2, stream, argv, 0))
         return args
@@ -410,7 +411,7 @@ class Sm80Bound:
                 if max_len > 0 and launch_kernel(self.f1, -(-max_len // self.C), self.N, self.HV, self.nt1, 1, 1,
                                                  self.smem1, recur[8], self.argv_addr, 0)[0]:
                     return False
-            elif launch_kernel(*prep)[0]:
+            elif prep and launch_kernel(*prep)[0]:
                 return False
             return not launch_kernel(*recur)[0]
         finally:
