@@ -15,7 +15,8 @@ For each case (bf16, K = V = 128, bounded gate, fp32 state in and out):
 It first checks that the fast path gives the general path's result bit for bit, says which launch
 path the calls took, and splits the tiny case's host time: the bound launch alone (the driver
 calls inside), one driver call through cuda-bindings and through ctypes, the two output
-allocations (as the plan makes them, and as torch.empty_like would) and the whole plain call.
+allocations (as the plan makes them, and as torch.empty_like would), the whole plain call and the
+signature check that call passes first.
 Exit status 1 when the tiny case costs more than
 20 us of host time or T2048 H8 runs eager more than 1.3x its graph time (the issue's bars); JSON
 and a markdown table go to --out.
@@ -165,6 +166,10 @@ class Case:
         res["two_empty_like_us"] = statistics.median(
             host_times(lambda: (torch.empty_like(v), torch.empty_like(h0)), calls)) * 1e6
         res["plain_call_us"] = statistics.median(host_times(self.call, calls)) * 1e6
+        if plan.guard is not None:  # the latest-signature check a plain call passes first
+            slots = (kw["q"], kw["k"], kw["v"], kw["g"], kw["beta"], kw["A_log"], kw["dt_bias"], kw["initial_state"],
+                     kw.get("cu_seqlens"), kw.get("cu_seqlens_cpu"), None, None, None, None)
+            res["signature_check_us"] = statistics.median(host_times(lambda: plan.guard(*slots), calls)) * 1e6
         return res
 
     def driver_calls(self, calls: int) -> dict:
