@@ -125,6 +125,7 @@ class Case:
                    kw.get("cu_seqlens"), kw.get("cu_seqlens_cpu"), out, fs, None, ws)
         self.op = lambda: torch.ops.kdagen.kda_prefill(*op_args, gate=kw["gate"], layout=kw["layout"])  # noqa: E731
         self.times: dict[str, list[float]] = {"host_us": [], "host_us_owned_buffers": [], "host_us_torch_op": []}
+        self.round_us: dict[str, list[float]] = {col: [] for col in self.times}  # each round's median
 
     def round(self, calls: int, record: bool = True) -> None:
         for col, fn in (("host_us", self.call), ("host_us_owned_buffers", self.owned),
@@ -132,6 +133,7 @@ class Case:
             times = host_times(fn, calls)
             if record:
                 self.times[col] += times
+                self.round_us[col].append(statistics.median(times) * 1e6)
 
     def row(self) -> dict:
         fast = self.plan.fast
@@ -141,6 +143,7 @@ class Case:
                "fast_equals_general": self.same}
         for col, ts in self.times.items():
             row[col] = statistics.median(ts) * 1e6
+        row["host_us_per_round"] = self.round_us["host_us"]
         return row
 
     def breakdown(self, calls: int, stub: bool) -> dict:
@@ -314,6 +317,8 @@ def _report(rows: list[dict], split: dict, stub: bool, args) -> tuple[list[str],
     lines += ["", f"- launch path: {'; '.join(paths)}"]
     parts = ", ".join(f"{n.replace('_us', '').replace('_', ' ')} {v:.1f} us" for n, v in split.items())
     lines.append(f"- tiny case split: {parts}")
+    per_round = ", ".join(f"{x:.1f}" for x in rows[0]["host_us_per_round"])
+    lines.append(f"- tiny plain call, median of each round: {per_round} us")
     checks: list[tuple[str, bool]] = []
     if not stub:
         tiny = rows[0]
