@@ -200,6 +200,9 @@ def _bound_against_general(la, drv, varlen):
     assert q_off.data_ptr() % 16 and not bound.launch(q_off, c2.k, c2.v, c2.g, c2.beta, c2.o, c2.A_log, c2.dt_bias,
                                                       c2.cu_seqlens, c2.initial_state, c2.final_state, None, None,
                                                       ws, c2.max_len)
+    # nor a caller workspace a byte short: the general path refuses it by name
+    assert not bound.launch(c2.q, c2.k, c2.v, c2.g, c2.beta, c2.o, c2.A_log, c2.dt_bias, c2.cu_seqlens,
+                            c2.initial_state, c2.final_state, None, None, ws[:-1], c2.max_len)
     assert drv.launches == []
     # without a caller workspace: one scratch buffer per (device, stream), reused by the next call;
     # not under capture; the legacy default stream (handle 0) cannot capture and is not asked

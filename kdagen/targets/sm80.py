@@ -385,7 +385,7 @@ class Sm80Bound:
             return False
         if ws is not None:
             wp = ws.data_ptr()
-            if wp % _WS_ALIGN or ws.numel() * ws.element_size() < self.ws_bytes:
+            if wp % _WS_ALIGN or ws.nbytes < self.ws_bytes:
                 return False  # the general path carves (and checks) a caller workspace
         lock = self.lock
         if not lock.acquire(False):  # not blocking
