@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import Optional
 
@@ -92,7 +93,7 @@ def host_offsets(cu_seqlens, cu_seqlens_cpu, assume_valid: bool) -> Optional[lis
 
 def check_offsets(cu: list[int], T: int, validate: bool = True) -> int:
     """The longest sequence of offsets `cu`; with validate, raise unless they rise from 0 to T."""
-    lens = [b - a for a, b in zip(cu, cu[1:])]
+    lens = list(map(operator.sub, cu[1:], cu))
     if validate and (cu[0] != 0 or cu[-1] != T or min(lens) < 0):
         raise _err("cu_seqlens", f"non-decreasing offsets from 0 to T={T}",
                    cu if len(cu) <= 12 else f"{cu[:6]}...{cu[-3:]}")

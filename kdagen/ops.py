@@ -30,10 +30,12 @@ DEVICE_KEYS = ("CPU", "CUDA", "PrivateUse1")  # PrivateUse1: Ascend NPUs through
 
 
 def _impl(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, out, final_state,
-          chunk_states, workspace, state_pool=None, state_indices=None, checkpoints=None, checkpoint_offsets=None, *,
+          chunk_states, workspace, state_pool=None, state_indices=None, checkpoints=None, checkpoint_offsets=None,
           scale=None, lower_bound=-5.0, gate=None, layout="BSND", state_layout="VK", use_qk_l2norm=True,
           allow_neg_eigval=False, chunk_size=None, assume_valid=False, variant=None, beta_is_logit=True,
           checkpoint_every=None) -> None:
+    # The schema's keyword arguments are positional-or-keyword here (the dispatcher passes them by
+    # name, only those not at their defaults): a keyword-only default costs a dict lookup per call.
     if state_pool is None and state_indices is None and checkpoints is None and checkpoint_offsets is None \
             and checkpoint_every is None and beta_is_logit is True:
         # kda_prefill's positional entry, skipping its keyword handling; the flags are the ones

@@ -30,7 +30,8 @@ from .inputs import CallInfo, check_offsets, check_signature
 from .registry import Entry, Registry
 from .padding import PaddedPlan, at_dims, choose_covering, coverage_note, target_dims
 from .select import GENERATE, Candidate, miss_message, preference, rejection
-from .signature_guard import make_guard, placeholders
+from .signature_guard import make_check
+from .targets.cuda_driver import capture_query
 from .tuning import memo_key as tuning_memo_key
 
 log = logging.getLogger("kdagen")
@@ -42,7 +43,6 @@ _LOGGED: set = set()
 _NO_PLAN = (object(), None, None, None)  # _LAST with no latest plan: its flags equal no call's
 _LAST: tuple = _NO_PLAN  # (flags, grad mode, guard, plan) of the latest call
 _GUARD_BUILDS = 8  # guards a plan gets at most
-_ABSENT = placeholders(9)  # what a guard sees for None in _prefill's optional tensor slots (5..13)
 # Choices by what selection depends on (so a new token count with the same sequences and heads
 # skips the candidate scan): functional key, device, N, HV, whether sequences average >= 512, and
 # the tuning-file rules the call's regime matches.
@@ -89,34 +89,30 @@ def _contiguous_strides(shape) -> tuple[int, ...]:
     return tuple(reversed(out))
 
 
-def _raw_empty(device: torch.device):
-    """(shape, strides, dtype) -> an uninitialized tensor on `device` from the caching allocator,
-    the cheap way: the allocator entry torch.compile's generated code calls (torch.empty_like
-    and torch.empty go through the dispatcher; measured 0.90 -> 0.56 us per CPU tensor). It
-    allocates on the current CUDA device, so a CUDA plan checks that per call; where torch lacks
-    the entry or it answers unlike torch.empty_strided, torch.empty_strided itself."""
+def _allocator(device: torch.device) -> tuple[Any, Any, Optional[Any], int]:
+    """(empty, general, current, index): empty(shape, strides, dtype) gives an uninitialized
+    tensor on `device` from the caching allocator the cheap way, the allocator entry
+    torch.compile's generated code calls (torch.empty_like and torch.empty go through the
+    dispatcher; measured 0.90 -> 0.56 us per CPU tensor). That entry allocates on the current
+    CUDA device, so where `current` is not None, empty serves a call only while current() ==
+    index (checked once per call, not per tensor); general (torch.empty_strided) serves the
+    others, and every call where torch lacks the entry or it answers unlike torch.empty_strided."""
     guards = getattr(getattr(torch._C, "_dynamo", None), "guards", None)
     raw = getattr(guards, f"_empty_strided_{device.type}", None) if device.type in ("cpu", "cuda") else None
 
     def general(shape, strides, dtype):
         return torch.empty_strided(shape, strides, dtype=dtype, device=device)
 
-    if raw is None:
-        return general
+    current, idx = None, -1
     if device.type == "cuda":
         current = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)  # the former skips a lazy-init check
         idx = device.index if device.index is not None else torch.cuda.current_device()
-
-        def fast(shape, strides, dtype):
-            return raw(shape, strides, dtype) if current() == idx else general(shape, strides, dtype)
-    else:
-        fast = raw
     try:
-        t = fast((2, 3), (3, 1), torch.bfloat16)
-        ok = (t.device, t.shape, t.stride(), t.dtype) == (device, (2, 3), (3, 1), torch.bfloat16)
+        t = raw((2, 3), (3, 1), torch.bfloat16) if raw is not None and (current is None or current() == idx) else None
+        ok = t is not None and (t.device, t.shape, t.stride(), t.dtype) == (device, (2, 3), (3, 1), torch.bfloat16)
     except Exception:
         ok = False
-    return fast if ok else general
+    return (raw, general, current, idx) if ok else (general, general, None, -1)
 
 
 def kda_prefill(
@@ -252,15 +248,10 @@ def _prefill(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seq
         guarded = flags == last[0] and torch.is_grad_enabled() is last[1]
     except Exception:  # a flag that does not compare (a tensor for scale): the checks below name it
         guarded = False
-    if guarded:
-        a5, a6, a7, a8, a9, a10, a11, a12, a13 = _ABSENT
-        if last[2].check(q, k, v, g, beta, a5 if A_log is None else A_log, a6 if dt_bias is None else dt_bias,
-                         a7 if initial_state is None else initial_state, a8 if cu_seqlens is None else cu_seqlens,
-                         a9 if cu_seqlens_cpu is None else cu_seqlens_cpu, a10 if out is None else out,
-                         a11 if final_state is None else final_state, a12 if chunk_states is None else chunk_states,
-                         a13 if workspace is None else workspace):
-            return last[3].run(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, out,
-                               final_state, chunk_states, workspace)
+    if guarded and last[2](q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, out,
+                           final_state, chunk_states, workspace):
+        return last[3].run(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, out,
+                           final_state, chunk_states, workspace)
     # The signature: everything validation and selection depend on but tensor values. Spelled
     # out (no helper per tensor): this line is most of the host cost of a call the guard above
     # does not serve. The autograd flag is one bool: a plan is never made (nor cached) for a
@@ -314,8 +305,7 @@ def _remember(plan: "Plan", flags: tuple, tensors: tuple, failed: bool) -> None:
             _LAST = _NO_PLAN
             return
         plan.guard_builds += 1
-        guard = plan.guard = make_guard(tensors[:5] + tuple(a if t is None else t
-                                                            for a, t in zip(_ABSENT, tensors[5:])))
+        guard = plan.guard = make_check(tensors)
     _LAST = (flags, torch.is_grad_enabled(), guard, plan) if guard is not None else _NO_PLAN
 
 
@@ -646,14 +636,17 @@ class Plan:
         cu = kw["cu_seqlens"]
         self.cu_ready = cu is None or (cu.dtype == torch.int32 and cu.is_contiguous() and cu.device == self.device)
         self.on_cuda = self.device.type == "cuda"
+        self.capturing = capture_query() if self.on_cuda else None
         self._static_offsets: Optional[torch.Tensor] = None
         # Calls a bound launch serves whole (_run_bound): no per-call conversion, no chunk states.
         gate_args = (A is None and dt is None) if self.precomputed else \
             (self.A_ready and (dt is None or self.dt_ready))
         self.bound_whole = gate_args and self.h0_ready and self.cu_ready and not self.want_chunks and info.N > 0
-        self.empty = _raw_empty(q.device) if self.bound_whole else None
+        self.empty, self.empty_general, self.current_device, self.device_index = _allocator(q.device)
+        self.o_alloc = (self.o_shape, self.o_cstrides, self.o_dtype)
+        self.fs_alloc = (self.fs_shape, self.fs_cstrides, self.st_dtype) if self.want_final else None
         self.fast = _UNBOUND  # the launcher's bound launch of this signature (None: it has none)
-        self.guard: Any = None  # signature_guard's check of a call with this plan's signature
+        self.guard: Any = None  # signature_guard's check of a call with this plan's signature (make_check)
         self.guard_builds = 0
 
     @property
@@ -685,7 +678,7 @@ class Plan:
     def _offsets(self, cu, cu_cpu) -> tuple[int, Optional[list[int]]]:
         """(longest sequence or its bound T, host offsets or None) for a varlen call."""
         T = self.info.T
-        if self.on_cuda and torch.cuda.is_current_stream_capturing():
+        if self.on_cuda and self.capturing():
             # A graph replays with new offsets: grids sized for the longest possible sequence.
             if cu_cpu is None and not self.assume_valid:
                 raise KdaInputError("cu_seqlens: cannot be read during CUDA graph capture; pass assume_valid=True "
@@ -721,10 +714,13 @@ class Plan:
         """A call of a signature whose bound launch serves it whole: offsets (varlen), outputs,
         launch; the general path only where the launch declines."""
         max_len = self._offsets(cu, cu_cpu)[0] if self.varlen else self.T
+        empty = self.empty
+        if self.current_device is not None and self.current_device() != self.device_index:
+            empty = self.empty_general
         if out is None:
-            out = self.empty(self.o_shape, self.o_cstrides, self.o_dtype)
-        if fs is None and self.want_final:
-            fs = self.empty(self.fs_shape, self.fs_cstrides, self.st_dtype)
+            out = empty(*self.o_alloc)
+        if fs is None and self.fs_alloc is not None:
+            fs = empty(*self.fs_alloc)
         if self._fast.launch(q, k, v, g, beta, out, A_log, dt_bias, cu, h0, fs, None, None, ws, max_len):
             return out, fs
         return self(q, k, v, g, beta, A_log, dt_bias, h0, cu, cu_cpu, out, fs, cs, ws)

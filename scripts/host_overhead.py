@@ -15,7 +15,8 @@ For each case (bf16, K = V = 128, bounded gate, fp32 state in and out):
 It first checks that the fast path gives the general path's result bit for bit, says which launch
 path the calls took, and splits the tiny case's host time: the bound launch alone (the driver
 calls inside), one driver call through cuda-bindings and through ctypes, the two output
-allocations (as the plan makes them, and as torch.empty_like would) and the whole plain call.
+allocations (as the plan makes them, and as torch.empty_like would), the whole plain call and the
+signature check that call passes first.
 Exit status 1 when the tiny case costs more than
 20 us of host time or T2048 H8 runs eager more than 1.3x its graph time (the issue's bars); JSON
 and a markdown table go to --out.
@@ -124,6 +125,7 @@ class Case:
                    kw.get("cu_seqlens"), kw.get("cu_seqlens_cpu"), out, fs, None, ws)
         self.op = lambda: torch.ops.kdagen.kda_prefill(*op_args, gate=kw["gate"], layout=kw["layout"])  # noqa: E731
         self.times: dict[str, list[float]] = {"host_us": [], "host_us_owned_buffers": [], "host_us_torch_op": []}
+        self.round_us: dict[str, list[float]] = {col: [] for col in self.times}  # each round's median
 
     def round(self, calls: int, record: bool = True) -> None:
         for col, fn in (("host_us", self.call), ("host_us_owned_buffers", self.owned),
@@ -131,6 +133,7 @@ class Case:
             times = host_times(fn, calls)
             if record:
                 self.times[col] += times
+                self.round_us[col].append(statistics.median(times) * 1e6)
 
     def row(self) -> dict:
         fast = self.plan.fast
@@ -140,6 +143,7 @@ class Case:
                "fast_equals_general": self.same}
         for col, ts in self.times.items():
             row[col] = statistics.median(ts) * 1e6
+        row["host_us_per_round"] = self.round_us["host_us"]
         return row
 
     def breakdown(self, calls: int, stub: bool) -> dict:
@@ -165,6 +169,10 @@ class Case:
         res["two_empty_like_us"] = statistics.median(
             host_times(lambda: (torch.empty_like(v), torch.empty_like(h0)), calls)) * 1e6
         res["plain_call_us"] = statistics.median(host_times(self.call, calls)) * 1e6
+        if plan.guard is not None:  # the latest-signature check a plain call passes first
+            slots = (kw["q"], kw["k"], kw["v"], kw["g"], kw["beta"], kw["A_log"], kw["dt_bias"], kw["initial_state"],
+                     kw.get("cu_seqlens"), kw.get("cu_seqlens_cpu"), None, None, None, None)
+            res["signature_check_us"] = statistics.median(host_times(lambda: plan.guard(*slots), calls)) * 1e6
         return res
 
     def driver_calls(self, calls: int) -> dict:
@@ -309,6 +317,8 @@ def _report(rows: list[dict], split: dict, stub: bool, args) -> tuple[list[str],
     lines += ["", f"- launch path: {'; '.join(paths)}"]
     parts = ", ".join(f"{n.replace('_us', '').replace('_', ' ')} {v:.1f} us" for n, v in split.items())
     lines.append(f"- tiny case split: {parts}")
+    per_round = ", ".join(f"{x:.1f}" for x in rows[0]["host_us_per_round"])
+    lines.append(f"- tiny plain call, median of each round: {per_round} us")
     checks: list[tuple[str, bool]] = []
     if not stub:
         tiny = rows[0]

@@ -33,6 +33,9 @@ class RecordingDriver:
         self.capturing = False  # what torch.cuda.is_current_stream_capturing() answers
         self.stream = STREAM  # the raw handle of torch's current stream
 
+    def is_capturing(self) -> bool:
+        return self.capturing
+
     def cuLaunchKernel(self, f, gx, gy, gz, bx, by, bz, smem, stream, argv, extra):
         self.count += 1
         if self.record:
@@ -71,20 +74,22 @@ def sm80_on_cpu(variant: Optional[Variant] = None,
     la = sm80.Sm80Launcher(variant, Path("unused.fatbin"))
     la._module = lambda dev: (0, (mod, "kda_prep", "kda_recur", *META))
     stream = type("Stream", (), {"cuda_stream": STREAM})()
-    saved = [(sm80, n, getattr(sm80, n)) for n in ("driver", "driver_binding", "current_stream_handle", "_sm_count")]
+    saved = [(sm80, n, getattr(sm80, n)) for n in ("driver", "driver_binding", "raw_stream_query", "capture_query",
+                                                   "_sm_count")]
     saved += [(torch.cuda, n, getattr(torch.cuda, n)) for n in ("current_stream", "is_current_stream_capturing")]
     sm80.driver = lambda: drv
     sm80.driver_binding = lambda: "the stand-in driver of tests/fake_cuda.py (launches dropped)"
-    sm80.current_stream_handle = lambda idx: drv.stream
+    sm80.raw_stream_query = lambda: (lambda idx: drv.stream)
+    sm80.capture_query = lambda: (lambda: drv.is_capturing())
     sm80._sm_count = lambda device: 132
     torch.cuda.current_stream = lambda device=None: stream
-    torch.cuda.is_current_stream_capturing = lambda: drv.capturing
+    torch.cuda.is_current_stream_capturing = lambda: drv.is_capturing()
     try:
         yield la, drv
     finally:
         for owner, name, value in saved:
             setattr(owner, name, value)
-        sm80.Sm80Bound._ARENAS.clear()
+        sm80.Sm80Bound.drop_arenas()
 
 
 @contextmanager

@@ -200,17 +200,20 @@ def _bound_against_general(la, drv, varlen):
     assert q_off.data_ptr() % 16 and not bound.launch(q_off, c2.k, c2.v, c2.g, c2.beta, c2.o, c2.A_log, c2.dt_bias,
                                                       c2.cu_seqlens, c2.initial_state, c2.final_state, None, None,
                                                       ws, c2.max_len)
+    # nor a caller workspace a byte short: the general path refuses it by name
+    assert not bound.launch(c2.q, c2.k, c2.v, c2.g, c2.beta, c2.o, c2.A_log, c2.dt_bias, c2.cu_seqlens,
+                            c2.initial_state, c2.final_state, None, None, ws[:-1], c2.max_len)
     assert drv.launches == []
     # without a caller workspace: one scratch buffer per (device, stream), reused by the next call;
     # not under capture; the legacy default stream (handle 0) cannot capture and is not asked
     drv.capturing = False
-    sm80.Sm80Bound._ARENAS.clear()
+    sm80.Sm80Bound.drop_arenas()
     args = (c2.q, c2.k, c2.v, c2.g, c2.beta, c2.o, c2.A_log, c2.dt_bias, c2.cu_seqlens, c2.initial_state,
             c2.final_state, None, None, None, c2.max_len)
     drv.launches.clear()
     assert bound.launch(*args) and bound.launch(*args)
     ws_of = [KdaParams.from_buffer_copy(x[5]).ws for x in drv.launches]
-    arena, arena_ptr, arena_bytes = sm80.Sm80Bound._ARENAS[(0, fake_cuda.STREAM)]
+    arena, arena_ptr, arena_bytes = sm80.Sm80Bound._ARENAS[0][fake_cuda.STREAM]
     assert len(set(ws_of)) == 1 and ws_of[0] == arena.data_ptr() == arena_ptr
     assert arena.numel() == arena_bytes == ws_bytes
     drv.capturing = True
@@ -222,11 +225,11 @@ def _bound_against_general(la, drv, varlen):
     def never_asked():
         raise AssertionError("the legacy default stream was asked whether it captures")
 
-    torch.cuda.is_current_stream_capturing = never_asked
+    drv.is_capturing = never_asked
     drv.launches.clear()
     assert bound.launch(*args) and bound.launch(*args)
     on_default = {KdaParams.from_buffer_copy(x[5]).ws for x in drv.launches}
-    assert on_default == {sm80.Sm80Bound._ARENAS[(0, 0)][1]} and on_default != {ws_of[0]}
+    assert on_default == {sm80.Sm80Bound._ARENAS[0][0][1]} and on_default != {ws_of[0]}
     # the same stream handle on another device (handle 0 is every device's default stream):
     # another arena, on that device
     module0 = la._module
@@ -234,8 +237,8 @@ def _bound_against_general(la, drv, varlen):
     bound1 = la.bind(call_of(t, B, N, ws))
     drv.launches.clear()
     assert bound1.launch(*args)
-    assert KdaParams.from_buffer_copy(drv.launches[0][5]).ws == sm80.Sm80Bound._ARENAS[(1, 0)][1] \
-        != sm80.Sm80Bound._ARENAS[(0, 0)][1]
+    assert KdaParams.from_buffer_copy(drv.launches[0][5]).ws == sm80.Sm80Bound._ARENAS[1][0][1] \
+        != sm80.Sm80Bound._ARENAS[0][0][1]
     assert bound1.lock is not bound.lock
     # another thread launching on the device (it holds the device's lock) makes a call decline
     # rather than wait, with a caller workspace or without
@@ -245,6 +248,30 @@ def _bound_against_general(la, drv, varlen):
         assert not bound.launch(c2.q, c2.k, c2.v, c2.g, c2.beta, c2.o, c2.A_log, c2.dt_bias, c2.cu_seqlens,
                                 c2.initial_state, c2.final_state, None, None, ws, c2.max_len)
     assert drv.launches == []
+
+
+def test_sm80_bound_launch_of_no_tokens_launches_only_the_recurrence():
+    """T = 0 (B sequences of no tokens): no prep chunks, so only kda_recur runs (it writes the
+    initial states through), the bound launch as the general one."""
+    with sm80_on_cpu() as (la, drv):
+        B, H, K = 2, 2, 64
+        r = torch.randn
+        q, v = r(B, 0, H, K).bfloat16(), r(B, 0, H, K).bfloat16()
+        o, h0, ht = torch.empty_like(v), r(B, H, K, K), torch.empty(B, H, K, K)
+        st = (0, K * H, K)
+        call = rt.KdaCall(q=q, k=q.clone(), v=v, g=r(B, 0, H, K), beta=r(B, 0, H), o=o, q_strides=st, k_strides=st,
+                          v_strides=st, g_strides=st, beta_strides=(0, H, 1), o_strides=st, B=B, T=0, N=B, H=H,
+                          HV=H, K=K, V=K, cu_seqlens=None, A_log=r(H), dt_bias=r(H, K), scale=0.125,
+                          lower_bound=-5.0, use_qk_l2norm=True, allow_neg_eigval=False, initial_state=h0,
+                          final_state=ht, state_kv=False, chunk_states=None, chunk_offsets=None, max_len=0)
+        la(call)
+        general = drv.launches[:]
+        assert [x[0] for x in general] == ["kda_recur"]
+        bound = la.bind(call)
+        drv.launches.clear()
+        assert bound.launch(call.q, call.k, call.v, call.g, call.beta, o, call.A_log, call.dt_bias, None, h0, ht, None,
+                            None, None, 0)
+        assert [x[:5] for x in drv.launches] == [x[:5] for x in general]
 
 
 # ----------------------------------------------------------------------------- the runtime over it
@@ -325,27 +352,45 @@ def test_runtime_runs_a_bound_signature_through_the_bound_launch(lens):
 def test_bound_outputs_come_from_the_allocator_entry_when_it_behaves(monkeypatch):
     guards = torch._C._dynamo.guards
     cpu = torch.device("cpu")
-    empty = rt._raw_empty(cpu)
-    assert empty is guards._empty_strided_cpu
+    empty, general, current, _ = rt._allocator(cpu)
+    assert empty is guards._empty_strided_cpu and current is None  # no current device to check on the CPU
     t = empty((2, 5, 3), (15, 3, 1), torch.bfloat16)
     assert (t.shape, t.stride(), t.dtype, t.device, t.requires_grad) == ((2, 5, 3), (15, 3, 1), torch.bfloat16, cpu,
                                                                          False)
+    assert general((2, 3), (1, 2), torch.bfloat16).stride() == (1, 2)
     with torch.inference_mode():  # like torch.empty there: an inference tensor
         assert empty((1,), (1,), torch.float32).is_inference()
     # an entry that answers unlike torch.empty_strided (or is missing) is not used
     monkeypatch.setattr(guards, "_empty_strided_cpu", lambda shape, strides, dtype: torch.empty(shape))
-    general = rt._raw_empty(cpu)
-    assert general((2, 3), (1, 2), torch.bfloat16).stride() == (1, 2)
+    empty, general, current, _ = rt._allocator(cpu)
+    assert empty is general and current is None and empty((2, 3), (1, 2), torch.bfloat16).stride() == (1, 2)
     monkeypatch.delattr(guards, "_empty_strided_cpu")
-    assert rt._raw_empty(cpu)((4,), (1,), torch.int32).dtype == torch.int32
+    empty, general, _, _ = rt._allocator(cpu)
+    assert empty is general and empty((4,), (1,), torch.int32).dtype == torch.int32
     if not torch.cuda.is_available():  # the CUDA entry of a CPU-only torch raises: not used
-        assert rt._raw_empty(torch.device("cuda", 0)).__name__ == "general"
+        empty, general, current, _ = rt._allocator(torch.device("cuda", 0))
+        assert empty is general and current is None
+
+
+@pytest.mark.gpu
+def test_gpu_bound_outputs_follow_the_current_device():
+    """The raw allocator entry allocates on the current device: a plan for cuda:0 called while
+    another device is current gets its outputs on cuda:0 all the same."""
+    kw = _gpu_case([64])
+    plan_device = kw["q"].device
+    o, fs = kdagen.kda_prefill(**kw)
+    o, fs = kdagen.kda_prefill(**kw)  # the bound launch
+    assert o.device == fs.device == plan_device
+    if torch.cuda.device_count() > 1:
+        with torch.cuda.device(1):
+            o2, fs2 = kdagen.kda_prefill(**kw)
+        assert o2.device == fs2.device == plan_device and torch.equal(o2, o)
 
 
 def sm80_arena_ptr() -> int:
     import kdagen.targets.sm80 as sm80
 
-    (arena,) = sm80.Sm80Bound._ARENAS.values()
+    (arena,) = [a for arenas in sm80.Sm80Bound._ARENAS.values() for a in arenas.values()]
     return arena[1]
 
 
@@ -378,7 +423,7 @@ def test_a_cached_plan_serves_only_calls_of_its_signature(monkeypatch, guarded):
     if guarded:
         assert signature_guard.available()
     else:
-        monkeypatch.setattr(rt, "make_guard", lambda args: None)
+        monkeypatch.setattr(rt, "make_check", lambda args: None)
     served = []
     for name in ("_run_bound", "__call__"):
         real = getattr(rt.Plan, name)

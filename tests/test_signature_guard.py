@@ -11,26 +11,40 @@ from kdagen import signature_guard as sg
 
 def test_the_guard_tells_apart_every_fact_of_a_signature():
     assert sg.available()
-    a, b = sg.placeholders(2)
-    assert a is not b and type(a) is type(b) is sg._Absent
     x, y = torch.randn(2, 5, 3), torch.randn(5)
-    guard = sg.make_guard((x, a, y, b))
-    assert guard.check(torch.zeros(2, 5, 3), a, torch.zeros(5), b) is True  # values do not matter
+    guard = sg.make_guard((x, y))
+    assert guard.check(torch.zeros(2, 5, 3), torch.zeros(5)) is True  # values do not matter
     for other in [
-        (torch.zeros(2, 5, 4), a, y, b),                      # shape
-        (torch.zeros(2, 3, 5).transpose(1, 2), a, y, b),      # strides
-        (x.double(), a, y, b),                                # dtype
-        (x.clone().requires_grad_(), a, y, b),                # autograd
-        (torch.empty(2, 5, 3, device="meta"), a, y, b),       # device
-        (x, torch.zeros(0), y, b),                            # a tensor where there was none
-        (x, a, y, a),                                         # a slot's placeholder in another slot
+        (torch.zeros(2, 5, 4), y),                      # shape
+        (torch.zeros(2, 3, 5).transpose(1, 2), y),      # strides
+        (x.double(), y),                                # dtype
+        (x.clone().requires_grad_(), y),                # autograd
+        (torch.empty(2, 5, 3, device="meta"), y),       # device
+        (torch.nn.Parameter(x.clone()), y),             # Python type
     ]:
         assert guard.check(*other) is False
+
+
+def test_a_check_tells_absent_arguments_apart():
+    x, y = torch.randn(2, 5, 3), torch.randn(5)
+    check = sg.make_check((x, None, y, None))
+    assert check(torch.zeros(2, 5, 3), None, torch.zeros(5), None) is True
+    assert check(x, torch.zeros(0), y, None) is False  # a tensor where there was none
+    assert check(x, None, y, y.clone()) is False
+    assert check(x, None, torch.zeros(6), None) is False  # the present ones: the guard
+    # None or no tensor where a tensor was: False (the runtime's Python key then names it)
+    assert check(x, None, None, None) is False and check(x, None, [1.0] * 5, None) is False
+    # one compiled function per pattern of absent slots, each with its own guard
+    other = sg.make_check((x, None, torch.randn(3), None))
+    assert other(x, None, torch.zeros(3), None) is True and check(x, None, torch.zeros(3), None) is False
+    assert sg._check_factory.cache_info().currsize >= 1
+    assert sg.make_check((None, y))(None, torch.ones(5)) is True
 
 
 def test_one_tensor_in_two_slots_gets_no_guard():
     x = torch.randn(3)
     assert sg.make_guard((x, x)) is None  # torch's guard fails such calls: the Python key serves them
+    assert sg.make_check((x, None, x)) is None
     assert sg.make_guard((x, x.clone())) is not None
 
 
@@ -39,6 +53,7 @@ def test_without_torchs_guard_there_is_none(monkeypatch):
     sg.available.cache_clear()
     try:
         assert not sg.available() and sg.make_guard((torch.randn(3),)) is None
+        assert sg.make_check((torch.randn(3), None)) is None
     finally:
         sg.available.cache_clear()
 

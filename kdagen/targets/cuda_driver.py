@@ -41,18 +41,31 @@ def driver_binding() -> str:
         return "cuda-bindings"
 
 
+def raw_stream_query():
+    """f(device_index) -> the CUstream handle of torch's current stream on that device, the cheap
+    way (torch's own generated code asks so; torch.cuda.current_stream builds a Stream object per
+    call)."""
+    import torch
+
+    return getattr(torch._C, "_cuda_getCurrentRawStream", None) or (lambda i: torch.cuda.current_stream(i).cuda_stream)
+
+
+def capture_query():
+    """f() -> whether torch's current CUDA stream is capturing a graph: torch's C entry where it
+    has one (torch.cuda.is_current_stream_capturing is a Python frame around it)."""
+    import torch
+
+    return getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) or torch.cuda.is_current_stream_capturing
+
+
 _RAW_STREAM = None
 
 
 def current_stream_handle(device_index: int) -> int:
-    """The CUstream handle of torch's current stream on a device, the cheap way (torch's own
-    generated code asks so; torch.cuda.current_stream builds a Stream object per call)."""
+    """The CUstream handle of torch's current stream on a device (raw_stream_query's answer)."""
     global _RAW_STREAM
     if _RAW_STREAM is None:
-        import torch
-
-        fast = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-        _RAW_STREAM = fast or (lambda i: torch.cuda.current_stream(i).cuda_stream)
+        _RAW_STREAM = raw_stream_query()
     return _RAW_STREAM(device_index)
 
 

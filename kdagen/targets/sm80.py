@@ -22,7 +22,7 @@ from ..abi import KdaCall
 from ..dtypes import torch_dtype
 from ..select import _sm_count
 from ..variant import Variant
-from .cuda_driver import current_stream_handle, driver, driver_binding, load_module
+from .cuda_driver import capture_query, driver, driver_binding, load_module, raw_stream_query
 from .cuda_launch import KdaParams, aligned_btH, check_call, check_shared_memory
 from .cuda_launch import ptr as _ptr
 
@@ -319,10 +319,11 @@ _LOCKS_GUARD = threading.Lock()
 
 class Sm80Bound:
     """One call signature's launch, prepared once: the parameter struct with strides and scalars
-    filled, grids, kernels, workspace size. A call writes its 14 pointers into the struct and
-    launches both kernels on torch's current stream, with no checks (the signature was checked)
-    and no context switch (torch keeps the device's primary context current; a launch that
-    finds another one falls back to the general path, which switches)."""
+    filled, grids, kernels, workspace size, and per stream the driver calls' argument tuples. A
+    call writes its 14 pointers into the struct and launches both kernels on torch's current
+    stream, with no checks (the signature was checked) and no context switch (torch keeps the
+    device's primary context current; a launch that finds another one falls back to the general
+    path, which switches)."""
 
     _PTRS = ("q", "k", "v", "g", "beta", "o", "A_log", "dt_bias", "cu_seqlens", "h0", "ht", "hc",
              "chunk_offsets", "ws")
@@ -345,6 +346,7 @@ class Sm80Bound:
         self.f1, self.f2 = f1, f2
         self.nt1, self.nt2, self.smem1, self.smem2 = nt1, nt2, smem1, smem2
         self.C, self.N, self.HV = v.chunk, call.N, call.HV
+        self.T = call.T
         self.recur_grid = (v.v // v.block_v, call.N, call.HV)
         self.varlen = call.cu_seqlens is not None
         self.ws_bytes = ws_bytes
@@ -352,7 +354,25 @@ class Sm80Bound:
         self.lock = _device_lock(idx)
         self.launch_kernel = driver().cuLaunchKernel
         self.launch_path = f"cuLaunchKernel through {driver_binding()}"
-        self.streams: dict[int, object] = {}
+        self.raw_stream = raw_stream_query()
+        self.capturing = capture_query()
+        self.streams: dict[int, object] = {}  # raw handle -> CUstream
+        # raw handle -> (prep's arguments (None: varlen, its grid is per call), recur's arguments)
+        self.stream_args: dict[int, tuple] = {}
+        self.arenas = _arenas(idx)
+
+    def _args_for(self, raw: int) -> tuple:
+        """The driver calls' argument tuples on the stream `raw` (made once per stream)."""
+        stream = self.streams.get(raw)
+        if stream is None:
+            stream = self.streams[raw] = driver().CUstream(raw)
+        argv = self.argv_addr
+        # prep: None for varlen (its grid follows each call's longest sequence), () for T = 0 (no chunks)
+        prep = None if self.varlen else () if self.T <= 0 else (self.f1, -(-self.T // self.C), self.N, self.HV,
+                                                                self.nt1, 1, 1, self.smem1, stream, argv, 0)
+        gx, gy, gz = self.recur_grid
+        args = self.stream_args[raw] = (prep, (self.f2, gx, gy, gz, self.nt2, 1, 1, self.smem2, stream, argv, 0))
+        return args
 
     def launch(self, q, k, v, g, beta, o, A_log, dt_bias, cu_seqlens, h0, ht, hc, chunk_offsets, ws,
                max_len: int) -> bool:
@@ -365,32 +385,35 @@ class Sm80Bound:
             return False
         if ws is not None:
             wp = ws.data_ptr()
-            if wp % _WS_ALIGN or ws.numel() * ws.element_size() < self.ws_bytes:
+            if wp % _WS_ALIGN or ws.nbytes < self.ws_bytes:
                 return False  # the general path carves (and checks) a caller workspace
         lock = self.lock
         if not lock.acquire(False):  # not blocking
             return False
         try:
-            raw = current_stream_handle(self.idx)
+            raw = self.raw_stream(self.idx)
             if ws is None:
-                ws, wp = self._scratch(raw)  # ws held until both launches are queued
-            params = self.params
-            _PACK_PTRS(params, self.ptr_offset, qp, kp, vp, gp, beta.data_ptr(), op,
+                # the stream's arena (see _scratch); the legacy default stream (0) cannot capture
+                arena = self.arenas.get(raw)
+                if arena is not None and arena[2] >= self.ws_bytes and not (raw and self.capturing()):
+                    ws, wp = arena[0], arena[1]  # ws held until both launches are queued
+                else:
+                    ws, wp = self._scratch(raw)
+            _PACK_PTRS(self.params, self.ptr_offset, qp, kp, vp, gp, beta.data_ptr(), op,
                        0 if A_log is None else A_log.data_ptr(), 0 if dt_bias is None else dt_bias.data_ptr(),
                        0 if cu_seqlens is None else cu_seqlens.data_ptr(), 0 if h0 is None else h0.data_ptr(),
                        0 if ht is None else ht.data_ptr(), 0 if hc is None else hc.data_ptr(),
                        0 if hc is None else chunk_offsets.data_ptr(), wp)
-            if self.varlen:
-                _PACK_INT(params, self.max_len_offset, max_len)
-            stream = self.streams.get(raw)
-            if stream is None:
-                stream = self.streams[raw] = driver().CUstream(raw)
-            launch_kernel, argv = self.launch_kernel, self.argv_addr
-            if max_len > 0 and launch_kernel(self.f1, -(-max_len // self.C), self.N, self.HV, self.nt1, 1, 1,
-                                             self.smem1, stream, argv, 0)[0]:
+            prep, recur = self.stream_args.get(raw) or self._args_for(raw)
+            launch_kernel = self.launch_kernel
+            if prep is None:  # varlen: the grid follows this call's longest sequence
+                _PACK_INT(self.params, self.max_len_offset, max_len)
+                if max_len > 0 and launch_kernel(self.f1, -(-max_len // self.C), self.N, self.HV, self.nt1, 1, 1,
+                                                 self.smem1, recur[8], self.argv_addr, 0)[0]:
+                    return False
+            elif prep and launch_kernel(*prep)[0]:
                 return False
-            gx, gy, gz = self.recur_grid
-            return not launch_kernel(self.f2, gx, gy, gz, self.nt2, 1, 1, self.smem2, stream, argv, 0)[0]
+            return not launch_kernel(*recur)[0]
         finally:
             lock.release()
 
@@ -400,17 +423,29 @@ class Sm80Bound:
     # under CUDA graph capture (the graph keeps its own; the legacy default stream, handle 0,
     # cannot capture, so it is not asked), not above ARENA_MAX (long calls: noise).
     ARENA_MAX = 64 << 20
-    _ARENAS: dict[tuple[int, int], tuple[torch.Tensor, int, int]] = {}  # (device, stream) -> (buffer, address, bytes)
+    _ARENAS: dict[int, dict[int, tuple[torch.Tensor, int, int]]] = {}  # device -> stream -> (buffer, address, bytes)
+
+    @classmethod
+    def drop_arenas(cls) -> None:
+        """Let go of every stream's scratch arena (later calls allocate anew)."""
+        with _LOCKS_GUARD:
+            for arenas in cls._ARENAS.values():
+                arenas.clear()
 
     def _scratch(self, raw_stream: int) -> tuple[torch.Tensor, int]:
-        """This call's scratch and its address (the caller holds the device lock)."""
+        """This call's scratch and its address, where the stream's arena does not serve it (the
+        caller holds the device lock)."""
         n = self.ws_bytes
-        if n > self.ARENA_MAX or (raw_stream and torch.cuda.is_current_stream_capturing()):
+        if n > self.ARENA_MAX or (raw_stream and self.capturing()):
             buf = torch.empty(n, dtype=torch.uint8, device=self.device)
             return buf, buf.data_ptr()
-        key = (self.idx, raw_stream)
-        arena = Sm80Bound._ARENAS.get(key)
+        arena = self.arenas.get(raw_stream)
         if arena is None or arena[2] < n:
             buf = torch.empty(n, dtype=torch.uint8, device=self.device)
-            arena = Sm80Bound._ARENAS[key] = (buf, buf.data_ptr(), n)
+            arena = self.arenas[raw_stream] = (buf, buf.data_ptr(), n)
         return arena[0], arena[1]
+
+
+def _arenas(idx: int) -> dict[int, tuple[torch.Tensor, int, int]]:
+    with _LOCKS_GUARD:
+        return Sm80Bound._ARENAS.setdefault(idx, {})
