@@ -3,7 +3,7 @@
 #   scripts/gpu_check.sh [build] [test] [sanitize] [bench] [profile] [ab]   (default: the first four)
 # ab: AB_CASES="VARIANT:T:H ..." and AB_BUILDS="LABEL=PATH ..." ({v} in a path: the variant name),
 #   builds made on the CPU machine with `scripts/fatbin_ab.py --build`; one scripts/fatbin_ab.py
-#   process per case times every build side by side (log: $OUT/ab.log).
+#   process per case times every build side by side (AB_ARGS: more of its options; log: $OUT/ab.log).
 # profile: PROFILE_VARIANTS="name ..." PROFILE_ARGS="--T 16384 --H 24" (ncu, one report per variant,
 #   with its text details and a per-phase table from scripts/ncu_phases.py)
 # test: SHARDS (default 8) pytest processes share the GPU (tests/conftest.py --shard; tests of
@@ -88,7 +88,7 @@ for stage in $STAGES; do
     ab)
       for case in ${AB_CASES:-}; do
         IFS=: read -r v T H <<< "$case"
-        timeout "${AB_TIMEOUT:-150}" python3 scripts/fatbin_ab.py --variant "$v" --T "$T" --H "$H" ${AB_BUILDS//\{v\}/$v} \
+        timeout "${AB_TIMEOUT:-150}" python3 scripts/fatbin_ab.py --variant "$v" --T "$T" --H "$H" ${AB_ARGS:-} ${AB_BUILDS//\{v\}/$v} \
           2>&1 | tee -a "$OUT/ab.log"
         [ "${PIPESTATUS[0]}" = 0 ] || rc=1
       done ;;

@@ -96,7 +96,7 @@ constexpr int OBUF = (O_BY_COPY ? 2 : 1) * OSLOT * 2;
 // The split-K partners' exchange is ordered by an mbarrier per V tile (arrive + parity wait), or
 // with KDA_PAIR_MBAR=0 (kept for A/B timing) by a named barrier per tile. With the named barrier
 // racecheck reports the copy warp's o reads at K = 128 though the block barrier orders them: a
-// tool blind spot (scripts/sanitizer/race_blind_spot.cu: MODE 1 reported, MODE 3 mbarrier clean).
+// tool blind spot that mbarriers avoid (scripts/sanitizer/race_blind_spot.cu, MODE 1 vs 3 and 5).
 #ifndef KDA_PAIR_MBAR
 #define KDA_PAIR_MBAR 1
 #endif
