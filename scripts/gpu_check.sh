@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one call on the H200 (device tool):
-#   scripts/gpu_check.sh [build] [test] [sanitize] [bench] [profile]   (default: the first four)
+#   scripts/gpu_check.sh [build] [test] [sanitize] [bench] [profile] [ab]   (default: the first four)
+# ab: AB_CASES="VARIANT:T:H ..." and AB_BUILDS="LABEL=PATH ..." ({v} in a path: the variant name),
+#   builds made on the CPU machine with `scripts/fatbin_ab.py --build`; one scripts/fatbin_ab.py
+#   process per case times every build side by side (AB_ARGS: more of its options; log: $OUT/ab.log).
 # profile: PROFILE_VARIANTS="name ..." PROFILE_ARGS="--T 16384 --H 24" (ncu, one report per variant,
 #   with its text details and a per-phase table from scripts/ncu_phases.py)
 # test: SHARDS (default 8) pytest processes share the GPU (tests/conftest.py --shard; tests of
@@ -80,11 +83,18 @@ for stage in $STAGES; do
       nvcc -arch=sm_90 -lineinfo scripts/sanitizer/race_blind_spot.cu -o "$OUT/race_blind_spot" \
         && compute-sanitizer --tool racecheck --print-limit 100 "$OUT/race_blind_spot" > "$OUT/sanitize/blind_spot.log" 2>&1
       { echo; echo "racecheck on scripts/sanitizer/race_blind_spot.cu (hazard reports per kernel; all modes are correct):"
-        for m in 0 1 3 4; do echo "  MODE $m: $(grep -c "handoff<(int)$m>" "$OUT/sanitize/blind_spot.log")"; done; } \
+        for m in 0 1 3 4 5; do echo "  MODE $m: $(grep -c "handoff<(int)$m>" "$OUT/sanitize/blind_spot.log")"; done; } \
         | tee -a "$OUT/sanitize_summary.md"
       rm -f "$OUT/race_blind_spot" ;;
     bench)
       timeout "${BENCH_TIMEOUT:-330}" python3 -m kdagen.cli bench ${BENCH_ARGS:-} --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log" || rc=1 ;;
+    ab)
+      for case in ${AB_CASES:-}; do
+        IFS=: read -r v T H <<< "$case"
+        timeout "${AB_TIMEOUT:-150}" python3 scripts/fatbin_ab.py --variant "$v" --T "$T" --H "$H" ${AB_ARGS:-} ${AB_BUILDS//\{v\}/$v} \
+          2>&1 | tee -a "$OUT/ab.log"
+        [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+      done ;;
     profile)
       # ncu on the last of 3 calls (kda_prep + kda_recur) of each PROFILE_VARIANTS entry.
       for pv in ${PROFILE_VARIANTS:-}; do

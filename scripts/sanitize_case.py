@@ -2,13 +2,14 @@
 compute-sanitizer (scripts/gpu_check.sh sanitize runs every tool on every variant this picks, each
 in its own process).
 
-    python3 scripts/sanitize_case.py --list [--targets sm80,sm90,triton]   # one variant per kernel shape
+    python3 scripts/sanitize_case.py --list [--targets sm80,sm90,triton] [--match '*k128*']   # one variant per kernel shape
     python3 scripts/sanitize_case.py --variant NAME                       # run one
 """
 
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import sys
 
 import torch
@@ -38,11 +39,13 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--targets", default="sm80,sm90,triton", help="comma-separated targets (with --list)")
     ap.add_argument("--list", action="store_true", help="print the variants to check, one per line")
+    ap.add_argument("--match", default="*", help="glob on the variant name (with --list)")
     ap.add_argument("--variant", help="run this variant")
     a = ap.parse_args()
     if a.list:
         for v in picked(set(a.targets.split(","))):
-            print(v.name)
+            if fnmatch.fnmatchcase(v.name, a.match):
+                print(v.name)
         return 0
     if not a.variant or a.variant not in registry().entries:
         print(f"--variant: expected a registered variant name, found {a.variant!r}", file=sys.stderr)

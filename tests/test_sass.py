@@ -1,12 +1,13 @@
 """Structure of the built sm80 kernels, read from their SASS (no GPU needed).
 
 These pin design properties that only a GPU could otherwise reveal (as time): the recurrence
-meets the whole block once per chunk, the split-K warp pairs meet at 64-thread named barriers,
+meets the whole block once per chunk, the split-K warp pairs meet at an mbarrier per V tile,
 and the chunk-16 prep does its matrix products on tensor cores.
 """
 
 from __future__ import annotations
 
+import collections
 from pathlib import Path
 
 import pytest
@@ -25,20 +26,22 @@ pytestmark = [
 
 @pytest.mark.parametrize("var,art", ARTIFACTS, ids=[v.name for v, _ in ARTIFACTS])
 def test_recurrence_barriers(var: Variant, art: Path):
-    """The compute warps' chunk loop has one block-wide barrier per step; at K = 128 one 64-thread
-    named barrier per V tile of a warp pair. (The copy warp's loop, which ptxas may unroll, meets
-    the same block barrier once per step; the GPU tests would hang otherwise.)"""
-    mt = 2 if var.chunk == 16 and var.block_v >= 64 else 1  # MT in kda_layout.cuh: 16 * MT V rows per warp
+    """The compute warps' chunk loop has one block-wide barrier per step and no named barrier; at
+    K = 128 the warp pair of a V tile meets at that tile's mbarrier: one arrive (the tile's address
+    in a register) and one phase poll per step. (The copy warp's loop, which ptxas may unroll,
+    meets the same block barrier once per step; the GPU tests would hang otherwise.)"""
     for arch in ("sm_80", "sm_90"):
         recur = disassemble(art, arch)["kda_recur"]
-        bars = recur.barriers(*recur.loop_with("HMMA"))
+        lo, hi = recur.loop_with("HMMA")
+        bars = recur.barriers(lo, hi)
         assert sum(b.endswith(" 0x0") for b in bars) == 1, f"{var.name} {arch}: {bars}"
         named = [b for b in bars if not b.endswith(" 0x0")]
-        if var.k >= 128:  # split K: warps vt and vt + NWV pair up under ids 1..NWV
-            want = [f"BAR.SYNC.DEFER_BLOCKING {hex(i + 1)}, 0x40" for i in range(var.block_v // (16 * mt))]
-            assert named == want, f"{var.name} {arch}: {named}"
-        else:
-            assert named == [], f"{var.name} {arch}: {named}"
+        assert named == [], f"{var.name} {arch}: {named}"
+        ops = collections.Counter(i.split()[0] for a, i in zip(recur.addresses, recur.instructions) if lo <= a <= hi)
+        # sm_80: ATOMS.ARRIVE, then the poll is a plain LDS of the barrier word; sm_90: SYNCS.*
+        arrive, poll = ("ATOMS.ARRIVE.64", None) if arch == "sm_80" else ("SYNCS.ARRIVE.TRANS64.A1T0", "SYNCS.PHASECHK.TRANS64")
+        want = 1 if var.k >= 128 else 0
+        assert ops[arrive] == want and (poll is None or ops[poll] == want), f"{var.name} {arch}: {ops}"
 
 
 @pytest.mark.parametrize("var,art", C16, ids=[v.name for v, _ in C16])

@@ -6,9 +6,11 @@
 //   MODE 1  pair exchange ordered by a named barrier  racecheck reports the staged slot as a race
 //   MODE 3  pair exchange ordered by an mbarrier      racecheck: clean
 //   MODE 4  MODE 1 plus a producer/consumer named-barrier hand-off of the staged slot: still reported
+//   MODE 5  MODE 3 with kda_recur's wait: mbarrier.test_wait.parity on the step's phase parity
 // H200, compute-sanitizer 2025.x, 2026-12-01: MODE 0 and 3 clean, MODE 1 and 4 reported. So racecheck
 // loses the block barrier's ordering between the copy warp and warps that also used a named barrier:
-// a tool blind spot, not a race (kda_recur's o hand-off at K = 128 is MODE 1). Exit status 0.
+// a tool blind spot, not a race (kda_recur's o hand-off at K = 128 was MODE 1 with KDA_PAIR_MBAR=0;
+// its default is MODE 5). Exit status 0.
 #include <cstdint>
 #include <cstdio>
 
@@ -21,7 +23,7 @@ __global__ void handoff(float* out, int steps) {
   __shared__ float xch[64];
   __shared__ __align__(8) unsigned long long mbar;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (MODE == 3 && threadIdx.x == 0) asm volatile("mbarrier.init.shared.b64 [%0], %1;" ::"r"(saddr(&mbar)), "r"(64));
+  if ((MODE == 3 || MODE == 5) && threadIdx.x == 0) asm volatile("mbarrier.init.shared.b64 [%0], %1;" ::"r"(saddr(&mbar)), "r"(64));
   __syncthreads();
   if (warp == 2) {  // the copy warp
     float acc = 0.f;
@@ -56,6 +58,13 @@ __global__ void handoff(float* out, int steps) {
         asm volatile("{ .reg .pred p; mbarrier.test_wait.shared.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
                      : "=r"(done) : "r"(saddr(&mbar)), "l"(st) : "memory");
     }
+    if (MODE == 5) {
+      asm volatile("mbarrier.arrive.release.cta.shared::cta.b64 _, [%0];" ::"r"(saddr(&mbar)) : "memory");
+      uint32_t done = 0;
+      while (!done)
+        asm volatile("{ .reg .pred p; mbarrier.test_wait.parity.acquire.cta.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+                     : "=r"(done) : "r"(saddr(&mbar)), "r"(c & 1) : "memory");
+    }
     slot[c & 1][warp * 32 + lane] = MODE == 0 ? (float)c : xch[(1 - warp) * 32 + lane];
     if (MODE == 4) {
       if (c & 1) asm volatile("barrier.arrive 4, 96;" ::: "memory");
@@ -72,6 +81,7 @@ int main() {
   handoff<1><<<64, 96>>>(out, 9);
   handoff<3><<<64, 96>>>(out, 9);
   handoff<4><<<64, 96>>>(out, 9);
+  handoff<5><<<64, 96>>>(out, 9);
   const cudaError_t e = cudaDeviceSynchronize();
   printf("race_blind_spot: %s\n", cudaGetErrorString(e));
   return e == cudaSuccess ? 0 : 1;

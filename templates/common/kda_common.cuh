@@ -138,6 +138,41 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
+// ---- mbarriers (shared::cta, 64-bit), for every CUDA target ----
+__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count) : "memory");
+}
+// One arrival (release at CTA scope: this thread's earlier shared-memory writes are visible to a
+// thread whose wait observes the phase completion). sm_80 code: a MEMBAR.CTA, then the arrive.
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.release.cta.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(bar)) : "memory");
+}
+// The asm of a wait until the phase of parity %1 of the mbarrier at shared address %0 has completed
+// (acquire at CTA scope), polling with mbarrier.WAIT (try_wait from sm_90, test_wait on sm_80).
+// A freshly initialised barrier is in phase 0, so waiting for parity 1 returns at once. A wait that
+// spins far longer than any legitimate one (2^28 polls: seconds, where waits here take
+// microseconds, milliseconds under compute-sanitizer) traps: a protocol error becomes a launch
+// failure the caller sees, not a hang. One asm block: a C++ loop around try_wait changed the
+// schedule enough to spill (ptxas 13.0, sm90 512-thread variants).
+#define KDA_MBAR_WAIT_PARITY_ASM(WAIT)                                 \
+  "{\n"                                                                \
+  ".reg .pred done, stuck;\n"                                          \
+  ".reg .u32 tries;\n"                                                 \
+  "mov.u32 tries, 0;\n"                                                \
+  "WAIT_%=:\n"                                                         \
+  "mbarrier." WAIT ".parity.acquire.cta.shared::cta.b64 done, [%0], %1;\n" \
+  "@done bra DONE_%=;\n"                                               \
+  "add.u32 tries, tries, 1;\n"                                         \
+  "setp.eq.u32 stuck, tries, 268435456;\n"                             \
+  "@stuck trap;\n"                                                     \
+  "bra WAIT_%=;\n"                                                     \
+  "DONE_%=:\n"                                                         \
+  "}\n"
+// sm_80 PTX (no try_wait): the poll is a shared-memory load of the barrier word.
+__device__ __forceinline__ void mbar_wait_parity_poll(uint64_t* bar, uint32_t parity) {
+  asm volatile(KDA_MBAR_WAIT_PARITY_ASM("test_wait") ::"r"(smem_u32(bar)), "r"(parity) : "memory");
+}
+
 __device__ __forceinline__ float sigmoidf_(float x) { return 1.f / (1.f + __expf(-x)); }
 __device__ __forceinline__ float softplusf_(float x) { return x > 20.f ? x : log1pf(__expf(x)); }
 

@@ -3,6 +3,7 @@
 // only (no CUTLASS/CuTe headers: they would dominate compile time).
 #pragma once
 #include <stdint.h>
+#include "kda_common.cuh"
 
 namespace kda {
 namespace sm90 {
@@ -11,44 +12,18 @@ __device__ __forceinline__ uint32_t saddr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
-// ---- mbarriers (shared::cta, 64-bit) ----
-__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(saddr(bar)), "r"(count) : "memory");
-}
-// One arrival (release at CTA scope: this thread's earlier shared-memory writes are visible to a
-// thread whose wait observes the phase completion).
-__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
-  asm volatile("mbarrier.arrive.release.cta.shared::cta.b64 _, [%0];\n" ::"r"(saddr(bar)) : "memory");
-}
+// ---- mbarriers (shared::cta, 64-bit): init and arrive are the common ones ----
+using kda::mbar_arrive;
+using kda::mbar_init;
 // One arrival that also expects `bytes` more transaction bytes in the current phase.
 __device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
   asm volatile("mbarrier.arrive.expect_tx.release.cta.shared::cta.b64 _, [%0], %1;\n" ::"r"(saddr(bar)), "r"(bytes)
                : "memory");
 }
-// Wait until the phase with the given parity has completed (acquire at CTA scope). A freshly
-// initialised barrier is in phase 0, so waiting for parity 1 returns at once: "empty" barriers
-// are waited with the flipped parity and need no initial arrival.
-// A wait that spins far longer than any legitimate one (2^28 retries: seconds, where waits here
-// take microseconds, milliseconds under compute-sanitizer) traps: a protocol error becomes a
-// launch failure the caller sees, not a hang. Written as one asm block: a C++ loop around
-// try_wait changed the schedule enough to spill (ptxas 13.0, 512-thread variants).
+// Wait until the phase with the given parity has completed (see KDA_MBAR_WAIT_PARITY_ASM):
+// "empty" barriers are waited with the flipped parity and need no initial arrival.
 __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
-  asm volatile(
-      "{\n"
-      ".reg .pred done, stuck;\n"
-      ".reg .u32 tries;\n"
-      "mov.u32 tries, 0;\n"
-      "WAIT_%=:\n"
-      "mbarrier.try_wait.parity.acquire.cta.shared::cta.b64 done, [%0], %1;\n"
-      "@done bra DONE_%=;\n"
-      "add.u32 tries, tries, 1;\n"
-      "setp.eq.u32 stuck, tries, 268435456;\n"
-      "@stuck trap;\n"
-      "bra WAIT_%=;\n"
-      "DONE_%=:\n"
-      "}\n" ::"r"(saddr(bar)),
-      "r"(parity)
-      : "memory");
+  asm volatile(KDA_MBAR_WAIT_PARITY_ASM("try_wait") ::"r"(saddr(bar)), "r"(parity) : "memory");
 }
 
 // ---- bulk copies (TMA engine, no tensor map) ----

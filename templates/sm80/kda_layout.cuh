@@ -88,22 +88,32 @@ constexpr int XBUF = KSPLIT > 1 ? NW2 * MT * 32 * XW4 * 16 : 0;
 // stores. At chunk 16 the copy warp stores chunk c's o during step c + 1 (double-buffered
 // staging), off the compute warps' streams; at chunk 64 (K = 128) there is no room for a second
 // slot, and the compute warps store their own.
-// racecheck reports this hand-off at K = 128 (whose warps also use pair barriers) though the block
-// barrier orders it: a tool blind spot, shown by scripts/sanitizer/race_blind_spot.cu (MODE 1).
 constexpr bool O_BY_COPY = C == 16;
 constexpr int OROWS = C / KSPLIT;
 constexpr int OP = 24;
 constexpr int OSLOT = NW2 * MT * OROWS * OP;  // elements of one chunk's staging
 constexpr int OBUF = (O_BY_COPY ? 2 : 1) * OSLOT * 2;
+// The split-K partners' exchange is ordered by an mbarrier per V tile (arrive + parity wait), or
+// with KDA_PAIR_MBAR=0 (kept for A/B timing) by a named barrier per tile. With the named barrier
+// racecheck reports the copy warp's o reads at K = 128 though the block barrier orders them: a
+// tool blind spot that mbarriers avoid (scripts/sanitizer/race_blind_spot.cu, MODE 1 vs 3 and 5).
+#ifndef KDA_PAIR_MBAR
+#define KDA_PAIR_MBAR 1
+#endif
+constexpr bool PAIR_MBAR = KSPLIT > 1 && KDA_PAIR_MBAR != 0;
+constexpr int PAIRBAR = PAIR_MBAR ? NWV * 8 : 0;  // bytes: one 64-bit mbarrier per V tile
+constexpr int XOB = XBUF + OBUF + PAIRBAR;  // shared memory besides the stages
 // Four stages where they fit (chunk c + 3 streams in while chunk c is worked on), else fewer.
 // KDA_NSTAGE (a compile-time -D) overrides, for measuring the prefetch depth.
 #ifdef KDA_NSTAGE
 constexpr int NSTAGE = KDA_NSTAGE;
 #else
-constexpr int NSTAGE = 4 * STAGE + XBUF + OBUF <= SMEM_MAX ? 4 : 3 * STAGE + XBUF + OBUF <= SMEM_MAX ? 3 : 2;
+constexpr int NSTAGE = 4 * STAGE + XOB <= SMEM_MAX ? 4 : 3 * STAGE + XOB <= SMEM_MAX ? 3 : 2;
 #endif
-constexpr int SMEM2 = NSTAGE * STAGE + XBUF + OBUF;
-static_assert(STAGE % 16 == 0 && XBUF % 16 == 0 && SMEM2 <= SMEM_MAX, "kda_recur shared memory");
+constexpr int OFF_PAIRBAR = NSTAGE * STAGE + XBUF + OBUF;
+constexpr int SMEM2 = NSTAGE * STAGE + XOB;
+static_assert(STAGE % 16 == 0 && XBUF % 16 == 0 && OFF_PAIRBAR % 8 == 0 && SMEM2 <= SMEM_MAX,
+              "kda_recur shared memory");
 
 }  // namespace kda
 

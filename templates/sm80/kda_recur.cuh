@@ -101,13 +101,26 @@ __device__ __forceinline__ void store_o_chunk(const in_t* so, in_t* obase, long 
 // is the aligned form and must be reached at the same instruction by every thread).
 __device__ __forceinline__ void block_sync() { asm volatile("barrier.sync 0;\n" ::: "memory"); }
 
-// Barrier of the two warps of V tile vt (id 1 + vt). Immediate ids: with a register id ptxas
-// reserves all 16 hardware barriers per block, which caps the blocks per SM.
+// Named barrier of the two warps of V tile vt (id 1 + vt; the KDA_PAIR_MBAR=0 path). Immediate
+// ids: with a register id ptxas reserves all 16 hardware barriers per block, which caps the
+// blocks per SM.
 template <int I>
 __device__ __forceinline__ void bar_tile(int vt) {
   if constexpr (I < NWV) {
     if (vt == I) asm volatile("bar.sync %0, 64;\n" ::"n"(I + 1) : "memory");
     bar_tile<I + 1>(vt);
+  }
+}
+
+// The split-K exchange of step c between the two warps of V tile vt (see PAIR_MBAR). The tile's
+// mbarrier counts the 64 threads' arrivals; its phase completes once per step, so step c waits
+// for parity c & 1 (a warp cannot run a step ahead: the block barrier separates steps).
+__device__ __forceinline__ void pair_sync(uint64_t* pair_bars, int vt, int c) {
+  if constexpr (PAIR_MBAR) {
+    mbar_arrive(pair_bars + vt);
+    mbar_wait_parity_poll(pair_bars + vt, c & 1);
+  } else {
+    bar_tile<0>(vt);
   }
 }
 
@@ -168,6 +181,8 @@ extern "C" __global__ void KDA_RECUR_BOUNDS kda_recur(const KdaParams p) {
   const long long bidx = p.cu_seqlens ? 0 : n;
   const long long tb = p.cu_seqlens ? bos : 0;
   in_t* const so_all = reinterpret_cast<in_t*>(smem2 + NSTAGE * STAGE + XBUF);  // o staging
+  uint64_t* const pair_bars = reinterpret_cast<uint64_t*>(smem2 + OFF_PAIRBAR);
+  if (PAIR_MBAR && tid < NWV) mbar_init(pair_bars + tid, 64);  // published by the first block barrier
 
   if (warp == NW2) {
     // The copy warp: stage c + NSTAGE - 1 is refilled in step c, once every warp has passed the
@@ -402,7 +417,7 @@ extern "C" __global__ void KDA_RECUR_BOUNDS kda_recur(const KdaParams p) {
                                     : make_float4(oq[m][ntp][1][0], oq[m][ntp][1][1], oq[m][ntp][1][2], oq[m][ntp][1][3]);
         }
       }
-      bar_tile<0>(vt);  // the two warps of this V tile
+      pair_sync(pair_bars, vt, c);  // the two warps of this V tile
       // U = U0 - (own partial + partner's): floating-point addition commutes, so both warps hold
       // the same U bit for bit.
 #pragma unroll
