@@ -115,6 +115,7 @@ for stage in $STAGES; do
   esac
 done
 # the device tool brings back at most 8 files: everything but the summaries goes into logs.tgz
-( cd "$OUT" && tar czf logs.tgz --remove-files --exclude=logs.tgz --exclude=errors_table.txt \
+# (PACK_LOGS=0: a caller running more after this packs itself)
+[ "${PACK_LOGS:-1}" = 0 ] || ( cd "$OUT" && tar czf logs.tgz --remove-files --exclude=logs.tgz --exclude=errors_table.txt \
     --exclude=sanitize_summary.md --exclude='bench*' --exclude=env.txt -- * 2>/dev/null )
 exit $rc
