@@ -71,14 +71,18 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def host_times(fn, calls: int) -> list[float]:
-    """Seconds of each of `calls` back-to-back calls (after 50 unmeasured ones)."""
+def host_times(fn, calls: int, busy_cycles: int = 0) -> list[float]:
+    """Seconds of each of `calls` back-to-back calls (after 50 unmeasured ones). `busy_cycles`:
+    each batch of 100 calls starts behind a GPU sleep of that many cycles, so the launches queue
+    on a busy GPU (as an engine's do, between its other layers) instead of finding it idle."""
     for _ in range(50):
         fn()
     _sync()
     times = []
     clock = time.perf_counter
     for i in range(calls):
+        if busy_cycles and i % 100 == 0:
+            torch.cuda._sleep(busy_cycles)
         t0 = clock()
         fn()
         times.append(clock() - t0)
@@ -169,6 +173,8 @@ class Case:
         res["two_empty_like_us"] = statistics.median(
             host_times(lambda: (torch.empty_like(v), torch.empty_like(h0)), calls)) * 1e6
         res["plain_call_us"] = statistics.median(host_times(self.call, calls)) * 1e6
+        if not stub:  # ~5 ms of sleep covers 100 calls: every launch of the batch queues
+            res["plain_call_gpu_busy_us"] = statistics.median(host_times(self.call, calls, 10_000_000)) * 1e6
         if plan.guard is not None:  # the latest-signature check a plain call passes first
             slots = (kw["q"], kw["k"], kw["v"], kw["g"], kw["beta"], kw["A_log"], kw["dt_bias"], kw["initial_state"],
                      kw.get("cu_seqlens"), kw.get("cu_seqlens_cpu"), None, None, None, None)
