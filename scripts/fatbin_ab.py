@@ -1,4 +1,4 @@
-"""A/B timing of alternative builds of one sm80 variant on the same inputs (GPU).
+"""A/B timing of alternative builds of one sm80 or sm90 variant on the same inputs (GPU).
 
     python scripts/fatbin_ab.py --variant kda_fwd_sm80_c16_k128_v128_bf16_gb_sfp32_bv32 \
         [--T 65536 --H 24] base=build/h800/V/V.fatbin ns4=/tmp/ab/ns4.fatbin ...
@@ -8,6 +8,7 @@ kernel experiment costs one GPU call. For each build: the median ms of the full 
 launcher's default segmentation), of kda_prep alone and of kda_recur alone, and the relative
 difference of o and the final state from the first build's (a changed kernel must not change
 the result beyond rounding). --recur-only N runs the recurrence N times after one prep, for ncu.
+sm90 variants (one fused kernel) report the full call only.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ def main() -> int:
 
     from kdagen.cases import bench_case
     from kdagen.targets.sm80 import Sm80Launcher
+    from kdagen.targets.sm90 import Sm90Launcher
     from kdagen.timing import timeit
     from kdagen_dev.launch import capture_call
 
@@ -52,6 +54,16 @@ def main() -> int:
         var = entry(vname).variant if vname else var0
         call = capture_call(inp, var.name)
         o, ht = call.o.fill_(float("nan")), call.final_state.fill_(float("nan"))
+        if var.target == "sm90":  # one fused kernel: the full call only
+            la = Sm90Launcher(var, Path(path))
+            t = timeit(lambda: la(call), warmup=3, iters=a.iters)
+            res = torch.cat([o.float().flatten(), ht.flatten()])
+            diff = "" if ref is None else f"  d(o, ht) vs first {((res - ref).norm() / ref.norm()).item():.1e}"
+            ok = bool(torch.isfinite(res).all())
+            ref = res if ref is None else ref
+            print(f"{label:10s} full {t:7.3f} ms ({t * 1e3 / -(-T // var.chunk):.3f} us/chunk){diff}"
+                  f"{'' if ok else '  NON-FINITE'}", flush=True)
+            continue
         la = Sm80Launcher(var, Path(path))
         if a.recur_only:
             la.with_settings(min_segment_tokens=None, parts=("prep",))(call)  # timing only: the

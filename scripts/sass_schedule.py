@@ -1,7 +1,7 @@
 """Issue-schedule model of one pass through a kernel's loop, read from its SASS (no GPU needed).
 
     python scripts/sass_schedule.py build/h800/<variant>/<variant>.fatbin [--kernel kda_recur]
-        [--taken 0x1640] [--list] [--lat LDS=33 ...] [--bar 24] [--ghz 1.98]
+        [--loop 0x7ea0] [--taken 0x1640] [--list] [--lat LDS=33 ...] [--bar 24] [--ghz 1.98]
 
 One warp alone on its scheduler, issuing in order. Each instruction issues once (a) the previous
 one's compiler-set stall count has passed and (b) the scoreboards it waits on are released. A
@@ -46,6 +46,7 @@ def main() -> int:
     ap.add_argument("--bar", type=int, default=24, help="cycles per BAR.SYNC")
     ap.add_argument("--ghz", type=float, default=1.98)
     ap.add_argument("--list", action="store_true", help="print each instruction with its issue cycle")
+    ap.add_argument("--loop", help="address of the loop head to model (default: the widest loop)")
     a = ap.parse_args()
     table = dict(LATENCY, **{k: int(v) for k, v in (x.split("=") for x in a.lat)})
     k = disassemble(a.artifact, a.arch)[a.kernel]
@@ -55,7 +56,14 @@ def main() -> int:
     if not loops:
         print(f"{a.kernel}: no loop")
         return 1
-    head, last = max(loops, key=lambda x: x[1] - x[0])
+    if a.loop:
+        heads = [x for x in loops if x[0] == int(a.loop, 16)]
+        if not heads:
+            print(f"{a.kernel}: no loop starts at {a.loop}; loops: " + ", ".join(f"{h:#x}-{t:#x}" for h, t in loops))
+            return 1
+        head, last = max(heads, key=lambda x: x[1] - x[0])
+    else:
+        head, last = max(loops, key=lambda x: x[1] - x[0])
     end = index[last]
     taken = {int(x, 16) for x in a.taken}
     t, sb, i = 0, [0] * 6, index[head]

@@ -88,6 +88,23 @@ constexpr int NREC = 3;
 constexpr int NV = NIN + NREC;
 static_assert(NIN >= 2 && NREC >= 1, "ring depths");
 
+// Who issues the bulk copies (A/B switch, templates/sm90/DESIGN.md "measured from SASS"):
+//   0: the last prep warp, chunk c + NIN in phase 4 of chunk c (one warp: 4 x 16 copies in a
+//      serial uniform-operand loop, on the prep's chain);
+//   1: the same point, the copies spread over warps 1 .. NWP-1 (warp 0 substitutes);
+//   2: chunk c + NIN - 1 in phase 2 of chunk c, spread over the warps without an L/Mqk slice
+//      (K = 128: warps 4-7; where every warp has a slice (K = 64) this is mode 1).
+#ifdef KDA_SM90_COPY_SPREAD
+constexpr int COPY_MODE_REQ = KDA_SM90_COPY_SPREAD;
+#else
+constexpr int COPY_MODE_REQ = 0;
+#endif
+static_assert(COPY_MODE_REQ >= 0 && COPY_MODE_REQ <= 2, "KDA_SM90_COPY_SPREAD is 0, 1 or 2");
+constexpr int COPY_MODE = COPY_MODE_REQ == 2 && 32 * (NWP - NMW) < 4 * C ? 1 : COPY_MODE_REQ;
+constexpr int COPY_W0 = COPY_MODE == 2 ? NMW : 1;  // first issuing warp (modes 1, 2)
+constexpr int COPY_NW = NWP - COPY_W0;             // issuing warps: one copy per lane at most
+static_assert(COPY_MODE == 0 || 32 * COPY_NW >= 4 * C, "spread copies: one per lane");
+
 // ---- shared-memory map (offsets from a 1024-aligned base) ----
 constexpr int SM_REC = 0;
 constexpr int SM_IN = SM_REC + NREC * REC_BYTES;

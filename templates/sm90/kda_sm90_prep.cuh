@@ -49,6 +49,51 @@ __device__ __forceinline__ void issue_chunk(const KdaParams& p, const SeqInfo& s
   }
 }
 
+// The same copies as issue_chunk, spread over COPY_NW warps (w = 0 .. COPY_NW - 1): copy
+// pi = w + COPY_NW * lane is tensor pi % 4 (q, k, g, v) of row pi / 4, one per lane, so each
+// warp's serial loop over distinct uniform operands is ~4 C / COPY_NW copies instead of 4 C.
+// The expect_tx may follow another warp's complete_tx (the tx-count may go negative; the phase
+// still needs the arrival). Every issuing warp waits for the V stage before any copy.
+__device__ __forceinline__ void issue_chunk_spread(const KdaParams& p, const SeqInfo& si, int cc, char* base,
+                                                   uint64_t* bars, int w, int lane) {
+  if (cc >= si.nc) return;
+  const int st = cc % NIN, vs = cc % NV;
+  const int rows = min(C, si.len - cc * C);
+  const int gsz = p.g_fp32 ? 4 : 2;
+  uint64_t* in_full = bars + B_IN_FULL + st;
+  uint64_t* v_full = bars + B_V_FULL + vs;
+  sm90::mbar_wait(bars + B_V_EMPTY + vs, ((cc / NV) & 1) ^ 1);
+  if (w == 0 && lane == 0) {
+    sm90::mbar_arrive_expect_tx(in_full, (uint32_t)rows * (2 * QROW + K * gsz));
+    sm90::mbar_arrive_expect_tx(v_full, (uint32_t)rows * (BV * 2));
+  }
+  const int pi = w + COPY_NW * lane, ten = pi & 3, row = pi >> 2;
+  if (row < rows) {
+    const long long t = si.tb + (long long)cc * C + row;
+    const int hq = si.h / p.group;
+    char* in = base + SM_IN + st * IN_BYTES;
+    const char* src;
+    char* dst;
+    uint32_t bytes = QROW;
+    if (ten == 0) {
+      src = (const char*)((const in_t*)p.q + si.bidx * p.q_s[0] + hq * p.q_s[2] + t * p.q_s[1]);
+      dst = in + IN_Q + row * QROW;
+    } else if (ten == 1) {
+      src = (const char*)((const in_t*)p.k + si.bidx * p.k_s[0] + hq * p.k_s[2] + t * p.k_s[1]);
+      dst = in + IN_K + row * QROW;
+    } else if (ten == 2) {
+      src = (const char*)p.g + (si.bidx * p.g_s[0] + si.h * p.g_s[2] + t * p.g_s[1]) * gsz;
+      dst = in + IN_G + row * GROW;
+      bytes = K * gsz;
+    } else {
+      src = (const char*)((const in_t*)p.v + si.bidx * p.v_s[0] + si.h * p.v_s[2] + t * p.v_s[1] + si.vb * BV);
+      dst = base + SM_V + vs * V_BYTES + row * VROW;
+      bytes = BV * 2;
+    }
+    sm90::bulk_g2s(dst, src, bytes, ten == 3 ? v_full : in_full);
+  }
+}
+
 // beta of row ri of chunk cc (raw bits: fp32, or the input type in the low 16 bits).
 __device__ __forceinline__ uint32_t load_beta(const KdaParams& p, const SeqInfo& si, int cc, int ri) {
   if (cc >= si.nc) return 0u;
@@ -91,8 +136,9 @@ __device__ __forceinline__ void prep_role(const KdaParams& p, const SeqInfo& si,
   // The copy warp: the last prep warp, which has no part in the substitution (phase 4, warp 0),
   // issues chunk c + NIN during phase 4 of chunk c, into the stage chunk c has finished reading.
   constexpr int COPY_WARP = NWP - 1;
+  // (mode 2 issues chunk c + NIN - 1 in phase 2 of chunk c: the prologue stops one short)
   if (warp == COPY_WARP) {
-    for (int cc = 0; cc < NIN; ++cc) issue_chunk(p, si, cc, base, bars, lane);
+    for (int cc = 0; cc < (COPY_MODE == 2 ? NIN - 1 : NIN); ++cc) issue_chunk(p, si, cc, base, bars, lane);
   }
   uint32_t rb_next = load_beta(p, si, 0, ri);
 
@@ -219,6 +265,11 @@ __device__ __forceinline__ void prep_role(const KdaParams& p, const SeqInfo& si,
     // is G = 0 before the chunk: <q_i e^{G_i}, k_j e^{-G_j}> with e^{-G_j} <= e^{span}; a slice
     // with span > 80 (beyond fp32/bf16 range) uses exact pairwise exp(G_i - G_j) on CUDA cores,
     // reading q and k again from the input stage (rare: only for extreme gates).
+    // Mode 2: the warps without a slice refill the stage of chunk c - 1 (last read in its
+    // phase 2) with chunk c + NIN - 1.
+    if constexpr (COPY_MODE == 2) {
+      if (warp >= COPY_W0) issue_chunk_spread(p, si, c + NIN - 1, base, bars, warp - COPY_W0, lane);
+    }
     if (warp < NMW) {
       float accL[2][4] = {}, accM[2][4] = {};
       unsigned fallback = 0;
@@ -308,7 +359,11 @@ __device__ __forceinline__ void prep_role(const KdaParams& p, const SeqInfo& si,
 #pragma unroll
       for (int i = 0; i < C; ++i) sInv[i * IPF + j] = x[i];
     }
-    if (warp == COPY_WARP) issue_chunk(p, si, c + NIN, base, bars, lane);
+    if constexpr (COPY_MODE == 0) {
+      if (warp == COPY_WARP) issue_chunk(p, si, c + NIN, base, bars, lane);
+    } else if constexpr (COPY_MODE == 1) {
+      if (warp >= COPY_W0) issue_chunk_spread(p, si, c + NIN, base, bars, warp - COPY_W0, lane);
+    }
     sm90::named_sync<BAR_PREP, NTP>();
 
     // ---- 5. (I + L)^-1 diag(b) (hi + lo) into the record for the consumers' U0 = A^-1 (b v);
