@@ -8,6 +8,7 @@ compile time of a first call and that later shapes reuse the compiled kernels.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -123,6 +124,41 @@ def test_fp16_inputs_and_fp32_g_beta(variant_of, dev):
     run_and_compare(var, kw)
 
 
+# Launch options that change the generated code's schedule, not its arithmetic (A/B candidates,
+# benchmarks/results/2026-12-01_triton_c64_cpu_analysis.md): Gamma_C loaded one chunk ahead, a
+# 3-stage recurrence pipeline, other prep warp counts.
+LAUNCH_OPTIONS = [
+    pytest.param({"recur_gam_next": 1, "recur_stages": 3}, id="gamnext-s3"),
+    pytest.param({"recur_gam_next": 1, "prep_warps": 4}, id="gamnext-w4"),
+]
+
+
+@contextlib.contextmanager
+def _forced(var: Variant, dev: str, config: dict):
+    """The runtime's launcher of `var` on `dev` launches with `config` inside the block."""
+    d = torch.empty(0, device=dev).device
+    la = rt.registry().launcher(var.name, f"{d.type}:{d.index}")  # the runtime's key
+    la.config = dict(config)
+    try:
+        yield
+    finally:
+        la.config = None
+
+
+@pytest.mark.parametrize("config", LAUNCH_OPTIONS)
+@pytest.mark.parametrize("chunk", [16, 64])
+@pytest.mark.skipif(HAS_CUDA, reason="interpreter runs only without a GPU")
+def test_launch_options_keep_the_result(variant_of, chunk, config):
+    # Sequences of one chunk, several and none (the one-ahead Gamma_C load at each end), a
+    # chunk-state output and an initial state: against the float64 reference, and equal to the
+    # default launch's output.
+    var = variant_of(chunk=chunk, k=32, v=32, dtype="bf16", block_v=16)
+    kw = make_case(var, "cpu", lens=[chunk, 0, 2 * chunk + 9, 5], H=1, HV=2, chunk_states=True, seed=18)
+    base = run_and_compare(var, kw)
+    with _forced(var, "cpu", config):
+        assert run_and_compare(var, kw) == base
+
+
 def _h800(name: str) -> Variant:
     man = json.loads((GENERATED_DIR / "h800" / "manifest.json").read_text())
     for e in man["variants"]:
@@ -181,6 +217,20 @@ def test_gpu_production_shapes(name):
     run_and_compare(v, make_case(v, "cuda", B=1, T=1500, H=2, HV=4, seed=21))
     run_and_compare(v, make_case(v, "cuda", lens=[700, 0, 1, 1111], H=4, HV=4, layout="BNSD", state_layout="KV",
                                  chunk_states=True, seed=22))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", LAUNCH_OPTIONS + [pytest.param({"recur_stages": 4}, id="s4"),
+                                                     pytest.param({"prep_warps": 2}, id="w2")])
+@pytest.mark.parametrize("name", PRODUCTION)
+def test_gpu_production_shapes_with_launch_options(name, config):
+    v = _h800(name)
+    if config.get("prep_warps") == 2 and v.chunk == 64:
+        pytest.skip("chunk-64 prep at 2 warps spills (280 bytes of stack)")
+    with _forced(v, "cuda", config):
+        run_and_compare(v, make_case(v, "cuda", B=1, T=1500, H=2, HV=4, seed=21))
+        run_and_compare(v, make_case(v, "cuda", lens=[700, 0, 1, 1111], H=4, HV=4, layout="BNSD",
+                                     state_layout="KV", chunk_states=True, seed=22))
 
 
 @pytest.mark.gpu

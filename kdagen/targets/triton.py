@@ -19,7 +19,7 @@ from ..variant import Variant
 from .loader import load_generated_module
 
 # Measured launch configurations: {GPU name prefix: {(chunk, k, v, block_v): {option: value}}},
-# options prep_warps, prep_stages, prep_maxnreg, recur_warps, recur_stages (the keyword
+# options prep_warps, prep_stages, prep_maxnreg, recur_warps, recur_stages, recur_gam_next (the keyword
 # arguments of the generated launch()). Empty until measured: the template defaults apply
 # (chunk and block_v per regime come from `kdagen tune`'s file instead), e.g. for K = 128 the
 # chunk-64 prep at 8 warps with 2 stages, the chunk-16 prep at 4 warps, the recurrence at

@@ -37,6 +37,7 @@ PREP_STAGES = 2
 PREP_MAXNREG = 0  # 0: no cap
 RECUR_WARPS = 4
 RECUR_STAGES = 2
+RECUR_GAM_NEXT = 0  # 1: Gamma_C loaded one chunk ahead (not yet timed)
 EXACT_CPP = 16  # chunks per program of the exact prep pass (16-bit variants)
 EXACT_WARPS = PREP_WARPS
 # Workspace record per (chunk, value head), in elements of WS_DTYPE: W, Qd, Kr [C, KP], Mqk [C, C],
@@ -421,7 +422,7 @@ def kda_recur_kernel(
     h0_ptr, ht_ptr, cs_ptr, cs_off_ptr, cu_ptr,
     T, HV, IS_VARLEN, HAS_H0, HAS_HT, HAS_CS, STATE_KV,
     C: tl.constexpr, K: tl.constexpr, V: tl.constexpr, KP: tl.constexpr, VP: tl.constexpr,
-    BV: tl.constexpr, EMU: tl.constexpr,
+    BV: tl.constexpr, EMU: tl.constexpr, GAM_NEXT: tl.constexpr,
 ):
     i_v = tl.program_id(0)
     n = tl.program_id(1)
@@ -447,15 +448,23 @@ def kda_recur_kernel(
 
     rec0 = flat // C + n
     n_chunks = tl.cdiv(eos - bos, C)
+    if GAM_NEXT:
+        # Gamma_C is not a dot operand, so Triton's pipeliner leaves its load synchronous inside
+        # the step; GAM_NEXT loads it one chunk ahead into registers instead.
+        gam_next = tl.load(gam_ptr + (rec0 * HV + h) * KP + kk, mask=(kk < KP) & (n_chunks > 0), other=1.0)
     for c in range(0, n_chunks):
         rec = (rec0 + c) * HV + h
         ws = ws_ptr + rec * 20480
+        if GAM_NEXT:
+            gam = gam_next
+            gam_next = tl.load(gam_ptr + (rec + HV) * KP + kk, mask=(kk < KP) & (c + 1 < n_chunks), other=1.0)
         W = tl.load(ws + 0 + rows[:, None] * KP + kk[None, :])
         Qd = tl.load(ws + 4096 + rows[:, None] * KP + kk[None, :])
         KrT = tl.load(ws + 8192 + rows[None, :] * KP + kk[:, None])
         Mq = tl.load(ws + 12288 + rows[:, None] * C + rows[None, :])
         U0 = tl.load(ws + 16384 + rows[:, None] * VP + vv[None, :])
-        gam = tl.load(gam_ptr + rec * KP + kk)
+        if not GAM_NEXT:
+            gam = tl.load(gam_ptr + rec * KP + kk)
         if HAS_CS:
             cs_base = ((cs_first + c) * HV + h) * V * K
             tl.store(cs_ptr + cs_base + s_off, _to_out(St, cs_ptr.dtype.element_ty, EMU), mask=sm)
@@ -524,7 +533,7 @@ class CompiledKernels:
 
 def compile_for(arch: int = 90, prep_warps: int = PREP_WARPS, prep_stages: int = PREP_STAGES,
                 prep_maxnreg: int = PREP_MAXNREG, recur_warps: int = RECUR_WARPS,
-                recur_stages: int = RECUR_STAGES) -> CompiledKernels:
+                recur_stages: int = RECUR_STAGES, recur_gam_next: int = RECUR_GAM_NEXT) -> CompiledKernels:
     """Compile every kernel ahead of time for a CUDA arch (no GPU needed: Triton ships ptxas),
     with 16-bit g and beta in the input type; used by `kdagen build` to catch what only the
     compiler rejects. Needs TRITON_INTERPRET unset."""
@@ -539,7 +548,7 @@ def compile_for(arch: int = 90, prep_warps: int = PREP_WARPS, prep_stages: int =
                                              options=_opts(prep_warps, prep_stages, prep_maxnreg))}
     out["kda_prep_exact_kernel"] = triton.compile(_source(kda_prep_exact_kernel, p1, dict(c1, CPP=EXACT_CPP)),
                                                   target=target, options=_opts(EXACT_WARPS, 1, 0))
-    c2 = dict(c1, BV=BLOCK_V)
+    c2 = dict(c1, BV=BLOCK_V, GAM_NEXT=bool(recur_gam_next))
     p2 = {"ws_ptr": ws, "o_ptr": _IO, "h0_ptr": _ST, "ht_ptr": _ST, "cs_ptr": _ST, "cs_off_ptr": "i32", "cu_ptr": "i32"}
     out["kda_recur_kernel"] = triton.compile(_source(kda_recur_kernel, p2, c2), target=target,
                                              options=_opts(recur_warps, recur_stages, 0))
@@ -555,7 +564,7 @@ def needs_exact(gate: str, lower_bound: float) -> bool:
 
 def launch(call, ws, gam, flags, dummies, prep_warps: int = PREP_WARPS, prep_stages: int = PREP_STAGES,
            prep_maxnreg: int = PREP_MAXNREG, recur_warps: int = RECUR_WARPS, recur_stages: int = RECUR_STAGES,
-           parts=("prep", "recur")) -> None:
+           recur_gam_next: int = RECUR_GAM_NEXT, parts=("prep", "recur")) -> None:
     """Launch the kernels on the tensors of a kdagen.abi.KdaCall. `ws` / `gam` / `flags` are the
     workspace (WS_DTYPE, records x REC), Gamma_C (fp32, records x KP) and the prep's per-record
     flags (int32) for at least (B * T // CHUNK + N + 1) * HV records; `dummies` maps "i32" /
@@ -589,6 +598,6 @@ def launch(call, ws, gam, flags, dummies, prep_warps: int = PREP_WARPS, prep_sta
             cu, call.T, call.HV,
             int(call.cu_seqlens is not None), int(call.initial_state is not None),
             int(call.final_state is not None), int(call.chunk_states is not None), int(call.state_kv),
-            C=CHUNK, K=HEAD_K, V=HEAD_V, KP=KP, VP=VP, BV=BLOCK_V, EMU=EMU,
+            C=CHUNK, K=HEAD_K, V=HEAD_V, KP=KP, VP=VP, BV=BLOCK_V, EMU=EMU, GAM_NEXT=bool(recur_gam_next),
             num_warps=recur_warps, num_stages=recur_stages,
         )
