@@ -40,6 +40,9 @@ RECUR_STAGES = 2
 RECUR_GAM_NEXT = 0  # 1: Gamma_C loaded one chunk ahead (not yet timed)
 EXACT_CPP = 16  # chunks per program of the exact prep pass (16-bit variants)
 EXACT_WARPS = PREP_WARPS
+# Kernels `kdagen build` lets keep a ptxas stack frame: the exact prep pass runs only for the
+# chunks whose decay leaves the fast prep's range.
+SPILL_OK = ("kda_prep_exact_kernel",)
 # Workspace record per (chunk, value head), in elements of WS_DTYPE: W, Qd, Kr [C, KP], Mqk [C, C],
 # U0 [C, VP]; Gamma_C [KP] goes to a separate fp32 array.
 OFF_W, OFF_Q, OFF_R, OFF_M, OFF_U = 0, 2048, 4096, 6144, 6400
