@@ -32,3 +32,23 @@ def build(variant: str, out: Path, defines: Sequence[str], includes: Sequence[st
         raise SystemExit(r.stdout + r.stderr)
     regs = [ln.strip() for ln in (r.stdout + r.stderr).splitlines() if "registers" in ln or "spill" in ln]
     print(f"built {out} ({' '.join(defines)})\n  " + "\n  ".join(regs[-4:]))
+
+
+class FirstResult:
+    """The (o, final state) of the first configuration an A/B times, and how far each later one's
+    lies from it (rel difference; builds that change only the schedule should give 0)."""
+
+    def __init__(self) -> None:
+        self.ref = None
+
+    def check(self, call) -> tuple[float | None, bool]:
+        """(rel difference from the first result, None for the first itself; all finite)."""
+        import torch
+
+        res = torch.cat([call.o.float().flatten(), call.final_state.float().flatten()])
+        ok = bool(torch.isfinite(res).all())
+        if self.ref is None:
+            self.ref = res
+            return None, ok
+        return ((res - self.ref).norm() / self.ref.norm()).item(), ok
+

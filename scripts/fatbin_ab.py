@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from kdagen_dev.ab import build, entry
+from kdagen_dev.ab import FirstResult, build, entry
 
 
 def main() -> int:
@@ -46,21 +46,19 @@ def main() -> int:
     var0 = entry(a.variant).variant
     T, H, D = a.T, a.H, var0.k
     inp = bench_case(T, H, D=D)
-    ref = None
+    first = FirstResult()
     print(f"{a.variant} B1 T{T} H{H} D{D} on {torch.cuda.get_device_name()}", flush=True)
     for item in a.builds:
         label, _, path = item.partition("=")
         path, _, vname = path.partition("@")  # LABEL=PATH[@VARIANT]: another variant of the same shape
         var = entry(vname).variant if vname else var0
         call = capture_call(inp, var.name)
-        o, ht = call.o.fill_(float("nan")), call.final_state.fill_(float("nan"))
+        call.o.fill_(float("nan"))
+        call.final_state.fill_(float("nan"))
         if var.target == "sm90":  # one fused kernel: the full call only
             la = Sm90Launcher(var, Path(path))
             t = timeit(lambda: la(call), warmup=3, iters=a.iters)
-            res = torch.cat([o.float().flatten(), ht.flatten()])
-            diff = "" if ref is None else f"  d(o, ht) vs first {((res - ref).norm() / ref.norm()).item():.1e}"
-            ok = bool(torch.isfinite(res).all())
-            ref = res if ref is None else ref
+            diff, ok = _vs_first(first, call)
             print(f"{label:10s} full {t:7.3f} ms ({t * 1e3 / -(-T // var.chunk):.3f} us/chunk){diff}"
                   f"{'' if ok else '  NON-FINITE'}", flush=True)
             continue
@@ -75,10 +73,7 @@ def main() -> int:
             continue
         t = timeit(lambda: la(call), warmup=3, iters=a.iters)
         nseg = la.last_segments
-        res = torch.cat([o.float().flatten(), ht.flatten()])
-        diff = "" if ref is None else f"  d(o, ht) vs first {((res - ref).norm() / ref.norm()).item():.1e}"
-        ok = bool(torch.isfinite(res).all())
-        ref = res if ref is None else ref
+        diff, ok = _vs_first(first, call)
         prep = la.with_settings(min_segment_tokens=None, parts=("prep",))
         t1 = timeit(lambda: prep(call), warmup=2, iters=a.iters)
         recur = la.with_settings(min_segment_tokens=None, parts=("recur",))
@@ -90,6 +85,11 @@ def main() -> int:
         print(f"{label:10s} full {t:7.3f} ms [{nseg} seg]{tn}  prep {t1:.3f}  recur {t2:.3f} "
               f"({t2 * 1e3 / -(-T // var.chunk):.3f} us/step){diff}{'' if ok else '  NON-FINITE'}", flush=True)
     return 0
+
+
+def _vs_first(first: FirstResult, call) -> tuple[str, bool]:
+    d, ok = first.check(call)
+    return ("" if d is None else f"  d(o, ht) vs first {d:.1e}"), ok
 
 
 if __name__ == "__main__":

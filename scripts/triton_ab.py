@@ -53,7 +53,7 @@ def main() -> int:
     from kdagen.cases import bench_case
     from kdagen.targets.triton import TritonLauncher
     from kdagen.timing import timeit
-    from kdagen_dev.ab import entry
+    from kdagen_dev.ab import FirstResult, entry
     from kdagen_dev.launch import capture_call
 
     rows = []
@@ -65,7 +65,7 @@ def main() -> int:
             inp = bench_case(T, H, D=var.k)
             call = capture_call(inp, name)
             la = TritonLauncher(var, e.source_dir / "kernel.py")
-            ref = None
+            first = FirstResult()
             print(f"== {name} B1 T{T} H{H}", flush=True)
             for label, only, cfg in configs:
                 if only is not None and only != var.chunk:
@@ -74,10 +74,8 @@ def main() -> int:
                 call.o.fill_(float("nan"))
                 call.final_state.fill_(float("nan"))
                 full = timeit(lambda: la(call), warmup=3, iters=a.iters)
-                res = torch.cat([call.o.float().flatten(), call.final_state.float().flatten()])
-                ok = bool(torch.isfinite(res).all())
-                diff = 0.0 if ref is None else ((res - ref).norm() / ref.norm()).item()
-                ref = res if ref is None else ref
+                diff, ok = first.check(call)
+                diff = diff or 0.0
                 la.parts = ("prep",)
                 prep = timeit(lambda: la(call), warmup=2, iters=a.iters)
                 la.parts = ("recur",)  # times only: reads the workspace the allocator hands back
