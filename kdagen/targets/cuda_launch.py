@@ -80,6 +80,18 @@ def aligned_btH(t: torch.Tensor, strides: tuple[int, int, int]) -> tuple[torch.T
     return c, tuple(c.stride(d) for d in dims)  # type: ignore[arg-type]
 
 
+def aligned_inputs(call, in_t: torch.dtype) -> tuple:
+    """(q, q_s, k, k_s, v, v_s, g, g_s, beta) of a KdaCall as the CUDA kernels read them: rows
+    16-byte aligned (aligned_btH), g and beta in the input dtype or fp32 (others cast to fp32)."""
+    q, q_s = aligned_btH(call.q, call.q_strides)
+    k, k_s = aligned_btH(call.k, call.k_strides)
+    v, v_s = aligned_btH(call.v, call.v_strides)
+    g = call.g if call.g.dtype in (in_t, torch.float32) else call.g.float()
+    g, g_s = aligned_btH(g, call.g_strides)
+    beta = call.beta if call.beta.dtype in (in_t, torch.float32) else call.beta.float()
+    return q, q_s, k, k_s, v, v_s, g, g_s, beta
+
+
 def check_call(call, v) -> None:
     """What every CUDA launcher checks of a KdaCall against its variant `v` (the runtime has
     validated the user's arguments; these catch a record built for another variant)."""

@@ -23,7 +23,7 @@ from ..dtypes import torch_dtype
 from ..select import _sm_count
 from ..variant import Variant
 from .cuda_driver import capture_query, driver, driver_binding, load_module, raw_stream_query
-from .cuda_launch import KdaParams, aligned_btH, check_call, check_shared_memory
+from .cuda_launch import KdaParams, aligned_inputs, check_call, check_shared_memory
 from .cuda_launch import ptr as _ptr
 
 # Caller-provided workspaces are carved into pieces at this alignment.
@@ -162,14 +162,7 @@ class Sm80Launcher:
         dev = call.q.device
         in_t = torch_dtype(v.dtype)
         idx, (mod, f1, f2, rec, smem1, smem2, nt1, nt2) = self._module(dev)
-        q, q_s = aligned_btH(call.q, call.q_strides)
-        k, k_s = aligned_btH(call.k, call.k_strides)
-        vv, v_s = aligned_btH(call.v, call.v_strides)
-        g, g_s = call.g, call.g_strides
-        if g.dtype not in (in_t, torch.float32):
-            g = g.float()
-        g, g_s = aligned_btH(g, g_s)
-        beta = call.beta if call.beta.dtype in (in_t, torch.float32) else call.beta.float()
+        q, q_s, k, k_s, vv, v_s, g, g_s, beta = aligned_inputs(call, in_t)
 
         C = v.chunk
         max_len = call.max_len if call.max_len > 0 else call.T

@@ -18,7 +18,7 @@ from ..dtypes import torch_dtype
 from ..variant import Variant
 from .cuda_driver import load_module
 from .cuda_launch import KdaParams, check_call, check_shared_memory
-from .cuda_launch import aligned_btH as _aligned_btH
+from .cuda_launch import aligned_inputs
 from .cuda_launch import ptr as _ptr
 
 
@@ -35,14 +35,7 @@ def build_params(call: KdaCall, v: Variant, who: str) -> tuple[KdaParams, list[t
 
     # Rows are bulk-copied: 16-byte aligned sources (q, k, v rows are K*2 / V*2 bytes, g rows
     # K*2 or K*4). beta is read element-wise.
-    q, q_s = _aligned_btH(call.q, call.q_strides)
-    k, k_s = _aligned_btH(call.k, call.k_strides)
-    vv, v_s = _aligned_btH(call.v, call.v_strides)
-    g, g_s = call.g, call.g_strides
-    if g.dtype not in (in_t, torch.float32):
-        g = g.float()
-    g, g_s = _aligned_btH(g, g_s)
-    beta = call.beta if call.beta.dtype in (in_t, torch.float32) else call.beta.float()
+    q, q_s, k, k_s, vv, v_s, g, g_s, beta = aligned_inputs(call, in_t)
     A_log = call.A_log.float().contiguous() if (call.A_log is not None and v.gate != "precomputed") else None
     dt = call.dt_bias.float().contiguous() if (call.dt_bias is not None and v.gate != "precomputed") else None
     cu = call.cu_seqlens
