@@ -261,13 +261,15 @@ def run_kdagen(case: Case, s: tuple, variant: Optional[str]):
     return kda_prefill(kw["q"], kw["k"], kw["v"], kw["g"], kw["beta"], variant=variant, **s[2])
 
 
+_PEER_ENV = {"FLA_DISABLE_BACKEND_DISPATCH": "1", "KDAGEN_FLA_BACKEND": "0", "FLA_FLASH_KDA": "0"}
+
+
 def peers_own_kernels() -> None:
     """The fla column times fla's own Triton kernels: fla's backend dispatch (to kdagen, or to
     FlashKDA where installed) is turned off. fla reads this when fla.backends is imported, so it is
-    set before anything imports fla (run() calls it first; worker processes inherit it)."""
-    os.environ["FLA_DISABLE_BACKEND_DISPATCH"] = "1"
-    os.environ["KDAGEN_FLA_BACKEND"] = "0"
-    os.environ["FLA_FLASH_KDA"] = "0"
+    set before anything imports fla (run() calls it first; worker processes inherit it; run()
+    gives the caller's values back when it returns)."""
+    os.environ.update(_PEER_ENV)
 
 
 def _fla_call(case: Case):
@@ -526,6 +528,22 @@ def run(cases: Sequence[Case], opts: Options, echo: Callable[[str], None] = prin
     after each case with the cases so far (a run cut short still leaves them). `timers` (default
     kdagen.timing) provides time_calls, graph_calls and copy_bandwidth; tests pass fakes and run
     the rest on the CPU."""
+    import torch
+
+    saved = {n: os.environ.get(n) for n in _PEER_ENV}
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    try:
+        return _run(cases, opts, echo, progress, device, timers, partial)
+    finally:  # the caller's process as it was (an fla imported meanwhile keeps its dispatch off)
+        for n, val in saved.items():
+            if val is None:
+                os.environ.pop(n, None)
+            else:
+                os.environ[n] = val
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+
+
+def _run(cases, opts, echo, progress, device, timers, partial) -> dict:
     import torch
 
     from . import timing

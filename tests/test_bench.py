@@ -19,15 +19,6 @@ from kdagen.timing import Timing, summarize
 from .runtime_env import fresh_runtime  # noqa: F401
 
 
-@pytest.fixture(autouse=True)
-def _peer_env_restored(monkeypatch):
-    """bench.run turns fla's backend dispatch off in os.environ (right for its own process); in the
-    test process that would leak into later tests (fla's registry in a subprocess)."""
-    for name in ("FLA_DISABLE_BACKEND_DISPATCH", "KDAGEN_FLA_BACKEND", "FLA_FLASH_KDA"):
-        monkeypatch.setenv(name, "x")  # records the original value (or absence) for teardown
-        monkeypatch.delenv(name)
-
-
 def fake_timers(values):
     """time_calls gives the next of `values` (ms) after running the call once; copy at 4 TB/s."""
     it = iter(values)
