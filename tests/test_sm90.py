@@ -9,6 +9,7 @@ checks each Hopper operand form the kernel uses on its own, so a wrong layout is
 from __future__ import annotations
 
 import ctypes
+import functools
 import json
 import shutil
 import subprocess
@@ -246,6 +247,7 @@ def test_sm90_gate_sweep(va, gate):
     run_and_compare(v, kw, tol=tol)
 
 
+@functools.lru_cache(maxsize=None)
 def _sm80_twin(v: Variant):
     """The built sm80 variant computing the same thing as sm90 variant `v` (None: none built)."""
     from kdagen.registry import Registry
