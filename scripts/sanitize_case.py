@@ -4,6 +4,7 @@ in its own process).
 
     python3 scripts/sanitize_case.py --list [--targets sm80,sm90,triton] [--match '*k128*']   # one variant per kernel shape
     python3 scripts/sanitize_case.py --variant NAME                       # run one
+    python3 scripts/sanitize_case.py --variant NAME --fatbin PATH         # an A/B build of it
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import argparse
 import fnmatch
 import sys
+from pathlib import Path
 
 import torch
 
@@ -41,6 +43,7 @@ def main() -> int:
     ap.add_argument("--list", action="store_true", help="print the variants to check, one per line")
     ap.add_argument("--match", default="*", help="glob on the variant name (with --list)")
     ap.add_argument("--variant", help="run this variant")
+    ap.add_argument("--fatbin", help="with --variant: load this build of it (scripts/fatbin_ab.py --build)")
     a = ap.parse_args()
     if a.list:
         for v in picked(set(a.targets.split(","))):
@@ -51,6 +54,12 @@ def main() -> int:
         print(f"--variant: expected a registered variant name, found {a.variant!r}", file=sys.stderr)
         return 2
     v = registry().entries[a.variant].variant
+    if a.fatbin:
+        from kdagen.targets import TARGETS
+
+        # the runtime's launcher cache key (runtime.py): this build is used for the call below
+        key = (v.name, f"cuda:{torch.cuda.current_device()}")
+        registry()._launchers[key] = TARGETS[v.target].load_launcher()(v, Path(a.fatbin))
     kw = make_case(v, "cuda", lens=LENS, H=2, HV=4, chunk_states=v.state != "none", seed=3)
     o = kda_prefill(**kw, variant=v.name)[0]
     torch.cuda.synchronize()

@@ -97,10 +97,14 @@ constexpr int OBUF = (O_BY_COPY ? 2 : 1) * OSLOT * 2;
 // with KDA_PAIR_MBAR=0 (kept for A/B timing) by a named barrier per tile. With the named barrier
 // racecheck reports the copy warp's o reads at K = 128 though the block barrier orders them: a
 // tool blind spot that mbarriers avoid (scripts/sanitizer/race_blind_spot.cu, MODE 1 vs 3 and 5).
+// Modes, for A/B timing: 1 every thread arrives and polls with test_wait; 2 as 1 with try_wait
+// in the sm_90 image; 3 one elected arrive per warp after __syncwarp (count 2); 4 = 3 + try_wait.
 #ifndef KDA_PAIR_MBAR
 #define KDA_PAIR_MBAR 1
 #endif
 constexpr bool PAIR_MBAR = KSPLIT > 1 && KDA_PAIR_MBAR != 0;
+constexpr bool PAIR_ELECT = KDA_PAIR_MBAR == 3 || KDA_PAIR_MBAR == 4;
+constexpr bool PAIR_TRYWAIT = KDA_PAIR_MBAR == 2 || KDA_PAIR_MBAR == 4;
 constexpr int PAIRBAR = PAIR_MBAR ? NWV * 8 : 0;  // bytes: one 64-bit mbarrier per V tile
 constexpr int XOB = XBUF + OBUF + PAIRBAR;  // shared memory besides the stages
 // Four stages where they fit (chunk c + 3 streams in while chunk c is worked on), else fewer.

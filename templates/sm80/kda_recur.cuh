@@ -99,7 +99,13 @@ __device__ __forceinline__ void store_o_chunk(const in_t* so, in_t* obase, long 
 // instructions (each role runs its own loop: one shared loop measured 15% slower at T65536 H24), so
 // it is the non-aligned barrier.sync, which PTX allows in divergent code (bar.sync / __syncthreads
 // is the aligned form and must be reached at the same instruction by every thread).
+// KDA_BLOCK_BAR_ALIGNED=1 rebuilds the earlier aligned bar.sync (undefined behaviour here), only
+// to time the fix against it in one run.
+#if KDA_BLOCK_BAR_ALIGNED
+__device__ __forceinline__ void block_sync() { asm volatile("bar.sync 0;\n" ::: "memory"); }
+#else
 __device__ __forceinline__ void block_sync() { asm volatile("barrier.sync 0;\n" ::: "memory"); }
+#endif
 
 // Named barrier of the two warps of V tile vt (id 1 + vt; the KDA_PAIR_MBAR=0 path). Immediate
 // ids: with a register id ptxas reserves all 16 hardware barriers per block, which caps the
@@ -115,10 +121,18 @@ __device__ __forceinline__ void bar_tile(int vt) {
 // The split-K exchange of step c between the two warps of V tile vt (see PAIR_MBAR). The tile's
 // mbarrier counts the 64 threads' arrivals; its phase completes once per step, so step c waits
 // for parity c & 1 (a warp cannot run a step ahead: the block barrier separates steps).
-__device__ __forceinline__ void pair_sync(uint64_t* pair_bars, int vt, int c) {
+// With PAIR_ELECT one lane arrives for its warp: __syncwarp orders the other lanes' exchange
+// writes before that lane's release arrive (causality is transitive in the PTX memory model).
+__device__ __forceinline__ void pair_sync(uint64_t* pair_bars, int vt, int c, int lane) {
   if constexpr (PAIR_MBAR) {
-    mbar_arrive(pair_bars + vt);
-    mbar_wait_parity_poll(pair_bars + vt, c & 1);
+    if constexpr (PAIR_ELECT) {
+      __syncwarp();
+      if (lane == 0) mbar_arrive(pair_bars + vt);
+    } else {
+      mbar_arrive(pair_bars + vt);
+    }
+    if constexpr (PAIR_TRYWAIT) mbar_wait_parity_try(pair_bars + vt, c & 1);
+    else mbar_wait_parity_poll(pair_bars + vt, c & 1);
   } else {
     bar_tile<0>(vt);
   }
@@ -182,7 +196,7 @@ extern "C" __global__ void KDA_RECUR_BOUNDS kda_recur(const KdaParams p) {
   const long long tb = p.cu_seqlens ? bos : 0;
   in_t* const so_all = reinterpret_cast<in_t*>(smem2 + NSTAGE * STAGE + XBUF);  // o staging
   uint64_t* const pair_bars = reinterpret_cast<uint64_t*>(smem2 + OFF_PAIRBAR);
-  if (PAIR_MBAR && tid < NWV) mbar_init(pair_bars + tid, 64);  // published by the first block barrier
+  if (PAIR_MBAR && tid < NWV) mbar_init(pair_bars + tid, PAIR_ELECT ? 2 : 64);  // published by the first block barrier
 
   if (warp == NW2) {
     // The copy warp: stage c + NSTAGE - 1 is refilled in step c, once every warp has passed the
@@ -417,7 +431,7 @@ extern "C" __global__ void KDA_RECUR_BOUNDS kda_recur(const KdaParams p) {
                                     : make_float4(oq[m][ntp][1][0], oq[m][ntp][1][1], oq[m][ntp][1][2], oq[m][ntp][1][3]);
         }
       }
-      pair_sync(pair_bars, vt, c);  // the two warps of this V tile
+      pair_sync(pair_bars, vt, c, lane);  // the two warps of this V tile
       // U = U0 - (own partial + partner's): floating-point addition commutes, so both warps hold
       // the same U bit for bit.
 #pragma unroll
