@@ -135,9 +135,12 @@ def test_plan_uses_the_launchers_bound_launch_after_the_first_call(monkeypatch):
 
 # ----------------------------------------------------------------------------- the sm80 bound launch
 
+@pytest.mark.parametrize("shim", [False, True], ids=["bindings", "shim"])
 @pytest.mark.parametrize("varlen", [False, True], ids=["batch", "varlen"])
-def test_sm80_bound_launch_passes_the_general_paths_struct(varlen):
-    with sm80_on_cpu() as (la, drv):
+def test_sm80_bound_launch_passes_the_general_paths_struct(varlen, shim):
+    """Through cuda-bindings' cuLaunchKernel or the launch shim (compiled here, over a C stand-in
+    for libcuda that records what the C ABI passed): the general path's launches, byte for byte."""
+    with sm80_on_cpu(shim=shim) as (la, drv):
         _bound_against_general(la, drv, varlen)
 
 
@@ -180,6 +183,7 @@ def _bound_against_general(la, drv, varlen):
     ws = ws[(-ws.data_ptr()) % 256:][:ws_bytes]  # a 256-byte aligned caller workspace
     bound = la.bind(call_of(t, B, N, ws))
     assert bound is not None and bound.ws_bytes == ws_bytes
+    assert ("through the launch shim" in bound.launch_path) == (drv.clib is not None), bound.launch_path
     assert la.workspace_bytes(call_of(t, B, N, None), torch.device("cpu")) == ws_bytes
     t2, _, _ = make(1)  # other tensors, same signature
     c2 = call_of(t2, B, N, ws)
@@ -250,10 +254,11 @@ def _bound_against_general(la, drv, varlen):
     assert drv.launches == []
 
 
-def test_sm80_bound_launch_of_no_tokens_launches_only_the_recurrence():
+@pytest.mark.parametrize("shim", [False, True], ids=["bindings", "shim"])
+def test_sm80_bound_launch_of_no_tokens_launches_only_the_recurrence(shim):
     """T = 0 (B sequences of no tokens): no prep chunks, so only kda_recur runs (it writes the
     initial states through), the bound launch as the general one."""
-    with sm80_on_cpu() as (la, drv):
+    with sm80_on_cpu(shim=shim) as (la, drv):
         B, H, K = 2, 2, 64
         r = torch.randn
         q, v = r(B, 0, H, K).bfloat16(), r(B, 0, H, K).bfloat16()
