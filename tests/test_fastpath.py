@@ -606,9 +606,21 @@ def test_host_overhead_script_on_the_cpu_stub(capsys, monkeypatch):
     assert mod.main() == 0
     out = capsys.readouterr().out
     rows = re.findall(r"^\| (tiny T64 H4|T64 H32|T1024 H8|T2048 H8|varlen 4x512 H32) \| "
-                      r"kda_fwd_sm80_c16_k128_v128_bf16_gb_sfp32_bv(?:16|32) \(Sm80Bound\) \| "
+                      r"kda_fwd_sm80_c16_k128_v128_bf16_gb_sfp32_bv(?:16|32) \(Sm80Bound\) \| (shim|bindings) \| "
                       r"([\d.]+) \| ([\d.]+) \| ([\d.]+) \|$", out, re.M)
-    assert len(rows) == 5 and all(0 < float(x) < 1000 for r in rows for x in r[1:]), out
-    assert "- launch path: cuLaunchKernel through the stand-in driver of tests/fake_cuda.py" in out
-    assert re.search(r"- tiny case split: bound launch [\d.]+ us, two allocations [\d.]+ us, two empty like [\d.]+ us, "
-                     r"plain call [\d.]+ us", out), out
+    assert len(rows) == 10 and all(0 < float(x) < 1000 for r in rows for x in r[2:]), out
+    assert [r[1] for r in rows] == ["shim", "bindings"] * 5, out
+    assert "- launch path shim: kda_prep + kda_recur through the launch shim kdagen_launch_shim-" in out
+    assert "- launch path bindings: cuLaunchKernel through the stand-in driver of tests/fake_cuda.py" in out
+    for path in ("shim", "bindings"):
+        assert re.search(rf"- tiny case split \({path}\), in the rounds: bound launch [\d.]+ us, signature check "
+                         r"[\d.]+ us, two allocations [\d.]+ us, plain call [\d.]+ us", out), out
+        assert re.search(rf"- tiny case split \({path}\), after the rounds: bound launch [\d.]+ us, signature check "
+                         r"[\d.]+ us, two allocations [\d.]+ us, plain call [\d.]+ us, two empty like [\d.]+ us",
+                         out), out
+    # one path only
+    monkeypatch.setattr(sys, "argv", ["host_overhead.py", "--stub", "--calls", "10", "--rounds", "1",
+                                      "--paths", "bindings"])
+    assert mod.main() == 0
+    out = capsys.readouterr().out
+    assert "| bindings |" in out and "| shim |" not in out and "launch path shim" not in out, out
