@@ -221,19 +221,21 @@ def test_gpu_shim_and_bindings_launch_the_same(lens):
     kw = _gpu_case(lens)
     if len(lens) > 1:
         kw["cu_seqlens_cpu"] = kw["cu_seqlens"].cpu()
-    first = [t.clone() for t in kdagen.kda_prefill(**kw)]  # general path, binds
+    o_buf, s_buf = torch.empty_like(kw["v"]), torch.empty_like(kw["initial_state"])
+    first = [t.clone() for t in kdagen.kda_prefill(**kw, out=o_buf, final_state=s_buf)]  # general path, binds
     bound = list(rt._PLANS.values())[-1].fast
     assert isinstance(bound, sm80.Sm80Bound) and bound.shim is not None, bound.launch_path
-    poison = lambda res: [t.fill_(float("nan")) for t in res]  # noqa: E731
     for on in (True, False):
         bound.use_shim(on)
         assert ("through the launch shim" in bound.launch_path) == on
-        out = poison([torch.empty_like(first[0]), torch.empty_like(first[1])])
-        res = kdagen.kda_prefill(**kw, out=out[0], final_state=out[1])
+        o_buf.fill_(float("nan"))
+        s_buf.fill_(float("nan"))
+        res = kdagen.kda_prefill(**kw, out=o_buf, final_state=s_buf)  # the bound launch, on this path
         torch.cuda.synchronize()
         assert bound.last_failure == "" and all(torch.equal(a, b) for a, b in zip(first, res)), on
+        assert bound.shim_args if on else bound.stream_args  # that path's prepared arguments were used
     ref = kda_reference(**{n: (t.cpu() if isinstance(t, torch.Tensor) else t) for n, t in kw.items()
-                           if n != "cu_seqlens_cpu"})
+                           if n not in ("cu_seqlens_cpu", "return_chunk_states", "chunk_size", "state_dtype")})
     assert rel_rmse(first[0].cpu(), ref[0]) < 5e-3 and rel_rmse(first[1].cpu(), ref[1]) < 5e-3
 
 
