@@ -17,6 +17,7 @@ from typing import Optional, Sequence
 import torch
 
 from .errors import KdaInputError
+from .targets.cuda_driver import current_stream_capturing
 
 KERNEL_CHUNKS = (64, 16)  # the chunk sizes the kernels have, largest (fewest chunk states) first
 
@@ -57,7 +58,7 @@ def rows(lens: Sequence[int], chunk: int, positions: Sequence[Sequence[int]], ds
          device: torch.device) -> Rows:
     """Rows for the states after positions[n] tokens of sequence n (each a multiple of `chunk`,
     at most lens[n]), written to rows dst_first[n], dst_first[n] + 1, ..."""
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+    if device.type == "cuda" and current_stream_capturing():
         raise KdaInputError("checkpoint_every: not under CUDA graph capture (the rows are placed from host "
                             "lengths, which a replay would not see change)")
     chunk_src, chunk_dst, final_src, final_dst = [], [], [], []
@@ -131,7 +132,7 @@ def host_lengths(B: int, T: int, cu_seqlens, cu_seqlens_cpu, what: str) -> list[
         return [T] * B
     if cu_seqlens_cpu is not None:
         cu = cu_seqlens_cpu.tolist()
-    elif torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+    elif torch.cuda.is_available() and current_stream_capturing():
         raise KdaInputError(f"cu_seqlens_cpu: {what} needs the sequence lengths on the host; pass cu_seqlens_cpu "
                             "(cu_seqlens cannot be read during CUDA graph capture)")
     else:

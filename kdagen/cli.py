@@ -170,8 +170,24 @@ def build(specs: tuple[str, ...], pattern: str, variants: tuple[str, ...], jobs:
             for n, r in worst:
                 click.echo(f"  WARNING {n} {r['arch']}: {r['stack_bytes']} B stack, "
                            f"{r['spill_stores']} B spill stores, {r['spill_loads']} B spill loads")
+        _build_launch_shim()
     except KdagenError as e:
         _fail(e)
+
+
+def _build_launch_shim() -> None:
+    """The sm80 launch shim into the cache too (ahead of time, like the kernels); its absence only
+    costs host time, so a failure is said, not raised."""
+    from . import env
+    from .targets import launch_shim
+
+    if not env.launch_shim():
+        click.echo("launch shim: not built (KDAGEN_LAUNCH_SHIM=0)")
+        return
+    try:
+        click.echo(f"launch shim: {launch_shim.build()}")
+    except KdagenError as e:
+        click.echo(f"launch shim: not built, sm80 calls launch through cuda-bindings: {e}")
 
 
 @main.command()

@@ -38,6 +38,17 @@ def _devices():
     return out
 
 
+def _launch_line() -> str:
+    """How the sm80 bound launch reaches the driver here (the launch shim or cuda-bindings)."""
+    from .targets.cuda_driver import driver_binding
+    from .targets.launch_shim import active
+
+    shim, how = active()
+    if shim is not None:
+        return f"launch: sm80 calls launch through {how}, {shim.path}"
+    return f"launch: sm80 calls launch through {driver_binding()} (launch shim not used: {how})"
+
+
 def report() -> list[str]:
     from . import __version__, env
     from .build import compiler_reason, nvcc_path, nvcc_version
@@ -62,6 +73,7 @@ def report() -> list[str]:
                  f"{'writable' if writable else 'NOT writable'})")
     lines.append(f"package data: templates {TEMPLATES_DIR}, specs {SPECS_DIR} "
                  f"({len(list(SPECS_DIR.glob('*.yaml')))} shipped)")
+    lines.append(_launch_line())
     for name, what in env.VARIABLES.items():
         if name in os.environ:
             lines.append(f"env {name}={os.environ[name]} ({what})")

@@ -20,6 +20,7 @@ VARIABLES = {
     "KDAGEN_FLA_BACKEND": "0: do not register kdagen as a backend of fla's chunk_kda (default 1; read at import)",
     "KDAGEN_TUNING": "the tuning file dispatch reads (default <cache>/tuning/<GPU name>.json, from `kdagen tune`); off: none",
     "KDAGEN_COMMIT": "the commit `kdagen bench` reports (default: git rev-parse of the source tree, when there is one)",
+    "KDAGEN_LAUNCH_SHIM": "0: sm80 launches through cuda-bindings, not the C launch shim built on first use (default 1)",
     "KDAGEN_LOGLEVEL": "0 warnings, 1 each choice and build (default), 2 also every rejected candidate",
     "KDAGEN_LOCK_TIMEOUT": "seconds to wait for another process's build lock (default 600)",
     "MAX_JOBS": "parallel compile jobs (default: the core count)",
@@ -45,6 +46,10 @@ def disable_jit() -> bool:
 
 def fla_backend() -> bool:
     return "KDAGEN_FLA_BACKEND" not in os.environ or _flag("KDAGEN_FLA_BACKEND")
+
+
+def launch_shim() -> bool:
+    return "KDAGEN_LAUNCH_SHIM" not in os.environ or _flag("KDAGEN_LAUNCH_SHIM")
 
 
 def force_variant() -> Optional[str]:

@@ -16,6 +16,7 @@ from typing import Optional
 import torch
 
 from .errors import KdaInputError
+from .targets.cuda_driver import current_stream_capturing
 
 
 @dataclass
@@ -53,7 +54,7 @@ def gather(pool, indices, *, N: int, HV: int, state_shape: tuple[int, int], devi
                             f"sequence; -1: padding), found {_found(indices)}")
     if indices.device not in (device, torch.device("cpu")):
         raise KdaInputError(f"state_indices: expected a tensor on {device} or on the CPU, found {indices.device}")
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+    if device.type == "cuda" and current_stream_capturing():
         if indices.device.type == "cpu":
             raise KdaInputError("state_indices: expected a tensor on the GPU under CUDA graph capture (a graph "
                                 "cannot copy host memory in again on replay), found one on the CPU")

@@ -135,9 +135,12 @@ def test_plan_uses_the_launchers_bound_launch_after_the_first_call(monkeypatch):
 
 # ----------------------------------------------------------------------------- the sm80 bound launch
 
+@pytest.mark.parametrize("shim", [False, True], ids=["bindings", "shim"])
 @pytest.mark.parametrize("varlen", [False, True], ids=["batch", "varlen"])
-def test_sm80_bound_launch_passes_the_general_paths_struct(varlen):
-    with sm80_on_cpu() as (la, drv):
+def test_sm80_bound_launch_passes_the_general_paths_struct(varlen, shim):
+    """Through cuda-bindings' cuLaunchKernel or the launch shim (compiled here, over a C stand-in
+    for libcuda that records what the C ABI passed): the general path's launches, byte for byte."""
+    with sm80_on_cpu(shim=shim) as (la, drv):
         _bound_against_general(la, drv, varlen)
 
 
@@ -180,6 +183,7 @@ def _bound_against_general(la, drv, varlen):
     ws = ws[(-ws.data_ptr()) % 256:][:ws_bytes]  # a 256-byte aligned caller workspace
     bound = la.bind(call_of(t, B, N, ws))
     assert bound is not None and bound.ws_bytes == ws_bytes
+    assert ("through the launch shim" in bound.launch_path) == (drv.clib is not None), bound.launch_path
     assert la.workspace_bytes(call_of(t, B, N, None), torch.device("cpu")) == ws_bytes
     t2, _, _ = make(1)  # other tensors, same signature
     c2 = call_of(t2, B, N, ws)
@@ -250,10 +254,11 @@ def _bound_against_general(la, drv, varlen):
     assert drv.launches == []
 
 
-def test_sm80_bound_launch_of_no_tokens_launches_only_the_recurrence():
+@pytest.mark.parametrize("shim", [False, True], ids=["bindings", "shim"])
+def test_sm80_bound_launch_of_no_tokens_launches_only_the_recurrence(shim):
     """T = 0 (B sequences of no tokens): no prep chunks, so only kda_recur runs (it writes the
     initial states through), the bound launch as the general one."""
-    with sm80_on_cpu() as (la, drv):
+    with sm80_on_cpu(shim=shim) as (la, drv):
         B, H, K = 2, 2, 64
         r = torch.randn
         q, v = r(B, 0, H, K).bfloat16(), r(B, 0, H, K).bfloat16()
@@ -601,9 +606,21 @@ def test_host_overhead_script_on_the_cpu_stub(capsys, monkeypatch):
     assert mod.main() == 0
     out = capsys.readouterr().out
     rows = re.findall(r"^\| (tiny T64 H4|T64 H32|T1024 H8|T2048 H8|varlen 4x512 H32) \| "
-                      r"kda_fwd_sm80_c16_k128_v128_bf16_gb_sfp32_bv(?:16|32) \(Sm80Bound\) \| "
+                      r"kda_fwd_sm80_c16_k128_v128_bf16_gb_sfp32_bv(?:16|32) \(Sm80Bound\) \| (shim|bindings) \| "
                       r"([\d.]+) \| ([\d.]+) \| ([\d.]+) \|$", out, re.M)
-    assert len(rows) == 5 and all(0 < float(x) < 1000 for r in rows for x in r[1:]), out
-    assert "- launch path: cuLaunchKernel through the stand-in driver of tests/fake_cuda.py" in out
-    assert re.search(r"- tiny case split: bound launch [\d.]+ us, two allocations [\d.]+ us, two empty like [\d.]+ us, "
-                     r"plain call [\d.]+ us", out), out
+    assert len(rows) == 10 and all(0 < float(x) < 1000 for r in rows for x in r[2:]), out
+    assert [r[1] for r in rows] == ["shim", "bindings"] * 5, out
+    assert "- launch path shim: kda_prep + kda_recur through the launch shim kdagen_launch_shim-" in out
+    assert "- launch path bindings: cuLaunchKernel through the stand-in driver of tests/fake_cuda.py" in out
+    for path in ("shim", "bindings"):
+        assert re.search(rf"- tiny case split \({path}\), in the rounds: bound launch [\d.]+ us, signature check "
+                         r"[\d.]+ us, two allocations [\d.]+ us, plain call [\d.]+ us", out), out
+        assert re.search(rf"- tiny case split \({path}\), after the rounds: bound launch [\d.]+ us, signature check "
+                         r"[\d.]+ us, two allocations [\d.]+ us, plain call [\d.]+ us, two empty like [\d.]+ us",
+                         out), out
+    # one path only
+    monkeypatch.setattr(sys, "argv", ["host_overhead.py", "--stub", "--calls", "10", "--rounds", "1",
+                                      "--paths", "bindings"])
+    assert mod.main() == 0
+    out = capsys.readouterr().out
+    assert "| bindings |" in out and "| shim |" not in out and "launch path shim" not in out, out

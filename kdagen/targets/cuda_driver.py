@@ -69,6 +69,17 @@ def current_stream_handle(device_index: int) -> int:
     return _RAW_STREAM(device_index)
 
 
+_CAPTURING = None
+
+
+def current_stream_capturing() -> bool:
+    """Whether torch's current CUDA stream is capturing a graph (capture_query's answer)."""
+    global _CAPTURING
+    if _CAPTURING is None:
+        _CAPTURING = capture_query()
+    return _CAPTURING()
+
+
 def check(res: Any, what: str, who: str):
     """Raise RuntimeError naming `who` (a variant) if a driver call failed; return its payload."""
     drv = driver()

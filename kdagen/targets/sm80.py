@@ -11,6 +11,7 @@ constants (workspace record size, shared memory, block sizes) are read from the 
 from __future__ import annotations
 
 import ctypes
+import logging
 import struct
 import threading
 from dataclasses import dataclass, replace
@@ -22,9 +23,12 @@ from ..abi import KdaCall
 from ..dtypes import torch_dtype
 from ..select import _sm_count
 from ..variant import Variant
+from . import launch_shim
 from .cuda_driver import capture_query, driver, driver_binding, load_module, raw_stream_query
 from .cuda_launch import KdaParams, aligned_inputs, check_call, check_shared_memory
 from .cuda_launch import ptr as _ptr
+
+log = logging.getLogger("kdagen")
 
 # Caller-provided workspaces are carved into pieces at this alignment.
 _WS_ALIGN = 256
@@ -298,6 +302,11 @@ class Sm80Launcher:
         # there (each recurrence waits for its prep): no record_stream needed.
 
 
+def shim_state() -> tuple:
+    """(the launch shim or None, how launches go or why not); tests point it at a stand-in."""
+    return launch_shim.active()
+
+
 _PACK_PTRS = struct.Struct("<14Q").pack_into
 _PACK_INT = struct.Struct("<i").pack_into
 
@@ -312,9 +321,9 @@ _LOCKS_GUARD = threading.Lock()
 
 class Sm80Bound:
     """One call signature's launch, prepared once: the parameter struct with strides and scalars
-    filled, grids, kernels, workspace size, and per stream the driver calls' argument tuples. A
-    call writes its 14 pointers into the struct and launches both kernels on torch's current
-    stream, with no checks (the signature was checked) and no context switch (torch keeps the
+    filled, grids, kernels, workspace size, and per stream the driver calls' argument tuples (or
+    the launch shim's prepared Pair: both launches in one ctypes call). A call writes its 14
+    pointers into the struct and launches both kernels on torch's current stream, with no checks (the signature was checked) and no context switch (torch keeps the
     device's primary context current; a launch that finds another one falls back to the general
     path, which switches)."""
 
@@ -346,13 +355,38 @@ class Sm80Bound:
         self.device = call.q.device
         self.lock = _device_lock(idx)
         self.launch_kernel = driver().cuLaunchKernel
-        self.launch_path = f"cuLaunchKernel through {driver_binding()}"
+        self.use_shim(True)
         self.raw_stream = raw_stream_query()
         self.capturing = capture_query()
         self.streams: dict[int, object] = {}  # raw handle -> CUstream
         # raw handle -> (prep's arguments (None: varlen, its grid is per call), recur's arguments)
         self.stream_args: dict[int, tuple] = {}
         self.arenas = _arenas(idx)
+
+    def use_shim(self, on: bool) -> None:
+        """Launch through the launch shim (where on, KDAGEN_LAUNCH_SHIM allows it and it builds and
+        loads) or through cuda-bindings; launch_path says which. Benchmarks switch a bound launch
+        both ways in one process."""
+        shim, how = shim_state() if on else (None, "switched off")
+        self.shim = shim
+        self.shim_call = shim.launch_pair if shim is not None else None
+        # raw handle -> (address of its Pair, prep grid x (None: varlen, per call), the Pair)
+        self.shim_args: dict[int, tuple] | None = {} if shim is not None else None
+        self.launch_path = f"kda_prep + kda_recur through {how}" if shim is not None else \
+            f"cuLaunchKernel through {driver_binding()} (launch shim not used: {how})"
+        self.last_failure = ""  # the latest launch the driver refused (the general path then ran)
+
+    def _shim_args_for(self, raw: int) -> tuple:
+        """The shim's prepared Pair on the stream `raw` (made once per stream)."""
+        pair = launch_shim.Pair()
+        for k, f, grid, nt, smem in ((pair.k[0], self.f1, (0, self.N, self.HV), self.nt1, self.smem1),
+                                     (pair.k[1], self.f2, self.recur_grid, self.nt2, self.smem2)):
+            k.func, k.stream, k.args = int(f), raw, self.argv_addr
+            k.grid[:], k.block[:], k.smem = grid, (nt, 1, 1), smem
+        pair.failed = -1
+        prep_x = None if self.varlen else -(-self.T // self.C) if self.T > 0 else 0
+        args = self.shim_args[raw] = (ctypes.c_void_p(ctypes.addressof(pair)), prep_x, pair)
+        return args
 
     def _args_for(self, raw: int) -> tuple:
         """The driver calls' argument tuples on the stream `raw` (made once per stream)."""
@@ -397,18 +431,52 @@ class Sm80Bound:
                        0 if cu_seqlens is None else cu_seqlens.data_ptr(), 0 if h0 is None else h0.data_ptr(),
                        0 if ht is None else ht.data_ptr(), 0 if hc is None else hc.data_ptr(),
                        0 if hc is None else chunk_offsets.data_ptr(), wp)
+            shim_args = self.shim_args
+            if shim_args is not None:
+                addr, prep_x, pair = shim_args.get(raw) or self._shim_args_for(raw)
+                if prep_x is None:  # varlen: the grid follows this call's longest sequence
+                    _PACK_INT(self.params, self.max_len_offset, max_len)
+                    prep_x = -(-max_len // self.C) if max_len > 0 else 0
+                err = self.shim_call(addr, prep_x)
+                if err:
+                    which, pair.failed = pair.failed, -1
+                    k = pair.k[which]
+                    return self._declined(which, (prep_x if which == 0 else k.grid[0], k.grid[1], k.grid[2]), err,
+                                          tuple(k.block), k.smem)
+                return True
             prep, recur = self.stream_args.get(raw) or self._args_for(raw)
             launch_kernel = self.launch_kernel
             if prep is None:  # varlen: the grid follows this call's longest sequence
                 _PACK_INT(self.params, self.max_len_offset, max_len)
-                if max_len > 0 and launch_kernel(self.f1, -(-max_len // self.C), self.N, self.HV, self.nt1, 1, 1,
-                                                 self.smem1, recur[8], self.argv_addr, 0)[0]:
-                    return False
-            elif prep and launch_kernel(*prep)[0]:
-                return False
-            return not launch_kernel(*recur)[0]
+                gx = -(-max_len // self.C)
+                if max_len > 0 and (err := launch_kernel(self.f1, gx, self.N, self.HV, self.nt1, 1, 1, self.smem1,
+                                                         recur[8], self.argv_addr, 0)[0]):
+                    return self._declined(0, (gx, self.N, self.HV), err)
+            elif prep and (err := launch_kernel(*prep)[0]):
+                return self._declined(0, prep[1:4], err)
+            if err := launch_kernel(*recur)[0]:
+                return self._declined(1, self.recur_grid, err)
+            return True
         finally:
             lock.release()
+
+    def _declined(self, which: int, grid: tuple, err, block: tuple | None = None, smem: int | None = None) -> bool:
+        """A launch the driver refused (`which`: 0 kda_prep, 1 kda_recur): said in last_failure
+        (and the debug log) in the general launch's words; False, so the general path runs the
+        call (and raises if it fails too)."""
+        name, nt, smem_ = ("kda_prep", self.nt1, self.smem1) if which == 0 else ("kda_recur", self.nt2, self.smem2)
+        block = block or (nt, 1, 1)
+        smem = smem_ if smem is None else smem
+        what = getattr(err, "name", None)
+        if what is None:
+            try:
+                what = driver().CUresult(int(err)).name
+            except Exception:
+                what = f"CUresult {int(err)}"
+        self.last_failure = (f"cuLaunchKernel({name}, grid={tuple(int(x) for x in grid)}, block={block}, "
+                             f"smem={smem}) failed: {what} ({self.launch_path})")
+        log.debug("kdagen: %s: the bound launch declined: %s", self.launcher.variant.name, self.last_failure)
+        return False
 
     # Scratch per (device, stream), shared by every bound launch: each call writes it (kda_prep)
     # and reads it (kda_recur) on that stream under the device lock, so consecutive calls are
