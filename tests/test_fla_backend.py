@@ -159,16 +159,18 @@ def test_importing_kdagen_before_fla_registers_when_fla_arrives():
 
 @pytest.mark.gpu
 def test_gpu_fla_chunk_kda_served_and_fallback(monkeypatch):
-    """On the GPU: fla's chunk_kda under inference mode is kdagen's result (D=128 on sm80, D=256
-    on a Triton variant generated on first use, bf16); with grad mode on, fla's own kernels run;
-    both match fla's naive reference; D=192 without JIT (no variant built) falls back and still
-    matches."""
+    """On the GPU: fla's chunk_kda under inference mode is kdagen's result (bf16: D=128 and D=256
+    on sm80, D=192 zero-padded to sm80's 256); with grad mode on, fla's own kernels run; both match
+    fla's naive reference; fp16 D=192 without JIT (no variant of that dtype covers it) falls back
+    and still matches."""
     from kdagen.reference import rel_rmse
 
-    for D, served in ((128, True), (256, True), (192, False)):
+    for D, dtype, served in ((128, torch.bfloat16, True), (256, torch.bfloat16, True),
+                             (192, torch.bfloat16, True), (192, torch.float16, False)):
         if not served:
             monkeypatch.setenv("KDAGEN_DISABLE_JIT", "1")
-        kw = fla_case(D=D, lens=[300, 0, 724], H=2, HV=4, gate="bounded", state_v_first=True, device="cuda")
+        kw = fla_case(D=D, lens=[300, 0, 724], H=2, HV=4, dtype=dtype, gate="bounded", state_v_first=True,
+                      device="cuda")
         args, fkw = fla_chunk_kda_args(kw)
         ro, rs = fla_naive(kw)
         with torch.inference_mode():

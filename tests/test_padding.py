@@ -96,19 +96,62 @@ def test_covering_choice_target_rank_then_least_padding(any_device):
     assert (best.variant.k, best.variant.v) == (60, 100)
 
 
+@pytest.mark.parametrize("K, V", [(256, 256), (192, 192), (160, 200), (256, 64), (129, 129)])
+def test_head_dims_above_128_are_served_by_sm80_k256_on_sm90(K, V, monkeypatch):
+    """On an sm_90 device with the shipped specs' variants (all taken as built): a D = 256 call is
+    the sm80 K = 256 variant's own, and K or V above 128 is zero-padded to it (not to Triton's
+    exact size: a CUDA kernel padded ranks first); B1 H16 takes block_v 32 (128 programs)."""
+    from kdagen.registry import Registry
+
+    monkeypatch.setattr(sel, "_capability", lambda index: (9, 0))
+    monkeypatch.setattr(sel, "_sm_count", lambda device: 132)
+    cands = [Candidate(v) for v in Registry.load().variants()]
+    best, binfo, _ = choose_covering(cands, info(K=K, V=V, H=16, HV=16))
+    assert best.variant.name == "kda_fwd_sm80_c16_k256_v256_bf16_gb_sfp32_bv32"
+    assert (binfo.K, binfo.V) == (256, 256)
+    best, binfo, _ = choose_covering(cands, info(K=100, V=128, H=16, HV=16))
+    assert (best.variant.target, best.variant.k, best.variant.v) == ("sm80", 128, 128)  # 128 stays 128
+
+
+def test_d192_call_launches_the_k256_kernels_on_padded_inputs(monkeypatch):
+    """kda_prefill at K = V = 192 over the sm80 launcher (fake driver, CPU tensors): the plan
+    pads to the K = 256 variant, both kernels get contiguous K = 256 rows (strides of the
+    padded q, k, v, g), the recurrence grid is 256 / block_v V blocks, and o and the final
+    state come back at 192."""
+    from kdagen.targets.cuda_launch import KdaParams
+
+    from .fake_cuda import route_launcher, sm80_on_cpu
+
+    monkeypatch.setattr(sel, "device_reason", lambda target, device: None)
+    monkeypatch.setattr(sel, "_sm_count", lambda device: 132)
+    v192 = Variant("sm80", 16, 192, 192, "bf16", "bounded", "fp32", 32)
+    kw = make_case(v192, "cpu", B=1, T=40, H=2, HV=2, seed=5)
+    with sm80_on_cpu(Variant("sm80", 16, 256, 256, "bf16", "bounded", "fp32", 32)) as (la, drv), \
+            route_launcher(la):
+        o, s = kdagen.kda_prefill(**kw)
+        plan = rt.prepare(**kw)
+    assert (plan.variant.target, plan.variant.chunk, plan.variant.k, plan.variant.v) == ("sm80", 16, 256, 256)
+    assert o.shape == kw["v"].shape and s.shape == kw["initial_state"].shape
+    prep, recur = drv.launches
+    assert prep[1] == (3, 1, 2) and recur[1] == (256 // 32, 1, 2)  # 40 tokens: 3 chunks; V blocks of la's 32
+    p = KdaParams.from_buffer_copy(recur[5])
+    assert list(p.q_s)[:2] == [40 * 2 * 256, 2 * 256] and list(p.v_s)[:2] == [40 * 2 * 256, 2 * 256]
+    assert list(p.g_s)[:2] == [40 * 2 * 256, 2 * 256] and p.scale == pytest.approx(192 ** -0.5)
+
+
 def test_kdagen_list_v_shows_what_each_target_covers():
     res = CliRunner().invoke(main, ["list", "-v", "--spec", "ci", "--filter", "none"])
     assert res.exit_code == 0, res.output
     assert ("- triton: head dims 16/32/48/64/80/96/112/128/144/160/176/192/208/224/240/256 (other sizes up to 256 "
             "by padding)," in res.output)
-    assert "- sm80: head dims 64/128 (other sizes up to 128 by padding, none above 128)" in res.output
+    assert "- sm80: head dims 64/128/256 (other sizes up to 256 by padding)," in res.output
     assert "the runtime zero-pads any other K, V up to 256" in res.output
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("K, V", [(60, 60), (100, 100), (32, 128), (96, 64)])
+@pytest.mark.parametrize("K, V", [(60, 60), (100, 100), (32, 128), (96, 64), (192, 192), (256, 100)])
 def test_gpu_padded_head_dims(K, V):
-    """On the GPU (sm80 for bf16: 64/128, padded): matches the float64 reference."""
+    """On the GPU (sm80 for bf16: 64/128/256, padded): matches the float64 reference."""
     v = Variant("sm80", 16, K, V, "bf16", "bounded", "fp32", 32)
     kw = make_case(v, "cuda", H=2, HV=4, lens=[300, 0, 724])
     o, s = kdagen.kda_prefill(**kw)

@@ -59,6 +59,8 @@ def test_sm80_ptxas_reports_have_no_spills():
     Variant("sm80", 64, 64, 64, "bf16", "bounded", "fp32", 64),
     Variant("sm80", 16, 128, 128, "bf16", "precomputed", "fp32", 128),
     Variant("sm80", 16, 64, 64, "fp16", "unbounded", "bf16", 16),
+    Variant("sm80", 16, 256, 256, "bf16", "bounded", "fp32", 64),  # K = 256: two tiles per warp, 254 registers
+    Variant("sm80", 16, 256, 256, "fp16", "unbounded", "bf16", 16),  # K = 256, what on-demand makes for fp16
 ], ids=lambda v: v.name)
 def test_sm80_compiles_without_spills(spec: Variant, tmp_path: Path):
     """Render and compile corner variants from scratch (largest and smallest footprints): every
@@ -74,6 +76,28 @@ def test_sm80_compiles_without_spills(spec: Variant, tmp_path: Path):
     from kdagen.build import parse_ptxas
 
     _check_no_spills(parse_ptxas(r.stderr), spec.name)
+
+
+def test_sm80_k256_variants_are_listed_and_only_where_they_build():
+    """K = V = 256 (issue 15): the specs list chunk 16 at block_v 16/32/64 (bf16, bounded gate,
+    fp32 and no state; a100 also the other gate forms), and on-demand generation offers exactly
+    the combinations that compile: chunk 64 and block_v 128 are refused with the reason, as is
+    K != V at chunk 16."""
+    from kdagen import ondemand
+
+    names = {v.name for v in Registry.load().variants() if v.target == "sm80" and v.k == 256}
+    want = {f"kda_fwd_sm80_c16_k256_v256_bf16_gb_s{st}_bv{bv}" for st in ("fp32", "none") for bv in (16, 32, 64)}
+    want |= {f"kda_fwd_sm80_c16_k256_v256_bf16_{g}_s{st}_bv32" for g in ("gu", "gp") for st in ("fp32", "none")}
+    assert names == want
+    offered = ondemand.variants_for("sm80", dtype="fp16", k=256, v=256, gate="unbounded", state="fp32")
+    assert sorted((v.chunk, v.block_v) for v in offered) == [(16, 16), (16, 32), (16, 64)]
+    why = {n: ondemand.unsupported(Variant("sm80", c, k, vv, "bf16", "bounded", "fp32", bv))
+           for n, (c, k, vv, bv) in {"c64": (64, 256, 256, 32), "bv128": (16, 256, 256, 128),
+                                     "kv": (16, 256, 128, 32), "c64_k128_v256": (64, 128, 256, 32)}.items()}
+    assert why["c64"].startswith("chunk 64 at K = 256: the prep and the recurrence need more than")
+    assert why["bv128"].startswith("K = 256 with block_v 128: a block of 9 warps leaves 168 registers")
+    assert why["kv"] == "the chunk-16 prep implements K == V"
+    assert why["c64_k128_v256"].startswith("chunk 64 at K = 128, V = 256: the prep needs more than")
 
 
 # ----------------------------------------------------------------------------- GPU

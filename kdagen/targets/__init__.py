@@ -94,7 +94,8 @@ TARGETS: dict[str, TargetInfo] = {
         name="sm80",
         description="CUDA C++ for Ampere (mma.sync, ldmatrix, cp.async); runs on sm_80+ GPUs",
         chunks=(16, 64),
-        head_dims=(64, 128),
+        # 256: chunk 16 with block_v <= 64 only (rejects below); other sizes are zero-padded.
+        head_dims=(64, 128, 256),
         dtypes=("bf16", "fp16"),
         gates=("bounded", "unbounded", "precomputed"),
         states=("fp32", "bf16", "none"),
@@ -117,7 +118,15 @@ TARGETS: dict[str, TargetInfo] = {
         # Shared memory per block is capped at an A100's 163 KB (the template asserts it).
         rejects=tuple(((("chunk", 64), ("k", 128), ("block_v", bv)),
                        f"chunk 64 at K = 128 with block_v {bv}: the recurrence needs more than an A100 "
-                       f"block's 163 KB of shared memory (block_v <= 32 fits)") for bv in (64, 128)),
+                       f"block's 163 KB of shared memory (block_v <= 32 fits)") for bv in (64, 128)) + (
+            ((("chunk", 64), ("k", 256)), "chunk 64 at K = 256: the prep and the recurrence need more than an A100 "
+                                          "block's 163 KB of shared memory (one stage alone is about 110 KB)"),
+            ((("chunk", 64), ("k", 128), ("v", 256)), "chunk 64 at K = 128, V = 256: the prep needs more than an "
+                                                       "A100 block's 163 KB of shared memory"),
+            ((("k", 256), ("block_v", 128)), "K = 256 with block_v 128: a block of 9 warps leaves 168 registers per "
+                                             "thread and its two 16-row V tiles per warp need 254 (ptxas spills)"),
+        ) + tuple(((("chunk", 16), ("k", a), ("v", b)), "the chunk-16 prep implements K == V")
+                  for a in (64, 128, 256) for b in (64, 128, 256) if a != b),
         # H200: chunk 16 beat chunk 64 at B1 T8192 H96 (2026-11-30: 1.89 vs 5.08 ms) and at
         # B1 T65536 H24 (5.77 vs 11.45 ms): the chunk-64 prep kernel dominates.
         preferred_chunk=16,

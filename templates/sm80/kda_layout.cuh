@@ -30,8 +30,9 @@ constexpr int NT1 = K + V;  // one thread per column of [Kd | v] in the substitu
 constexpr int NW1 = NT1 / 32;
 constexpr int KP = K + 4;   // fp32 row pitch (bank spread, 16-byte aligned rows)
 constexpr int CP = C + 4;
-// c16 blocks are short-lived and latency-bound: keep four per SM (caps registers at 64).
-constexpr int MINB1 = C == 16 ? 4 : 1;
+// c16 blocks are short-lived and latency-bound: keep four per SM (caps registers at 64). At
+// K = 256 a block has 512 threads: two per SM hold the same 64 registers per thread.
+constexpr int MINB1 = C == 16 ? (K >= 256 ? 2 : 4) : 1;
 constexpr int VP16 = V + 8;  // 16-bit v rows (chunk 64): 16-byte aligned
 // Chunk 16: L and Mqk are split over K in 16-column slices, SPW slices on each of NMW warps;
 // partials [NMW][2][16][16]. bf16 tiles have row pitches KB1, XB1, IP1, UP1 (16-byte shift
@@ -51,7 +52,8 @@ static_assert(C != 16 || (K == V && C * (K / 8) == NT1 && NMW <= NW1 && V * UP1 
               "chunk 16 prep layout");
 
 // ---- kernel 2 ----
-// Split-K: at K = 128 two warps share 16 rows of V, each holding K/2 state columns. Per warp
+// Split-K: at K >= 128 two warps share 16 rows of V, each holding K/2 state columns (at K = 256,
+// 128 columns: 64 fp32 registers of state per thread and tile). Per warp
 // this halves the MMAs and the dependent chain of a step (the recurrence is issue-bound with
 // one warp per scheduler) and doubles the warps in flight when there are few heads; the two
 // partial sums of S W^T and S Qd^T are exchanged through shared memory once per chunk.
@@ -123,11 +125,12 @@ static_assert(COPY_MBAR != 2 || KSPLIT == 1 || PAIR_MBAR, "KDA_COPY_MBAR=2 order
 constexpr int COPYBAR = COPY_MBAR ? (2 * 4 + 2 * 2) * 8 : 0;
 constexpr int XOB = XBUF + OBUF + PAIRBAR + COPYBAR;  // shared memory besides the stages
 // Four stages where they fit (chunk c + 3 streams in while chunk c is worked on), else fewer.
-// KDA_NSTAGE (a compile-time -D) overrides, for measuring the prefetch depth.
+// At K = 256 (27 KB a stage) three, so that two blocks of block_v <= 32 share a Hopper SM
+// (228 KB). KDA_NSTAGE (a compile-time -D) overrides, for measuring the prefetch depth.
 #ifdef KDA_NSTAGE
 constexpr int NSTAGE = KDA_NSTAGE;
 #else
-constexpr int NSTAGE = 4 * STAGE + XOB <= SMEM_MAX ? 4 : 3 * STAGE + XOB <= SMEM_MAX ? 3 : 2;
+constexpr int NSTAGE = K < 256 && 4 * STAGE + XOB <= SMEM_MAX ? 4 : 3 * STAGE + XOB <= SMEM_MAX ? 3 : 2;
 #endif
 constexpr int OFF_PAIRBAR = NSTAGE * STAGE + XBUF + OBUF;
 constexpr int OFF_COPYBAR = OFF_PAIRBAR + PAIRBAR;

@@ -10,7 +10,7 @@ static_assert(KDA_C == 16, "kda_prep_c16.cuh is the chunk-16 prep");
 //      within the row); column-major: two threads per column activate the gate and cumsum it.
 //   1. row-major: e^G, e^-G, e^(G_C - G) once per element -> Qd, Kr (workspace), the bf16 MMA
 //      operands k e^G, q e^G, k e^-G, and X = [b k e^G | b v] split into bf16 hi + lo.
-//   2. L and Mqk on tensor cores, split over K (two 16-column slices per warp at K = 128).
+//   2. L and Mqk on tensor cores, split over K (two 16-column slices per warp at K >= 128).
 //   3. partial sums in warp order (deterministic) -> L^T (shared), Mqk (workspace).
 //   4. (I + L)^-1 by forward substitution, 16 threads, one column each, split into hi + lo.
 //   5. [W | U0] = (I + L)^-1 X on tensor cores with split operands (hi hi + hi lo + lo hi:

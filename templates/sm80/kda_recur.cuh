@@ -1,6 +1,6 @@
 // kdagen sm80: kda_recur, the serial chunk recurrence on a [BV, K] slice of the state held in
 // fp32 registers (mma accumulator layout); a copy warp streams the workspace records in with
-// cp.async. At K = 128 two warps share 16 rows of V (split K) and exchange partial sums once
+// cp.async. At K >= 128 two warps share 16 rows of V (split K) and exchange partial sums once
 // per chunk.
 #pragma once
 #include "kda_layout.cuh"
@@ -74,7 +74,9 @@ __device__ __forceinline__ void prefetch_chunk(char* stage, const char* rec, int
   copy_tile<C, C / 8>(sm, rec + OFF_M, lane);
   char* su = sm + C * C * 2;
   copy_tile<BV, C / 8>(su, rec + OFF_U + (long long)vb * BV * C * 2, lane);
-  copy_rows<1, K / 4, 0, 0>(su + BV * C * 2, rec + OFF_GM, lane);
+  // Gamma_C: K / 4 16-byte pieces, in rows of at most 32 (one pass of the warp).
+  if constexpr (K / 4 <= 32) copy_rows<1, K / 4, 0, 0>(su + BV * C * 2, rec + OFF_GM, lane);
+  else copy_rows<K / 128, 32, 512, 512>(su + BV * C * 2, rec + OFF_GM, lane);
 }
 
 // Store one chunk's staged o (OSLOT elements; see OROWS) with the copy warp: 16-byte pieces,
@@ -195,7 +197,8 @@ __device__ __forceinline__ void load_state_l(const ST* base, float (*s)[4], int 
 
 // Register budgets, found per build (ptxas 13.0, sm_80 and sm_90 images), not derived: left to
 // itself ptxas caps chunk 64 and block_v 16 too low and spills; at chunk 64, K = 64 only an
-// explicit 255 avoids spills (NOTES.md; the ptxas-report test guards every variant).
+// explicit 255 avoids spills (NOTES.md; the ptxas-report test guards every variant). K = 256
+// (chunk 16) needs no bound of its own: block_v 16/32 take 159-168, block_v 64 (MT 2) 254.
 #if KDA_C == 64 && KDA_K == 64
 #define KDA_RECUR_BOUNDS __maxnreg__(255)
 #elif KDA_C == 64 || KDA_BV == 16
