@@ -103,9 +103,20 @@ __device__ __forceinline__ void store_o_chunk(const in_t* so, in_t* obase, long 
 // is the aligned form and must be reached at the same instruction by every thread).
 // KDA_BLOCK_BAR_ALIGNED=1 rebuilds the earlier aligned bar.sync (undefined behaviour here), only
 // to time the fix against it in one run.
-#if KDA_BLOCK_BAR_ALIGNED
+// KDA_BLOCK_BAR_ALIGNED=2: a named barrier with the block's thread count, the aligned bar.sync
+// reached at different instructions by whole warps, as PTX's producer/consumer use of named
+// barriers does (the copy warp reconverges first: COPY = true).
+#if KDA_BLOCK_BAR_ALIGNED == 1
+template <bool COPY = false>
 __device__ __forceinline__ void block_sync() { asm volatile("bar.sync 0;\n" ::: "memory"); }
+#elif KDA_BLOCK_BAR_ALIGNED == 2
+template <bool COPY = false>
+__device__ __forceinline__ void block_sync() {
+  if constexpr (COPY) __syncwarp();
+  asm volatile("bar.sync %0, %1;\n" ::"n"(PAIR_MBAR ? 1 : NWV + 1), "n"(NT2) : "memory");
+}
 #else
+template <bool COPY = false>
 __device__ __forceinline__ void block_sync() { asm volatile("barrier.sync 0;\n" ::: "memory"); }
 #endif
 
@@ -286,7 +297,7 @@ extern "C" __global__ void KDA_RECUR_BOUNDS kda_recur(const KdaParams p) {
     }
     for (int c = 0; c < nc; ++c) {
       cp_async_wait<NSTAGE - 2>();
-      block_sync();
+      block_sync<true>();
       if (c + NSTAGE - 1 < nc)
         prefetch_chunk(smem2 + ((c + NSTAGE - 1) % NSTAGE) * STAGE, rec_c + (c + NSTAGE - 1) * rstride, vb, lane);
       cp_async_commit();
@@ -294,7 +305,7 @@ extern "C" __global__ void KDA_RECUR_BOUNDS kda_recur(const KdaParams p) {
         store_o_chunk(so_all + ((c - 1) & 1) * OSLOT, ob + (long long)(c - 1) * C * ostride, ostride, C, lane);
     }
     if constexpr (O_BY_COPY) {
-      block_sync();
+      block_sync<true>();
       if (nc > 0)
         store_o_chunk(so_all + ((nc - 1) & 1) * OSLOT, ob + (long long)(nc - 1) * C * ostride, ostride,
                       len - (nc - 1) * C, lane);
