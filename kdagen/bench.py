@@ -187,20 +187,35 @@ CASE_SETS: dict[str, list[Case]] = {
         _c("B1 T8192 H16 D256", T=8192, H=16, D=256),
     ],
 }
+# Issue 21's rows (the Triton target against fla; time it with --variants 'kda_fwd_triton_*') and
+# issue 15's head dims against fla. Not in the default set: the peers are timed on every row.
+CASE_SETS["issue21"] = [
+    _c("B1 T8192 H96", T=8192, H=96, compare=True),
+    _c("B1 T65536 H24", T=65536, H=24, compare=True),
+    _c("B1 T2048 H8", T=2048, H=8, compare=True),
+    _c("B1 T8192 H32 fp16 unbounded", T=8192, H=32, dtype="fp16", gate="unbounded", compare=True),
+    _c("B1 T8192 H32 D64 precomputed", T=8192, H=32, D=64, gate="precomputed", compare=True),
+    _c("varlen [1300,547,2048,963,271,3063] H96", lens=[1300, 547, 2048, 963, 271, 3063], H=96, compare=True),
+]
+CASE_SETS["issue15"] = [
+    _c("B1 T8192 H32 D64", T=8192, H=32, D=64, compare=True),
+    _c("B1 T8192 H16 D256", T=8192, H=16, D=256, compare=True),
+]
 CASE_SETS["default"] = [c for name in ("issue16", "issue17", "short", "shapes") for c in CASE_SETS[name]]
 
 
 def load_cases(spec: str) -> list[Case]:
-    """--cases: a set name (default, issue16, issue17, short, shapes), comma-separated case names
-    of the sets, or a YAML/JSON file: a list of cases or {"cases": [...]}, each a mapping of
-    name, H, and T (with B) or lens; optional HV, D, dtype, gate, compare."""
+    """--cases: set names (default, issue15, issue16, issue17, issue21, short, shapes) or case
+    names of the default set, comma-separated, or a YAML/JSON file: a list of cases or
+    {"cases": [...]}, each a mapping of name, H, and T (with B) or lens; optional HV, D, dtype,
+    gate, compare."""
     p = Path(spec)
     if p.suffix.lower() in (".yaml", ".yml", ".json") or p.is_file():
         return _cases_file(p)
-    if spec in CASE_SETS:
-        return list(CASE_SETS[spec])
-    known = {c.name: c for c in CASE_SETS["default"]}
     names = [n.strip() for n in spec.split(",") if n.strip()]
+    if names and all(n in CASE_SETS for n in names):  # one or more sets, in turn
+        return [c for n in names for c in CASE_SETS[n]]
+    known = {c.name: c for c in CASE_SETS["default"]}
     missing = [n for n in names if n not in known]
     if missing or not names:
         raise BenchError(f"--cases: expected a set ({', '.join(sorted(CASE_SETS))}), case names of the sets, "

@@ -205,6 +205,10 @@ def test_cases_files(tmp_path):
     assert b.load_cases(str(j))[0].tokens == 10
     assert [c.name for c in b.load_cases("B1 T64 H32,B1 T8192 H96")] == ["B1 T64 H32", "B1 T8192 H96"]
     assert b.load_cases("issue17") == b.CASE_SETS["issue17"]
+    both = b.load_cases("issue21, issue15")
+    assert [c.name for c in both] == [c.name for c in b.CASE_SETS["issue21"] + b.CASE_SETS["issue15"]]
+    assert (both[3].dtype, both[3].gate, both[4].D, both[4].gate, both[-1].D) == ("fp16", "unbounded", 64,
+                                                                                 "precomputed", 256)
 
 
 @pytest.mark.parametrize("text, message", [
@@ -227,7 +231,7 @@ def test_bad_cases_file_names_the_file_and_the_key(tmp_path, text, message):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["bench", "--cases", "nope"], "--cases: expected a set (default, issue16, issue17, shapes, short)"),
+    (["bench", "--cases", "nope"], "--cases: expected a set (default, issue15, issue16, issue17, issue21, shapes, short)"),
     (["bench", "--cases", "missing.yaml"], "--cases missing.yaml: cannot be read"),
     (["bench", "--compare", "fla,cudnn"], "--compare: expected a comma-separated list of fla, flashkda"),
     (["bench", "--top", "-1"], "--top: expected 0 (every candidate) or a positive count, found -1"),

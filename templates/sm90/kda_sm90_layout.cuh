@@ -88,7 +88,8 @@ constexpr int NREC = 3;
 constexpr int NV = NIN + NREC;
 static_assert(NIN >= 2 && NREC >= 1, "ring depths");
 
-// Who issues the bulk copies (A/B switch, templates/sm90/DESIGN.md "measured from SASS"):
+// Who issues the bulk copies (templates/sm90/DESIGN.md "measured from SASS"; default 2: on the
+// H200 2026-12-01, B1 T8192 H96 bv128 2.99 -> 2.27 (mode 1) -> 2.07 ms (mode 2), o bitwise equal):
 //   0: the last prep warp, chunk c + NIN in phase 4 of chunk c (one warp: 4 x 16 copies in a
 //      serial uniform-operand loop, on the prep's chain);
 //   1: the same point, the copies spread over warps 1 .. NWP-1 (warp 0 substitutes);
@@ -97,7 +98,7 @@ static_assert(NIN >= 2 && NREC >= 1, "ring depths");
 #ifdef KDA_SM90_COPY_SPREAD
 constexpr int COPY_MODE_REQ = KDA_SM90_COPY_SPREAD;
 #else
-constexpr int COPY_MODE_REQ = 0;
+constexpr int COPY_MODE_REQ = 2;
 #endif
 static_assert(COPY_MODE_REQ >= 0 && COPY_MODE_REQ <= 2, "KDA_SM90_COPY_SPREAD is 0, 1 or 2");
 constexpr int COPY_MODE = COPY_MODE_REQ == 2 && 32 * (NWP - NMW) < 4 * C ? 1 : COPY_MODE_REQ;

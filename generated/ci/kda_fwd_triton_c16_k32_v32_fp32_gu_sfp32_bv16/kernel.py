@@ -34,8 +34,8 @@ PREP_WARPS = 4
 PREP_STAGES = 1
 PREP_MAXNREG = 0  # 0: no cap
 RECUR_WARPS = 4
-RECUR_STAGES = 2
-RECUR_GAM_NEXT = 0  # 1: Gamma_C loaded one chunk ahead (not yet timed)
+RECUR_STAGES = 3
+RECUR_GAM_NEXT = 1  # Gamma_C loaded one chunk ahead (0: at its chunk)
 EXACT_CPP = 16  # chunks per program of the exact prep pass (16-bit variants)
 EXACT_WARPS = PREP_WARPS
 # Kernels `kdagen build` lets keep a ptxas stack frame: the exact prep pass runs only for the
