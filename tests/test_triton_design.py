@@ -225,6 +225,9 @@ def test_gpu_production_shapes_with_launch_options(name, config):
     v = _h800(name)
     if config.get("prep_warps") == 2 and v.chunk == 64:
         pytest.skip("chunk-64 prep at 2 warps spills (280 bytes of stack)")
+    if config.get("recur_stages") == 4 and v.chunk == 64 and v.k > 64:
+        pytest.skip("chunk-64 recurrence at 4 stages: 244 KB of shared memory at K = 128 (H200 2026-12-01), "
+                    "over sm_90's 227 KB")
     with _forced(v, "cuda", config):
         run_and_compare(v, make_case(v, "cuda", B=1, T=1500, H=2, HV=4, seed=21))
         run_and_compare(v, make_case(v, "cuda", lens=[700, 0, 1, 1111], H=4, HV=4, layout="BNSD",
