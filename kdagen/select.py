@@ -61,6 +61,15 @@ def device_reason(target: str, device: torch.device) -> Optional[str]:
     return None
 
 
+def variant_device_reason(v: Variant, device: torch.device) -> Optional[str]:
+    """Why variant `v` cannot run on `device` though its target can (None when it can)."""
+    info = TARGETS.get(v.target)
+    for dev_type, max_k, why in (info.device_max_k if info is not None else ()):
+        if dev_type == device.type and v.k > max_k:
+            return f"{v.target} runs K <= {max_k} on {dev_type} ({why}), the variant has K={v.k}"
+    return None
+
+
 def functional_reason(v: Variant, c: CallInfo) -> Optional[str]:
     """Why variant `v` cannot compute this call (None when it can)."""
     if v.dtype != c.dtype:
@@ -131,7 +140,8 @@ def preference(x: Union[Variant, Candidate], c: CallInfo, sms: int) -> tuple:
 
 def rejection(cand: Candidate, c: CallInfo) -> Optional[str]:
     """Why this candidate cannot serve the call here (None when it can)."""
-    return functional_reason(cand.variant, c) or device_reason(cand.variant.target, c.device) or cand.blocked
+    return (functional_reason(cand.variant, c) or device_reason(cand.variant.target, c.device)
+            or variant_device_reason(cand.variant, c.device) or cand.blocked)
 
 
 def choose(cands: Iterable[Union[Variant, Candidate]], c: CallInfo) -> tuple[Optional[Candidate],

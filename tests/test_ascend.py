@@ -284,3 +284,18 @@ def test_ascend_kernel_on_npu(variant, group, layout):  # pragma: no cover - no 
         launcher.settings = saved
     torch.npu.synchronize()
     assert torch.equal(kw["initial_state"], h0), "the kernel modified the initial state"
+
+
+def test_dispatch_rejects_twin_variants_above_their_cuda_head_dim():
+    """A twin variant with K above what it runs on CUDA is rejected with the reason (the bench and
+    dispatch read the same rejection), and the launcher's guard reads the same limit."""
+    from kdagen.select import variant_device_reason
+    from kdagen.targets.triton_twin import CUDA_MAX_K
+
+    big = next(v for v in TWIN_VARIANTS if v.k > CUDA_MAX_K)
+    small = next(v for v in TWIN_VARIANTS if v.k <= CUDA_MAX_K)
+    why = variant_device_reason(big, torch.device("cuda", 0))
+    assert why == (f"triton_twin runs K <= 64 on cuda (its stage 2 needs more shared memory than a CUDA block "
+                   f"has), the variant has K={big.k}")
+    assert variant_device_reason(small, torch.device("cuda", 0)) is None
+    assert variant_device_reason(big, torch.device("cpu")) is None

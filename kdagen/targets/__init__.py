@@ -54,6 +54,8 @@ class TargetInfo:
     # (device type, variable, value): on that device type the target needs the variable set
     device_env: tuple[tuple[str, str, str], ...] = ()
     on_demand: bool = True  # may be generated for a call that no spec lists
+    # (device type, largest K, why): variants with a larger K do not run on that device type
+    device_max_k: tuple[tuple[str, int, str], ...] = ()
 
     def load_launcher(self):
         mod, _, cls = self.launcher.partition(":")
@@ -219,6 +221,7 @@ TARGETS: dict[str, TargetInfo] = {
         # a numerics check of the Ascend kernel: serves calls only as the last resort
         devices=("cuda", "cpu"), min_compute_capability=(8, 0), rank=3,
         device_env=(("cpu", "TRITON_INTERPRET", "1"),), on_demand=False,
+        device_max_k=(("cuda", 64, "its stage 2 needs more shared memory than a CUDA block has"),),
     ),
 }
 

@@ -19,6 +19,7 @@ import torch
 
 from ..dtypes import GATE_IDS
 from .ascend import group_chunks
+from . import TARGETS
 from .loader import load_generated_module
 
 
@@ -30,7 +31,8 @@ class TwinSettings:
 
 
 # The largest head dim whose stage 2 fits a CUDA block's shared memory (see __call__).
-CUDA_MAX_K = 64
+# the largest K the twin runs on CUDA GPUs (its TargetInfo says why; dispatch reads it there too)
+CUDA_MAX_K = next(k for dev, k, _ in TARGETS["triton_twin"].device_max_k if dev == "cuda")
 
 
 class TritonTwinLauncher:
