@@ -115,6 +115,14 @@ __device__ __forceinline__ void block_sync() {
   if constexpr (COPY) __syncwarp();
   asm volatile("bar.sync %0, %1;\n" ::"n"(PAIR_MBAR ? 1 : NWV + 1), "n"(NT2) : "memory");
 }
+#elif KDA_BLOCK_BAR_ALIGNED == 3
+// 3: the compute warps (one loop, one instruction) the aligned bar.sync, the copy warp the
+// non-aligned barrier.sync, on barrier 0 (untimed; whether synccheck accepts it is unknown).
+template <bool COPY = false>
+__device__ __forceinline__ void block_sync() {
+  if constexpr (COPY) asm volatile("barrier.sync 0;\n" ::: "memory");
+  else asm volatile("bar.sync 0;\n" ::: "memory");
+}
 #else
 template <bool COPY = false>
 __device__ __forceinline__ void block_sync() { asm volatile("barrier.sync 0;\n" ::: "memory"); }
