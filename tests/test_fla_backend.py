@@ -158,11 +158,13 @@ def test_importing_kdagen_before_fla_registers_when_fla_arrives():
 
 
 @pytest.mark.gpu
+@pytest.mark.fla_autotune
 def test_gpu_fla_chunk_kda_served_and_fallback(monkeypatch):
     """On the GPU: fla's chunk_kda under inference mode is kdagen's result (bf16: D=128 and D=256
-    on sm80, D=192 zero-padded to sm80's 256); with grad mode on, fla's own kernels run; both match
-    fla's naive reference; fp16 D=192 without JIT (no variant of that dtype covers it) falls back
-    and still matches."""
+    on sm80, D=192 zero-padded to sm80's 256) and matches fla's naive reference; with grad mode on
+    the backend declines; fp16 D=192 without JIT (no variant of that dtype covers it) falls back to
+    fla's own kernels, under inference mode and with grad mode on, and still matches. fla's own
+    kernels run for that one shape only: each new shape costs fla about 130 s of autotuning."""
     from kdagen.reference import rel_rmse
 
     for D, dtype, served in ((128, torch.bfloat16, True), (256, torch.bfloat16, True),
@@ -181,8 +183,11 @@ def test_gpu_fla_chunk_kda_served_and_fallback(monkeypatch):
             if served:
                 mo, ms = kdagen.chunk_kda(*args, **fkw)
                 assert torch.equal(o, mo) and torch.equal(s, ms)
-        fo, fs = fla_kda.chunk_kda(*args, **fkw)  # grad mode: fla's own
-        for name, x, ref in (("o", o, ro), ("state", s, rs), ("fla o", fo, ro), ("fla state", fs, rs)):
+        checked = [("o", o, ro), ("state", s, rs)]
+        if not served:
+            fo, fs = fla_kda.chunk_kda(*args, **fkw)  # grad mode: fla's own
+            checked += [("fla o", fo, ro), ("fla state", fs, rs)]
+        for name, x, ref in checked:
             e = rel_rmse(x.detach().float().cpu(), ref)
             print(f"D={D} {name}: {e:.2e}")
             assert e < 6e-3, (D, name, e)
