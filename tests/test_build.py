@@ -27,7 +27,8 @@ def test_build_ci_spec_with_ninja(tmp_path, capfd):
         # stack frame read from its cubin (only the SPILL_OK kernels may have one)
         stamp = (tmp_path / "ci" / name / "checked.stamp").read_text()
         assert stamp.startswith(f"{name}: compiled for sm_90, no local memory (kda_prep_"), stamp
-        allowed = ("kda_recur_kernel stack 16",) if "_c64_" in name and "_fp32_" in name else ()
+        # the fp32 chunk-64 recurrence may keep a frame of at most 16 bytes (SPILL_OK, with its reason)
+        allowed = {f"kda_recur_kernel stack {n}" for n in (8, 16)} if "_c64_" in name and "_fp32_" in name else set()
         frames = stamp.split("(", 1)[1].rstrip(")\n").split(", ")
         assert all(f.endswith(" stack 0") or f in allowed for f in frames), stamp
     on_disk = json.loads((tmp_path / "ci" / "manifest.json").read_text())

@@ -40,8 +40,9 @@ EXACT_CPP = 16  # chunks per program of the exact prep pass (16-bit variants)
 EXACT_WARPS = PREP_WARPS
 # Kernels `kdagen build` lets keep a ptxas stack frame: the exact prep pass runs only for the
 # chunks whose decay leaves the fast prep's range.
-# And the fp32 chunk-64 recurrence (tf32x3 products): 255 registers, two values reloaded a step
-# from a 16-byte frame (sm_90, K32); a variant for accuracy, not speed.
+# And the fp32 chunk-64 recurrence (tf32x3 products): 255 registers, a value or two reloaded a
+# step from a frame of at most 16 bytes (sm_90, K32: 16 at 2 stages, 8 at 3); a variant for
+# accuracy, not speed.
 SPILL_OK = ("kda_prep_exact_kernel", "kda_recur_kernel")
 # Workspace record per (chunk, value head), in elements of WS_DTYPE: W, Qd, Kr [C, KP], Mqk [C, C],
 # U0 [C, VP]; Gamma_C [KP] goes to a separate fp32 array.
