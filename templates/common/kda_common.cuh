@@ -172,20 +172,6 @@ __device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
 __device__ __forceinline__ void mbar_wait_parity_poll(uint64_t* bar, uint32_t parity) {
   asm volatile(KDA_MBAR_WAIT_PARITY_ASM("test_wait") ::"r"(smem_u32(bar)), "r"(parity) : "memory");
 }
-// An arrival on `bar` once every cp.async this thread issued before has landed (noinc: the
-// barrier's count includes this arrival).
-__device__ __forceinline__ void cp_async_arrive_noinc(uint64_t* bar) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_u32(bar)) : "memory");
-}
-// try_wait where the image has it (sm_90: the thread may sleep until the phase completes), else
-// the test_wait poll.
-__device__ __forceinline__ void mbar_wait_parity_try(uint64_t* bar, uint32_t parity) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile(KDA_MBAR_WAIT_PARITY_ASM("try_wait") ::"r"(smem_u32(bar)), "r"(parity) : "memory");
-#else
-  mbar_wait_parity_poll(bar, parity);
-#endif
-}
 
 __device__ __forceinline__ float sigmoidf_(float x) { return 1.f / (1.f + __expf(-x)); }
 __device__ __forceinline__ float softplusf_(float x) { return x > 20.f ? x : log1pf(__expf(x)); }

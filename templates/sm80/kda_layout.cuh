@@ -84,19 +84,7 @@ constexpr int STAGE = (3 * C * K + C * C + BV * C) * 2 + K * 4;
 constexpr int XU4 = C / 8;
 constexpr int XO4 = C / 16;
 constexpr int XW4 = XU4 + XO4;
-// KDA_COPY_MBAR (see kda_recur.cuh: how the copy warp hands off to the compute warps): with 2
-// the chunk-16 exchange is double-buffered by step parity, so no barrier separates the compute
-// warps' steps (at chunk 64, K = 128 a second buffer does not fit: mode 1 there).
-#ifndef KDA_COPY_MBAR
-#define KDA_COPY_MBAR 0
-#endif
-constexpr int COPY_MBAR = KDA_COPY_MBAR;
-constexpr int XSLOTS = COPY_MBAR == 2 && C == 16 && KSPLIT > 1 ? 2 : 1;
-// A barrier of the compute warps alone at the top of each step (modes 1, 2 where the exchange
-// buffer is reused by the next step); mode 0 uses the block barrier with the copy warp instead.
-constexpr bool STEP_BAR = COPY_MBAR != 0 && KSPLIT > 1 && XSLOTS == 1;
-constexpr int XBUF1 = KSPLIT > 1 ? NW2 * MT * 32 * XW4 * 16 : 0;  // one step's exchange
-constexpr int XBUF = XSLOTS * XBUF1;
+constexpr int XBUF = KSPLIT > 1 ? NW2 * MT * 32 * XW4 * 16 : 0;
 // o: each warp finishes C / KSPLIT time steps of its 16 * MT V columns, staged per 16-row tile in
 // its own slice of shared memory (48-byte rows: the 2-byte writes hit distinct banks) for 16-byte
 // stores. At chunk 16 the copy warp stores chunk c's o during step c + 1 (double-buffered
@@ -111,19 +99,12 @@ constexpr int OBUF = (O_BY_COPY ? 2 : 1) * OSLOT * 2;
 // with KDA_PAIR_MBAR=0 (kept for A/B timing) by a named barrier per tile. With the named barrier
 // racecheck reports the copy warp's o reads at K = 128 though the block barrier orders them: a
 // tool blind spot that mbarriers avoid (scripts/sanitizer/race_blind_spot.cu, MODE 1 vs 3 and 5).
-// Modes, for A/B timing: 1 every thread arrives and polls with test_wait; 2 as 1 with try_wait
-// in the sm_90 image; 3 one elected arrive per warp after __syncwarp (count 2); 4 = 3 + try_wait.
 #ifndef KDA_PAIR_MBAR
 #define KDA_PAIR_MBAR 1
 #endif
 constexpr bool PAIR_MBAR = KSPLIT > 1 && KDA_PAIR_MBAR != 0;
-constexpr bool PAIR_ELECT = KDA_PAIR_MBAR == 3 || KDA_PAIR_MBAR == 4;
-constexpr bool PAIR_TRYWAIT = KDA_PAIR_MBAR == 2 || KDA_PAIR_MBAR == 4;
 constexpr int PAIRBAR = PAIR_MBAR ? NWV * 8 : 0;  // bytes: one 64-bit mbarrier per V tile
-static_assert(COPY_MBAR != 2 || KSPLIT == 1 || PAIR_MBAR, "KDA_COPY_MBAR=2 orders the exchange by the pair mbarriers");
-// COPY_MBAR: full / empty mbarriers per stage and per o slot (NSTAGE is at most 4).
-constexpr int COPYBAR = COPY_MBAR ? (2 * 4 + 2 * 2) * 8 : 0;
-constexpr int XOB = XBUF + OBUF + PAIRBAR + COPYBAR;  // shared memory besides the stages
+constexpr int XOB = XBUF + OBUF + PAIRBAR;  // shared memory besides the stages
 // Four stages where they fit (chunk c + 3 streams in while chunk c is worked on), else fewer.
 // At K = 256 (27 KB a stage) three, so that two blocks of block_v <= 32 share a Hopper SM
 // (228 KB). KDA_NSTAGE (a compile-time -D) overrides, for measuring the prefetch depth.
@@ -133,7 +114,6 @@ constexpr int NSTAGE = KDA_NSTAGE;
 constexpr int NSTAGE = K < 256 && 4 * STAGE + XOB <= SMEM_MAX ? 4 : 3 * STAGE + XOB <= SMEM_MAX ? 3 : 2;
 #endif
 constexpr int OFF_PAIRBAR = NSTAGE * STAGE + XBUF + OBUF;
-constexpr int OFF_COPYBAR = OFF_PAIRBAR + PAIRBAR;
 constexpr int SMEM2 = NSTAGE * STAGE + XOB;
 static_assert(STAGE % 16 == 0 && XBUF % 16 == 0 && OFF_PAIRBAR % 8 == 0 && SMEM2 <= SMEM_MAX,
               "kda_recur shared memory");

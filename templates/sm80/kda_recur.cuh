@@ -101,20 +101,12 @@ __device__ __forceinline__ void store_o_chunk(const in_t* so, in_t* obase, long 
 // instructions (each role runs its own loop: one shared loop measured 15% slower at T65536 H24), so
 // it is the non-aligned barrier.sync, which PTX allows in divergent code (bar.sync / __syncthreads
 // is the aligned form and must be reached at the same instruction by every thread).
-// KDA_BLOCK_BAR_ALIGNED=1 rebuilds the earlier aligned bar.sync (undefined behaviour here), only
-// to time the fix against it in one run.
-// KDA_BLOCK_BAR_ALIGNED=2: a named barrier with the block's thread count, the aligned bar.sync
-// reached at different instructions by whole warps, as PTX's producer/consumer use of named
-// barriers does (the copy warp reconverges first: COPY = true).
+// COPY marks the copy warp's calls. KDA_BLOCK_BAR_ALIGNED=1 rebuilds the earlier aligned bar.sync
+// (undefined behaviour here), only to time the fix against it in one run; the other options
+// measured (benchmarks/results/2026-12-01_s9_h200_sm80_sync_ab.md) were dropped.
 #if KDA_BLOCK_BAR_ALIGNED == 1
 template <bool COPY = false>
 __device__ __forceinline__ void block_sync() { asm volatile("bar.sync 0;\n" ::: "memory"); }
-#elif KDA_BLOCK_BAR_ALIGNED == 2
-template <bool COPY = false>
-__device__ __forceinline__ void block_sync() {
-  if constexpr (COPY) __syncwarp();
-  asm volatile("bar.sync %0, %1;\n" ::"n"(PAIR_MBAR ? 1 : NWV + 1), "n"(NT2) : "memory");
-}
 #elif KDA_BLOCK_BAR_ALIGNED == 3
 // 3: the compute warps (one loop, one instruction) the aligned bar.sync, the copy warp the
 // non-aligned barrier.sync, on barrier 0 (untimed; whether synccheck accepts it is unknown).
@@ -142,44 +134,13 @@ __device__ __forceinline__ void bar_tile(int vt) {
 // The split-K exchange of step c between the two warps of V tile vt (see PAIR_MBAR). The tile's
 // mbarrier counts the 64 threads' arrivals; its phase completes once per step, so step c waits
 // for parity c & 1 (a warp cannot run a step ahead: the block barrier separates steps).
-// With PAIR_ELECT one lane arrives for its warp: __syncwarp orders the other lanes' exchange
-// writes before that lane's release arrive (causality is transitive in the PTX memory model).
-__device__ __forceinline__ void pair_sync(uint64_t* pair_bars, int vt, int c, int lane) {
+__device__ __forceinline__ void pair_sync(uint64_t* pair_bars, int vt, int c) {
   if constexpr (PAIR_MBAR) {
-    if constexpr (PAIR_ELECT) {
-      __syncwarp();
-      if (lane == 0) mbar_arrive(pair_bars + vt);
-    } else {
-      mbar_arrive(pair_bars + vt);
-    }
-    if constexpr (PAIR_TRYWAIT) mbar_wait_parity_try(pair_bars + vt, c & 1);
-    else mbar_wait_parity_poll(pair_bars + vt, c & 1);
+    mbar_arrive(pair_bars + vt);
+    mbar_wait_parity_poll(pair_bars + vt, c & 1);
   } else {
     bar_tile<0>(vt);
   }
-}
-
-// The compute warps' own barrier (STEP_BAR): one instruction for all of them, the aligned form.
-__device__ __forceinline__ void compute_sync() { asm volatile("bar.sync %0, %1;\n" ::"n"(NWV + 1), "n"(NW2 * 32) : "memory"); }
-
-// COPY_MBAR: the copy warp and the compute warps meet only through mbarriers, so no barrier
-// instruction is shared between the two roles' loops (bar.sync must be reached at the same
-// instruction by all its threads; barrier.sync, which allows otherwise, cost 14% of the
-// recurrence at T65536 H24). full[s]: stage s landed (the copy warp's 32 cp.async arrivals);
-// empty[s]: every compute thread is done with it; ofull[j] / oempty[j]: o slot j staged / stored.
-struct CopyBars {
-  uint64_t* full;
-  uint64_t* empty;
-  uint64_t* ofull;
-  uint64_t* oempty;
-};
-__device__ __forceinline__ CopyBars copy_bars(char* smem) {
-  uint64_t* b = reinterpret_cast<uint64_t*>(smem + OFF_COPYBAR);
-  return {b, b + 4, b + 8, b + 10};
-}
-__device__ __forceinline__ void copy_wait(uint64_t* bar, uint32_t parity) {
-  if constexpr (PAIR_TRYWAIT) mbar_wait_parity_try(bar, parity);
-  else mbar_wait_parity_poll(bar, parity);
 }
 
 // Register-held state slice <-> memory (rows vr0, vr0 + 8; columns k0 + 8 nt + 2 t4 + {0,1}).
@@ -241,19 +202,7 @@ extern "C" __global__ void KDA_RECUR_BOUNDS kda_recur(const KdaParams p) {
   const long long tb = p.cu_seqlens ? bos : 0;
   in_t* const so_all = reinterpret_cast<in_t*>(smem2 + NSTAGE * STAGE + XBUF);  // o staging
   uint64_t* const pair_bars = reinterpret_cast<uint64_t*>(smem2 + OFF_PAIRBAR);
-  if (PAIR_MBAR && tid < NWV) mbar_init(pair_bars + tid, PAIR_ELECT ? 2 : 64);  // published by the first block barrier
-  const CopyBars cb = copy_bars(smem2);
-  if constexpr (COPY_MBAR != 0) {
-    if (tid < NSTAGE) {
-      mbar_init(cb.full + tid, 32);
-      mbar_init(cb.empty + tid, NW2 * 32);
-    }
-    if (tid < 2) {
-      mbar_init(cb.ofull + tid, NW2 * 32);
-      mbar_init(cb.oempty + tid, 32);
-    }
-    __syncthreads();  // every thread, one instruction: the barriers are initialised
-  }
+  if (PAIR_MBAR && tid < NWV) mbar_init(pair_bars + tid, 64);  // published by the first block barrier
 
   if (warp == NW2) {
     // The copy warp: stage c + NSTAGE - 1 is refilled in step c, once every warp has passed the
@@ -265,39 +214,6 @@ extern "C" __global__ void KDA_RECUR_BOUNDS kda_recur(const KdaParams p) {
     // (block_sync: the non-aligned form).
     in_t* ob = (in_t*)p.o + bidx * p.o_s[0] + h * p.o_s[2] + vb * BV + tb * p.o_s[1];
     const long long ostride = p.o_s[1];
-    if constexpr (COPY_MBAR != 0) {
-      // Chunk f goes to stage f % NSTAGE once the compute threads are done with chunk f - NSTAGE
-      // (empty phase f / NSTAGE - 1); chunk c - 1's o is stored once staged (ofull phase
-      // (c - 1) / 2 of slot (c - 1) & 1), and the slot handed back.
-#pragma unroll
-      for (int j = 0; j < NSTAGE - 1; ++j) {
-        if (j < nc) {
-          prefetch_chunk(smem2 + j * STAGE, rec_c + j * rstride, vb, lane);
-          cp_async_arrive_noinc(cb.full + j);
-        }
-      }
-      for (int c = 0; c < nc; ++c) {
-        const int f = c + NSTAGE - 1;
-        if (f < nc) {
-          const int st = f % NSTAGE;
-          if (f >= NSTAGE) copy_wait(cb.empty + st, (f / NSTAGE - 1) & 1);
-          prefetch_chunk(smem2 + st * STAGE, rec_c + f * rstride, vb, lane);
-          cp_async_arrive_noinc(cb.full + st);
-        }
-        if (O_BY_COPY && c > 0) {
-          const int j = (c - 1) & 1;
-          copy_wait(cb.ofull + j, ((c - 1) >> 1) & 1);
-          store_o_chunk(so_all + j * OSLOT, ob + (long long)(c - 1) * C * ostride, ostride, C, lane);
-          mbar_arrive(cb.oempty + j);
-        }
-      }
-      if (O_BY_COPY && nc > 0) {
-        copy_wait(cb.ofull + ((nc - 1) & 1), ((nc - 1) >> 1) & 1);
-        store_o_chunk(so_all + ((nc - 1) & 1) * OSLOT, ob + (long long)(nc - 1) * C * ostride, ostride,
-                      len - (nc - 1) * C, lane);
-      }
-      return;
-    }
 #pragma unroll
     for (int j = 0; j < NSTAGE - 1; ++j) {
       if (j < nc) prefetch_chunk(smem2 + j * STAGE, rec_c + j * rstride, vb, lane);
@@ -369,16 +285,8 @@ extern "C" __global__ void KDA_RECUR_BOUNDS kda_recur(const KdaParams p) {
     }
     // The one block-wide barrier of a step: chunk c has landed (the copy warp waited for it),
     // and every warp is done with step c - 1 (its stage can be refilled, the exchange slots
-    // reused). COPY_MBAR: chunk c's full phase, and the compute warps' own barrier where the
-    // exchange buffer is reused.
-    if constexpr (COPY_MBAR != 0) {
-      copy_wait(cb.full + c % NSTAGE, (c / NSTAGE) & 1);
-      if constexpr (STEP_BAR) compute_sync();
-      else __syncwarp();  // the lanes' reads of this warp's o staging in step c - 1 are done
-    } else {
-      block_sync();
-    }
-    float4* const xstep = xbuf + (XSLOTS > 1 ? (c & 1) * (XBUF1 / 16) : 0);  // this step's exchange
+    // reused).
+    block_sync();
 
     const bf16* sW = reinterpret_cast<const bf16*>(smem2 + (c % NSTAGE) * STAGE);
     const bf16* sQ = sW + C * K;
@@ -446,7 +354,7 @@ extern "C" __global__ void KDA_RECUR_BOUNDS kda_recur(const KdaParams p) {
     constexpr bool XCH_EARLY = KSPLIT > 1 && MT > 1;
     // This warp's partial U^T of tile m, for its split-K partner.
     auto send_partial_u = [&](int m) {
-      float4* xw = xstep + (warp * MT + m) * XW4 * 32 + lane;
+      float4* xw = xbuf + (warp * MT + m) * XW4 * 32 + lane;
 #pragma unroll
       for (int nt = 0; nt < C / 8; ++nt)
         xw[nt * 32] = make_float4(ut[m][nt][0], ut[m][nt][1], ut[m][nt][2], ut[m][nt][3]);
@@ -521,7 +429,7 @@ extern "C" __global__ void KDA_RECUR_BOUNDS kda_recur(const KdaParams p) {
     } else {
 #pragma unroll
       for (int m = 0; m < MT; ++m) {
-        float4* xw = xstep + (warp * MT + m) * XW4 * 32 + lane;
+        float4* xw = xbuf + (warp * MT + m) * XW4 * 32 + lane;
         if constexpr (!XCH_EARLY) send_partial_u(m);
 #pragma unroll
         for (int ntp = 0; ntp < C / 16; ++ntp) {
@@ -529,12 +437,12 @@ extern "C" __global__ void KDA_RECUR_BOUNDS kda_recur(const KdaParams p) {
                                     : make_float4(oq[m][ntp][1][0], oq[m][ntp][1][1], oq[m][ntp][1][2], oq[m][ntp][1][3]);
         }
       }
-      pair_sync(pair_bars, vt, c, lane);  // the two warps of this V tile
+      pair_sync(pair_bars, vt, c);  // the two warps of this V tile
       // U = U0 - (own partial + partner's): floating-point addition commutes, so both warps hold
       // the same U bit for bit.
 #pragma unroll
       for (int m = 0; m < MT; ++m) {
-        const float4* xp = xstep + (((1 - kh) * NWV + vt) * MT + m) * XW4 * 32 + lane;
+        const float4* xp = xbuf + (((1 - kh) * NWV + vt) * MT + m) * XW4 * 32 + lane;
 #pragma unroll
         for (int nt = 0; nt < C / 8; ++nt) {
           const float4 b = xp[nt * 32];
@@ -578,9 +486,6 @@ extern "C" __global__ void KDA_RECUR_BOUNDS kda_recur(const KdaParams p) {
     // o^T += U^T Mqk^T on this warp's n-tiles (Mqk lower triangular: blocks kc <= ntp), staged in
     // this warp's slice of the chunk's o slot ([MT][OROWS][OP]) for the copy warp to store.
     in_t* so = so_all + (O_BY_COPY ? (c & 1) * OSLOT : 0) + warp * MT * OROWS * OP;
-    if constexpr (COPY_MBAR != 0 && O_BY_COPY) {
-      if (c >= 2) copy_wait(cb.oempty + (c & 1), ((c >> 1) - 1) & 1);  // chunk c - 2 stored from it
-    }
 #pragma unroll
     for (int ntp = 0; ntp < C / 16; ++ntp) {
 #pragma unroll
@@ -612,10 +517,6 @@ extern "C" __global__ void KDA_RECUR_BOUNDS kda_recur(const KdaParams p) {
             so[(m * OROWS + r0 + (e & 1)) * OP + g8 + (e >> 1) * 8] = from_f<in_t>(ok[m][ntp][hh][e]);
         }
     }
-    if constexpr (COPY_MBAR != 0) {
-      if constexpr (O_BY_COPY) mbar_arrive(cb.ofull + (c & 1));
-      mbar_arrive(cb.empty + c % NSTAGE);  // the step's last stage read (Mqk) is above
-    }
     if constexpr (!O_BY_COPY) {
       __syncwarp();
       // A staged row is 16 V columns of one time step (32 bytes).
@@ -633,7 +534,7 @@ extern "C" __global__ void KDA_RECUR_BOUNDS kda_recur(const KdaParams p) {
     // state "bf16": bf16 in memory (initial / final / chunk states); the register-held state
     // stays fp32 between chunks (rounding it every chunk costs accuracy and saves nothing).
   }
-  if constexpr (O_BY_COPY && COPY_MBAR == 0) block_sync();  // the last chunk's o is staged: the copy warp stores it
+  if constexpr (O_BY_COPY) block_sync();  // the last chunk's o is staged: the copy warp stores it
 #if KDA_STATE != 0
   if (p.ht) {
 #pragma unroll
