@@ -33,8 +33,9 @@ def test_error_table_reports_worst_case_bound_and_margin(tmp_path):
     assert lines[-1] == "3 variants, 3 checks: sm80 2 variants / 2 checks, triton 1 variants / 1 checks"
 
 
-def _item(nodeid, v=None):
-    return SimpleNamespace(nodeid=nodeid, callspec=SimpleNamespace(params={"v": v} if v else {}))
+def _item(nodeid, v=None, markers=()):
+    return SimpleNamespace(nodeid=nodeid, callspec=SimpleNamespace(params={"v": v} if v else {}),
+                           get_closest_marker=lambda name: name if name in markers else None)
 
 
 @pytest.mark.parametrize("n", [1, 3, 5])
@@ -43,6 +44,7 @@ def test_shards_partition_the_run_and_keep_shared_inputs_together(n):
     b = Variant("triton", 64, 32, 32, "fp32", "bounded", "fp32", 16)  # same inputs as a
     c = Variant("sm80", 16, 64, 64, "bf16", "unbounded", "none", 32)
     items = [_item(f"t[{v.name}-{case}]", v) for case in range(4) for v in (a, b, c)] + [_item("t_plain")]
+    items.append(_item("t_fla", markers=("fla_autotune",)))  # minutes of fla autotuning
     shards = []
     for i in range(n):
         kept = list(items)
@@ -56,6 +58,8 @@ def test_shards_partition_the_run_and_keep_shared_inputs_together(n):
     assert sum(len(s) for s in shards) == len(items)  # disjoint
     home = [i for i, s in enumerate(shards) if f"t[{a.name}-0]" in s]
     assert all(f"t[{v.name}-{case}]" in shards[home[0]] for v in (a, b) for case in range(4))
+    if n > 1:  # the fla-autotuning test outweighs the rest: a shard of its own
+        assert [s for s in shards if "t_fla" in s] == [{"t_fla"}]
 
 
 def test_shard_option_is_checked():
