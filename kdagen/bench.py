@@ -19,7 +19,7 @@ import json
 import math
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
@@ -189,18 +189,23 @@ CASE_SETS: dict[str, list[Case]] = {
 }
 # Issue 21's rows (the Triton target against fla; time it with --variants 'kda_fwd_triton_*') and
 # issue 15's head dims against fla. Not in the default set: the peers are timed on every row.
+_DEFINED = {c.name: c for cases in CASE_SETS.values() for c in cases}
+
+
+def _peered(name: str) -> Case:
+    """A case of the sets above, with the peers timed on it."""
+    return replace(_DEFINED[name], compare=True)
+
+
 CASE_SETS["issue21"] = [
-    _c("B1 T8192 H96", T=8192, H=96, compare=True),
-    _c("B1 T65536 H24", T=65536, H=24, compare=True),
-    _c("B1 T2048 H8", T=2048, H=8, compare=True),
+    _peered("B1 T8192 H96"),
+    _peered("B1 T65536 H24"),
+    _peered("B1 T2048 H8"),
     _c("B1 T8192 H32 fp16 unbounded", T=8192, H=32, dtype="fp16", gate="unbounded", compare=True),
     _c("B1 T8192 H32 D64 precomputed", T=8192, H=32, D=64, gate="precomputed", compare=True),
-    _c("varlen [1300,547,2048,963,271,3063] H96", lens=[1300, 547, 2048, 963, 271, 3063], H=96, compare=True),
+    _peered("varlen [1300,547,2048,963,271,3063] H96"),
 ]
-CASE_SETS["issue15"] = [
-    _c("B1 T8192 H32 D64", T=8192, H=32, D=64, compare=True),
-    _c("B1 T8192 H16 D256", T=8192, H=16, D=256, compare=True),
-]
+CASE_SETS["issue15"] = [_peered("B1 T8192 H32 D64"), _peered("B1 T8192 H16 D256")]
 CASE_SETS["default"] = [c for name in ("issue16", "issue17", "short", "shapes") for c in CASE_SETS[name]]
 
 

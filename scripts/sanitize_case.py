@@ -10,6 +10,7 @@ in its own process).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import fnmatch
 import sys
 from pathlib import Path
@@ -54,15 +55,17 @@ def main() -> int:
         print(f"--variant: expected a registered variant name, found {a.variant!r}", file=sys.stderr)
         return 2
     v = registry().entries[a.variant].variant
-    if a.fatbin:
-        from kdagen.targets import TARGETS
-
-        # the runtime's launcher cache key (runtime.py): this build is used for the call below
-        key = (v.name, f"cuda:{torch.cuda.current_device()}")
-        registry()._launchers[key] = TARGETS[v.target].load_launcher()(v, Path(a.fatbin))
     kw = make_case(v, "cuda", lens=LENS, H=2, HV=4, chunk_states=v.state != "none", seed=3)
-    o = kda_prefill(**kw, variant=v.name)[0]
-    torch.cuda.synchronize()
+    with contextlib.ExitStack() as stack:
+        if a.fatbin:  # this build serves the call instead of the registry's
+            from kdagen.targets import TARGETS
+            from kdagen_dev.launch import launcher_swapped
+
+            dev = torch.device("cuda", torch.cuda.current_device())
+            stack.enter_context(launcher_swapped(v.name, f"{dev.type}:{dev.index}",
+                                                 TARGETS[v.target].load_launcher()(v, Path(a.fatbin))))
+        o = kda_prefill(**kw, variant=v.name)[0]
+        torch.cuda.synchronize()
     print(f"ran {v.name}: o finite {bool(torch.isfinite(o).all())}")
     return 0
 

@@ -323,9 +323,9 @@ class Sm80Bound:
     """One call signature's launch, prepared once: the parameter struct with strides and scalars
     filled, grids, kernels, workspace size, and per stream the driver calls' argument tuples (or
     the launch shim's prepared Pair: both launches in one ctypes call). A call writes its 14
-    pointers into the struct and launches both kernels on torch's current stream, with no checks (the signature was checked) and no context switch (torch keeps the
-    device's primary context current; a launch that finds another one falls back to the general
-    path, which switches)."""
+    pointers into the struct and launches both kernels on torch's current stream, with no checks
+    (the signature was checked) and no context switch (torch keeps the device's primary context
+    current; a launch that finds another one falls back to the general path, which switches)."""
 
     _PTRS = ("q", "k", "v", "g", "beta", "o", "A_log", "dt_bias", "cu_seqlens", "h0", "ht", "hc",
              "chunk_offsets", "ws")
@@ -463,7 +463,8 @@ class Sm80Bound:
     def _declined(self, which: int, grid: tuple, err, block: tuple | None = None, smem: int | None = None) -> bool:
         """A launch the driver refused (`which`: 0 kda_prep, 1 kda_recur): said in last_failure
         (and the debug log) in the general launch's words; False, so the general path runs the
-        call (and raises if it fails too)."""
+        call (and raises if it fails too). The shim passes the refused launch's own block and
+        shared memory (its Pair holds them)."""
         name, nt, smem_ = ("kda_prep", self.nt1, self.smem1) if which == 0 else ("kda_recur", self.nt2, self.smem2)
         block = block or (nt, 1, 1)
         smem = smem_ if smem is None else smem

@@ -30,8 +30,8 @@ class TwinSettings:
     group_chunks: Optional[int] = None
 
 
-# The largest head dim whose stage 2 fits a CUDA block's shared memory (see __call__).
-# the largest K the twin runs on CUDA GPUs (its TargetInfo says why; dispatch reads it there too)
+# The largest head dim whose stage 2 fits a CUDA block's shared memory (see __call__): the
+# target's TargetInfo.device_max_k, which dispatch reads too.
 CUDA_MAX_K = next(k for dev, k, _ in TARGETS["triton_twin"].device_max_k if dev == "cuda")
 
 
