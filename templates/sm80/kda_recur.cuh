@@ -103,18 +103,11 @@ __device__ __forceinline__ void store_o_chunk(const in_t* so, in_t* obase, long 
 // is the aligned form and must be reached at the same instruction by every thread).
 // COPY marks the copy warp's calls. KDA_BLOCK_BAR_ALIGNED=1 rebuilds the earlier aligned bar.sync
 // (undefined behaviour here), only to time the fix against it in one run; the other options
-// measured (benchmarks/results/2026-12-01_s9_h200_sm80_sync_ab.md) were dropped.
+// measured (benchmarks/results/2026-12-01_s9_h200_sm80_sync_ab.md, _s10_h200_sm80_sync_mix.md)
+// were dropped.
 #if KDA_BLOCK_BAR_ALIGNED == 1
 template <bool COPY = false>
 __device__ __forceinline__ void block_sync() { asm volatile("bar.sync 0;\n" ::: "memory"); }
-#elif KDA_BLOCK_BAR_ALIGNED == 3
-// 3: the compute warps (one loop, one instruction) the aligned bar.sync, the copy warp the
-// non-aligned barrier.sync, on barrier 0 (untimed; whether synccheck accepts it is unknown).
-template <bool COPY = false>
-__device__ __forceinline__ void block_sync() {
-  if constexpr (COPY) asm volatile("barrier.sync 0;\n" ::: "memory");
-  else asm volatile("bar.sync 0;\n" ::: "memory");
-}
 #else
 template <bool COPY = false>
 __device__ __forceinline__ void block_sync() { asm volatile("barrier.sync 0;\n" ::: "memory"); }
