@@ -217,7 +217,11 @@ def kda_prefill_cp(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, 
         from .scan.planner import plan_segments
         from .select import _sm_count
 
-        segments = plan_segments([p.end - p.start for p in pieces], heads=HV, v_blocks=max(1, K // 32),
+        from .scan.engine import one_piece_v_blocks
+
+        vb = one_piece_v_blocks(P.q, P.k, P.v, P.g, P.beta, A_log=P.A_log, dt_bias=P.dt_bias,
+                                cu_seqlens=cu_cpu.to(dev), cu_seqlens_cpu=cu_cpu, **P.kw)
+        segments = plan_segments([p.end - p.start for p in pieces], heads=HV, v_blocks=vb,
                                  sm_count=_sm_count(dev), chunk=C or 16, costs=costs, align=align,
                                  force=not all(known)).segments
     lay = split(ctx.local_cu, segments, align)

@@ -26,7 +26,7 @@ import kdagen
 from kdagen.cases import bench_inputs as make_inputs
 from kdagen.reference import rel_rmse
 from kdagen.scan.chain import chain_states
-from kdagen.scan.engine import maps_step, pack, rerun_step, scan_prefill
+from kdagen.scan.engine import maps_step, one_piece_v_blocks, pack, rerun_step, scan_prefill
 from kdagen.scan.layout import split
 from kdagen.timing import median_ms, timeit
 from kdagen.scan.planner import COSTS, plan_segments  # noqa: E402
@@ -117,7 +117,9 @@ def main() -> int:
             except Exception as e:  # a count too large for memory: say so, keep going
                 cells.append(f"error: {str(e).splitlines()[0][:40]}")
         lens = c.get("lens") or [c["T"]]
-        plans = [plan_segments(lens, heads=c["H"], v_blocks=4, sm_count=sms, costs=k) for k in COSTS]
+        kw, cu = sets[0]
+        vb = one_piece_v_blocks(kw["q"], kw["k"], kw["v"], kw["g"], kw["beta"], **call_kw(kw, cu))
+        plans = [plan_segments(lens, heads=c["H"], v_blocks=vb, sm_count=sms, costs=k) for k in COSTS]
         cells.append(" / ".join(str(max(p.segments)) if p.split else "off" for p in plans))
         lines.append(f"| {name} | {one:.3f} | " + " | ".join(cells) + " |")
         print(lines[-1], flush=True)

@@ -109,10 +109,11 @@ def test_segment_maps_chain_and_rerun_equal_the_one_piece_recurrence():
 
 
 @pytest.mark.parametrize("impl", ["torch", "triton"])
-def test_chain_implementations_match_float64(impl):
+@pytest.mark.parametrize("K,counts", [(32, [3, 1, 4, 1]), (64, [2, 0, 3])])  # 64: the kernel's tiles
+def test_chain_implementations_match_float64(impl, K, counts):
+    # K = 64 walks the Triton kernel's [BK, BJ] = [32, 32] tiles; a count of 0 passes S0 through
     gen = torch.Generator().manual_seed(3)
-    counts = [3, 1, 4, 1]
-    S, HV, K, V = sum(counts), 2, 32, 32
+    S, HV, V = sum(counts), 2, K
     A = rnd(gen, S, HV, K, K, scale=K ** -0.5)
     B = rnd(gen, S, HV, V, K)
     S0 = rnd(gen, len(counts), HV, V, K)

@@ -30,24 +30,44 @@ except Exception:  # pragma: no cover - exercised only where triton is missing
 if triton is not None:
 
     @triton.jit
-    def _chain_kernel(A, B, S0, S_in, S_out, offsets, HV, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr):
+    def _chain_kernel(A, B, S0, S_in, S_out, offsets, HV, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
+                      BJ: tl.constexpr, BK: tl.constexpr):
+        # One program per (sequence, head, BV rows of V) walks the sequence's segments. The state
+        # lives in S_in (global, L2-resident): each segment reads S_in[s] in [BV, BK] tiles and
+        # writes S_in[s] A + B to S_in[s + 1] (S_out after the last) in [BV, BJ] column tiles, so
+        # no operand is larger than [BK, BJ] (a whole [K, K] tile in registers spilled: 0.3 ms a
+        # segment at K = 128 on the H200, benchmarks/NOTES.md).
         n = tl.program_id(0)
         h = tl.program_id(1)
         vb = tl.program_id(2)
         s_begin = tl.load(offsets + n)
         s_end = tl.load(offsets + n + 1)
         rv = vb * BV + tl.arange(0, BV)
-        rk = tl.arange(0, K)
-        vk = rv[:, None] * K + rk[None, :]  # [BV, K] inside one [V, K] state
-        kk = rk[:, None] * K + rk[None, :]  # [K, K]
-        S = tl.load(S0 + (n * HV + h) * V * K + vk)
+        rj = tl.arange(0, BJ)
+        rk = tl.arange(0, BK)
+        first = S_in + (s_begin * HV + h) * V * K
+        for j in range(0, K, BJ):  # S_in[first segment] = S0
+            tile = rv[:, None] * K + j + rj[None, :]
+            tl.store(first + tile, tl.load(S0 + (n * HV + h) * V * K + tile), mask=s_begin < s_end)
         for s in range(s_begin, s_end):
-            base = s * HV + h
-            tl.store(S_in + base * V * K + vk, S)
-            a = tl.load(A + base * K * K + kk)
-            b = tl.load(B + base * V * K + vk)
-            S = tl.dot(S, a, input_precision="ieee") + b
-        tl.store(S_out + (n * HV + h) * V * K + vk, S)
+            tl.debug_barrier()  # S_in[s] was written by other threads of this program
+            src = S_in + (s * HV + h) * V * K
+            more = s + 1 < s_end
+            nxt = S_in + ((s + 1) * HV + h) * V * K
+            fin = S_out + (n * HV + h) * V * K
+            for j in range(0, K, BJ):
+                acc = tl.load(B + (s * HV + h) * V * K + rv[:, None] * K + j + rj[None, :])
+                for kk in range(0, K, BK):
+                    st = tl.load(src + rv[:, None] * K + kk + rk[None, :])
+                    a = tl.load(A + (s * HV + h) * K * K + (kk + rk)[:, None] * K + j + rj[None, :])
+                    acc += tl.dot(st, a, input_precision="ieee")
+                tile = rv[:, None] * K + j + rj[None, :]
+                tl.store(nxt + tile, acc, mask=(rv[:, None] >= 0) & more)
+                tl.store(fin + tile, acc, mask=(rv[:, None] >= 0) & (s + 1 >= s_end))
+        if s_begin == s_end:  # no segment: the final state is the entering one
+            for j in range(0, K, BJ):
+                tile = rv[:, None] * K + j + rj[None, :]
+                tl.store(S_out + (n * HV + h) * V * K + tile, tl.load(S0 + (n * HV + h) * V * K + tile))
 
 
 def triton_fits(A: Tensor, B: Tensor) -> bool:
@@ -81,8 +101,9 @@ def chain_triton(A: Tensor, B: Tensor, S0: Tensor, counts: Sequence[int]) -> tup
     S_in = torch.empty_like(B)
     S_out = torch.empty_like(S0)
     if N and HV:
-        BV = min(V, 32)
-        _chain_kernel[(N, HV, V // BV)](A, B, S0, S_in, S_out, offsets, HV, K=K, V=V, BV=BV)
+        BV = 16
+        _chain_kernel[(N, HV, V // BV)](A, B, S0, S_in, S_out, offsets, HV, K=K, V=V, BV=BV, BJ=min(K, 32),
+                                        BK=min(K, 32))
     return S_in, S_out
 
 

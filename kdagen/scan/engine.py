@@ -32,7 +32,8 @@ from .chain import chain_states
 from .layout import SegmentLayout, split
 from .maps import ieee_fp32
 
-__all__ = ["Packed", "validate", "pack", "scan_prefill", "maps_step", "rerun_step", "correct_step"]
+__all__ = ["Packed", "validate", "pack", "scan_prefill", "maps_step", "rerun_step", "correct_step",
+           "one_piece_v_blocks"]
 
 Prefill = Callable[..., Any]
 
@@ -225,6 +226,19 @@ def _unpack(P: Packed, o: Tensor, final: Optional[Tensor], cs: Optional[Tensor],
     return o, fs
 
 
+def one_piece_v_blocks(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, **kw: Any) -> int:
+    """V-split programs per head of the variant the one-piece call would run (what the planner
+    costs: block_v 16 at few heads doubles the programs of block_v 32); V // 32 where the call
+    cannot be planned here (for instance no variant is built for it)."""
+    from ..runtime import prepare
+
+    V = v.shape[-1]
+    try:
+        return max(1, V // prepare(q, k, v, g, beta, **kw).variant.block_v)
+    except Exception:  # the planner's estimate only; the call itself raises what it must
+        return max(1, V // 32)
+
+
 def scan_prefill(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *,
                  segments: int | Sequence[int] | None = None, mode: str = "rerun",
                  prefill: Optional[Prefill] = None, chain_impl: str = "auto", costs: str = "h200-engine",
@@ -250,7 +264,8 @@ def scan_prefill(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *,
         from ..select import _sm_count
 
         lens = [b - a for a, b in zip(cu, cu[1:])]
-        segments = plan_segments(lens, heads=info.HV, v_blocks=max(1, info.K // 32), sm_count=_sm_count(q.device),
+        vb = one_piece_v_blocks(q, k, v, g, beta, **kw)
+        segments = plan_segments(lens, heads=info.HV, v_blocks=vb, sm_count=_sm_count(q.device),
                                  chunk=kw.get("chunk_size") or 16, costs=costs, align=align).segments
     lay = split(cu, segments, align)
     if not lay.split_any:

@@ -8,7 +8,7 @@ and the total chunk-steps spread over all SMs. The token-parallel prep is throug
 the whole GPU:
 
     one piece  = call + prep + recur(sequence chunks, HV * v_blocks programs each)
-    scan       = 2 calls + copies + prep * (1 + map_prep + rerun_prep)        (steps 1 and 3)
+    scan       = 2 calls + copies + prep * (map_prep + rerun_prep)            (steps 1 and 3)
                + recur(segment chunks, map_programs * HV * v_blocks each)    (step 1)
                + call + segments of the longest sequence * compose           (step 2)
                + recur(segment chunks, HV * v_blocks each)                   (step 3)
@@ -18,9 +18,10 @@ length (long ones into many, short ones left whole), and the target is the one t
 fastest. The scan is chosen only when it beats one piece by `margin`: the model is rough and a
 wrong split costs up to 3x the work.
 
-The costs below are NOT measured per component: they are placeholders derived from totals in
-DESIGN.md section 5 and from design assumptions, gathered here so measurements replace them in
-one place (scripts/scan_bench.py prints what the H200 gives).
+The "h200-engine" costs are measured (tree 96455e8, benchmarks/results/2026-12-01_s10_h200_scan_issue17.md):
+one program's chunk step already takes about a whole SM's throughput (step_sm_us ~ step_us), so
+the scan's doubled and repeated work only pays where the one-piece call leaves most SMs idle.
+"h200-kernels" stays a set of design targets for dedicated kernels, marked unmeasured.
 """
 
 from __future__ import annotations
@@ -43,8 +44,8 @@ class ScanCosts:
     map_step_us: dict[int, float]  # the same two for a transition-building program (step 1)
     map_step_sm_us: dict[int, float]
     map_programs: float  # step-1 programs per one-piece program (2: B and A as doubled heads)
-    prep_ns: float  # token-parallel prep per token and head, whole GPU
-    map_prep: float  # step-1 prep in units of the one-piece prep
+    prep_ns: dict[int, float]  # token-parallel prep per token and head, whole GPU, by chunk
+    map_prep: float  # step-1 prep in units of the one-piece prep (1: the prep once, shared with step 3)
     rerun_prep: float  # step-3 prep in units of the one-piece prep (0: step 1's workspace reused)
     copy_ns: float  # per token and head: inputs the step-1 call needs rearranged (doubled v, g, beta)
     compose_us: float  # one segment of the chain pass (one [BV, K] x [K, K] product, dependent)
@@ -52,36 +53,49 @@ class ScanCosts:
     programs_per_sm: int = 4  # recurrence programs resident on one SM
 
 
-# Every number here is a placeholder (measured=False), fitted to totals of DESIGN.md section 5:
-# step_us[16] = 0.37: B1 T131072 H4 took 3.014 ms for 8192 chunk-16 steps with 16 programs on
-# 132 SMs (one per SM; prep hidden by the time segmentation). prep_ns = 1.2: B1 T8192 H96 took
-# 1.123 ms, of which the model gives the recurrence 0.19 ms. step_sm_us (a chunk-16 step of a
-# 32-column block is ~0.4 MFLOP of mma, ~0.07 us of an SM at peak), programs_per_sm, chunk 64,
-# copy_ns (doubled v, g, beta written and read once), compose_us and call_us are guesses.
+# Measured on the H200 (tree 96455e8; scripts/scan_bench.py and scripts/fatbin_ab.py in the same
+# session, benchmarks/results/2026-12-01_s10_*):
+# - step_us: the one-piece sm80 recurrence alone, 0.44 us a chunk-16 step at block_v 16 (T131072
+#   H4) and 0.57 at block_v 32 (T65536 H24); 1.75-1.87 at chunk 64 (T65536 H24).
+# - step_sm_us: step 1 with 2 programs per SM took 0.86 us a step (T131072 H4, S=4: 2.86 ms less
+#   its doubled prep, over 2048 steps) and 1.51 with 3 (T65536 H24, S=2): 0.43-0.50 us of SM
+#   time per program-step. Chunk 64 at several programs per SM is not measured: set equal.
+# - prep_ns: kda_prep alone, 0.97-1.1 ns per token and head at chunk 16, 2.7 at chunk 64.
+# - map_prep = 2, rerun_prep = 1: the calls repeat the prep (step 1 for doubled heads); the step
+#   times above fit that. copy_ns from the bytes the doubled inputs write and read (not isolated).
+# - call_us: the scan's host work besides the steps, ~150 us at T8192 H4 (three calls' worth).
+# - compose_us: the Triton chain took 0.3 ms a segment before its kernel was re-tiled (it held a
+#   [K, K] tile and spilled 12 KB a thread); 20 us is the re-tiled kernel's estimate, not measured.
 _H200_ENGINE = ScanCosts(
     name="h200-engine",
-    measured=False,
-    source="placeholders fitted to DESIGN.md section 5 totals; the scan composed of kda_prefill calls "
-           "(step 1 a doubled-head call that repeats the prep; step 3 re-preps)",
-    step_us={16: 0.37, 64: 1.2},
-    step_sm_us={16: 0.1, 64: 0.4},
-    map_step_us={16: 0.37, 64: 1.2},
-    map_step_sm_us={16: 0.1, 64: 0.4},
+    measured=True,
+    source="H200, tree 96455e8 (benchmarks/results/2026-12-01_s10_h200_scan_issue17.md): the scan composed of "
+           "kda_prefill calls (step 1 a doubled-head call that repeats the prep; step 3 re-preps); compose_us "
+           "and chunk-64 step_sm_us estimated",
+    step_us={16: 0.5, 64: 1.8},
+    step_sm_us={16: 0.47, 64: 1.8},
+    map_step_us={16: 0.5, 64: 1.8},
+    map_step_sm_us={16: 0.47, 64: 1.8},
     map_programs=2.0,
-    prep_ns=1.2,
+    prep_ns={16: 1.0, 64: 2.7},
     map_prep=2.0,
     rerun_prep=1.0,
-    copy_ns=0.6,
-    compose_us=1.5,
-    call_us=30.0,
+    copy_ns=0.2,
+    compose_us=20.0,
+    call_us=50.0,
 )
 # What dedicated kernels are to deliver (design targets, unmeasured): step 1 builds B and A in
-# one program set without o and shares its prep workspace with step 3.
+# one program set without o and shares its prep workspace with step 3; steps at the measured
+# one-piece pace, several programs per SM overlapping (step_sm_us a third of step_us).
 _H200_KERNELS = replace(
     _H200_ENGINE,
     name="h200-kernels",
-    source="design targets for dedicated scan kernels (prep once, step 1 without o), not measured",
-    map_prep=0.0,
+    measured=False,
+    source="design targets for dedicated scan kernels (prep once, step 1 without o, overlapping programs), "
+           "not measured",
+    step_sm_us={16: 0.15, 64: 0.6},
+    map_step_sm_us={16: 0.15, 64: 0.6},
+    map_prep=1.0,
     rerun_prep=0.0,
     copy_ns=0.0,
     call_us=10.0,
@@ -135,7 +149,7 @@ def plan_segments(lengths: Sequence[int], *, heads: int, v_blocks: int, sm_count
     context-parallel rank whose first sequence enters from another rank); pick its best cut,
     leaving every sequence whole included."""
     c = COSTS[costs] if isinstance(costs, str) else costs
-    if chunk not in c.step_us or chunk not in c.map_step_us:
+    if chunk not in c.step_us or chunk not in c.map_step_us or chunk not in c.prep_ns:
         raise ValueError(f"chunk: expected one of {sorted(c.step_us)} (costs {c.name!r}), found {chunk}")
     if align % chunk:
         raise ValueError(f"align: expected a multiple of chunk={chunk}, found {align}")
@@ -152,7 +166,7 @@ def plan_segments(lengths: Sequence[int], *, heads: int, v_blocks: int, sm_count
         return _recur_us(chunks, each, sm_count, res, c.step_us[chunk], c.step_sm_us[chunk])
 
     tokens = sum(lengths)
-    prep_us = c.prep_ns * tokens * heads / 1000.0
+    prep_us = c.prep_ns[chunk] * tokens * heads / 1000.0
     per = align // chunk  # chunks per unit
     seq_chunks = [-(-n // chunk) for n in lengths]
     one = c.call_us + prep_us + recur(seq_chunks, progs)
@@ -160,7 +174,7 @@ def plan_segments(lengths: Sequence[int], *, heads: int, v_blocks: int, sm_count
     if not lengths or (max(seq_chunks) <= 1 and not force):
         return ScanPlan(base.segments, one, one, "off: no sequence longer than a chunk", c.name, c.measured)
 
-    fixed = 2 * c.call_us + c.copy_ns * tokens * heads / 1000.0 + prep_us * (1 + c.map_prep + c.rerun_prep)
+    fixed = 2 * c.call_us + c.copy_ns * tokens * heads / 1000.0 + prep_us * (c.map_prep + c.rerun_prep)
     best, best_us, tried = None, None, []
     targets = [align << i for i in range(64) if (align << i) < 2 * max(lengths)]
     for target in targets + ([1 << 62] if force else []):
