@@ -64,14 +64,14 @@ class ScanCosts:
 # - map_prep = 2, rerun_prep = 1: the calls repeat the prep (step 1 for doubled heads); the step
 #   times above fit that. copy_ns from the bytes the doubled inputs write and read (not isolated).
 # - call_us: the scan's host work besides the steps, ~150 us at T8192 H4 (three calls' worth).
-# - compose_us: the Triton chain took 0.3 ms a segment before its kernel was re-tiled (it held a
-#   [K, K] tile and spilled 12 KB a thread); 20 us is the re-tiled kernel's estimate, not measured.
+# - compose_us: the re-tiled Triton chain (tree ca546e0) took 0.08 ms at 4 segments and 0.20 at 16
+#   (H4), 0.14 at 8 (H24): ~12 us a segment (0.3 ms before, when it held a whole [K, K] tile).
 _H200_ENGINE = ScanCosts(
     name="h200-engine",
     measured=True,
-    source="H200, tree 96455e8 (benchmarks/results/2026-12-01_s10_h200_scan_issue17.md): the scan composed of "
-           "kda_prefill calls (step 1 a doubled-head call that repeats the prep; step 3 re-preps); compose_us "
-           "and chunk-64 step_sm_us estimated",
+    source="H200, trees 96455e8 and ca546e0 (benchmarks/results/2026-12-01_s10_h200_scan_issue17.md): the scan "
+           "composed of kda_prefill calls (step 1 a doubled-head call that repeats the prep; step 3 re-preps); "
+           "chunk-64 step_sm_us estimated",
     step_us={16: 0.5, 64: 1.8},
     step_sm_us={16: 0.47, 64: 1.8},
     map_step_us={16: 0.5, 64: 1.8},
@@ -81,7 +81,7 @@ _H200_ENGINE = ScanCosts(
     map_prep=2.0,
     rerun_prep=1.0,
     copy_ns=0.2,
-    compose_us=20.0,
+    compose_us=12.0,
     call_us=50.0,
 )
 # What dedicated kernels are to deliver (design targets, unmeasured): step 1 builds B and A in
