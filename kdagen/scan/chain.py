@@ -2,9 +2,9 @@
 
 Two implementations of one contract (kdagen.scan.maps.chain): torch (a batched step per segment
 of the longest sequence: one launch each on a GPU) and one Triton kernel (a program per
-(sequence, head, V block) walks all of its sequence's segments: one launch in all). On the H200 the torch form took 1-6 ms at 4-16 segments (each
-step gathers by a boolean mask, which synchronises the host), the kernel 0.08-0.21 ms, hence the
-kernel wherever it runs. fp32 only, products in IEEE fp32 (no TF32).
+(sequence, head, V block) walks all of its sequence's segments: one launch in all). On the H200
+the torch form took 1-6 ms at 4-16 segments (each step gathers by a boolean mask, which
+synchronises the host), the kernel 0.08-0.21 ms, hence the kernel wherever it runs. fp32 only, products in IEEE fp32 (no TF32).
 """
 
 from __future__ import annotations
