@@ -208,7 +208,8 @@ def kda_prefill_cp(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, 
         _all_gather(torch.zeros(HV, 2 * K, K, dtype=torch.float32, device=q.device), ctx)
         return _empty_result(q, v, HV, K, kw, want_final, want_cs, final_buf, chunk_buf)
     cu_cpu = torch.tensor(ctx.local_cu, dtype=torch.int32)
-    P = pack(q, k, v, g, beta, cu_seqlens=cu_cpu.to(q.device), cu_seqlens_cpu=cu_cpu, initial_state=h0,
+    cu_dev = cu_cpu.to(q.device)
+    P = pack(q, k, v, g, beta, cu_seqlens=cu_dev, cu_seqlens_cpu=cu_cpu, initial_state=h0,
              output_final_state=True, return_chunk_states=want_cs, **kw)
     HV, K, dev = P.HV, P.K, q.device
     known = [not p.incoming for p in pieces]
@@ -220,7 +221,7 @@ def kda_prefill_cp(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, 
         from .scan.engine import one_piece_v_blocks
 
         vb = one_piece_v_blocks(P.q, P.k, P.v, P.g, P.beta, A_log=P.A_log, dt_bias=P.dt_bias,
-                                cu_seqlens=cu_cpu.to(dev), cu_seqlens_cpu=cu_cpu, **P.kw)
+                                cu_seqlens=cu_dev, cu_seqlens_cpu=cu_cpu, **P.kw)
         segments = plan_segments([p.end - p.start for p in pieces], heads=HV, v_blocks=vb,
                                  sm_count=_sm_count(dev), chunk=C or 16, costs=costs, align=align,
                                  force=not all(known)).segments

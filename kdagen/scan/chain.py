@@ -4,7 +4,8 @@ Two implementations of one contract (kdagen.scan.maps.chain): torch (a batched s
 of the longest sequence: one launch each on a GPU) and one Triton kernel (a program per
 (sequence, head, V block) walks all of its sequence's segments: one launch in all). On the H200
 the torch form took 1-6 ms at 4-16 segments (each step gathers by a boolean mask, which
-synchronises the host), the kernel 0.08-0.21 ms, hence the kernel wherever it runs. fp32 only, products in IEEE fp32 (no TF32).
+synchronises the host), the kernel 0.08-0.21 ms, hence the kernel wherever it runs. fp32 only,
+products in IEEE fp32 (no TF32).
 """
 
 from __future__ import annotations
@@ -45,30 +46,25 @@ if triton is not None:
         rv = vb * BV + tl.arange(0, BV)
         rj = tl.arange(0, BJ)
         rk = tl.arange(0, BK)
-        first = S_in + (s_begin * HV + h) * V * K
-        for j in range(0, K, BJ):  # S_in[first segment] = S0
+        seq = (n * HV + h) * V * K  # this (sequence, head)'s [V, K] state in S0 and S_out
+        for j in range(0, K, BJ):  # S0 enters the first segment (or is the final state of none)
             tile = rv[:, None] * K + j + rj[None, :]
-            tl.store(first + tile, tl.load(S0 + (n * HV + h) * V * K + tile), mask=s_begin < s_end)
+            s0 = tl.load(S0 + seq + tile)
+            tl.store(S_in + (s_begin * HV + h) * V * K + tile, s0, mask=s_begin < s_end)
+            tl.store(S_out + seq + tile, s0, mask=s_begin == s_end)
         for s in range(s_begin, s_end):
             tl.debug_barrier()  # S_in[s] was written by other threads of this program
             src = S_in + (s * HV + h) * V * K
-            more = s + 1 < s_end
             nxt = S_in + ((s + 1) * HV + h) * V * K
-            fin = S_out + (n * HV + h) * V * K
             for j in range(0, K, BJ):
-                acc = tl.load(B + (s * HV + h) * V * K + rv[:, None] * K + j + rj[None, :])
+                tile = rv[:, None] * K + j + rj[None, :]
+                acc = tl.load(B + (s * HV + h) * V * K + tile)
                 for kk in range(0, K, BK):
                     st = tl.load(src + rv[:, None] * K + kk + rk[None, :])
                     a = tl.load(A + (s * HV + h) * K * K + (kk + rk)[:, None] * K + j + rj[None, :])
                     acc += tl.dot(st, a, input_precision="ieee")
-                tile = rv[:, None] * K + j + rj[None, :]
-                tl.store(nxt + tile, acc, mask=(rv[:, None] >= 0) & more)
-                tl.store(fin + tile, acc, mask=(rv[:, None] >= 0) & (s + 1 >= s_end))
-        if s_begin == s_end:  # no segment: the final state is the entering one
-            for j in range(0, K, BJ):
-                tile = rv[:, None] * K + j + rj[None, :]
-                tl.store(S_out + (n * HV + h) * V * K + tile, tl.load(S0 + (n * HV + h) * V * K + tile))
-
+                tl.store(nxt + tile, acc, mask=s + 1 < s_end)
+                tl.store(S_out + seq + tile, acc, mask=s + 1 == s_end)
 
 def triton_fits(A: Tensor, B: Tensor) -> bool:
     """Whether the Triton kernel takes these shapes (power-of-two K and V >= 16, fp32) here."""
