@@ -133,7 +133,9 @@ def main() -> int:
               "chunk-16 steps):", ""] + detail
     if a.accuracy:
         lines += ["", "Accuracy against the one-piece call:", ""]
-        for label, c, S, lb in (("B1 T1048576 H2", dict(T=1 << 20, H=2), 64, -5.0),
+        # The bench gate (lower_bound -5) underflows every segment's transition to 0, which makes
+        # the long check trivially exact; a barely decaying gate carries state across segments.
+        for label, c, S, lb in (("B1 T1048576 H2 lower_bound -1e-3", dict(T=1 << 20, H=2), 64, -1e-3),
                                 ("B1 T65536 H8 lower_bound -1e-3", dict(T=65536, H=8), 16, -1e-3)):
             s = make_inputs(**c, seed=5)
             t0 = time.time()
