@@ -74,15 +74,7 @@ static_assert(NWV >= 1 && BV % (16 * MT) == 0, "block_v must hold whole warp til
 constexpr int NW2 = NWV * KSPLIT;  // compute warps
 // Plus one copy warp that issues every cp.async of the workspace stream: it takes the copies'
 // instructions and address stalls off the compute warps' in-order streams (NOTES.md).
-// KDA_COPY_WARP=0 (A/B only) drops it: the compute warps issue the copies and o stores
-// themselves after the step's barrier (one loop, so the aligned bar.sync is legal); =2 issues
-// them after the step's first MMAs instead.
-#ifndef KDA_COPY_WARP
-#define KDA_COPY_WARP 1
-#endif
-constexpr bool COPY_WARP = KDA_COPY_WARP == 1;
-constexpr int NCOPY = COPY_WARP ? 32 : NW2 * 32;  // threads issuing the copies
-constexpr int NT2 = (NW2 + (COPY_WARP ? 1 : 0)) * 32;
+constexpr int NT2 = (NW2 + 1) * 32;
 // A stage: W, Qd, Kr [C][K], Mqk [C][C], this block's U0^T [BV][C] (16-bit, rows unpadded,
 // 16-byte chunks swizzled: see tile_at), Gamma_C [K] (fp32).
 constexpr int STAGE = (3 * C * K + C * C + BV * C) * 2 + K * 4;

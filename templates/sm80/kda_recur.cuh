@@ -22,43 +22,43 @@ __device__ __forceinline__ int tile_at(int row, int col) {
 }
 
 // cp.async a swizzled tile of ROWS rows of NCH 16-byte chunks (contiguous rows in global) by the
-// NCOPY threads that issue copies (lane: 0 .. NCOPY - 1). The swizzle (period 8 rows) of a
-// thread's chunk repeats every PER passes; each of the PER destination addresses and the source
-// address advance by a constant and are kept opaque to the compiler (see copy_rows).
+// 32 lanes of the copy warp. The swizzle of a lane's chunk repeats every PER passes; each of the
+// PER destination addresses and the source address advance by a constant and are kept opaque to
+// the compiler (see copy_rows).
 template <int ROWS, int NCH>
 __device__ __forceinline__ void copy_tile(char* dst, const char* src, int lane) {
-  static_assert(NCOPY % NCH == 0, "copy_tile: whole rows per pass");
-  constexpr int RB = NCH * 16, RSTEP = NCOPY / NCH, TOTAL = ROWS * NCH;
-  constexpr int PER = RSTEP >= 8 ? 1 : 8 / RSTEP;
+  static_assert(32 % NCH == 0, "copy_tile: whole rows per pass");
+  constexpr int RB = NCH * 16, RSTEP = 32 / NCH, TOTAL = ROWS * NCH;
+  constexpr int PER = NCH >= 8 ? NCH / 4 : 1;
   const int r = lane / NCH, ch = lane % NCH;
   uint32_t d[PER];
 #pragma unroll
   for (int q = 0; q < PER; ++q) d[q] = smem_u32(dst) + (r + q * RSTEP) * RB + swz<NCH>(r + q * RSTEP, ch) * 16;
   const char* g = src + r * RB + ch * 16;
 #pragma unroll
-  for (int i = 0; i < (TOTAL + NCOPY - 1) / NCOPY; ++i) {
-    if (TOTAL % NCOPY == 0 || lane + i * NCOPY < TOTAL) cp_async16_s(d[i % PER], g);
+  for (int i = 0; i < (TOTAL + 31) / 32; ++i) {
+    if (TOTAL % 32 == 0 || lane + i * 32 < TOTAL) cp_async16_s(d[i % PER], g);
     d[i % PER] += PER * RSTEP * RB;
     g += RSTEP * RB;
     asm volatile("" : "+r"(d[i % PER]), "+l"(g));
   }
 }
 
-// cp.async ROWS rows of PER_ROW 16-byte pieces (row pitches in bytes), by the NCOPY copying
-// threads (lane = 0 .. NCOPY - 1). The addresses advance
+// cp.async ROWS rows of PER_ROW 16-byte pieces (row pitches in bytes), by the 32 lanes of the
+// copy warp (lane = its lane). The addresses advance
 // by a constant per copy and are kept opaque to the compiler: otherwise it precomputes every
 // copy's address for the whole chunk loop, which costs over a hundred registers at chunk 64.
 template <int ROWS, int PER_ROW, int DST_PITCH, int SRC_PITCH>
 __device__ __forceinline__ void copy_rows(char* dst, const char* src, int lane) {
   constexpr int TOTAL = ROWS * PER_ROW;
-  static_assert(NCOPY % PER_ROW == 0, "copy_rows: whole rows per pass");
-  constexpr int RSTEP = NCOPY / PER_ROW;
+  static_assert(32 % PER_ROW == 0, "copy_rows: whole rows per pass");
+  constexpr int RSTEP = 32 / PER_ROW;
   const int r = lane / PER_ROW, ch = lane % PER_ROW;
   uint32_t d = smem_u32(dst) + r * DST_PITCH + ch * 16;
   const char* g = src + r * SRC_PITCH + ch * 16;
 #pragma unroll
-  for (int i = 0; i < (TOTAL + NCOPY - 1) / NCOPY; ++i) {
-    if (TOTAL % NCOPY == 0 || lane + i * NCOPY < TOTAL) cp_async16_s(d, g);
+  for (int i = 0; i < (TOTAL + 31) / 32; ++i) {
+    if (TOTAL % 32 == 0 || lane + i * 32 < TOTAL) cp_async16_s(d, g);
     d += RSTEP * DST_PITCH;
     g += RSTEP * SRC_PITCH;
     asm volatile("" : "+r"(d), "+l"(g));
@@ -79,15 +79,15 @@ __device__ __forceinline__ void prefetch_chunk(char* stage, const char* rec, int
   else copy_rows<K / 128, 32, 512, 512>(su + BV * C * 2, rec + OFF_GM, lane);
 }
 
-// Store one chunk's staged o (OSLOT elements; see OROWS) with the NCOPY copying threads: 16-byte
-// pieces, rows past the end of the sequence skipped. obase is o at the chunk's first token and this
+// Store one chunk's staged o (OSLOT elements; see OROWS) with the copy warp: 16-byte pieces,
+// rows past the end of the sequence skipped. obase is o at the chunk's first token and this
 // block's first V column.
 __device__ __forceinline__ void store_o_chunk(const in_t* so, in_t* obase, long long ostride, int rows, int lane) {
   constexpr int PIECES = NW2 * MT * OROWS * 2;
 #pragma unroll
-  for (int i = 0; i < (PIECES + NCOPY - 1) / NCOPY; ++i) {
-    const int u = lane + NCOPY * i;
-    if (PIECES % NCOPY != 0 && u >= PIECES) break;
+  for (int i = 0; i < (PIECES + 31) / 32; ++i) {
+    const int u = lane + 32 * i;
+    if (PIECES % 32 != 0 && u >= PIECES) break;
     const int half = u & 1, r = (u >> 1) % OROWS, m = (u >> 1) / OROWS % MT, w = u / (2 * OROWS * MT);
     const int vt = w % NWV, kh = w / NWV;
     const int t = KSPLIT == 1 ? r : 16 * (r >> 3) + 8 * kh + (r & 7);
@@ -105,8 +105,7 @@ __device__ __forceinline__ void store_o_chunk(const in_t* so, in_t* obase, long 
 // (undefined behaviour here), only to time the fix against it in one run; the other options
 // measured (benchmarks/results/2026-12-01_s9_h200_sm80_sync_ab.md, _s10_h200_sm80_sync_mix.md)
 // were dropped.
-// Without a copy warp (KDA_COPY_WARP != 1) every thread runs one loop and the aligned form is legal.
-#if KDA_BLOCK_BAR_ALIGNED == 1 || KDA_COPY_WARP != 1
+#if KDA_BLOCK_BAR_ALIGNED == 1
 template <bool COPY = false>
 __device__ __forceinline__ void block_sync() { asm volatile("bar.sync 0;\n" ::: "memory"); }
 #else
@@ -198,7 +197,7 @@ extern "C" __global__ void KDA_RECUR_BOUNDS kda_recur(const KdaParams p) {
   uint64_t* const pair_bars = reinterpret_cast<uint64_t*>(smem2 + OFF_PAIRBAR);
   if (PAIR_MBAR && tid < NWV) mbar_init(pair_bars + tid, 64);  // published by the first block barrier
 
-  if (COPY_WARP && warp == NW2) {
+  if (warp == NW2) {
     // The copy warp: stage c + NSTAGE - 1 is refilled in step c, once every warp has passed the
     // step's barrier (so is done with chunk c - 1, which that stage held). It waits for chunk
     // c + 1 before the next barrier, which then publishes it to the compute warps. After the
@@ -264,22 +263,7 @@ extern "C" __global__ void KDA_RECUR_BOUNDS kda_recur(const KdaParams p) {
   in_t* op = (in_t*)p.o + bidx * p.o_s[0] + h * p.o_s[2] + vb * BV + vw;  // (chunk 64)
   const long long ostride = p.o_s[1];
   const int coff = p.hc ? p.chunk_offsets[n] : 0;
-  // Without a copy warp: the compute warps' own copies (the copy warp's schedule, in this loop).
-  in_t* const ob_all = (in_t*)p.o + bidx * p.o_s[0] + h * p.o_s[2] + vb * BV + tb * p.o_s[1];
-  auto own_copies = [&](int c) {
-    if (c + NSTAGE - 1 < nc)
-      prefetch_chunk(smem2 + ((c + NSTAGE - 1) % NSTAGE) * STAGE, rec_c + (c + NSTAGE - 1) * rstride, vb, tid);
-    cp_async_commit();
-    if (O_BY_COPY && c > 0)
-      store_o_chunk(so_all + ((c - 1) & 1) * OSLOT, ob_all + (long long)(c - 1) * C * ostride, ostride, C, tid);
-  };
-  if constexpr (!COPY_WARP) {
-#pragma unroll
-    for (int j = 0; j < NSTAGE - 1; ++j) {
-      if (j < nc) prefetch_chunk(smem2 + j * STAGE, rec_c + j * rstride, vb, tid);
-      cp_async_commit();
-    }
-  }
+
 
   for (int c = 0; c < nc; ++c) {
     if (p.hc) {
@@ -295,9 +279,7 @@ extern "C" __global__ void KDA_RECUR_BOUNDS kda_recur(const KdaParams p) {
     // The one block-wide barrier of a step: chunk c has landed (the copy warp waited for it),
     // and every warp is done with step c - 1 (its stage can be refilled, the exchange slots
     // reused).
-    if constexpr (!COPY_WARP) cp_async_wait<NSTAGE - 2>();
     block_sync();
-    if constexpr (KDA_COPY_WARP == 0) own_copies(c);
 
     const bf16* sW = reinterpret_cast<const bf16*>(smem2 + (c % NSTAGE) * STAGE);
     const bf16* sQ = sW + C * K;
@@ -339,7 +321,6 @@ extern "C" __global__ void KDA_RECUR_BOUNDS kda_recur(const KdaParams p) {
           }
         }
       }
-    if constexpr (KDA_COPY_WARP == 2) own_copies(c);  // behind the S W^T MMAs' latency
     if constexpr (NACC > 1) {
 #pragma unroll
       for (int nt = 0; nt < C / 8; ++nt)
@@ -547,11 +528,6 @@ extern "C" __global__ void KDA_RECUR_BOUNDS kda_recur(const KdaParams p) {
     // stays fp32 between chunks (rounding it every chunk costs accuracy and saves nothing).
   }
   if constexpr (O_BY_COPY) block_sync();  // the last chunk's o is staged: the copy warp stores it
-  if constexpr (O_BY_COPY && !COPY_WARP) {
-    if (nc > 0)
-      store_o_chunk(so_all + ((nc - 1) & 1) * OSLOT, ob_all + (long long)(nc - 1) * C * ostride, ostride,
-                    len - (nc - 1) * C, tid);
-  }
 #if KDA_STATE != 0
   if (p.ht) {
 #pragma unroll
