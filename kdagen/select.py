@@ -1,10 +1,10 @@
 """Pick the variant for a call: exact functional key first, then preference.
 
 The targets describe themselves (kdagen.targets: device types, minimum compute capability,
-rank); nothing here names a target. Preference, in order: the target's rank, what is ready
-(built) before what needs a build before what must first be generated, then state I/O, chunk
-size and V-split width (from the GPU's tuning file where it has a rule for the call's regime,
-else the targets' constants). Every rejection has a reason (logged at KDAGEN_LOGLEVEL=2); a miss
+rank); nothing here names a target. Preference, in order: the targets measured fastest in the
+call's regime (the GPU's tuning file), the target's rank, what is ready (built) before what needs
+a build before what must first be generated, then state I/O, chunk size and V-split width (from
+the tuning file where it has a rule for the call's regime, else the targets' constants). Every rejection has a reason (logged at KDAGEN_LOGLEVEL=2); a miss
 raises NoVariantError with Supported vs Found and the command that builds a fitting variant.
 """
 
@@ -135,7 +135,9 @@ def preference(x: Union[Variant, Candidate], c: CallInfo, sms: int) -> tuple:
         bv_rank = (0, 0) if v.block_v == preferred_bv else (1, -v.block_v)
     else:
         bv_rank = (2, v.block_v)
-    return (rank, _READINESS[cand.readiness], state_rank, chunk_rank, bv_rank, v.name)
+    # kdagen tune ranks the targets it measured in a regime; unranked ones follow them.
+    regime_rank = rule.rank if rule is not None and rule.rank is not None else 1 << 20
+    return (regime_rank, rank, _READINESS[cand.readiness], state_rank, chunk_rank, bv_rank, v.name)
 
 
 def rejection(cand: Candidate, c: CallInfo) -> Optional[str]:
@@ -167,7 +169,7 @@ def choose(cands: Iterable[Union[Variant, Candidate]], c: CallInfo) -> tuple[Opt
     if log.isEnabledFor(logging.DEBUG):
         for cand in fits:
             if cand is not best:
-                log.debug("kdagen: passed over %s: %s is preferred (target rank, readiness, state, chunk, block_v)",
+                log.debug("kdagen: passed over %s: %s is preferred (regime rank, target rank, readiness, state, chunk, block_v)",
                           cand.variant.name, best.variant.name)
     return best, rejected
 

@@ -11,12 +11,14 @@ Location: KDAGEN_TUNING (a file; "off" ignores tuning files), else
      "made_by": "kdagen tune", "date": "...", "commit": "...",
      "rules": [{"target": "sm80", "dtype": "bf16", "head_dim": 128,
                 "tokens_per_seq": [2048, 8192], "seq_heads_per_sm": [0.25, 1.0],
-                "chunk": 16, "block_v": 32, "evidence": {...}}]}
+                "chunk": 16, "block_v": 32, "rank": 0, "evidence": {...}}]}
 
 A rule applies to a call of its target (dtype and head_dim: null matches any) whose average
 tokens per sequence (T * B / N) and sequences x value heads per SM (N * HV / SMs) lie in its
 ranges [lo, hi) (hi null: no bound); the first matching rule of a target wins. `chunk` and
-`block_v` (null: the default rule) become that target's preference for the call.
+`block_v` (null: the default rule) become that target's preference for the call. `rank` (optional)
+orders the targets measured in the regime, fastest first: dispatch prefers a lower rank over the
+targets' own order, and a ranked target over one the file does not rank there.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ class Rule:
     head_dim: Optional[int] = None
     chunk: Optional[int] = None
     block_v: Optional[int] = None
+    rank: Optional[int] = None  # order among the targets measured in this regime (0: fastest)
     evidence: dict = field(default_factory=dict, compare=False)
 
     def matches(self, target: str, dtype: str, head_dim: int, tokens_per_seq: float, seq_heads_per_sm: float) -> bool:
@@ -64,7 +67,7 @@ class Rule:
         return {"target": self.target, "dtype": self.dtype, "head_dim": self.head_dim,
                 "tokens_per_seq": [_num(x) for x in self.tokens_per_seq],
                 "seq_heads_per_sm": [_num(x) for x in self.seq_heads_per_sm],
-                "chunk": self.chunk, "block_v": self.block_v, "evidence": self.evidence}
+                "chunk": self.chunk, "block_v": self.block_v, "rank": self.rank, "evidence": self.evidence}
 
 
 @dataclass(frozen=True)
@@ -127,10 +130,11 @@ def _range(path: Path, where: str, val: Any) -> tuple[float, float]:
     raise TuningError(f"{path}: {where}: expected [lo, hi] with lo < hi (hi null: no bound), found {val!r}")
 
 
-def _opt_int(path: Path, where: str, val: Any) -> Optional[int]:
-    if val is None or (isinstance(val, int) and not isinstance(val, bool) and val > 0):
+def _opt_int(path: Path, where: str, val: Any, least: int = 1) -> Optional[int]:
+    if val is None or (isinstance(val, int) and not isinstance(val, bool) and val >= least):
         return val
-    raise TuningError(f"{path}: {where}: expected a positive integer or null, found {val!r}")
+    what = "a positive integer" if least == 1 else f"an integer >= {least}"
+    raise TuningError(f"{path}: {where}: expected {what} or null, found {val!r}")
 
 
 def parse(data: Any, path: Path) -> Tuning:
@@ -158,7 +162,7 @@ def parse(data: Any, path: Path) -> Tuning:
         if not isinstance(r, dict):
             raise TuningError(f"{path}: {where}: expected an object, found {type(r).__name__}")
         unknown = sorted(set(r) - {"target", "dtype", "head_dim", "tokens_per_seq", "seq_heads_per_sm", "chunk",
-                                   "block_v", "evidence"})
+                                   "block_v", "rank", "evidence"})
         if unknown:
             raise TuningError(f"{path}: {where}: unknown key(s) {', '.join(unknown)}")
         target = r.get("target")
@@ -178,7 +182,8 @@ def parse(data: Any, path: Path) -> Tuning:
                           tokens_per_seq=_range(path, f"{where}.tokens_per_seq", r.get("tokens_per_seq", [0, None])),
                           seq_heads_per_sm=_range(path, f"{where}.seq_heads_per_sm",
                                                   r.get("seq_heads_per_sm", [0, None])),
-                          chunk=chunk, block_v=bv, evidence=dict(r.get("evidence") or {})))
+                          chunk=chunk, block_v=bv, rank=_opt_int(path, f"{where}.rank", r.get("rank"), least=0),
+                          evidence=dict(r.get("evidence") or {})))
     meta = {k: data[k] for k in ("made_by", "date", "commit") if k in data}
     return Tuning(gpu=gpu, sm_count=sms, rules=tuple(rules), meta=meta)
 
@@ -301,7 +306,8 @@ def derive_rules(measurements: Iterable[dict]) -> list[Rule]:
     "tokens_per_seq", "seq_heads_per_sm", "times": {(chunk, block_v): ms}}. Cases are grouped by
     (target, dtype, head dim, regime bucket of TOKEN_EDGES x SEQ_HEAD_EDGES); each group's rule
     takes the (chunk, block_v) with the least geometric mean of time / the case's best time over
-    the group's cases (among the settings measured on all of them)."""
+    the group's cases (among the settings measured on all of them). The targets of one regime are
+    then ranked (see rank_targets)."""
     groups: dict[tuple, list[dict]] = {}
     for m in measurements:
         if not m["times"]:
@@ -324,4 +330,39 @@ def derive_rules(measurements: Iterable[dict]) -> list[Rule]:
                            for m in ms}}
         rules.append(Rule(target=target, dtype=dtype, head_dim=hd, tokens_per_seq=tok, seq_heads_per_sm=sh,
                           chunk=best[0], block_v=best[1], evidence=evidence))
-    return rules
+    return rank_targets(rules)
+
+
+def rank_targets(rules: Sequence[Rule]) -> list[Rule]:
+    """`rules` with `rank` set per regime (dtype, head dim, ranges): the targets ordered by the
+    geometric mean, over the cases every one of them was measured on, of the target's time at its
+    rule's setting over the fastest target's time at its own (ties: the targets' own order). A
+    regime whose targets share no case keeps no ranks."""
+    from dataclasses import replace
+
+    from .targets import TARGETS
+
+    def at_setting(r: Rule, case: str) -> Optional[float]:
+        return r.evidence.get("ms", {}).get(case, {}).get(f"c{r.chunk}_bv{r.block_v}")
+
+    regimes: dict[tuple, list[int]] = {}
+    for i, r in enumerate(rules):
+        regimes.setdefault((r.dtype, r.head_dim, r.tokens_per_seq, r.seq_heads_per_sm), []).append(i)
+    out = list(rules)
+    for idx in regimes.values():
+        group = [rules[i] for i in idx]
+        cases = set.intersection(*({c for c in r.evidence.get("cases", []) if at_setting(r, c) is not None}
+                                   for r in group))
+        if not cases:
+            continue
+        fastest = {c: min(at_setting(r, c) for r in group) for c in cases}
+
+        def score(r: Rule) -> float:
+            return math.exp(sum(math.log(at_setting(r, c) / fastest[c]) for c in cases) / len(cases))
+
+        own = {r.target: TARGETS[r.target].rank if TARGETS[r.target].rank is not None else 99 for r in group}
+        order = sorted(range(len(group)), key=lambda j: (round(score(group[j]), 6), own[group[j].target]))
+        for rank, j in enumerate(order):
+            g = group[j]
+            out[idx[j]] = replace(g, rank=rank, evidence={**g.evidence, "vs_fastest_target": round(score(g), 4)})
+    return out

@@ -89,6 +89,7 @@ def test_default_location_is_per_gpu_in_the_cache(monkeypatch, tmp_path):
     (lambda d: d["rules"][1].update(block_v=0), "rules[1].block_v: expected a positive integer or null"),
     (lambda d: d["rules"][0].update(tokens_per_seq=[100, 10]), "rules[0].tokens_per_seq: expected [lo, hi]"),
     (lambda d: d["rules"][0].update(speed=1), "rules[0]: unknown key(s) speed"),
+    (lambda d: d["rules"][0].update(rank=-1), "rules[0].rank: expected an integer >= 0 or null"),
 ])
 def test_invalid_files_name_the_file_and_the_entry(tmp_path, edit, message):
     data = a_tuning().as_dict()
@@ -176,3 +177,57 @@ def test_derive_rules_takes_the_best_geomean_per_regime():
     assert r.evidence["cases"] == ["a", "b"]
     r2 = next(r for r in rules if r.tokens_per_seq == (32768, math.inf))
     assert (r2.chunk, r2.block_v, r2.seq_heads_per_sm) == (16, 32, (0.0625, 0.25))
+
+
+def triton(chunk: int, bv: int) -> Variant:
+    return Variant(target="triton", chunk=chunk, k=128, v=128, dtype="bf16", gate="bounded", state="fp32",
+                   block_v=bv)
+
+
+def test_derive_rules_ranks_the_targets_of_a_regime():
+    def m(case, tps, shs, target, times):
+        return {"case": case, "target": target, "dtype": "bf16", "head_dim": 128, "tokens_per_seq": tps,
+                "seq_heads_per_sm": shs, "times": times}
+
+    ms = [
+        # one regime, two targets on the same two cases: triton's best setting is faster on both
+        m("a", 8192, 0.03, "sm80", {(16, 16): 0.50, (64, 16): 0.56}),
+        m("b", 9000, 0.04, "sm80", {(16, 16): 1.00, (64, 16): 0.90}),
+        m("a", 8192, 0.03, "triton", {(16, 16): 0.60, (64, 16): 0.40}),
+        m("b", 9000, 0.04, "triton", {(16, 16): 1.10, (64, 16): 0.85}),
+        # another regime where the two targets share no case: no ranks
+        m("c", 65536, 0.1, "sm80", {(16, 32): 1.8}),
+        m("d", 70000, 0.1, "triton", {(16, 32): 2.5}),
+    ]
+    rules = {(r.target, r.tokens_per_seq): r for r in tuning.derive_rules(ms)}
+    s, t = rules["sm80", (8192, 32768)], rules["triton", (8192, 32768)]
+    # each target's own setting first: triton c64 wins both cases; for sm80, c16 (1.0 and 1.11 of
+    # the case's best, geomean 1.054) beats c64 (1.12 and 1.0: 1.058)
+    assert (t.chunk, t.block_v, s.chunk, s.block_v) == (64, 16, 16, 16)
+    assert (t.rank, s.rank) == (0, 1)
+    # sm80 at its setting over the fastest target's, geomean over the shared cases a and b
+    assert s.evidence["vs_fastest_target"] == pytest.approx(math.sqrt(0.50 / 0.40 * 1.00 / 0.85), abs=1e-4)
+    assert t.evidence["vs_fastest_target"] == 1.0
+    assert rules["sm80", (32768, math.inf)].rank is None and rules["triton", (32768, math.inf)].rank is None
+
+
+def test_dispatch_prefers_the_target_ranked_first_in_the_regime(gpu):
+    cands = SM80 + [triton(16, 32), triton(64, 16)]
+    # without a file: the targets' own order (sm80 before triton)
+    assert sel.select(cands, info()).target == "sm80"
+    rules = (
+        Rule(target="triton", tokens_per_seq=(2048, 32768), seq_heads_per_sm=(0.25, 1.0), chunk=64, block_v=16,
+             rank=0),
+        Rule(target="sm80", tokens_per_seq=(2048, 32768), seq_heads_per_sm=(0.25, 1.0), chunk=16, block_v=32,
+             rank=1),
+        # a regime ranking nothing: the targets' own order, with this rule's setting
+        Rule(target="sm80", tokens_per_seq=(32768, math.inf), seq_heads_per_sm=(0, 0.25), block_v=64),
+    )
+    tuning.save(a_tuning(rules=rules), gpu)
+    best = sel.select(cands, info())  # T8192 H96: the first regime
+    assert (best.target, best.chunk, best.block_v) == ("triton", 64, 16)
+    best = sel.select(cands, info(T=65536, max_len=65536, H=24, HV=24))
+    assert (best.target, best.block_v) == ("sm80", 64)
+    # a target the file ranks beats one it does not rank in that regime, whatever their own order
+    tuning.save(a_tuning(rules=rules[:1]), gpu)
+    assert sel.select(cands, info()).target == "triton"
