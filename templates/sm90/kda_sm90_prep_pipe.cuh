@@ -348,8 +348,6 @@ __device__ __forceinline__ void prep_group_a(const KdaParams& p, const SeqInfo& 
 
   for (int c = 0; c < si.nc; ++c) {
     const uint32_t rb0 = rb_next0, rb1 = rb_next1;
-    rb_next0 = load_beta(p, si, c + 1, ri);
-    rb_next1 = load_beta(p, si, c + 1, ri + 8);
     const int rows = min(C, si.len - c * C);
     const int r = c % NREC, h = c & 1;
     // The scratch set is free once B finished chunk c - 2 with it.
@@ -360,6 +358,9 @@ __device__ __forceinline__ void prep_group_a(const KdaParams& p, const SeqInfo& 
     sm90::named_sync<BAR_PREP_A, NTG>();
     prep_phase1(p, base, c, ri, d, xq0, xk0, b0);
     prep_phase1(p, base, c, ri + 8, d, xq1, xk1, b1);
+    // beta one chunk ahead, loaded here (not at the top) so that it is not live across phase 1
+    rb_next0 = load_beta(p, si, c + 1, ri);
+    rb_next1 = load_beta(p, si, c + 1, ri + 8);
     // Qd, Kr, Gamma_C of the record: visible to the consumers' wgmma (async proxy).
     sm90::fence_proxy_async();
     sm90::mbar_arrive(bars + B_REC_FULL + r);
