@@ -6,6 +6,9 @@
 #pragma once
 #include <type_traits>
 #include "kda_sm90_recur.cuh"
+#if KDA_SM90_PIPE_ON
+#include "kda_sm90_prep_pipe.cuh"
+#endif
 
 extern "C" __global__ void __launch_bounds__(kda::NT, 1) kda_fused(const KdaParams p) {
   using namespace kda;
@@ -35,6 +38,13 @@ extern "C" __global__ void __launch_bounds__(kda::NT, 1) kda_fused(const KdaPara
       sm90::mbar_init(bars + B_REC_FULL + i, NTP);
       sm90::mbar_init(bars + B_REC_EMPTY + i, 128 * NCONS);
     }
+#if KDA_SM90_PIPE_ON
+    for (int i = 0; i < 2; ++i) {
+      sm90::mbar_init(bars + B_SCR_FULL + i, NTG);   // group A's threads
+      sm90::mbar_init(bars + B_SCR_EMPTY + i, NTG);  // group B's threads
+    }
+    for (int i = 0; i < NIN; ++i) sm90::mbar_init(bars + B_IN_EMPTY + i, NTG);
+#endif
     // barrier initialisation visible to the async proxy (the bulk copies' complete_tx)
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
@@ -42,7 +52,11 @@ extern "C" __global__ void __launch_bounds__(kda::NT, 1) kda_fused(const KdaPara
 
   if (threadIdx.x < NTP) {
     if constexpr (REALLOC) sm90::regs_dec<PREP_REGS>();
+#if KDA_SM90_PIPE_ON
+    prep_role_pipe(p, si, base, bars);
+#else
     prep_role(p, si, base, bars);
+#endif
   } else {
     if constexpr (REALLOC) sm90::regs_inc<CONS_REGS>();
     consumer_role(p, si, base, bars, (threadIdx.x - NTP) / 128);

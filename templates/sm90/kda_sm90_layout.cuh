@@ -55,6 +55,34 @@ constexpr int SPW = K >= 128 ? 2 : 1;  // 16-column K slices per L/Mqk warp
 constexpr int NMW = K / 16 / SPW;      // warps computing L/Mqk partials
 constexpr int KB1 = K + 8;             // bf16 row pitch (conflict-free ldmatrix)
 constexpr int IPF = 20;                // fp32 row pitch of (I+L)^-1 (16-byte rows)
+// KDA_SM90_PREP_PIPE=1 (K = 128 only; elsewhere the option is 0): the prep group splits into two
+// 4-warp groups pipelined by chunk (templates/sm90/DESIGN.md "Prep pipeline"): group A runs phases
+// 0-1 of chunk c while group B runs phases 2-5 of chunk c - 1, so the arrays A writes and B reads
+// (sG .. sXl; sb is already by parity) are doubled, by chunk parity, S_HALF bytes apart.
+#if defined(KDA_SM90_PREP_PIPE) && KDA_SM90_PREP_PIPE && KDA_K == 128
+#define KDA_SM90_PIPE_ON 1
+#else
+#define KDA_SM90_PIPE_ON 0
+#endif
+constexpr bool PREP_PIPE = KDA_SM90_PIPE_ON;
+#if KDA_SM90_PIPE_ON
+constexpr int S_G = 0;                          // f32 [C][KP] cumulative gate            (set)
+constexpr int S_RQ = S_G + C * KP * 4;          // f32 [C] L2-norm factors of q, k         (set)
+constexpr int S_RK = S_RQ + C * 4;
+constexpr int S_DG = S_RK + C * 4;              // f32 [C] <q^_i, k^_i>                    (set)
+constexpr int S_AK = S_DG + C * 4;              // bf16 [C][KB1] k e^G                     (set)
+constexpr int S_AQ = S_AK + C * KB1 * 2;        // bf16 [C][KB1] q e^G                     (set)
+constexpr int S_BK = S_AQ + C * KB1 * 2;        // bf16 [C][KB1] k e^-G                    (set)
+constexpr int S_XH = S_BK + C * KB1 * 2;        // bf16 [C][KB1] b k e^G, high part        (set)
+constexpr int S_XL = S_XH + C * KB1 * 2;        //                       low part          (set)
+constexpr int S_HALF = S_XL + C * KB1 * 2;      // one set; the second follows
+constexpr int S_PART = 2 * S_HALF;              // f32 [NMW][2][16][16] partial L, Mqk (group B)
+constexpr int S_LT = S_PART + NMW * 512 * 4;    // f32 [C][CP] L^T (times b)            (group B)
+constexpr int S_B = S_LT + C * CP * 4;          // f32 [2][C] beta (by chunk parity)
+constexpr int S_INV = S_B + 2 * C * 4;          // f32 [16][IPF] (I+L)^-1               (group B)
+static_assert(S_HALF % 16 == 0, "16-byte aligned scratch sets");
+#else
+constexpr int S_HALF = 0;                       // one set
 constexpr int S_G = 0;                          // f32 [C][KP] cumulative gate
 constexpr int S_PART = S_G + C * KP * 4;        // f32 [NMW][2][16][16] partial L, Mqk
 constexpr int S_LT = S_PART + NMW * 512 * 4;    // f32 [C][CP] L^T (times b)
@@ -69,6 +97,7 @@ constexpr int S_BK = S_AQ + C * KB1 * 2;        // bf16 [C][KB1] k e^-G
 constexpr int S_XH = S_BK + C * KB1 * 2;        // bf16 [C][KB1] b k e^G, high part
 constexpr int S_XL = S_XH + C * KB1 * 2;        //                       low part
 constexpr int S_INV = S_XL + C * KB1 * 2;       // f32 [16][IPF] (I+L)^-1
+#endif
 constexpr int SCR_BYTES = (S_INV + 16 * IPF * 4 + 15) / 16 * 16;
 static_assert(C * (K / 8) == NTP && NMW <= NWP && K / 16 == NWP, "chunk 16 prep layout");
 
@@ -77,6 +106,8 @@ static_assert(C * (K / 8) == NTP && NMW <= NWP && K / 16 == NWP, "chunk 16 prep 
 // NREC chunks; NV = NIN + NREC never holds the prep's copy warp longer than the REC ring does.
 #ifdef KDA_NIN
 constexpr int NIN = KDA_NIN;
+#elif KDA_SM90_PIPE_ON
+constexpr int NIN = 4;  // (the second scratch set takes a stage's room)
 #else
 constexpr int NIN = 5;
 #endif
@@ -113,8 +144,15 @@ constexpr int SM_V = SM_IN + NIN * IN_BYTES;
 constexpr int SM_SCR = SM_V + NV * V_BYTES;
 constexpr int SM_BAR = SM_SCR + SCR_BYTES;
 // barriers: in_full[NIN], v_full[NV], v_empty[NV], rec_full[NREC], rec_empty[NREC]
+// (+ the prep pipeline's scr_full[2], scr_empty[2], in_empty[NIN])
 constexpr int B_IN_FULL = 0, B_V_FULL = NIN, B_V_EMPTY = NIN + NV, B_REC_FULL = NIN + 2 * NV,
-              B_REC_EMPTY = NIN + 2 * NV + NREC, NBAR = NIN + 2 * NV + 2 * NREC;
+              B_REC_EMPTY = NIN + 2 * NV + NREC;
+#if KDA_SM90_PIPE_ON
+constexpr int B_SCR_FULL = NIN + 2 * NV + 2 * NREC, B_SCR_EMPTY = B_SCR_FULL + 2, B_IN_EMPTY = B_SCR_FULL + 4,
+              NBAR = B_IN_EMPTY + NIN;
+#else
+constexpr int NBAR = NIN + 2 * NV + 2 * NREC;
+#endif
 constexpr int SMEM_USED = SM_BAR + NBAR * 8;
 constexpr int SMEM_BYTES = SMEM_USED + 1024;  // slack to align the dynamic base to 1024
 constexpr int SMEM_MAX = 227 * 1024;          // H100 / H200 opt-in maximum per block

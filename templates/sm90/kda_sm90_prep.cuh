@@ -49,11 +49,12 @@ __device__ __forceinline__ void issue_chunk(const KdaParams& p, const SeqInfo& s
   }
 }
 
-// The same copies as issue_chunk, spread over COPY_NW warps (w = 0 .. COPY_NW - 1): copy
-// pi = w + COPY_NW * lane is tensor pi % 4 (q, k, g, v) of row pi / 4, one per lane, so each
-// warp's serial loop over distinct uniform operands is ~4 C / COPY_NW copies instead of 4 C.
+// The same copies as issue_chunk, spread over NW warps (default COPY_NW) (w = 0 .. NW - 1): copy
+// pi = w + NW * lane is tensor pi % 4 (q, k, g, v) of row pi / 4, one per lane, so each
+// warp's serial loop over distinct uniform operands is ~4 C / NW copies instead of 4 C.
 // The expect_tx may follow another warp's complete_tx (the tx-count may go negative; the phase
 // still needs the arrival). Every issuing warp waits for the V stage before any copy.
+template <int NW = COPY_NW>
 __device__ __forceinline__ void issue_chunk_spread(const KdaParams& p, const SeqInfo& si, int cc, char* base,
                                                    uint64_t* bars, int w, int lane) {
   if (cc >= si.nc) return;
@@ -67,7 +68,7 @@ __device__ __forceinline__ void issue_chunk_spread(const KdaParams& p, const Seq
     sm90::mbar_arrive_expect_tx(in_full, (uint32_t)rows * (2 * QROW + K * gsz));
     sm90::mbar_arrive_expect_tx(v_full, (uint32_t)rows * (BV * 2));
   }
-  const int pi = w + COPY_NW * lane, ten = pi & 3, row = pi >> 2;
+  const int pi = w + NW * lane, ten = pi & 3, row = pi >> 2;
   if (row < rows) {
     const long long t = si.tb + (long long)cc * C + row;
     const int hq = si.h / p.group;
