@@ -32,25 +32,39 @@ __device__ __forceinline__ int scr_set(int c) { return (c & 1) * S_HALF; }
   (void)sG; (void)srq; (void)srk; (void)sdg; (void)sAK; (void)sAQ; (void)sBK; (void)sXh;  \
   (void)sXl; (void)spart; (void)sLT; (void)sbc; (void)sInv; (void)in; (void)rec
 
-// ---- 0. inputs of row ri, columns d .. d + 7 (rows past the end are stale shared memory: selected
-// away, never multiplied), and the gate cumsum of column col, rows 8 half .. 8 half + 7. WAIT: first
-// wait until the record slot is free (the consumers finished chunk c - NREC with it) and the
-// input stage has landed.
-template <bool WAIT>
-__device__ __forceinline__ void prep_phase0(const KdaParams& p, char* base, uint64_t* bars, int c, int rows, int ri,
-                                            int d, int col, int half, uint32_t rb, float aexp, float bias,
+// Phase 0's shared-memory reads of one pass (row ri, columns d .. d + 7; gate column col, rows
+// 8 half .. 8 half + 7). Group A reads both passes before either writes: the compiler cannot move a
+// shared load above a possibly aliasing shared store, so loads inside each pass would serialise
+// the two passes (ncu: group A issued once per ~5 cycles per warp).
+struct P0In {
+  uint4 rq, rk;
+  float gx[8];
+};
+__device__ __forceinline__ P0In prep_phase0_load(const KdaParams& p, const char* base, int c, int ri, int d, int col,
+                                                 int half) {
+  const char* const in = base + SM_IN + (c % NIN) * IN_BYTES;
+  P0In x;
+  x.rq = *reinterpret_cast<const uint4*>(in + IN_Q + ri * QROW + d * 2);
+  x.rk = *reinterpret_cast<const uint4*>(in + IN_K + ri * QROW + d * 2);
+  const char* gp = in + IN_G + (8 * half) * GROW;
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+    x.gx[j] = p.g_fp32 ? reinterpret_cast<const float*>(gp + j * GROW)[col]
+                       : to_f(reinterpret_cast<const in_t*>(gp + j * GROW)[col]);
+  return x;
+}
+
+// ---- 0. inputs of row ri, columns d .. d + 7 (read into ld; rows past the end are stale shared
+// memory: selected away, never multiplied), and the gate cumsum of column col, rows 8 half ..
+// 8 half + 7. The caller has waited for the record slot and the input stage.
+__device__ __forceinline__ void prep_phase0(const KdaParams& p, char* base, int c, int rows, int ri, int d, int col,
+                                            int half, uint32_t rb, float aexp, float bias, const P0In& ld,
                                             float (&xq)[8], float (&xk)[8], float& b) {
   constexpr int GPR = K / 8;
   KDA_PREP_SCRATCH(base, c);
-  if constexpr (WAIT) {
-    sm90::mbar_wait(bars + B_REC_EMPTY + c % NREC, ((c / NREC) & 1) ^ 1);
-    sm90::mbar_wait(bars + B_IN_FULL + (c % NIN), (c / NIN) & 1);
-  }
   const bool live = ri < rows;
-  const uint4 rq = *reinterpret_cast<const uint4*>(in + IN_Q + ri * QROW + d * 2);
-  const uint4 rk = *reinterpret_cast<const uint4*>(in + IN_K + ri * QROW + d * 2);
-  unpack8<in_t>(rq, xq);
-  unpack8<in_t>(rk, xk);
+  unpack8<in_t>(ld.rq, xq);
+  unpack8<in_t>(ld.rk, xk);
   if (!live) {
 #pragma unroll
     for (int e = 0; e < 8; ++e) xq[e] = xk[e] = 0.f;
@@ -63,13 +77,10 @@ __device__ __forceinline__ void prep_phase0(const KdaParams& p, char* base, uint
   {
     float a[8];
     float run = 0.f;
-    const char* gp = in + IN_G + (8 * half) * GROW;
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
-      const float x = p.g_fp32 ? reinterpret_cast<const float*>(gp + j * GROW)[col]
-                               : to_f(reinterpret_cast<const in_t*>(gp + j * GROW)[col]);
       // activated unconditionally, then selected: rows past the end do not decay
-      const float act = gate_act(x + bias, aexp, p.lower_bound);
+      const float act = gate_act(ld.gx[j] + bias, aexp, p.lower_bound);
       run += 8 * half + j < rows ? act : 0.f;
       a[j] = run;
     }
@@ -119,15 +130,19 @@ __device__ __forceinline__ void prep_phase0(const KdaParams& p, char* base, uint
 }
 
 // ---- 1. decays of row ri, columns d .. d + 7, once per element; Qd and Kr into the record
-__device__ __forceinline__ void prep_phase1(const KdaParams& p, char* base, int c, int ri, int d, const float (&xq)[8],
-                                            const float (&xk)[8], float b) {
-  KDA_PREP_SCRATCH(base, c);
-  float G[8], GL[8];
-  const float4* gp = reinterpret_cast<const float4*>(sG + ri * KP + d);
-  const float4* gl = reinterpret_cast<const float4*>(sG + (C - 1) * KP + d);
-  const float4 x0 = gp[0], x1 = gp[1], y0 = gl[0], y1 = gl[1];
+// Eight consecutive fp32 of the cumulative gate (row r, columns d .. d + 7).
+__device__ __forceinline__ void prep_gate_row(const char* base, int c, int r, int d, float (&G)[8]) {
+  const float* sG = reinterpret_cast<const float*>(base + SM_SCR + scr_set(c) + S_G);
+  const float4* gp = reinterpret_cast<const float4*>(sG + r * KP + d);
+  const float4 x0 = gp[0], x1 = gp[1];
   G[0] = x0.x; G[1] = x0.y; G[2] = x0.z; G[3] = x0.w; G[4] = x1.x; G[5] = x1.y; G[6] = x1.z; G[7] = x1.w;
-  GL[0] = y0.x; GL[1] = y0.y; GL[2] = y0.z; GL[3] = y0.w; GL[4] = y1.x; GL[5] = y1.y; GL[6] = y1.z; GL[7] = y1.w;
+}
+
+// G: the cumulative gate of row ri, GL of the chunk's last row (columns d .. d + 7), read by the
+// caller before any phase-1 store (see P0In).
+__device__ __forceinline__ void prep_phase1(const KdaParams& p, char* base, int c, int ri, int d, const float (&xq)[8],
+                                            const float (&xk)[8], float b, const float (&G)[8], const float (&GL)[8]) {
+  KDA_PREP_SCRATCH(base, c);
   uint32_t pk[4], pq[4], pb[4], pqd[4], pkr[4], xkh[4], xkl[4];
 #pragma unroll
   for (int e = 0; e < 8; e += 2) {
@@ -352,12 +367,26 @@ __device__ __forceinline__ void prep_group_a(const KdaParams& p, const SeqInfo& 
     const int r = c % NREC, h = c & 1;
     // The scratch set is free once B finished chunk c - 2 with it.
     sm90::mbar_wait(bars + B_SCR_EMPTY + h, ((c >> 1) & 1) ^ 1);
+    // The record slot is free once the consumers finished chunk c - NREC with it; then the inputs.
+    sm90::mbar_wait(bars + B_REC_EMPTY + r, ((c / NREC) & 1) ^ 1);
+    sm90::mbar_wait(bars + B_IN_FULL + (c % NIN), (c / NIN) & 1);
     float xq0[8], xk0[8], b0, xq1[8], xk1[8], b1;
-    prep_phase0<true>(p, base, bars, c, rows, ri, d, col0, half, rb0, aexp, bias0, xq0, xk0, b0);
-    prep_phase0<false>(p, base, bars, c, rows, ri + 8, d, col1, half, rb1, aexp, bias1, xq1, xk1, b1);
+    {
+      const P0In ld0 = prep_phase0_load(p, base, c, ri, d, col0, half);
+      const P0In ld1 = prep_phase0_load(p, base, c, ri + 8, d, col1, half);
+      prep_phase0(p, base, c, rows, ri, d, col0, half, rb0, aexp, bias0, ld0, xq0, xk0, b0);
+      prep_phase0(p, base, c, rows, ri + 8, d, col1, half, rb1, aexp, bias1, ld1, xq1, xk1, b1);
+    }
     sm90::named_sync<BAR_PREP_A, NTG>();
-    prep_phase1(p, base, c, ri, d, xq0, xk0, b0);
-    prep_phase1(p, base, c, ri + 8, d, xq1, xk1, b1);
+    {
+      // (pass 1's row read after pass 0's stores: reading both first spills at 96 registers)
+      float G[8], GL[8];
+      prep_gate_row(base, c, ri, d, G);
+      prep_gate_row(base, c, C - 1, d, GL);
+      prep_phase1(p, base, c, ri, d, xq0, xk0, b0, G, GL);
+      prep_gate_row(base, c, ri + 8, d, G);
+      prep_phase1(p, base, c, ri + 8, d, xq1, xk1, b1, G, GL);
+    }
     // beta one chunk ahead, loaded here (not at the top) so that it is not live across phase 1
     rb_next0 = load_beta(p, si, c + 1, ri);
     rb_next1 = load_beta(p, si, c + 1, ri + 8);
