@@ -125,9 +125,13 @@ def test_sm90_sass_structure(va):
     assert count("UBLKCP") >= 4, ops  # q, k, g, v rows (prologue and loop copies)
     assert count("SYNCS.PHASECHK") >= 4 and count("SYNCS.ARRIVE") >= 4, ops
     assert count("WARPGROUP.ARRIVE") == 2 and count("WARPGROUP.DEPBAR") == 2, ops
-    assert count("HMMA.16816") == 4 * (2 if var.k >= 128 else 1) + 6, ops  # L/Mqk per K slice, W (3 x 2)
+    # L/Mqk per K slice; W (3 x 2 per 16-column tile: two tiles per warp where the prep is the
+    # K = 128 pipeline of two 4-warp groups, one otherwise)
+    pipe = var.k == 128
+    assert count("HMMA.16816") == 4 * (2 if var.k >= 128 else 1) + 6 * (2 if pipe else 1), ops
     threads = 2 * var.k + 128 * (var.block_v // 64)
-    assert (count("USETMAXREG") == 2) == (threads > 256), ops
+    # setmaxnreg per role: the consumers and the prep, or the pipeline's two groups
+    assert count("USETMAXREG") == (0 if threads <= 256 else 3 if pipe else 2), ops
 
 
 def test_sm90_launcher_checks_inputs():

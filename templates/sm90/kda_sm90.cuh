@@ -51,10 +51,10 @@ extern "C" __global__ void __launch_bounds__(kda::NT, 1) kda_fused(const KdaPara
   __syncthreads();
 
   if (threadIdx.x < NTP) {
-    if constexpr (REALLOC) sm90::regs_dec<PREP_REGS>();
 #if KDA_SM90_PIPE_ON
-    prep_role_pipe(p, si, base, bars);
+    prep_role_pipe(p, si, base, bars);  // (each group sets its own register limit)
 #else
+    if constexpr (REALLOC) sm90::regs_dec<PREP_REGS>();
     prep_role(p, si, base, bars);
 #endif
   } else {

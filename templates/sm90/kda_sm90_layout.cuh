@@ -55,11 +55,11 @@ constexpr int SPW = K >= 128 ? 2 : 1;  // 16-column K slices per L/Mqk warp
 constexpr int NMW = K / 16 / SPW;      // warps computing L/Mqk partials
 constexpr int KB1 = K + 8;             // bf16 row pitch (conflict-free ldmatrix)
 constexpr int IPF = 20;                // fp32 row pitch of (I+L)^-1 (16-byte rows)
-// KDA_SM90_PREP_PIPE=1 (K = 128 only; elsewhere the option is 0): the prep group splits into two
-// 4-warp groups pipelined by chunk (templates/sm90/DESIGN.md "Prep pipeline"): group A runs phases
+// The prep pipeline (K = 128; KDA_SM90_PREP_PIPE=0 turns it off; K = 64 keeps one group): the prep
+// splits into two 4-warp groups pipelined by chunk (templates/sm90/DESIGN.md "Prep pipeline"): group A runs phases
 // 0-1 of chunk c while group B runs phases 2-5 of chunk c - 1, so the arrays A writes and B reads
 // (sG .. sXl; sb is already by parity) are doubled, by chunk parity, S_HALF bytes apart.
-#if defined(KDA_SM90_PREP_PIPE) && KDA_SM90_PREP_PIPE && KDA_K == 128
+#if KDA_K == 128 && (!defined(KDA_SM90_PREP_PIPE) || KDA_SM90_PREP_PIPE)
 #define KDA_SM90_PIPE_ON 1
 #else
 #define KDA_SM90_PIPE_ON 0

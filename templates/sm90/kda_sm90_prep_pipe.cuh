@@ -1,337 +1,10 @@
-// kdagen sm90: the prep group as two pipelined 4-warp groups (KDA_SM90_PREP_PIPE=1, K = 128; see
-// templates/sm90/DESIGN.md "Prep pipeline"). The per-element arithmetic is prep_role's (kda_sm90_prep.cuh),
-// phase by phase, as functions here; prep_role keeps its one inline body so the default build's SASS
-// stays what was measured.
+// kdagen sm90: the prep group as two pipelined 4-warp groups (K = 128 unless KDA_SM90_PREP_PIPE=0;
+// templates/sm90/DESIGN.md "Prep pipeline"), built from the phase functions of kda_sm90_prep.cuh:
+// per element the arithmetic is the one-group prep's, so o is bitwise the same.
 #pragma once
 #include "kda_sm90_prep.cuh"
 
 namespace kda {
-
-// Phases 0-1 of chunk c (group A) write the scratch set of chunk parity c & 1 and phases 2-5
-// (group B) read it; spart, sLT, sInv are B's own. Each phase function takes the shared base and the
-// chunk and names its arrays with this macro.
-__device__ __forceinline__ int scr_set(int c) { return (c & 1) * S_HALF; }
-#define KDA_PREP_SCRATCH(base, c)                                                         \
-  char* const scr = (base) + SM_SCR;                                                       \
-  char* const scs = scr + scr_set(c);                                                      \
-  float* const sG = reinterpret_cast<float*>(scs + S_G);                                   \
-  float* const srq = reinterpret_cast<float*>(scs + S_RQ);                                 \
-  float* const srk = reinterpret_cast<float*>(scs + S_RK);                                 \
-  float* const sdg = reinterpret_cast<float*>(scs + S_DG);                                 \
-  bf16* const sAK = reinterpret_cast<bf16*>(scs + S_AK);                                   \
-  bf16* const sAQ = reinterpret_cast<bf16*>(scs + S_AQ);                                   \
-  bf16* const sBK = reinterpret_cast<bf16*>(scs + S_BK);                                   \
-  bf16* const sXh = reinterpret_cast<bf16*>(scs + S_XH);                                   \
-  bf16* const sXl = reinterpret_cast<bf16*>(scs + S_XL);                                   \
-  float* const spart = reinterpret_cast<float*>(scr + S_PART);                             \
-  float* const sLT = reinterpret_cast<float*>(scr + S_LT);                                 \
-  float* const sbc = reinterpret_cast<float*>(scr + S_B) + ((c) & 1) * C; /* by parity */  \
-  float* const sInv = reinterpret_cast<float*>(scr + S_INV);                               \
-  const char* const in = (base) + SM_IN + ((c) % NIN) * IN_BYTES;                          \
-  char* const rec = (base) + SM_REC + ((c) % NREC) * REC_BYTES;                            \
-  (void)sG; (void)srq; (void)srk; (void)sdg; (void)sAK; (void)sAQ; (void)sBK; (void)sXh;  \
-  (void)sXl; (void)spart; (void)sLT; (void)sbc; (void)sInv; (void)in; (void)rec
-
-// Phase 0's shared-memory reads of one pass (row ri, columns d .. d + 7; gate column col, rows
-// 8 half .. 8 half + 7). Group A reads both passes before either writes: the compiler cannot move a
-// shared load above a possibly aliasing shared store, so loads inside each pass would serialise
-// the two passes (ncu: group A issued once per ~5 cycles per warp).
-struct P0In {
-  uint4 rq, rk;
-  float gx[8];
-};
-__device__ __forceinline__ P0In prep_phase0_load(const KdaParams& p, const char* base, int c, int ri, int d, int col,
-                                                 int half) {
-  const char* const in = base + SM_IN + (c % NIN) * IN_BYTES;
-  P0In x;
-  x.rq = *reinterpret_cast<const uint4*>(in + IN_Q + ri * QROW + d * 2);
-  x.rk = *reinterpret_cast<const uint4*>(in + IN_K + ri * QROW + d * 2);
-  const char* gp = in + IN_G + (8 * half) * GROW;
-#pragma unroll
-  for (int j = 0; j < 8; ++j)
-    x.gx[j] = p.g_fp32 ? reinterpret_cast<const float*>(gp + j * GROW)[col]
-                       : to_f(reinterpret_cast<const in_t*>(gp + j * GROW)[col]);
-  return x;
-}
-
-// ---- 0. inputs of row ri, columns d .. d + 7 (read into ld; rows past the end are stale shared
-// memory: selected away, never multiplied), and the gate cumsum of column col, rows 8 half ..
-// 8 half + 7. The caller has waited for the record slot and the input stage.
-__device__ __forceinline__ void prep_phase0(const KdaParams& p, char* base, int c, int rows, int ri, int d, int col,
-                                            int half, uint32_t rb, float aexp, float bias, const P0In& ld,
-                                            float (&xq)[8], float (&xk)[8], float& b) {
-  constexpr int GPR = K / 8;
-  KDA_PREP_SCRATCH(base, c);
-  const bool live = ri < rows;
-  unpack8<in_t>(ld.rq, xq);
-  unpack8<in_t>(ld.rk, xk);
-  if (!live) {
-#pragma unroll
-    for (int e = 0; e < 8; ++e) xq[e] = xk[e] = 0.f;
-  }
-  b = 0.f;
-  if (live) {
-    const float x = p.beta_fp32 ? __uint_as_float(rb) : to_f(bits_as<in_t>(rb));
-    b = sigmoidf_(x) * (p.neg_eigval ? 2.f : 1.f);
-  }
-  {
-    float a[8];
-    float run = 0.f;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      // activated unconditionally, then selected: rows past the end do not decay
-      const float act = gate_act(ld.gx[j] + bias, aexp, p.lower_bound);
-      run += 8 * half + j < rows ? act : 0.f;
-      a[j] = run;
-    }
-    const float first = __shfl_up_sync(0xffffffffu, run, 16);
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      if (half) a[j] += first;
-    }
-    // Rows 8 apart share banks at pitch KP; the second half writes rotated by 4 rows.
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const int jr = half ? ((j + 4) & 7) : j;
-      sG[(8 * half + jr) * KP + col] = half ? a[(j + 4) & 7] : a[j];
-    }
-    if (half) reinterpret_cast<float*>(rec + R_GM)[col] = __expf(a[7]);
-  }
-  {
-    float aq = 1.f, ak = 1.f;
-    if (p.use_l2norm) {
-      aq = ak = 0.f;
-#pragma unroll
-      for (int e = 0; e < 8; ++e) { aq += xq[e] * xq[e]; ak += xk[e] * xk[e]; }
-#pragma unroll
-      for (int o = GPR / 2; o > 0; o >>= 1) {
-        aq += __shfl_xor_sync(0xffffffffu, aq, o);
-        ak += __shfl_xor_sync(0xffffffffu, ak, o);
-      }
-      aq = rsqrtf(aq + 1e-6f);
-      ak = rsqrtf(ak + 1e-6f);
-#pragma unroll
-      for (int e = 0; e < 8; ++e) { xq[e] *= aq; xk[e] *= ak; }
-    }
-    // Mqk's diagonal is <q^_i, k^_i> (the decays cancel): in fp32 here, not from bf16 operands
-    // (the largest single error of o otherwise: rel RMSE 4.0e-3 -> 3.1e-3 in the emulation).
-    float dqk = 0.f;
-#pragma unroll
-    for (int e = 0; e < 8; ++e) dqk += xq[e] * xk[e];
-#pragma unroll
-    for (int o = GPR / 2; o > 0; o >>= 1) dqk += __shfl_xor_sync(0xffffffffu, dqk, o);
-    if (d == 0) {
-      sbc[ri] = b;
-      srq[ri] = aq;
-      srk[ri] = ak;
-      sdg[ri] = dqk;
-    }
-  }
-}
-
-// ---- 1. decays of row ri, columns d .. d + 7, once per element; Qd and Kr into the record
-// Eight consecutive fp32 of the cumulative gate (row r, columns d .. d + 7).
-__device__ __forceinline__ void prep_gate_row(const char* base, int c, int r, int d, float (&G)[8]) {
-  const float* sG = reinterpret_cast<const float*>(base + SM_SCR + scr_set(c) + S_G);
-  const float4* gp = reinterpret_cast<const float4*>(sG + r * KP + d);
-  const float4 x0 = gp[0], x1 = gp[1];
-  G[0] = x0.x; G[1] = x0.y; G[2] = x0.z; G[3] = x0.w; G[4] = x1.x; G[5] = x1.y; G[6] = x1.z; G[7] = x1.w;
-}
-
-// G: the cumulative gate of row ri, GL of the chunk's last row (columns d .. d + 7), read by the
-// caller before any phase-1 store (see P0In).
-__device__ __forceinline__ void prep_phase1(const KdaParams& p, char* base, int c, int ri, int d, const float (&xq)[8],
-                                            const float (&xk)[8], float b, const float (&G)[8], const float (&GL)[8]) {
-  KDA_PREP_SCRATCH(base, c);
-  uint32_t pk[4], pq[4], pb[4], pqd[4], pkr[4], xkh[4], xkl[4];
-#pragma unroll
-  for (int e = 0; e < 8; e += 2) {
-    const float e0 = __expf(G[e]), e1 = __expf(G[e + 1]);
-    const float i0 = __expf(-G[e]), i1 = __expf(-G[e + 1]);
-    const float k0 = xk[e] * e0, k1 = xk[e + 1] * e1, q0 = xq[e] * e0, q1 = xq[e + 1] * e1;
-    pk[e / 2] = pack_bf16(k0, k1);
-    pq[e / 2] = pack_bf16(q0, q1);
-    pqd[e / 2] = pack_bf16(p.scale * q0, p.scale * q1);
-    pb[e / 2] = pack_bf16(xk[e] * i0, xk[e + 1] * i1);
-    pkr[e / 2] = pack_bf16(xk[e] * __expf(GL[e] - G[e]), xk[e + 1] * __expf(GL[e + 1] - G[e + 1]));
-    split_bf16(b * k0, b * k1, xkh[e / 2], xkl[e / 2]);
-  }
-  *reinterpret_cast<uint4*>(sAK + ri * KB1 + d) = make_uint4(pk[0], pk[1], pk[2], pk[3]);
-  *reinterpret_cast<uint4*>(sAQ + ri * KB1 + d) = make_uint4(pq[0], pq[1], pq[2], pq[3]);
-  *reinterpret_cast<uint4*>(sBK + ri * KB1 + d) = make_uint4(pb[0], pb[1], pb[2], pb[3]);
-  *reinterpret_cast<uint4*>(sXh + ri * KB1 + d) = make_uint4(xkh[0], xkh[1], xkh[2], xkh[3]);
-  *reinterpret_cast<uint4*>(sXl + ri * KB1 + d) = make_uint4(xkl[0], xkl[1], xkl[2], xkl[3]);
-  // Qd [i][K] and Kr [j][K]: 16-byte pieces of one row; in the swizzled tiles the 8 pieces
-  // a quarter-warp writes are one 128-byte row of an atom (conflict-free).
-  *reinterpret_cast<uint4*>(rec + R_QD + sm90::sw128_k<C>(ri, d)) = make_uint4(pqd[0], pqd[1], pqd[2], pqd[3]);
-  *reinterpret_cast<uint4*>(rec + R_KR + sm90::sw128_mn<K>(ri, d)) = make_uint4(pkr[0], pkr[1], pkr[2], pkr[3]);
-}
-
-// ---- 2. L (b, strictly lower) and Mqk (scale, lower incl. diagonal) partials of the K slices of
-// L/Mqk warp w = warp - W0 (< NMW). The anchor is G = 0 before the chunk: <q_i e^{G_i}, k_j e^{-G_j}> with
-// e^{-G_j} <= e^{span}; a slice with span > 80 (beyond fp32/bf16 range) uses exact pairwise
-// exp(G_i - G_j) on CUDA cores, reading q and k again from the input stage (rare: only for extreme
-// gates). in_full (or nullptr): the input stage's barrier, waited before that read where the
-// stage's own wait was another warp's.
-template <int W0>
-__device__ __forceinline__ void prep_phase2(char* base, int c, int rows, uint64_t* in_full = nullptr,
-                                            uint32_t in_parity = 0) {
-  const int tid = threadIdx.x, lane = tid & 31, w = (tid >> 5) - W0;
-  KDA_PREP_SCRATCH(base, c);
-  const int g8 = lane >> 2, t4 = lane & 3, lm = lane >> 3, lr = lane & 7;
-  if (w >= NMW) return;
-  float accL[2][4] = {}, accM[2][4] = {};
-  unsigned fallback = 0;
-#pragma unroll
-  for (int sl = 0; sl < SPW; ++sl) {
-    const int c0 = 16 * (w * SPW + sl);
-    float span = lane < 16 ? -sG[(C - 1) * KP + c0 + lane] : 0.f;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) span = fmaxf(span, __shfl_xor_sync(0xffffffffu, span, o));
-    if (span <= 80.f) {
-      uint32_t ak[4], aq[4], bk[4];
-      ldsm_x4(ak, sAK + (lr + 8 * (lm & 1)) * KB1 + c0 + 8 * (lm >> 1));
-      ldsm_x4(aq, sAQ + (lr + 8 * (lm & 1)) * KB1 + c0 + 8 * (lm >> 1));
-      ldsm_x4(bk, sBK + (lr + 8 * (lm >> 1)) * KB1 + c0 + 8 * (lm & 1));
-      mma_bf16(accL[0], ak, bk[0], bk[1]);
-      mma_bf16(accL[1], ak, bk[2], bk[3]);
-      mma_bf16(accM[0], aq, bk[0], bk[1]);
-      mma_bf16(accM[1], aq, bk[2], bk[3]);
-    } else {
-      fallback |= 1u << sl;
-    }
-  }
-  float* pL = spart + w * 512;
-  float* pM = pL + 256;
-#pragma unroll
-  for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      const int i = g8 + 8 * hh, j = 8 * nt + 2 * t4;
-      *reinterpret_cast<float2*>(pL + i * 16 + j) = make_float2(accL[nt][2 * hh], accL[nt][2 * hh + 1]);
-      *reinterpret_cast<float2*>(pM + i * 16 + j) = make_float2(accM[nt][2 * hh], accM[nt][2 * hh + 1]);
-    }
-  if (fallback) {
-    __syncwarp();
-    if (in_full) sm90::mbar_wait(in_full, in_parity);
-    for (int sl = 0; sl < SPW; ++sl) {
-      if (!(fallback >> sl & 1u)) continue;
-      const int c0 = 16 * (w * SPW + sl);
-      for (int pi = lane; pi < 136; pi += 32) {
-        int i = (int)((sqrtf(8.f * pi + 1.f) - 1.f) * 0.5f);
-        while ((i + 1) * (i + 2) / 2 <= pi) ++i;
-        while (i * (i + 1) / 2 > pi) --i;
-        const int j = pi - i * (i + 1) / 2;
-        if (i >= rows) continue;  // q_i = k_i = 0 (and j <= i)
-        const in_t* qi = reinterpret_cast<const in_t*>(in + IN_Q + i * QROW);
-        const in_t* ki = reinterpret_cast<const in_t*>(in + IN_K + i * QROW);
-        const in_t* kj = reinterpret_cast<const in_t*>(in + IN_K + j * QROW);
-        float l = 0.f, m = 0.f;
-        for (int dd = c0; dd < c0 + 16; ++dd) {
-          const float wv = __expf(sG[i * KP + dd] - sG[j * KP + dd]) * to_f(kj[dd]);
-          l += to_f(ki[dd]) * wv;
-          m += to_f(qi[dd]) * wv;
-        }
-        pL[i * 16 + j] += l * srk[i] * srk[j];
-        pM[i * 16 + j] += m * srq[i] * srk[j];
-      }
-    }
-  }
-}
-
-// ---- 3. sum the partials in warp order; Mqk (hi + lo bf16) into the record (u = u0, u0 + STEP ..)
-template <int STEP>
-__device__ __forceinline__ void prep_phase3(const KdaParams& p, char* base, int c, int u0) {
-  KDA_PREP_SCRATCH(base, c);
-  for (int u = u0; u < 256; u += STEP) {
-    const int i = u >> 4, j = u & 15;
-    float l = 0.f, m = 0.f;
-#pragma unroll
-    for (int w = 0; w < NMW; ++w) {
-      l += spart[w * 512 + u];
-      m += spart[w * 512 + 256 + u];
-    }
-    if (i > j) sLT[j * CP + i] = sbc[i] * l;
-    const float mq = i > j ? p.scale * m : i == j ? p.scale * sdg[i] : 0.f;
-    const bf16 mh = __float2bfloat16_rn(mq);
-    *reinterpret_cast<bf16*>(rec + R_MQ + sm90::il16_k(i, j)) = mh;
-    *reinterpret_cast<bf16*>(rec + R_ML + sm90::il16_k(i, j)) = __float2bfloat16_rn(mq - __bfloat162float(mh));
-  }
-}
-
-// ---- 4. (I + L)^-1, column j on thread j (< C): right-looking forward substitution on e_j, into
-// shared memory in fp32 (the conversions are spread over every thread in phase 5).
-__device__ __forceinline__ void prep_phase4(char* base, int c, int j) {
-  KDA_PREP_SCRATCH(base, c);
-  float x[C];
-#pragma unroll
-  for (int i = 0; i < C; ++i) x[i] = i == j ? 1.f : 0.f;
-  forward_subst(x, sLT);
-#pragma unroll
-  for (int i = 0; i < C; ++i) sInv[i * IPF + j] = x[i];
-}
-
-// ---- 5a. (I + L)^-1 diag(b) (hi + lo) into the record for the consumers' U0 = A^-1 (b v)
-template <int STEP>
-__device__ __forceinline__ void prep_phase5_ainv(char* base, int c, int u0) {
-  KDA_PREP_SCRATCH(base, c);
-  for (int u = u0; u < 256; u += STEP) {
-    const int i = u >> 4, j = u & 15;
-    const float y = sInv[i * IPF + j] * sbc[j];
-    const bf16 yh = __float2bfloat16_rn(y);
-    *reinterpret_cast<bf16*>(rec + R_AH + sm90::il16_k(i, j)) = yh;
-    *reinterpret_cast<bf16*>(rec + R_AL + sm90::il16_k(i, j)) = __float2bfloat16_rn(y - __bfloat162float(yh));
-  }
-}
-// ---- 5b. A fragments of (I + L)^-1 (rows g8, g8 + 8; columns 2 t4 (+ 8)), split hi + lo
-__device__ __forceinline__ void prep_inv_frags(char* base, int c, int lane, uint32_t (&ah)[4], uint32_t (&al)[4]) {
-  KDA_PREP_SCRATCH(base, c);
-  const int g8 = lane >> 2, t4 = lane & 3;
-#pragma unroll
-  for (int q = 0; q < 4; ++q) {
-    const float2 x = *reinterpret_cast<const float2*>(sInv + (g8 + 8 * (q & 1)) * IPF + 2 * t4 + 8 * (q >> 1));
-    split_bf16(x.x, x.y, ah[q], al[q]);
-  }
-}
-// ---- 5c. W = (I + L)^-1 X (X = b k e^G, split hi + lo: hi hi + hi lo + lo hi), columns 16 n .. 16 n + 15,
-// into the record (4-byte pieces: 8 rows x 16 bytes of one atom row chunk per warp store).
-__device__ __forceinline__ void prep_w16(char* base, int c, const uint32_t (&ah)[4], const uint32_t (&al)[4], int n) {
-  const int tid = threadIdx.x, lane = tid & 31, n0 = 16 * n;
-  KDA_PREP_SCRATCH(base, c);
-  const int g8 = lane >> 2, t4 = lane & 3, lm = lane >> 3, lr = lane & 7;
-  uint32_t bh[4], bl[4];
-  ldsm_x4_t(bh, sXh + (lr + 8 * (lm & 1)) * KB1 + n0 + 8 * (lm >> 1));
-  ldsm_x4_t(bl, sXl + (lr + 8 * (lm & 1)) * KB1 + n0 + 8 * (lm >> 1));
-  float acc[2][4] = {};
-#pragma unroll
-  for (int hh = 0; hh < 2; ++hh) {
-    mma_bf16(acc[hh], al, bh[2 * hh], bh[2 * hh + 1]);
-    mma_bf16(acc[hh], ah, bl[2 * hh], bl[2 * hh + 1]);
-    mma_bf16(acc[hh], ah, bh[2 * hh], bh[2 * hh + 1]);
-  }
-#pragma unroll
-  for (int hh = 0; hh < 2; ++hh) {
-    const int cl = n0 + 8 * hh + 2 * t4;
-    *reinterpret_cast<uint32_t*>(rec + R_W + sm90::sw128_k<C>(g8, cl)) = pack_bf16(acc[hh][0], acc[hh][1]);
-    *reinterpret_cast<uint32_t*>(rec + R_W + sm90::sw128_k<C>(g8 + 8, cl)) = pack_bf16(acc[hh][2], acc[hh][3]);
-  }
-}
-
-// Gate constants of column col (A_log's exponent; dt_bias or 0).
-__device__ __forceinline__ float gate_aexp(const KdaParams& p, const SeqInfo& si) {
-#if KDA_GATE != 2
-  return __expf(__ldg(p.A_log + si.h));
-#else
-  return 0.f;
-#endif
-}
-__device__ __forceinline__ float gate_bias(const KdaParams& p, const SeqInfo& si, int col) {
-#if KDA_GATE != 2
-  return p.dt_bias ? __ldg(p.dt_bias + si.h * K + col) : 0.f;
-#else
-  return 0.f;
-#endif
-}
 
 // KDA_SM90_PREP_PIPE=1 (templates/sm90/DESIGN.md "Prep pipeline"): two 4-warp groups pipelined by
 // chunk. Group A (warps 0-3) runs phases 0-1 of chunk c in two passes over the rows (8 p .. 8 p + 7)
@@ -341,6 +14,15 @@ __device__ __forceinline__ float gate_bias(const KdaParams& p, const SeqInfo& si
 // (B has finished chunk c - 2 with the set), B waits scr_full. rec_full counts both groups.
 constexpr int NTG = 128;                 // threads per group
 constexpr int BAR_PREP_A = 1, BAR_PREP_B = 2;
+// Who issues the bulk copies: 1 (default) group B at the end of its chunk c (chunk c + NIN, into the
+// stage B's own phase 2 has just released); 0 group A after its phase 1 (chunk c + NIN - 2). Group B
+// waits on A most of the time and A is the chain (ncu; H200 2026-12-01: T8192 H96 bv128 1.98 -> 1.88 ms).
+#ifdef KDA_SM90_PIPE_COPIES
+constexpr int PIPE_COPIES = KDA_SM90_PIPE_COPIES;
+#else
+constexpr int PIPE_COPIES = 1;
+#endif
+static_assert(PIPE_COPIES == 0 || PIPE_COPIES == 1, "KDA_SM90_PIPE_COPIES is 0 or 1");
 static_assert(NTP == 2 * NTG && NMW == 4 && NIN >= 3, "prep pipeline: K = 128, NIN >= 3");
 
 __device__ __forceinline__ void prep_group_a(const KdaParams& p, const SeqInfo& si, char* base, uint64_t* bars) {
@@ -358,7 +40,9 @@ __device__ __forceinline__ void prep_group_a(const KdaParams& p, const SeqInfo& 
     sm90::mbar_wait(bars + B_IN_EMPTY + cc % NIN, ((cc / NIN) & 1) ^ 1);
     issue_chunk_spread<4>(p, si, cc, base, bars, warp, lane);
   };
-  for (int cc = 0; cc < NIN - 2; ++cc) issue(cc);
+  if constexpr (PIPE_COPIES == 0) {
+    for (int cc = 0; cc < NIN - 2; ++cc) issue(cc);
+  }
   uint32_t rb_next0 = load_beta(p, si, 0, ri), rb_next1 = load_beta(p, si, 0, ri + 8);
 
   for (int c = 0; c < si.nc; ++c) {
@@ -395,19 +79,24 @@ __device__ __forceinline__ void prep_group_a(const KdaParams& p, const SeqInfo& 
     sm90::mbar_arrive(bars + B_REC_FULL + r);
     sm90::mbar_arrive(bars + B_SCR_FULL + h);
     // The stage of chunk c - 2 (B's phase 2 of it is done: A waited scr_empty of c - 2's set).
-    issue(c + NIN - 2);
+    if constexpr (PIPE_COPIES == 0) issue(c + NIN - 2);
   }
 }
 
 __device__ __forceinline__ void prep_group_b(const KdaParams& p, const SeqInfo& si, char* base, uint64_t* bars) {
   const int tid = threadIdx.x, tb = tid - NTG, warp = tid >> 5;
+  if constexpr (PIPE_COPIES == 1) {
+    for (int cc = 0; cc < NIN; ++cc) issue_chunk_spread<4>(p, si, cc, base, bars, warp - 4, tid & 31);
+  }
   for (int c = 0; c < si.nc; ++c) {
     const int rows = min(C, si.len - c * C);
     const int r = c % NREC, h = c & 1, st = c % NIN;
     sm90::mbar_wait(bars + B_SCR_FULL + h, (c >> 1) & 1);
     // (the exact fallback reads the input stage: it waits for the stage's copies itself)
     prep_phase2<4>(base, c, rows, bars + B_IN_FULL + st, (c / NIN) & 1);
-    sm90::mbar_arrive(bars + B_IN_EMPTY + st);  // the stage's last read
+    // the stage's last read (mode 1: B refills the stage itself, and an mbarrier whose phases
+    // complete unwaited is an error to synccheck)
+    if constexpr (PIPE_COPIES == 0) sm90::mbar_arrive(bars + B_IN_EMPTY + st);
     sm90::named_sync<BAR_PREP_B, NTG>();
     prep_phase3<NTG>(p, base, c, tb);
     sm90::named_sync<BAR_PREP_B, NTG>();
@@ -423,12 +112,28 @@ __device__ __forceinline__ void prep_group_b(const KdaParams& p, const SeqInfo& 
     sm90::mbar_arrive(bars + B_SCR_EMPTY + h);  // the set's last read
     sm90::fence_proxy_async();
     sm90::mbar_arrive(bars + B_REC_FULL + r);
+    // Stage c % NIN: A read it in phases 0-1 of chunk c (before scr_full), B's phase 2 is past the
+    // group barrier; so chunk c + NIN may land there (in_empty is not needed in this mode).
+    if constexpr (PIPE_COPIES == 1) issue_chunk_spread<4>(p, si, c + NIN, base, bars, warp - 4, tid & 31);
   }
 }
 
+// Each group is a warpgroup, so each gets its own register limit: at 512 threads group A (the chain,
+// two passes of phase 0 in flight) takes 104 and B 88 (96 for both spills group A of the
+// softplus-gate build; 112 / 80 spills group B).
+constexpr int PREP_A_REGS = NT == 512 ? 104 : PREP_REGS;
+constexpr int PREP_B_REGS = NT == 512 ? 88 : PREP_REGS;
+static_assert(!REALLOC || NTG * (PREP_A_REGS + PREP_B_REGS) + 128 * NCONS * CONS_REGS <= NT * LAUNCH_REGS,
+              "register budget");
+
 __device__ __forceinline__ void prep_role_pipe(const KdaParams& p, const SeqInfo& si, char* base, uint64_t* bars) {
-  if (threadIdx.x < NTG) prep_group_a(p, si, base, bars);
-  else prep_group_b(p, si, base, bars);
+  if (threadIdx.x < NTG) {
+    if constexpr (REALLOC) sm90::regs_dec<PREP_A_REGS>();
+    prep_group_a(p, si, base, bars);
+  } else {
+    if constexpr (REALLOC) sm90::regs_dec<PREP_B_REGS>();
+    prep_group_b(p, si, base, bars);
+  }
 }
 
 }  // namespace kda
