@@ -4,8 +4,9 @@ The targets describe themselves (kdagen.targets: device types, minimum compute c
 rank); nothing here names a target. Preference, in order: the targets measured fastest in the
 call's regime (the GPU's tuning file), the target's rank, what is ready (built) before what needs
 a build before what must first be generated, then state I/O, chunk size and V-split width (from
-the tuning file where it has a rule for the call's regime, else the targets' constants). Every rejection has a reason (logged at KDAGEN_LOGLEVEL=2); a miss
-raises NoVariantError with Supported vs Found and the command that builds a fitting variant.
+the tuning file where it has a rule for the call's regime, else the targets' constants). Every
+rejection has a reason (logged at KDAGEN_LOGLEVEL=2); a miss raises NoVariantError with Supported
+vs Found and the command that builds a fitting variant.
 """
 
 from __future__ import annotations
@@ -169,8 +170,8 @@ def choose(cands: Iterable[Union[Variant, Candidate]], c: CallInfo) -> tuple[Opt
     if log.isEnabledFor(logging.DEBUG):
         for cand in fits:
             if cand is not best:
-                log.debug("kdagen: passed over %s: %s is preferred (regime rank, target rank, readiness, state, chunk, block_v)",
-                          cand.variant.name, best.variant.name)
+                log.debug("kdagen: passed over %s: %s is preferred (regime rank, target rank, readiness, state, "
+                          "chunk, block_v)", cand.variant.name, best.variant.name)
     return best, rejected
 
 
