@@ -27,7 +27,7 @@ import json
 import math
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
@@ -338,8 +338,6 @@ def rank_targets(rules: Sequence[Rule]) -> list[Rule]:
     geometric mean, over the cases every one of them was measured on, of the target's time at its
     rule's setting over the fastest target's time at its own (ties: the targets' own order). A
     regime whose targets share no case keeps no ranks."""
-    from dataclasses import replace
-
     from .targets import TARGETS
 
     def at_setting(r: Rule, case: str) -> Optional[float]:

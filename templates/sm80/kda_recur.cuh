@@ -101,15 +101,12 @@ __device__ __forceinline__ void store_o_chunk(const in_t* so, in_t* obase, long 
 // instructions (each role runs its own loop: one shared loop measured 15% slower at T65536 H24), so
 // it is the non-aligned barrier.sync, which PTX allows in divergent code (bar.sync / __syncthreads
 // is the aligned form and must be reached at the same instruction by every thread).
-// COPY marks the copy warp's calls. KDA_BLOCK_BAR_ALIGNED=1 rebuilds the earlier aligned bar.sync
-// (undefined behaviour here), only to time the fix against it in one run; the other options
-// measured (benchmarks/results/2026-12-01_s9_h200_sm80_sync_ab.md, _s10_h200_sm80_sync_mix.md)
-// were dropped.
+// KDA_BLOCK_BAR_ALIGNED=1 rebuilds the earlier aligned bar.sync (undefined behaviour here), only to
+// time the fix against it in one run; the other options measured were dropped
+// (benchmarks/results/2026-12-01_s9_h200_sm80_sync_ab.md, _s10_*_sync_mix.md, _s11_*_no_copy_warp.md).
 #if KDA_BLOCK_BAR_ALIGNED == 1
-template <bool COPY = false>
 __device__ __forceinline__ void block_sync() { asm volatile("bar.sync 0;\n" ::: "memory"); }
 #else
-template <bool COPY = false>
 __device__ __forceinline__ void block_sync() { asm volatile("barrier.sync 0;\n" ::: "memory"); }
 #endif
 
@@ -214,7 +211,7 @@ extern "C" __global__ void KDA_RECUR_BOUNDS kda_recur(const KdaParams p) {
     }
     for (int c = 0; c < nc; ++c) {
       cp_async_wait<NSTAGE - 2>();
-      block_sync<true>();
+      block_sync();
       if (c + NSTAGE - 1 < nc)
         prefetch_chunk(smem2 + ((c + NSTAGE - 1) % NSTAGE) * STAGE, rec_c + (c + NSTAGE - 1) * rstride, vb, lane);
       cp_async_commit();
@@ -222,7 +219,7 @@ extern "C" __global__ void KDA_RECUR_BOUNDS kda_recur(const KdaParams p) {
         store_o_chunk(so_all + ((c - 1) & 1) * OSLOT, ob + (long long)(c - 1) * C * ostride, ostride, C, lane);
     }
     if constexpr (O_BY_COPY) {
-      block_sync<true>();
+      block_sync();
       if (nc > 0)
         store_o_chunk(so_all + ((nc - 1) & 1) * OSLOT, ob + (long long)(nc - 1) * C * ostride, ostride,
                       len - (nc - 1) * C, lane);

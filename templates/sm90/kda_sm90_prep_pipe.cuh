@@ -6,12 +6,12 @@
 
 namespace kda {
 
-// KDA_SM90_PREP_PIPE=1 (templates/sm90/DESIGN.md "Prep pipeline"): two 4-warp groups pipelined by
-// chunk. Group A (warps 0-3) runs phases 0-1 of chunk c in two passes over the rows (8 p .. 8 p + 7)
-// and gate columns (64 p ..), so each element's arithmetic is the one-group prep's, and issues the
-// copies of chunk c + NIN - 2; group B (warps 4-7) runs phases 2-5 of chunk c (A is by then on
-// chunk c + 1). The scratch arrays between them are doubled by chunk parity: A waits scr_empty
-// (B has finished chunk c - 2 with the set), B waits scr_full. rec_full counts both groups.
+// Two 4-warp groups pipelined by chunk. Group A (warps 0-3) runs phases 0-1 of chunk c in two
+// passes over the rows (8 p .. 8 p + 7) and gate columns (64 p ..), so each element's arithmetic is
+// the one-group prep's; group B (warps 4-7) runs phases 2-5 of chunk c (A is by then on chunk
+// c + 1) and issues the bulk copies (PIPE_COPIES). The scratch arrays between them are doubled by
+// chunk parity: A waits scr_empty (B has finished chunk c - 2 with the set), B waits scr_full.
+// rec_full counts both groups.
 constexpr int NTG = 128;                 // threads per group
 constexpr int BAR_PREP_A = 1, BAR_PREP_B = 2;
 // Who issues the bulk copies: 1 (default) group B at the end of its chunk c (chunk c + NIN, into the
@@ -46,6 +46,8 @@ __device__ __forceinline__ void prep_btiles(const KdaParams& p, char* base, int 
     if (!live) xk[e] = 0.f;
     if (p.use_l2norm) xk[e] *= ak;
   }
+  // (the lines of prep_phase1<true> that make these tiles; factored out of it they changed its
+  // register allocation, so the GPU-validated default would no longer be instruction-identical)
   uint32_t pb[4], xkh[4], xkl[4];
 #pragma unroll
   for (int e = 0; e < 8; e += 2) {
@@ -98,7 +100,8 @@ __device__ __forceinline__ void prep_group_a(const KdaParams& p, const SeqInfo& 
     }
     sm90::named_sync<BAR_PREP_A, NTG>();
     {
-      // (pass 1's row read after pass 0's stores: reading both first spills at 96 registers)
+      // (pass 1's row read after pass 0's stores: reading both first spilled at a 96-register limit
+      // and measured no faster)
       float G[8], GL[8];
       prep_gate_row(base, c, ri, d, G);
       prep_gate_row(base, c, C - 1, d, GL);
