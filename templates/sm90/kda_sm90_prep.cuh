@@ -122,8 +122,8 @@ __device__ __forceinline__ int scr_set(int c) { return (c & 1) * S_HALF; }
   bf16* const sBK = reinterpret_cast<bf16*>(scs + S_BK);                                   \
   bf16* const sXh = reinterpret_cast<bf16*>(scs + S_XH);                                   \
   bf16* const sXl = reinterpret_cast<bf16*>(scs + S_XL);                                   \
-  float* const spart = reinterpret_cast<float*>(scr + S_PART);                             \
-  float* const sLT = reinterpret_cast<float*>(scr + S_LT);                                 \
+  float* const spart = reinterpret_cast<float*>(scr + S_PART + ((c) & 1) * SPART_SET);    \
+  float* const sLT = reinterpret_cast<float*>(scr + S_LT + ((c) & 1) * SLT_SET);          \
   float* const sbc = reinterpret_cast<float*>(scr + S_B) + ((c) & 1) * C; /* by parity */  \
   float* const sInv = reinterpret_cast<float*>(scr + S_INV);                               \
   const char* const in = (base) + SM_IN + ((c) % NIN) * IN_BYTES;                          \
@@ -239,8 +239,6 @@ __device__ __forceinline__ void prep_gate_row(const char* base, int c, int r, in
 
 // G: the cumulative gate of row ri, GL of the chunk's last row (columns d .. d + 7), read by the
 // caller before any phase-1 store (see P0In).
-// BT: also the tiles only phases 2 and 5 read (sBK, sXh, sXl); false where prep_btiles makes them.
-template <bool BT = true>
 __device__ __forceinline__ void prep_phase1(const KdaParams& p, char* base, int c, int ri, int d, const float (&xq)[8],
                                             const float (&xk)[8], float b, const float (&G)[8], const float (&GL)[8]) {
   KDA_PREP_SCRATCH(base, c);
@@ -253,17 +251,15 @@ __device__ __forceinline__ void prep_phase1(const KdaParams& p, char* base, int 
     pk[e / 2] = pack_bf16(k0, k1);
     pq[e / 2] = pack_bf16(q0, q1);
     pqd[e / 2] = pack_bf16(p.scale * q0, p.scale * q1);
-    if constexpr (BT) pb[e / 2] = pack_bf16(xk[e] * i0, xk[e + 1] * i1);
+    pb[e / 2] = pack_bf16(xk[e] * i0, xk[e + 1] * i1);
     pkr[e / 2] = pack_bf16(xk[e] * __expf(GL[e] - G[e]), xk[e + 1] * __expf(GL[e + 1] - G[e + 1]));
-    if constexpr (BT) split_bf16(b * k0, b * k1, xkh[e / 2], xkl[e / 2]);
+    split_bf16(b * k0, b * k1, xkh[e / 2], xkl[e / 2]);
   }
   *reinterpret_cast<uint4*>(sAK + ri * KB1 + d) = make_uint4(pk[0], pk[1], pk[2], pk[3]);
   *reinterpret_cast<uint4*>(sAQ + ri * KB1 + d) = make_uint4(pq[0], pq[1], pq[2], pq[3]);
-  if constexpr (BT) {
-    *reinterpret_cast<uint4*>(sBK + ri * KB1 + d) = make_uint4(pb[0], pb[1], pb[2], pb[3]);
-    *reinterpret_cast<uint4*>(sXh + ri * KB1 + d) = make_uint4(xkh[0], xkh[1], xkh[2], xkh[3]);
-    *reinterpret_cast<uint4*>(sXl + ri * KB1 + d) = make_uint4(xkl[0], xkl[1], xkl[2], xkl[3]);
-  }
+  *reinterpret_cast<uint4*>(sBK + ri * KB1 + d) = make_uint4(pb[0], pb[1], pb[2], pb[3]);
+  *reinterpret_cast<uint4*>(sXh + ri * KB1 + d) = make_uint4(xkh[0], xkh[1], xkh[2], xkh[3]);
+  *reinterpret_cast<uint4*>(sXl + ri * KB1 + d) = make_uint4(xkl[0], xkl[1], xkl[2], xkl[3]);
   // Qd [i][K] and Kr [j][K]: 16-byte pieces of one row; in the swizzled tiles the 8 pieces
   // a quarter-warp writes are one 128-byte row of an atom (conflict-free).
   *reinterpret_cast<uint4*>(rec + R_QD + sm90::sw128_k<C>(ri, d)) = make_uint4(pqd[0], pqd[1], pqd[2], pqd[3]);

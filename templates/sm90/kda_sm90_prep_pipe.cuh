@@ -23,44 +23,8 @@ constexpr int PIPE_COPIES = KDA_SM90_PIPE_COPIES;
 constexpr int PIPE_COPIES = 1;
 #endif
 static_assert(PIPE_COPIES == 0 || PIPE_COPIES == 1, "KDA_SM90_PIPE_COPIES is 0 or 1");
-// KDA_SM90_PIPE_BTILES=1 (A/B option): group B makes the tiles only it reads (sBK = k^ e^-G and
-// sXh / sXl = b k^ e^G split) from the input stage, srk, sb and sG, instead of group A's phase 1:
-// the same arithmetic, off A's chain.
-#ifdef KDA_SM90_PIPE_BTILES
-constexpr bool PIPE_BTILES = KDA_SM90_PIPE_BTILES != 0;
-#else
-constexpr bool PIPE_BTILES = false;
-#endif
-
-// Group B's tiles of row ri, columns d .. d + 7 of chunk c (PIPE_BTILES): k^ from the input stage
-// (rows past the end: 0, as in phase 0) times srk, e^G and e^-G from sG, b from sb.
-__device__ __forceinline__ void prep_btiles(const KdaParams& p, char* base, int c, int rows, int ri, int d) {
-  KDA_PREP_SCRATCH(base, c);
-  float xk[8], G[8];
-  unpack8<in_t>(*reinterpret_cast<const uint4*>(in + IN_K + ri * QROW + d * 2), xk);
-  const bool live = ri < rows;
-  const float ak = srk[ri], b = sbc[ri];
-  prep_gate_row(base, c, ri, d, G);
-#pragma unroll
-  for (int e = 0; e < 8; ++e) {
-    if (!live) xk[e] = 0.f;
-    if (p.use_l2norm) xk[e] *= ak;
-  }
-  // (the lines of prep_phase1<true> that make these tiles; factored out of it they changed its
-  // register allocation, so the GPU-validated default would no longer be instruction-identical)
-  uint32_t pb[4], xkh[4], xkl[4];
-#pragma unroll
-  for (int e = 0; e < 8; e += 2) {
-    const float e0 = __expf(G[e]), e1 = __expf(G[e + 1]);
-    const float i0 = __expf(-G[e]), i1 = __expf(-G[e + 1]);
-    pb[e / 2] = pack_bf16(xk[e] * i0, xk[e + 1] * i1);
-    split_bf16(b * (xk[e] * e0), b * (xk[e + 1] * e1), xkh[e / 2], xkl[e / 2]);
-  }
-  *reinterpret_cast<uint4*>(sBK + ri * KB1 + d) = make_uint4(pb[0], pb[1], pb[2], pb[3]);
-  *reinterpret_cast<uint4*>(sXh + ri * KB1 + d) = make_uint4(xkh[0], xkh[1], xkh[2], xkh[3]);
-  *reinterpret_cast<uint4*>(sXl + ri * KB1 + d) = make_uint4(xkl[0], xkl[1], xkl[2], xkl[3]);
-}
 static_assert(NTP == 2 * NTG && NMW == 4 && NIN >= 3, "prep pipeline: K = 128, NIN >= 3");
+static_assert(PIPE_SPLIT == 2 || PIPE_COPIES == 1, "KDA_SM90_PIPE_SPLIT > 2: group B issues the copies");
 
 __device__ __forceinline__ void prep_group_a(const KdaParams& p, const SeqInfo& si, char* base, uint64_t* bars) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -105,14 +69,23 @@ __device__ __forceinline__ void prep_group_a(const KdaParams& p, const SeqInfo& 
       float G[8], GL[8];
       prep_gate_row(base, c, ri, d, G);
       prep_gate_row(base, c, C - 1, d, GL);
-      prep_phase1<!PIPE_BTILES>(p, base, c, ri, d, xq0, xk0, b0, G, GL);
+      prep_phase1(p, base, c, ri, d, xq0, xk0, b0, G, GL);
       prep_gate_row(base, c, ri + 8, d, G);
-      prep_phase1<!PIPE_BTILES>(p, base, c, ri + 8, d, xq1, xk1, b1, G, GL);
+      prep_phase1(p, base, c, ri + 8, d, xq1, xk1, b1, G, GL);
     }
     // beta one chunk ahead, loaded here (not at the top) so that it is not live across phase 1
     rb_next0 = load_beta(p, si, c + 1, ri);
     rb_next1 = load_beta(p, si, c + 1, ri + 8);
-    // Qd, Kr, Gamma_C of the record: visible to the consumers' wgmma (async proxy).
+    if constexpr (PIPE_SPLIT >= 3) {
+      // phase 2 on A's 4 warps (its exact fallback reads the input stage A has waited for)
+      sm90::named_sync<BAR_PREP_A, NTG>();
+      prep_phase2<0>(base, c, rows);
+    }
+    if constexpr (PIPE_SPLIT >= 4) {
+      sm90::named_sync<BAR_PREP_A, NTG>();
+      prep_phase3<NTG>(p, base, c, tid);
+    }
+    // Qd, Kr, Gamma_C (and Mqk) of the record: visible to the consumers' wgmma (async proxy).
     sm90::fence_proxy_async();
     sm90::mbar_arrive(bars + B_REC_FULL + r);
     sm90::mbar_arrive(bars + B_SCR_FULL + h);
@@ -130,22 +103,18 @@ __device__ __forceinline__ void prep_group_b(const KdaParams& p, const SeqInfo& 
     const int rows = min(C, si.len - c * C);
     const int r = c % NREC, h = c & 1, st = c % NIN;
     sm90::mbar_wait(bars + B_SCR_FULL + h, (c >> 1) & 1);
-    if constexpr (PIPE_BTILES) {
-      // (the input stage's copies completed before A's phase 0; B waits for them itself)
-      sm90::mbar_wait(bars + B_IN_FULL + st, (c / NIN) & 1);
-      const int ri = tb / (K / 8), d = (tb % (K / 8)) * 8;
-      prep_btiles(p, base, c, rows, ri, d);
-      prep_btiles(p, base, c, rows, ri + 8, d);
+    if constexpr (PIPE_SPLIT <= 2) {
+      // (the exact fallback reads the input stage: it waits for the stage's copies itself)
+      prep_phase2<4>(base, c, rows, bars + B_IN_FULL + st, (c / NIN) & 1);
+      // the stage's last read (mode 1: B refills the stage itself, and an mbarrier whose phases
+      // complete unwaited is an error to synccheck)
+      if constexpr (PIPE_COPIES == 0) sm90::mbar_arrive(bars + B_IN_EMPTY + st);
       sm90::named_sync<BAR_PREP_B, NTG>();
     }
-    // (the exact fallback reads the input stage: it waits for the stage's copies itself)
-    prep_phase2<4>(base, c, rows, bars + B_IN_FULL + st, (c / NIN) & 1);
-    // the stage's last read (mode 1: B refills the stage itself, and an mbarrier whose phases
-    // complete unwaited is an error to synccheck)
-    if constexpr (PIPE_COPIES == 0) sm90::mbar_arrive(bars + B_IN_EMPTY + st);
-    sm90::named_sync<BAR_PREP_B, NTG>();
-    prep_phase3<NTG>(p, base, c, tb);
-    sm90::named_sync<BAR_PREP_B, NTG>();
+    if constexpr (PIPE_SPLIT <= 3) {
+      prep_phase3<NTG>(p, base, c, tb);
+      sm90::named_sync<BAR_PREP_B, NTG>();
+    }
     if (tb < C) prep_phase4(base, c, tb);
     sm90::named_sync<BAR_PREP_B, NTG>();
     prep_phase5_ainv<NTG>(base, c, tb);
@@ -167,8 +136,13 @@ __device__ __forceinline__ void prep_group_b(const KdaParams& p, const SeqInfo& 
 // Each group is a warpgroup, so each gets its own register limit: at 512 threads group A (the chain,
 // two passes of phase 0 in flight) takes 104 and B 88 (96 for both spills group A of the
 // softplus-gate build; 112 / 80 spills group B).
-constexpr int PREP_A_REGS = NT == 512 ? 104 : PREP_REGS;
-constexpr int PREP_B_REGS = NT == 512 ? 88 : PREP_REGS;
+// With phase 2 in group A (PIPE_SPLIT 3, 4) A needs more (104 and 112 spill it) and B fewer.
+#ifdef KDA_SM90_PIPE_A_REGS
+constexpr int PREP_A_REGS = NT == 512 ? KDA_SM90_PIPE_A_REGS : PREP_REGS;
+#else
+constexpr int PREP_A_REGS = NT == 512 ? (PIPE_SPLIT > 2 ? 120 : 104) : PREP_REGS;
+#endif
+constexpr int PREP_B_REGS = NT == 512 ? 192 - PREP_A_REGS : PREP_REGS;
 static_assert(!REALLOC || NTG * (PREP_A_REGS + PREP_B_REGS) + 128 * NCONS * CONS_REGS <= NT * LAUNCH_REGS,
               "register budget");
 
