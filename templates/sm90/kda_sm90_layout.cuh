@@ -65,17 +65,6 @@ constexpr int IPF = 20;                // fp32 row pitch of (I+L)^-1 (16-byte ro
 #define KDA_SM90_PIPE_ON 0
 #endif
 constexpr bool PREP_PIPE = KDA_SM90_PIPE_ON;
-// The first phase group B runs (KDA_SM90_PIPE_SPLIT): 2 (default; A runs phases 0-1), 3 (A also
-// runs phase 2, the L / Mqk partials) or 4 (and phase 3, L^T and Mqk). What A then writes for B (the
-// partials; L^T) is doubled by chunk parity too.
-#if defined(KDA_SM90_PIPE_SPLIT) && KDA_SM90_PIPE_ON
-constexpr int PIPE_SPLIT = KDA_SM90_PIPE_SPLIT;
-#else
-constexpr int PIPE_SPLIT = 2;
-#endif
-static_assert(PIPE_SPLIT >= 2 && PIPE_SPLIT <= 4, "KDA_SM90_PIPE_SPLIT is 2, 3 or 4");
-constexpr int SPART_SET = PIPE_SPLIT == 3 ? NMW * 512 * 4 : 0;  // bytes between the partials' parity sets
-constexpr int SLT_SET = PIPE_SPLIT == 4 ? C * CP * 4 : 0;       //                    L^T's
 #if KDA_SM90_PIPE_ON
 constexpr int S_G = 0;                          // f32 [C][KP] cumulative gate            (set)
 constexpr int S_RQ = S_G + C * KP * 4;          // f32 [C] L2-norm factors of q, k         (set)
@@ -88,8 +77,8 @@ constexpr int S_XH = S_BK + C * KB1 * 2;        // bf16 [C][KB1] b k e^G, high p
 constexpr int S_XL = S_XH + C * KB1 * 2;        //                       low part          (set)
 constexpr int S_HALF = S_XL + C * KB1 * 2;      // one set; the second follows
 constexpr int S_PART = 2 * S_HALF;              // f32 [NMW][2][16][16] partial L, Mqk (group B)
-constexpr int S_LT = S_PART + NMW * 512 * 4 + SPART_SET;  // f32 [C][CP] L^T (times b)  (group B)
-constexpr int S_B = S_LT + C * CP * 4 + SLT_SET; // f32 [2][C] beta (by chunk parity)
+constexpr int S_LT = S_PART + NMW * 512 * 4;    // f32 [C][CP] L^T (times b)            (group B)
+constexpr int S_B = S_LT + C * CP * 4;          // f32 [2][C] beta (by chunk parity)
 constexpr int S_INV = S_B + 2 * C * 4;          // f32 [16][IPF] (I+L)^-1               (group B)
 static_assert(S_HALF % 16 == 0, "16-byte aligned scratch sets");
 #else

@@ -122,8 +122,8 @@ __device__ __forceinline__ int scr_set(int c) { return (c & 1) * S_HALF; }
   bf16* const sBK = reinterpret_cast<bf16*>(scs + S_BK);                                   \
   bf16* const sXh = reinterpret_cast<bf16*>(scs + S_XH);                                   \
   bf16* const sXl = reinterpret_cast<bf16*>(scs + S_XL);                                   \
-  float* const spart = reinterpret_cast<float*>(scr + S_PART + ((c) & 1) * SPART_SET);    \
-  float* const sLT = reinterpret_cast<float*>(scr + S_LT + ((c) & 1) * SLT_SET);          \
+  float* const spart = reinterpret_cast<float*>(scr + S_PART);                             \
+  float* const sLT = reinterpret_cast<float*>(scr + S_LT);                                 \
   float* const sbc = reinterpret_cast<float*>(scr + S_B) + ((c) & 1) * C; /* by parity */  \
   float* const sInv = reinterpret_cast<float*>(scr + S_INV);                               \
   const char* const in = (base) + SM_IN + ((c) % NIN) * IN_BYTES;                          \

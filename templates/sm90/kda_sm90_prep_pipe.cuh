@@ -24,7 +24,6 @@ constexpr int PIPE_COPIES = 1;
 #endif
 static_assert(PIPE_COPIES == 0 || PIPE_COPIES == 1, "KDA_SM90_PIPE_COPIES is 0 or 1");
 static_assert(NTP == 2 * NTG && NMW == 4 && NIN >= 3, "prep pipeline: K = 128, NIN >= 3");
-static_assert(PIPE_SPLIT == 2 || PIPE_COPIES == 1, "KDA_SM90_PIPE_SPLIT > 2: group B issues the copies");
 
 __device__ __forceinline__ void prep_group_a(const KdaParams& p, const SeqInfo& si, char* base, uint64_t* bars) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -76,16 +75,7 @@ __device__ __forceinline__ void prep_group_a(const KdaParams& p, const SeqInfo& 
     // beta one chunk ahead, loaded here (not at the top) so that it is not live across phase 1
     rb_next0 = load_beta(p, si, c + 1, ri);
     rb_next1 = load_beta(p, si, c + 1, ri + 8);
-    if constexpr (PIPE_SPLIT >= 3) {
-      // phase 2 on A's 4 warps (its exact fallback reads the input stage A has waited for)
-      sm90::named_sync<BAR_PREP_A, NTG>();
-      prep_phase2<0>(base, c, rows);
-    }
-    if constexpr (PIPE_SPLIT >= 4) {
-      sm90::named_sync<BAR_PREP_A, NTG>();
-      prep_phase3<NTG>(p, base, c, tid);
-    }
-    // Qd, Kr, Gamma_C (and Mqk) of the record: visible to the consumers' wgmma (async proxy).
+    // Qd, Kr, Gamma_C of the record: visible to the consumers' wgmma (async proxy).
     sm90::fence_proxy_async();
     sm90::mbar_arrive(bars + B_REC_FULL + r);
     sm90::mbar_arrive(bars + B_SCR_FULL + h);
@@ -103,18 +93,14 @@ __device__ __forceinline__ void prep_group_b(const KdaParams& p, const SeqInfo& 
     const int rows = min(C, si.len - c * C);
     const int r = c % NREC, h = c & 1, st = c % NIN;
     sm90::mbar_wait(bars + B_SCR_FULL + h, (c >> 1) & 1);
-    if constexpr (PIPE_SPLIT <= 2) {
-      // (the exact fallback reads the input stage: it waits for the stage's copies itself)
-      prep_phase2<4>(base, c, rows, bars + B_IN_FULL + st, (c / NIN) & 1);
-      // the stage's last read (mode 1: B refills the stage itself, and an mbarrier whose phases
-      // complete unwaited is an error to synccheck)
-      if constexpr (PIPE_COPIES == 0) sm90::mbar_arrive(bars + B_IN_EMPTY + st);
-      sm90::named_sync<BAR_PREP_B, NTG>();
-    }
-    if constexpr (PIPE_SPLIT <= 3) {
-      prep_phase3<NTG>(p, base, c, tb);
-      sm90::named_sync<BAR_PREP_B, NTG>();
-    }
+    // (the exact fallback reads the input stage: it waits for the stage's copies itself)
+    prep_phase2<4>(base, c, rows, bars + B_IN_FULL + st, (c / NIN) & 1);
+    // the stage's last read (mode 1: B refills the stage itself, and an mbarrier whose phases
+    // complete unwaited is an error to synccheck)
+    if constexpr (PIPE_COPIES == 0) sm90::mbar_arrive(bars + B_IN_EMPTY + st);
+    sm90::named_sync<BAR_PREP_B, NTG>();
+    prep_phase3<NTG>(p, base, c, tb);
+    sm90::named_sync<BAR_PREP_B, NTG>();
     if (tb < C) prep_phase4(base, c, tb);
     sm90::named_sync<BAR_PREP_B, NTG>();
     prep_phase5_ainv<NTG>(base, c, tb);
@@ -136,13 +122,8 @@ __device__ __forceinline__ void prep_group_b(const KdaParams& p, const SeqInfo& 
 // Each group is a warpgroup, so each gets its own register limit: at 512 threads group A (the chain,
 // two passes of phase 0 in flight) takes 104 and B 88 (96 for both spills group A of the
 // softplus-gate build; 112 / 80 spills group B).
-// With phase 2 in group A (PIPE_SPLIT 3, 4) A needs more (104 and 112 spill it) and B fewer.
-#ifdef KDA_SM90_PIPE_A_REGS
-constexpr int PREP_A_REGS = NT == 512 ? KDA_SM90_PIPE_A_REGS : PREP_REGS;
-#else
-constexpr int PREP_A_REGS = NT == 512 ? (PIPE_SPLIT > 2 ? 120 : 104) : PREP_REGS;
-#endif
-constexpr int PREP_B_REGS = NT == 512 ? 192 - PREP_A_REGS : PREP_REGS;
+constexpr int PREP_A_REGS = NT == 512 ? 104 : PREP_REGS;
+constexpr int PREP_B_REGS = NT == 512 ? 88 : PREP_REGS;
 static_assert(!REALLOC || NTG * (PREP_A_REGS + PREP_B_REGS) + 128 * NCONS * CONS_REGS <= NT * LAUNCH_REGS,
               "register budget");
 
