@@ -65,6 +65,18 @@ constexpr int IPF = 20;                // fp32 row pitch of (I+L)^-1 (16-byte ro
 #define KDA_SM90_PIPE_ON 0
 #endif
 constexpr bool PREP_PIPE = KDA_SM90_PIPE_ON;
+// Who issues the bulk copies in the pipeline (KDA_SM90_PIPE_COPIES): 1 (default) group B at the end
+// of its chunk c (chunk c + NIN, into the stage B's own phase 2 has just released); 0 group A after
+// its phase 1 (chunk c + NIN - 2); 2 the consumer warps, chunk c + NIN once the record of chunk c is
+// complete (behind their U and o products). Group B waits on A most of the time and A is the chain
+// (ncu; H200 2026-12-01: T8192 H96 bv128 1.98 -> 1.88 ms).
+#ifdef KDA_SM90_PIPE_COPIES
+constexpr int PIPE_COPIES = KDA_SM90_PIPE_COPIES;
+#else
+constexpr int PIPE_COPIES = 1;
+#endif
+static_assert(PIPE_COPIES >= 0 && PIPE_COPIES <= 2, "KDA_SM90_PIPE_COPIES is 0, 1 or 2");
+constexpr bool CONS_COPIES = PREP_PIPE && PIPE_COPIES == 2;
 #if KDA_SM90_PIPE_ON
 constexpr int S_G = 0;                          // f32 [C][KP] cumulative gate            (set)
 constexpr int S_RQ = S_G + C * KP * 4;          // f32 [C] L2-norm factors of q, k         (set)

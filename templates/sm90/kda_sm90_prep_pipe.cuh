@@ -14,15 +14,6 @@ namespace kda {
 // rec_full counts both groups.
 constexpr int NTG = 128;                 // threads per group
 constexpr int BAR_PREP_A = 1, BAR_PREP_B = 2;
-// Who issues the bulk copies: 1 (default) group B at the end of its chunk c (chunk c + NIN, into the
-// stage B's own phase 2 has just released); 0 group A after its phase 1 (chunk c + NIN - 2). Group B
-// waits on A most of the time and A is the chain (ncu; H200 2026-12-01: T8192 H96 bv128 1.98 -> 1.88 ms).
-#ifdef KDA_SM90_PIPE_COPIES
-constexpr int PIPE_COPIES = KDA_SM90_PIPE_COPIES;
-#else
-constexpr int PIPE_COPIES = 1;
-#endif
-static_assert(PIPE_COPIES == 0 || PIPE_COPIES == 1, "KDA_SM90_PIPE_COPIES is 0 or 1");
 static_assert(NTP == 2 * NTG && NMW == 4 && NIN >= 3, "prep pipeline: K = 128, NIN >= 3");
 
 __device__ __forceinline__ void prep_group_a(const KdaParams& p, const SeqInfo& si, char* base, uint64_t* bars) {

@@ -92,6 +92,12 @@ __device__ __forceinline__ void consumer_role(const KdaParams& p, const SeqInfo&
   const uint64_t dQd0 = sm90::make_desc(r0 + R_QD, 16, 1024, sm90::LAYOUT_SW128);
   const uint64_t dW0 = sm90::make_desc(r0 + R_W, 16, 1024, sm90::LAYOUT_SW128);
   auto kstep = [](int ks) { return (uint64_t)(((ks >> 2) * (C * 128) + (ks & 3) * 32) >> 4); };
+  // CONS_COPIES: the consumer warps (wi = 0 .. 4 NCONS - 1) issue the bulk copies, chunks 0 .. NIN - 1
+  // here and chunk c + NIN in step c: its input stage was last read by the prep of chunk c.
+  const int wi = 4 * cw + w;
+  if constexpr (CONS_COPIES) {
+    for (int cc = 0; cc < NIN; ++cc) issue_chunk_spread<4 * NCONS>(p, si, cc, base, bars, wi, lane);
+  }
 
   for (int c = 0; c < si.nc; ++c) {
     const int r = c % NREC, vs = c % NV;
@@ -151,6 +157,7 @@ __device__ __forceinline__ void consumer_role(const KdaParams& p, const SeqInfo&
 #pragma unroll
     for (int ks = 0; ks < K / 16; ++ks) sm90::wgmma_m64n16_rs<1>(ao, sa[ks], dQd0 + so + kstep(ks), ks > 0);
     sm90::wgmma_commit();
+    if constexpr (CONS_COPIES) issue_chunk_spread<4 * NCONS>(p, si, c + NIN, base, bars, wi, lane);
     sm90::wgmma_wait<1>();
     sm90::reg_fence(au);
     // U^T as bf16 A fragments, high and low parts (the low part only feeds o: rel RMSE of o
