@@ -26,6 +26,58 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
   asm volatile(KDA_MBAR_WAIT_PARITY_ASM("try_wait") ::"r"(saddr(bar)), "r"(parity) : "memory");
 }
 
+// ---- thread-block clusters (the sm90 CTA pair) ----
+__device__ __forceinline__ uint32_t cluster_rank() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+  return r;
+}
+// Every thread of every CTA of the cluster; release / acquire order the shared-memory accesses
+// before it (barrier initialisation, the last remote arrivals) with those after it.
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;\n" ::: "memory");
+}
+// The shared::cluster address of this CTA's shared object `p` in CTA `rank` of the cluster.
+__device__ __forceinline__ uint32_t peer_addr(const void* p, uint32_t rank) {
+  uint32_t r;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(saddr(p)), "r"(rank));
+  return r;
+}
+// Arrivals on a barrier of another CTA of the cluster (address from peer_addr).
+__device__ __forceinline__ void mbar_arrive_remote(uint32_t bar) {
+  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive_expect_tx_remote(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.release.cluster.shared::cluster.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
+               : "memory");
+}
+// A wait whose phase is completed by another CTA's arrivals or copies (cluster-scope acquire).
+__device__ __forceinline__ void mbar_wait_cluster(uint64_t* bar, uint32_t parity) {
+  asm volatile(
+      "{\n"
+      ".reg .pred done, stuck;\n"
+      ".reg .u32 tries;\n"
+      "mov.u32 tries, 0;\n"
+      "WAIT_%=:\n"
+      "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], %1;\n"
+      "@done bra DONE_%=;\n"
+      "add.u32 tries, tries, 1;\n"
+      "setp.eq.u32 stuck, tries, 268435456;\n"
+      "@stuck trap;\n"
+      "bra WAIT_%=;\n"
+      "DONE_%=:\n"
+      "}\n" ::"r"(saddr(bar)), "r"(parity)
+      : "memory");
+}
+// `bytes` (a multiple of 16) of this CTA's shared memory at `src` into another CTA's shared memory
+// at `dst`, completing on that CTA's barrier `bar` (dst and bar from peer_addr).
+__device__ __forceinline__ void bulk_s2peer(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
+      "r"(saddr(src)), "r"(bytes), "r"(bar)
+      : "memory");
+}
+
 // ---- bulk copies (TMA engine, no tensor map) ----
 // `bytes` (a multiple of 16) from global `src` (16-byte aligned) to this CTA's shared `dst`
 // (16-byte aligned); completion is counted in transaction bytes on `bar`.

@@ -10,7 +10,12 @@
 #include "kda_sm90_prep_pipe.cuh"
 #endif
 
-extern "C" __global__ void __launch_bounds__(kda::NT, 1) kda_fused(const KdaParams p) {
+#if KDA_SM90_PAIR_ON
+#define KDA_CLUSTER_DIMS __cluster_dims__(1, 1, 2)
+#else
+#define KDA_CLUSTER_DIMS
+#endif
+extern "C" __global__ void KDA_CLUSTER_DIMS __launch_bounds__(kda::NT, 1) kda_fused(const KdaParams p) {
   using namespace kda;
   extern __shared__ __align__(16) char smem_raw[];
   // Swizzled record tiles need 1024-byte aligned atoms: align the dynamic base (SMEM_BYTES
@@ -27,6 +32,10 @@ extern "C" __global__ void __launch_bounds__(kda::NT, 1) kda_fused(const KdaPara
   si.nc = (si.len + C - 1) / C;
   si.bidx = p.cu_seqlens ? 0 : si.n;
   si.tb = p.cu_seqlens ? bos : 0;
+#if KDA_SM90_PAIR_ON
+  si.rank = (int)sm90::cluster_rank();
+  si.nloc = (si.nc - si.rank + 1) / 2;
+#endif
 
   if (threadIdx.x == 0) {
     for (int i = 0; i < NIN; ++i) sm90::mbar_init(bars + B_IN_FULL + i, 1);
@@ -36,7 +45,8 @@ extern "C" __global__ void __launch_bounds__(kda::NT, 1) kda_fused(const KdaPara
     }
     for (int i = 0; i < NREC; ++i) {
       sm90::mbar_init(bars + B_REC_FULL + i, NTP);
-      sm90::mbar_init(bars + B_REC_EMPTY + i, 128 * NCONS);
+      // (the pair: also the peer's consumer warps, one remote arrival each)
+      sm90::mbar_init(bars + B_REC_EMPTY + i, 128 * NCONS + (PAIR ? 4 * NCONS : 0));
     }
 #if KDA_SM90_PIPE_ON
     for (int i = 0; i < 2; ++i) {
@@ -44,11 +54,16 @@ extern "C" __global__ void __launch_bounds__(kda::NT, 1) kda_fused(const KdaPara
       sm90::mbar_init(bars + B_SCR_EMPTY + i, NTG);  // group B's threads
     }
     for (int i = 0; i < NIN; ++i) sm90::mbar_init(bars + B_IN_EMPTY + i, NTG);
+    if constexpr (PAIR) {
+      for (int i = 0; i < NREC; ++i) sm90::mbar_init(bars + B_REC_PEER + i, 1);  // the peer's expect_tx
+    }
 #endif
     // barrier initialisation visible to the async proxy (the bulk copies' complete_tx)
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
-  __syncthreads();
+  // (the pair: the peer's barriers are initialised before any remote arrival or copy reaches them)
+  if constexpr (PAIR) sm90::cluster_sync();
+  else __syncthreads();
 
   if (threadIdx.x < NTP) {
 #if KDA_SM90_PIPE_ON
@@ -61,4 +76,6 @@ extern "C" __global__ void __launch_bounds__(kda::NT, 1) kda_fused(const KdaPara
     if constexpr (REALLOC) sm90::regs_inc<CONS_REGS>();
     consumer_role(p, si, base, bars, (threadIdx.x - NTP) / 128);
   }
+  // (the pair: neither CTA exits while the other may still arrive on its barriers)
+  if constexpr (PAIR) sm90::cluster_sync();
 }

@@ -77,6 +77,18 @@ constexpr int PIPE_COPIES = 1;
 #endif
 static_assert(PIPE_COPIES >= 0 && PIPE_COPIES <= 2, "KDA_SM90_PIPE_COPIES is 0, 1 or 2");
 constexpr bool CONS_COPIES = PREP_PIPE && PIPE_COPIES == 2;
+// The CTA pair (KDA_SM90_PAIR=1; K = 128, block_v 64): the two V halves of a head are a cluster of two
+// CTAs; each preps every other chunk (global chunk 2 j + rank is its local chunk j) and forwards the
+// record into the other's peer ring with one shared-to-shared bulk copy, so a head's prep is split
+// over two SMs instead of repeated on both (templates/sm90/DESIGN.md "CTA pair").
+#if defined(KDA_SM90_PAIR) && KDA_SM90_PAIR
+#define KDA_SM90_PAIR_ON 1
+#else
+#define KDA_SM90_PAIR_ON 0
+#endif
+constexpr bool PAIR = KDA_SM90_PAIR_ON;
+static_assert(!PAIR || (PREP_PIPE && NCONS == 1 && V == 2 * BV && PIPE_COPIES == 1),
+              "KDA_SM90_PAIR: K = 128, block_v 64, the prep pipeline with group B's copies");
 #if KDA_SM90_PIPE_ON
 constexpr int S_G = 0;                          // f32 [C][KP] cumulative gate            (set)
 constexpr int S_RQ = S_G + C * KP * 4;          // f32 [C] L2-norm factors of q, k         (set)
@@ -126,9 +138,12 @@ constexpr int NIN = 5;
 #ifdef KDA_NREC
 constexpr int NREC = KDA_NREC;
 #else
-constexpr int NREC = 3;
+constexpr int NREC = PAIR ? 2 : 3;  // (the pair holds two rings of NREC: its own records and its peer's)
 #endif
-constexpr int NV = NIN + NREC;
+// The pair's consumers issue their v copies themselves, NV - 1 chunks ahead.
+constexpr int NV = PAIR ? 8 : NIN + NREC;
+constexpr int NRSLOT = PAIR ? 2 * NREC : NREC;  // record slots: own ring, then the peer ring
+constexpr int REC_USED = R_GM + K * 4;          // bytes of a record the pair forwards
 static_assert(NIN >= 2 && NREC >= 1, "ring depths");
 
 // Who issues the bulk copies (templates/sm90/DESIGN.md "measured from SASS"; default 2: on the
@@ -151,7 +166,7 @@ static_assert(COPY_MODE == 0 || 32 * COPY_NW >= 4 * C, "spread copies: one per l
 
 // ---- shared-memory map (offsets from a 1024-aligned base) ----
 constexpr int SM_REC = 0;
-constexpr int SM_IN = SM_REC + NREC * REC_BYTES;
+constexpr int SM_IN = SM_REC + NRSLOT * REC_BYTES;
 constexpr int SM_V = SM_IN + NIN * IN_BYTES;
 constexpr int SM_SCR = SM_V + NV * V_BYTES;
 constexpr int SM_BAR = SM_SCR + SCR_BYTES;
@@ -160,10 +175,12 @@ constexpr int SM_BAR = SM_SCR + SCR_BYTES;
 constexpr int B_IN_FULL = 0, B_V_FULL = NIN, B_V_EMPTY = NIN + NV, B_REC_FULL = NIN + 2 * NV,
               B_REC_EMPTY = NIN + 2 * NV + NREC;
 #if KDA_SM90_PIPE_ON
+// (+ the pair's rec_peer[NREC]: its peer ring's slots, full once the peer's forwarding copy landed)
 constexpr int B_SCR_FULL = NIN + 2 * NV + 2 * NREC, B_SCR_EMPTY = B_SCR_FULL + 2, B_IN_EMPTY = B_SCR_FULL + 4,
-              NBAR = B_IN_EMPTY + NIN;
+              B_REC_PEER = B_IN_EMPTY + NIN, NBAR = B_REC_PEER + (PAIR ? NREC : 0);
 #else
 constexpr int NBAR = NIN + 2 * NV + 2 * NREC;
+constexpr int B_REC_PEER = NBAR;  // (the pair only)
 #endif
 constexpr int SMEM_USED = SM_BAR + NBAR * 8;
 constexpr int SMEM_BYTES = SMEM_USED + 1024;  // slack to align the dynamic base to 1024

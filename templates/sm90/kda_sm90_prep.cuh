@@ -13,7 +13,31 @@ namespace kda {
 struct SeqInfo {
   int n, h, vb, len, nc;  // sequence, value head, V block (columns vb * BV ..), length, chunks
   long long bidx, tb;  // batch index (0 with cu_seqlens), first token of the sequence in its row
+#if KDA_SM90_PAIR_ON
+  int rank, nloc;      // the pair: this CTA's rank in the cluster, chunks it preps
+#endif
 };
+// The chunks this CTA preps, and the global chunk of its local chunk j (the pair preps chunks rank,
+// rank + 2, ..; compile-time identities otherwise).
+__device__ __forceinline__ int pair_rank(const SeqInfo& si) {
+#if KDA_SM90_PAIR_ON
+  return si.rank;
+#else
+  return 0;
+#endif
+}
+__device__ __forceinline__ int nlocal(const SeqInfo& si) {
+#if KDA_SM90_PAIR_ON
+  return si.nloc;
+#else
+  return si.nc;
+#endif
+}
+#if KDA_SM90_PAIR_ON
+#define KDA_GCHUNK(si, j) (2 * (j) + (si).rank)
+#else
+#define KDA_GCHUNK(si, j) (j)  // (a macro: as a function it changed the default images' scheduling)
+#endif
 
 // Issue the bulk copies of chunk cc (q, k, g into its IN stage; v into its V stage) from the 32
 // lanes of the prep group's copy warp. The IN stage was last read by the prep group's chunk
@@ -92,6 +116,57 @@ __device__ __forceinline__ void issue_chunk_spread(const KdaParams& p, const Seq
       bytes = BV * 2;
     }
     sm90::bulk_g2s(dst, src, bytes, ten == 3 ? v_full : in_full);
+  }
+}
+
+// The pair's copies. issue_qkg: q, k, g rows of local chunk j (global KDA_GCHUNK(j)) into input stage
+// j % NIN, from NW warps (copy pi = w + NW lane: tensor pi / C, row pi % C). issue_v: the v rows of
+// global chunk cc into V stage cc % NV, one row per lane of the NW consumer warps.
+template <int NW>
+__device__ __forceinline__ void issue_qkg(const KdaParams& p, const SeqInfo& si, int j, char* base, uint64_t* bars,
+                                          int w, int lane) {
+  if (j >= nlocal(si)) return;
+  const int cc = KDA_GCHUNK(si, j), st = j % NIN;
+  const int rows = min(C, si.len - cc * C);
+  const int gsz = p.g_fp32 ? 4 : 2;
+  uint64_t* in_full = bars + B_IN_FULL + st;
+  if (w == 0 && lane == 0) sm90::mbar_arrive_expect_tx(in_full, (uint32_t)rows * (2 * QROW + K * gsz));
+  const int pi = w + NW * lane, ten = pi / C, row = pi % C;
+  if (ten < 3 && row < rows) {
+    const long long t = si.tb + (long long)cc * C + row;
+    const int hq = si.h / p.group;
+    char* in = base + SM_IN + st * IN_BYTES;
+    const char* src;
+    char* dst;
+    uint32_t bytes = QROW;
+    if (ten == 0) {
+      src = (const char*)((const in_t*)p.q + si.bidx * p.q_s[0] + hq * p.q_s[2] + t * p.q_s[1]);
+      dst = in + IN_Q + row * QROW;
+    } else if (ten == 1) {
+      src = (const char*)((const in_t*)p.k + si.bidx * p.k_s[0] + hq * p.k_s[2] + t * p.k_s[1]);
+      dst = in + IN_K + row * QROW;
+    } else {
+      src = (const char*)p.g + (si.bidx * p.g_s[0] + si.h * p.g_s[2] + t * p.g_s[1]) * gsz;
+      dst = in + IN_G + row * GROW;
+      bytes = K * gsz;
+    }
+    sm90::bulk_g2s(dst, src, bytes, in_full);
+  }
+}
+template <int NW>
+__device__ __forceinline__ void issue_v(const KdaParams& p, const SeqInfo& si, int cc, char* base, uint64_t* bars,
+                                        int w, int lane) {
+  if (cc >= si.nc) return;
+  const int vs = cc % NV;
+  const int rows = min(C, si.len - cc * C);
+  uint64_t* v_full = bars + B_V_FULL + vs;
+  sm90::mbar_wait(bars + B_V_EMPTY + vs, ((cc / NV) & 1) ^ 1);
+  if (w == 0 && lane == 0) sm90::mbar_arrive_expect_tx(v_full, (uint32_t)rows * (BV * 2));
+  const int row = w + NW * lane;
+  if (row < rows) {
+    const long long t = si.tb + (long long)cc * C + row;
+    const in_t* v = (const in_t*)p.v + si.bidx * p.v_s[0] + si.h * p.v_s[2] + t * p.v_s[1] + si.vb * BV;
+    sm90::bulk_g2s(base + SM_V + vs * V_BYTES + row * VROW, v, BV * 2, v_full);
   }
 }
 

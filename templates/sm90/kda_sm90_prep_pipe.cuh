@@ -34,16 +34,19 @@ __device__ __forceinline__ void prep_group_a(const KdaParams& p, const SeqInfo& 
   if constexpr (PIPE_COPIES == 0) {
     for (int cc = 0; cc < NIN - 2; ++cc) issue(cc);
   }
-  uint32_t rb_next0 = load_beta(p, si, 0, ri), rb_next1 = load_beta(p, si, 0, ri + 8);
+  // (c: the local chunk, which indexes every ring and scratch set; KDA_GCHUNK(c) the data's chunk)
+  uint32_t rb_next0 = load_beta(p, si, KDA_GCHUNK(si, 0), ri), rb_next1 = load_beta(p, si, KDA_GCHUNK(si, 0), ri + 8);
 
-  for (int c = 0; c < si.nc; ++c) {
+  for (int c = 0; c < nlocal(si); ++c) {
     const uint32_t rb0 = rb_next0, rb1 = rb_next1;
-    const int rows = min(C, si.len - c * C);
+    const int rows = min(C, si.len - KDA_GCHUNK(si, c) * C);
     const int r = c % NREC, h = c & 1;
     // The scratch set is free once B finished chunk c - 2 with it.
     sm90::mbar_wait(bars + B_SCR_EMPTY + h, ((c >> 1) & 1) ^ 1);
     // The record slot is free once the consumers finished chunk c - NREC with it; then the inputs.
-    sm90::mbar_wait(bars + B_REC_EMPTY + r, ((c / NREC) & 1) ^ 1);
+    // (in the pair also the peer's consumers, with remote arrivals: a cluster-scope wait)
+    if constexpr (PAIR) sm90::mbar_wait_cluster(bars + B_REC_EMPTY + r, ((c / NREC) & 1) ^ 1);
+    else sm90::mbar_wait(bars + B_REC_EMPTY + r, ((c / NREC) & 1) ^ 1);
     sm90::mbar_wait(bars + B_IN_FULL + (c % NIN), (c / NIN) & 1);
     float xq0[8], xk0[8], b0, xq1[8], xk1[8], b1;
     {
@@ -64,8 +67,8 @@ __device__ __forceinline__ void prep_group_a(const KdaParams& p, const SeqInfo& 
       prep_phase1(p, base, c, ri + 8, d, xq1, xk1, b1, G, GL);
     }
     // beta one chunk ahead, loaded here (not at the top) so that it is not live across phase 1
-    rb_next0 = load_beta(p, si, c + 1, ri);
-    rb_next1 = load_beta(p, si, c + 1, ri + 8);
+    rb_next0 = load_beta(p, si, KDA_GCHUNK(si, c + 1), ri);
+    rb_next1 = load_beta(p, si, KDA_GCHUNK(si, c + 1), ri + 8);
     // Qd, Kr, Gamma_C of the record: visible to the consumers' wgmma (async proxy).
     sm90::fence_proxy_async();
     sm90::mbar_arrive(bars + B_REC_FULL + r);
@@ -77,11 +80,13 @@ __device__ __forceinline__ void prep_group_a(const KdaParams& p, const SeqInfo& 
 
 __device__ __forceinline__ void prep_group_b(const KdaParams& p, const SeqInfo& si, char* base, uint64_t* bars) {
   const int tid = threadIdx.x, tb = tid - NTG, warp = tid >> 5;
-  if constexpr (PIPE_COPIES == 1) {
+  if constexpr (PAIR) {
+    for (int cc = 0; cc < NIN; ++cc) issue_qkg<4>(p, si, cc, base, bars, warp - 4, tid & 31);
+  } else if constexpr (PIPE_COPIES == 1) {
     for (int cc = 0; cc < NIN; ++cc) issue_chunk_spread<4>(p, si, cc, base, bars, warp - 4, tid & 31);
   }
-  for (int c = 0; c < si.nc; ++c) {
-    const int rows = min(C, si.len - c * C);
+  for (int c = 0; c < nlocal(si); ++c) {
+    const int rows = min(C, si.len - KDA_GCHUNK(si, c) * C);
     const int r = c % NREC, h = c & 1, st = c % NIN;
     sm90::mbar_wait(bars + B_SCR_FULL + h, (c >> 1) & 1);
     // (the exact fallback reads the input stage: it waits for the stage's copies itself)
@@ -106,7 +111,21 @@ __device__ __forceinline__ void prep_group_b(const KdaParams& p, const SeqInfo& 
     sm90::mbar_arrive(bars + B_REC_FULL + r);
     // Stage c % NIN: A read it in phases 0-1 of chunk c (before scr_full), B's phase 2 is past the
     // group barrier; so chunk c + NIN may land there (in_empty is not needed in this mode).
-    if constexpr (PIPE_COPIES == 1) issue_chunk_spread<4>(p, si, c + NIN, base, bars, warp - 4, tid & 31);
+    if constexpr (PAIR) {
+      issue_qkg<4>(p, si, c + NIN, base, bars, warp - 4, tid & 31);
+      // Forward the record to the peer ring's slot r once every prep thread has arrived (its slot
+      // there is free: the peer's consumers released it on this CTA's rec_empty, which A waited).
+      if (tb == 0) {
+        sm90::mbar_wait(bars + B_REC_FULL + r, (c / NREC) & 1);
+        const uint32_t peer = pair_rank(si) ^ 1u;
+        const uint32_t pbar = sm90::peer_addr(bars + B_REC_PEER + r, peer);
+        sm90::mbar_arrive_expect_tx_remote(pbar, REC_USED);
+        sm90::bulk_s2peer(sm90::peer_addr(base + SM_REC + (NREC + r) * REC_BYTES, peer), base + SM_REC + r * REC_BYTES,
+                          REC_USED, pbar);
+      }
+    } else if constexpr (PIPE_COPIES == 1) {
+      issue_chunk_spread<4>(p, si, c + NIN, base, bars, warp - 4, tid & 31);
+    }
   }
 }
 

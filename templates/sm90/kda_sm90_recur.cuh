@@ -98,9 +98,16 @@ __device__ __forceinline__ void consumer_role(const KdaParams& p, const SeqInfo&
   if constexpr (CONS_COPIES) {
     for (int cc = 0; cc < NIN; ++cc) issue_chunk_spread<4 * NCONS>(p, si, cc, base, bars, wi, lane);
   }
+  // The pair's consumers copy their v rows themselves, NV - 1 chunks ahead.
+  if constexpr (PAIR) {
+    for (int cc = 0; cc < NV - 1; ++cc) issue_v<4>(p, si, cc, base, bars, w, lane);
+  }
 
   for (int c = 0; c < si.nc; ++c) {
-    const int r = c % NREC, vs = c % NV;
+    // The record of chunk c: slot r of the own ring, or (the pair, the peer's chunks) of the peer ring.
+    const bool own = !PAIR || (c & 1) == pair_rank(si);
+    const int j = PAIR ? c >> 1 : c;
+    const int r = j % NREC, slot = own ? r : NREC + r, vs = c % NV;
     const int rows = min(C, si.len - c * C);
     if (p.hc) {
 #if KDA_STATE == 2
@@ -126,10 +133,12 @@ __device__ __forceinline__ void consumer_role(const KdaParams& p, const SeqInfo&
       va[q] = to_bf16x2(va[q]) & keep;
     }
     sm90::mbar_arrive(bars + B_V_EMPTY + vs);
+    if constexpr (PAIR) issue_v<4>(p, si, c + NV - 1, base, bars, w, lane);
 
-    sm90::mbar_wait(bars + B_REC_FULL + r, (c / NREC) & 1);
-    const char* rec = base + SM_REC + r * REC_BYTES;
-    const uint64_t so = (uint64_t)(r * (REC_BYTES >> 4));  // slot r, in descriptor units
+    if (own) sm90::mbar_wait(bars + B_REC_FULL + r, (j / NREC) & 1);
+    else sm90::mbar_wait_cluster(bars + B_REC_PEER + r, (j / NREC) & 1);
+    const char* rec = base + SM_REC + slot * REC_BYTES;
+    const uint64_t so = (uint64_t)(slot * (REC_BYTES >> 4));  // the slot, in descriptor units
     {
       const float* gm = reinterpret_cast<const float*>(rec + R_GM);
 #pragma unroll
@@ -177,7 +186,10 @@ __device__ __forceinline__ void consumer_role(const KdaParams& p, const SeqInfo&
     sm90::wgmma_wait<0>();
     sm90::reg_fence(s);
     sm90::reg_fence(ao);
-    sm90::mbar_arrive(bars + B_REC_EMPTY + r);
+    // Release the slot. A peer record's slot is tracked by the peer's rec_empty (its prep refills
+    // its own slot and this one together): one remote arrival per warp.
+    if (own) sm90::mbar_arrive(bars + B_REC_EMPTY + r);
+    else if (lane == 0) sm90::mbar_arrive_remote(sm90::peer_addr(bars + B_REC_EMPTY + r, pair_rank(si) ^ 1u));
 
     // o^T (V row vr0 (+ 8), time steps 8 nt + 2 t4 (+ 1)) -> o, rows past the end skipped.
     in_t* oc = obase + (long long)c * C * ostride;
