@@ -65,30 +65,31 @@ constexpr int IPF = 20;                // fp32 row pitch of (I+L)^-1 (16-byte ro
 #define KDA_SM90_PIPE_ON 0
 #endif
 constexpr bool PREP_PIPE = KDA_SM90_PIPE_ON;
-// Who issues the bulk copies in the pipeline (KDA_SM90_PIPE_COPIES): 1 (default) group B at the end
-// of its chunk c (chunk c + NIN, into the stage B's own phase 2 has just released); 0 group A after
-// its phase 1 (chunk c + NIN - 2); 2 the consumer warps, chunk c + NIN once the record of chunk c is
-// complete (behind their U and o products). Group B waits on A most of the time and A is the chain
-// (ncu; H200 2026-12-01: T8192 H96 bv128 1.98 -> 1.88 ms).
-#ifdef KDA_SM90_PIPE_COPIES
-constexpr int PIPE_COPIES = KDA_SM90_PIPE_COPIES;
-#else
-constexpr int PIPE_COPIES = 1;
-#endif
-static_assert(PIPE_COPIES >= 0 && PIPE_COPIES <= 2, "KDA_SM90_PIPE_COPIES is 0, 1 or 2");
-constexpr bool CONS_COPIES = PREP_PIPE && PIPE_COPIES == 2;
-// The CTA pair (KDA_SM90_PAIR=1; K = 128, block_v 64): the two V halves of a head are a cluster of two
-// CTAs; each preps every other chunk (global chunk 2 j + rank is its local chunk j) and forwards the
-// record into the other's peer ring with one shared-to-shared bulk copy, so a head's prep is split
-// over two SMs instead of repeated on both (templates/sm90/DESIGN.md "CTA pair").
-#if defined(KDA_SM90_PAIR) && KDA_SM90_PAIR
+// The CTA pair (K = 128, block_v 64, the default there; KDA_SM90_PAIR=0 turns it off): the two V
+// halves of a head are a cluster of two CTAs; each preps every other chunk (global chunk 2 j + rank is
+// its local chunk j) and forwards the record into the other's peer ring with one shared-to-shared
+// bulk copy, so a head's prep is split over two SMs instead of repeated on both (templates/sm90/
+// DESIGN.md "CTA pair"; H200 2026-12-01: T8192 H64 1.84 -> 0.99 ms, o bitwise equal).
+#if KDA_SM90_PIPE_ON && KDA_BV == 64 && KDA_V == 128 && (!defined(KDA_SM90_PAIR) || KDA_SM90_PAIR)
 #define KDA_SM90_PAIR_ON 1
 #else
 #define KDA_SM90_PAIR_ON 0
 #endif
 constexpr bool PAIR = KDA_SM90_PAIR_ON;
-static_assert(!PAIR || (PREP_PIPE && NCONS == 1 && V == 2 * BV && PIPE_COPIES == 1),
-              "KDA_SM90_PAIR: K = 128, block_v 64, the prep pipeline with group B's copies");
+// Who issues the bulk copies in the pipeline (KDA_SM90_PIPE_COPIES): 0 group A after its phase 1
+// (chunk c + NIN - 2); 1 group B at the end of its chunk c (chunk c + NIN, into the stage B's own
+// phase 2 has just released); 2 the consumer warps, chunk c + NIN once the record of chunk c is
+// complete, behind their U and o products (the pair: q, k, g of its own chunks; its consumers always
+// copy their v). Default 2 with two consumer warpgroups, else 1 (H200 2026-12-01, ncu: group B was
+// the chain and 40% of it the copy loop; copies 2 at bv128: T8192 H64 1.90 -> 1.72 ms, H96 +1%).
+#ifdef KDA_SM90_PIPE_COPIES
+constexpr int PIPE_COPIES = KDA_SM90_PIPE_COPIES;
+#else
+constexpr int PIPE_COPIES = NCONS == 2 ? 2 : 1;
+#endif
+static_assert(PIPE_COPIES >= 0 && PIPE_COPIES <= 2, "KDA_SM90_PIPE_COPIES is 0, 1 or 2");
+static_assert(!PAIR || PIPE_COPIES >= 1, "the pair: group B or the consumers copy");
+constexpr bool CONS_COPIES = PREP_PIPE && PIPE_COPIES == 2;  // (the pair: its own q, k, g)
 #if KDA_SM90_PIPE_ON
 constexpr int S_G = 0;                          // f32 [C][KP] cumulative gate            (set)
 constexpr int S_RQ = S_G + C * KP * 4;          // f32 [C] L2-norm factors of q, k         (set)
