@@ -79,17 +79,17 @@ constexpr bool PAIR = KDA_SM90_PAIR_ON;
 // Who issues the bulk copies in the pipeline (KDA_SM90_PIPE_COPIES): 0 group A after its phase 1
 // (chunk c + NIN - 2); 1 group B at the end of its chunk c (chunk c + NIN, into the stage B's own
 // phase 2 has just released); 2 the consumer warps, chunk c + NIN once the record of chunk c is
-// complete, behind their U and o products (the pair: q, k, g of its own chunks; its consumers always
-// copy their v). Default 2 with two consumer warpgroups, else 1 (H200 2026-12-01, ncu: group B was
-// the chain and 40% of it the copy loop; copies 2 at bv128: T8192 H64 1.90 -> 1.72 ms, H96 +1%).
+// complete, behind their U and o products. Default 2 with two consumer warpgroups, else 1 (H200
+// 2026-12-01, ncu: group B was the chain and 40% of it the copy loop; copies 2 at bv128: T8192 H64
+// 1.90 -> 1.72 ms, H96 +1%). The pair: 1 (its consumers copy their v; also q, k, g measured 28% slower).
 #ifdef KDA_SM90_PIPE_COPIES
 constexpr int PIPE_COPIES = KDA_SM90_PIPE_COPIES;
 #else
 constexpr int PIPE_COPIES = NCONS == 2 ? 2 : 1;
 #endif
 static_assert(PIPE_COPIES >= 0 && PIPE_COPIES <= 2, "KDA_SM90_PIPE_COPIES is 0, 1 or 2");
-static_assert(!PAIR || PIPE_COPIES >= 1, "the pair: group B or the consumers copy");
-constexpr bool CONS_COPIES = PREP_PIPE && PIPE_COPIES == 2;  // (the pair: its own q, k, g)
+static_assert(!PAIR || PIPE_COPIES == 1, "the pair: group B copies q, k, g");
+constexpr bool CONS_COPIES = PREP_PIPE && PIPE_COPIES == 2;
 #if KDA_SM90_PIPE_ON
 constexpr int S_G = 0;                          // f32 [C][KP] cumulative gate            (set)
 constexpr int S_RQ = S_G + C * KP * 4;          // f32 [C] L2-norm factors of q, k         (set)

@@ -80,7 +80,7 @@ __device__ __forceinline__ void prep_group_a(const KdaParams& p, const SeqInfo& 
 
 __device__ __forceinline__ void prep_group_b(const KdaParams& p, const SeqInfo& si, char* base, uint64_t* bars) {
   const int tid = threadIdx.x, tb = tid - NTG, warp = tid >> 5;
-  if constexpr (PAIR && PIPE_COPIES == 1) {
+  if constexpr (PAIR) {
     for (int cc = 0; cc < NIN; ++cc) issue_qkg<4>(p, si, cc, base, bars, warp - 4, tid & 31);
   } else if constexpr (PIPE_COPIES == 1) {
     for (int cc = 0; cc < NIN; ++cc) issue_chunk_spread<4>(p, si, cc, base, bars, warp - 4, tid & 31);
@@ -112,7 +112,7 @@ __device__ __forceinline__ void prep_group_b(const KdaParams& p, const SeqInfo& 
     // Stage c % NIN: A read it in phases 0-1 of chunk c (before scr_full), B's phase 2 is past the
     // group barrier; so chunk c + NIN may land there (in_empty is not needed in this mode).
     if constexpr (PAIR) {
-      if constexpr (PIPE_COPIES == 1) issue_qkg<4>(p, si, c + NIN, base, bars, warp - 4, tid & 31);
+      issue_qkg<4>(p, si, c + NIN, base, bars, warp - 4, tid & 31);
       // Forward the record to the peer ring's slot r once every prep thread has arrived (its slot
       // there is free: the peer's consumers released it on this CTA's rec_empty, which A waited).
       if (tb == 0) {

@@ -96,10 +96,7 @@ __device__ __forceinline__ void consumer_role(const KdaParams& p, const SeqInfo&
   // here and chunk c + NIN in step c: its input stage was last read by the prep of chunk c.
   const int wi = 4 * cw + w;
   if constexpr (CONS_COPIES) {
-    for (int cc = 0; cc < NIN; ++cc) {
-      if constexpr (PAIR) issue_qkg<4>(p, si, cc, base, bars, w, lane);
-      else issue_chunk_spread<4 * NCONS>(p, si, cc, base, bars, wi, lane);
-    }
+    for (int cc = 0; cc < NIN; ++cc) issue_chunk_spread<4 * NCONS>(p, si, cc, base, bars, wi, lane);
   }
   // The pair's consumers copy their v rows themselves, NV - 1 chunks ahead.
   if constexpr (PAIR) {
@@ -169,11 +166,7 @@ __device__ __forceinline__ void consumer_role(const KdaParams& p, const SeqInfo&
 #pragma unroll
     for (int ks = 0; ks < K / 16; ++ks) sm90::wgmma_m64n16_rs<1>(ao, sa[ks], dQd0 + so + kstep(ks), ks > 0);
     sm90::wgmma_commit();
-    if constexpr (CONS_COPIES && PAIR) {
-      if (own) issue_qkg<4>(p, si, j + NIN, base, bars, w, lane);  // (the local chunk j + NIN)
-    } else if constexpr (CONS_COPIES) {
-      issue_chunk_spread<4 * NCONS>(p, si, c + NIN, base, bars, wi, lane);
-    }
+    if constexpr (CONS_COPIES) issue_chunk_spread<4 * NCONS>(p, si, c + NIN, base, bars, wi, lane);
     sm90::wgmma_wait<1>();
     sm90::reg_fence(au);
     // U^T as bf16 A fragments, high and low parts (the low part only feeds o: rel RMSE of o
