@@ -43,31 +43,16 @@ __device__ __forceinline__ uint32_t peer_addr(const void* p, uint32_t rank) {
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(saddr(p)), "r"(rank));
   return r;
 }
-// Arrivals on a barrier of another CTA of the cluster (address from peer_addr).
+// Arrivals on a barrier of another CTA of the cluster (address from peer_addr), with CTA-scope
+// release: they order nothing but the signal (the consumers' wgmma reads have completed, the copy's
+// data travels in the async proxy). Cluster-scope release compiled to MEMBAR.ALL.GPU + ERRBAR,
+// which waits for the thread's outstanding global stores (H200 ncu, 2026-12-01).
 __device__ __forceinline__ void mbar_arrive_remote(uint32_t bar) {
-  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(bar) : "memory");
+  asm volatile("mbarrier.arrive.release.cta.shared::cluster.b64 _, [%0];\n" ::"r"(bar) : "memory");
 }
 __device__ __forceinline__ void mbar_arrive_expect_tx_remote(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.release.cluster.shared::cluster.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
+  asm volatile("mbarrier.arrive.expect_tx.release.cta.shared::cluster.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
                : "memory");
-}
-// A wait whose phase is completed by another CTA's arrivals or copies (cluster-scope acquire).
-__device__ __forceinline__ void mbar_wait_cluster(uint64_t* bar, uint32_t parity) {
-  asm volatile(
-      "{\n"
-      ".reg .pred done, stuck;\n"
-      ".reg .u32 tries;\n"
-      "mov.u32 tries, 0;\n"
-      "WAIT_%=:\n"
-      "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], %1;\n"
-      "@done bra DONE_%=;\n"
-      "add.u32 tries, tries, 1;\n"
-      "setp.eq.u32 stuck, tries, 268435456;\n"
-      "@stuck trap;\n"
-      "bra WAIT_%=;\n"
-      "DONE_%=:\n"
-      "}\n" ::"r"(saddr(bar)), "r"(parity)
-      : "memory");
 }
 // `bytes` (a multiple of 16) of this CTA's shared memory at `src` into another CTA's shared memory
 // at `dst`, completing on that CTA's barrier `bar` (dst and bar from peer_addr).

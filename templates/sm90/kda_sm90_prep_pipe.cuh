@@ -51,9 +51,8 @@ __device__ __forceinline__ void prep_group_a(const KdaParams& p, const SeqInfo& 
     // The scratch set is free once B finished chunk c - 2 with it.
     sm90::mbar_wait(bars + B_SCR_EMPTY + h, ((c >> 1) & 1) ^ 1);
     // The record slot is free once the consumers finished chunk c - NREC with it; then the inputs.
-    // (in the pair also the peer's consumers, with remote arrivals: a cluster-scope wait)
-    if constexpr (PAIR) sm90::mbar_wait_cluster(bars + B_REC_EMPTY + r, ((c / NREC) & 1) ^ 1);
-    else sm90::mbar_wait(bars + B_REC_EMPTY + r, ((c / NREC) & 1) ^ 1);
+    // (in the pair also the peer's consumers, with remote arrivals)
+    sm90::mbar_wait(bars + B_REC_EMPTY + r, ((c / NREC) & 1) ^ 1);
     sm90::mbar_wait(bars + B_IN_FULL + (c % NIN), (c / NIN) & 1);
     float xq0[8], xk0[8], b0, xq1[8], xk1[8], b1;
     if constexpr (PIPE_ROLL >= 2) {

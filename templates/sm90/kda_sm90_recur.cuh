@@ -136,7 +136,7 @@ __device__ __forceinline__ void consumer_role(const KdaParams& p, const SeqInfo&
     if constexpr (PAIR) issue_v<4>(p, si, c + NV - 1, base, bars, w, lane);
 
     if (own) sm90::mbar_wait(bars + B_REC_FULL + r, (j / NREC) & 1);
-    else sm90::mbar_wait_cluster(bars + B_REC_PEER + r, (j / NREC) & 1);
+    else sm90::mbar_wait(bars + B_REC_PEER + r, (j / NREC) & 1);
     const char* rec = base + SM_REC + slot * REC_BYTES;
     const uint64_t so = (uint64_t)(slot * (REC_BYTES >> 4));  // the slot, in descriptor units
     {
