@@ -13,12 +13,13 @@ namespace kda {
 // chunk parity: A waits scr_empty (B has finished chunk c - 2 with the set), B waits scr_full.
 // rec_full counts both groups.
 constexpr int NTG = 128;                 // threads per group
-// KDA_SM90_PIPE_ROLL (A/B option): group A's two passes as a loop instead of unrolled (1: phase 1,
-// 2: phases 0 and 1), halving its loop's code (ncu: a quarter of the samples were no_instruction).
+// KDA_SM90_PIPE_ROLL: group A's two passes as a loop instead of unrolled (1: phase 1, 2: phases 0
+// and 1; ncu had a quarter of the samples no_instruction). Default 1 at bv128, 0 in the pair (H200
+// 2026-12-01: bv128 T8192 H96 1.84 -> 1.60 ms, -9..-13% on four rows; the pair +4-5% with 1, +5% with 2).
 #ifdef KDA_SM90_PIPE_ROLL
 constexpr int PIPE_ROLL = KDA_SM90_PIPE_ROLL;
 #else
-constexpr int PIPE_ROLL = 0;
+constexpr int PIPE_ROLL = NCONS == 2 ? 1 : 0;
 #endif
 constexpr int BAR_PREP_A = 1, BAR_PREP_B = 2;
 static_assert(NTP == 2 * NTG && NMW == 4 && NIN >= 3, "prep pipeline: K = 128, NIN >= 3");
