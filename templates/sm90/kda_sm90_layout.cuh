@@ -142,7 +142,11 @@ constexpr int NREC = KDA_NREC;
 constexpr int NREC = PAIR ? 2 : 3;  // (the pair holds two rings of NREC: its own records and its peer's)
 #endif
 // The pair's consumers issue their v copies themselves, NV - 1 chunks ahead.
+#ifdef KDA_NV
+constexpr int NV = KDA_NV;
+#else
 constexpr int NV = PAIR ? 8 : NIN + NREC;
+#endif
 constexpr int NRSLOT = PAIR ? 2 * NREC : NREC;  // record slots: own ring, then the peer ring
 constexpr int REC_USED = R_GM + K * 4;          // bytes of a record the pair forwards
 static_assert(NIN >= 2 && NREC >= 1, "ring depths");
