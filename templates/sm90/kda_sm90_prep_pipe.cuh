@@ -13,14 +13,16 @@ namespace kda {
 // chunk parity: A waits scr_empty (B has finished chunk c - 2 with the set), B waits scr_full.
 // rec_full counts both groups.
 constexpr int NTG = 128;                 // threads per group
-// KDA_SM90_PIPE_ROLL: group A's two passes as a loop instead of unrolled (1: phase 1, 2: phases 0
-// and 1; ncu had a quarter of the samples no_instruction). Default 1 at bv128, 0 in the pair (H200
-// 2026-12-01: bv128 T8192 H96 1.84 -> 1.60 ms, -9..-13% on four rows; the pair +4-5% with 1, +5% with 2).
+// KDA_SM90_PIPE_ROLL=1: group A's two phase-1 passes as a loop instead of unrolled (ncu had a quarter
+// of the samples no_instruction). Default at bv128, not in the pair (H200 2026-12-01: bv128 T8192 H96
+// 1.84 -> 1.60 ms, -9..-13% on four rows; the pair +4-5%; phase 0 rolled too: +5% in the pair, and
+// it spilled at bv128).
 #ifdef KDA_SM90_PIPE_ROLL
 constexpr int PIPE_ROLL = KDA_SM90_PIPE_ROLL;
 #else
 constexpr int PIPE_ROLL = NCONS == 2 ? 1 : 0;
 #endif
+static_assert(PIPE_ROLL == 0 || PIPE_ROLL == 1, "KDA_SM90_PIPE_ROLL is 0 or 1");
 constexpr int BAR_PREP_A = 1, BAR_PREP_B = 2;
 static_assert(NTP == 2 * NTG && NMW == 4 && NIN >= 3, "prep pipeline: K = 128, NIN >= 3");
 
@@ -56,35 +58,14 @@ __device__ __forceinline__ void prep_group_a(const KdaParams& p, const SeqInfo& 
     sm90::mbar_wait(bars + B_REC_EMPTY + r, ((c / NREC) & 1) ^ 1);
     sm90::mbar_wait(bars + B_IN_FULL + (c % NIN), (c / NIN) & 1);
     float xq0[8], xk0[8], b0, xq1[8], xk1[8], b1;
-    if constexpr (PIPE_ROLL >= 2) {
-      const P0In ld0 = prep_phase0_load(p, base, c, ri, d, col0, half);
-      const P0In ld1 = prep_phase0_load(p, base, c, ri + 8, d, col1, half);
-#pragma unroll 1
-      for (int pp = 0; pp < 2; ++pp) {
-        P0In ld;
-        ld.rq = pp ? ld1.rq : ld0.rq;
-        ld.rk = pp ? ld1.rk : ld0.rk;
-#pragma unroll
-        for (int e = 0; e < 8; ++e) ld.gx[e] = pp ? ld1.gx[e] : ld0.gx[e];
-        float xq[8], xk[8], b;
-        prep_phase0(p, base, c, rows, ri + 8 * pp, d, pp ? col1 : col0, half, pp ? rb1 : rb0, aexp,
-                    pp ? bias1 : bias0, ld, xq, xk, b);
-#pragma unroll
-        for (int e = 0; e < 8; ++e) {
-          xq0[e] = pp ? xq0[e] : xq[e]; xk0[e] = pp ? xk0[e] : xk[e];
-          xq1[e] = pp ? xq[e] : xq1[e]; xk1[e] = pp ? xk[e] : xk1[e];
-        }
-        b0 = pp ? b0 : b;
-        b1 = pp ? b : b1;
-      }
-    } else {
+    {
       const P0In ld0 = prep_phase0_load(p, base, c, ri, d, col0, half);
       const P0In ld1 = prep_phase0_load(p, base, c, ri + 8, d, col1, half);
       prep_phase0(p, base, c, rows, ri, d, col0, half, rb0, aexp, bias0, ld0, xq0, xk0, b0);
       prep_phase0(p, base, c, rows, ri + 8, d, col1, half, rb1, aexp, bias1, ld1, xq1, xk1, b1);
     }
     sm90::named_sync<BAR_PREP_A, NTG>();
-    if constexpr (PIPE_ROLL >= 1) {
+    if constexpr (PIPE_ROLL) {
       float GL[8];
       prep_gate_row(base, c, C - 1, d, GL);
 #pragma unroll 1
