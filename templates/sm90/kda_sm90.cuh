@@ -65,7 +65,7 @@ extern "C" __global__ void KDA_CLUSTER_DIMS __launch_bounds__(kda::NT, 1) kda_fu
   if constexpr (PAIR) sm90::cluster_sync();
   else __syncthreads();
 
-  if (threadIdx.x < NTP) {
+  if (threadIdx.x < NTP + NTX) {
 #if KDA_SM90_PIPE_ON
     prep_role_pipe(p, si, base, bars);  // (each group sets its own register limit)
 #else
@@ -74,7 +74,7 @@ extern "C" __global__ void KDA_CLUSTER_DIMS __launch_bounds__(kda::NT, 1) kda_fu
 #endif
   } else {
     if constexpr (REALLOC) sm90::regs_inc<CONS_REGS>();
-    consumer_role(p, si, base, bars, (threadIdx.x - NTP) / 128);
+    consumer_role(p, si, base, bars, (threadIdx.x - NTP - NTX) / 128);
   }
   // (the pair: neither CTA exits while the other may still arrive on its barriers)
   if constexpr (PAIR) sm90::cluster_sync();

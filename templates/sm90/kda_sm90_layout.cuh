@@ -15,7 +15,14 @@ static_assert(BV % 64 == 0 && V % BV == 0, "sm90: block_v is a multiple of 64 (w
 constexpr int NTP = 2 * K;          // prep threads: thread = (row, 8 columns); 16 rows x K / 8
 constexpr int NWP = NTP / 32;       // prep warps (a whole number of warpgroups)
 constexpr int NCONS = BV / 64;      // consumer warpgroups, 64 rows of V (wgmma M) each
-constexpr int NT = NTP + 128 * NCONS;
+// KDA_SM90_PAIR_A2=1 (A/B option, the pair only): a second group A of 4 warps (after group B) preps
+// the odd local chunks, so two chunks' phases 0-1 run at once.
+#if defined(KDA_SM90_PAIR_A2) && KDA_SM90_PAIR_A2
+constexpr int NTX = 128;
+#else
+constexpr int NTX = 0;
+#endif
+constexpr int NT = NTP + NTX + 128 * NCONS;
 static_assert(NWP % 4 == 0, "consumer warpgroups must start on a warpgroup boundary");
 // Registers after setmaxnreg (K = 128: 512 threads launched at 128 each, or 384 at 168): the
 // prep needs few, the consumers hold the 64 x 128 fp32 state (64 per thread) plus its bf16 copy
@@ -24,7 +31,7 @@ constexpr bool REALLOC = NT > 256;
 constexpr int LAUNCH_REGS = NT == 512 ? 128 : 168;
 constexpr int PREP_REGS = NT == 512 ? 96 : 152;
 constexpr int CONS_REGS = NT == 512 ? 160 : 200;
-static_assert(!REALLOC || (NTP * PREP_REGS + 128 * NCONS * CONS_REGS) <= NT * LAUNCH_REGS, "register budget");
+static_assert(!REALLOC || ((NTP + NTX) * PREP_REGS + 128 * NCONS * CONS_REGS) <= NT * LAUNCH_REGS, "register budget");
 
 // ---- input stage (q, k, g rows of one chunk; bulk-copied) ----
 constexpr int QROW = K * 2;            // bytes of a q / k row
@@ -89,6 +96,7 @@ constexpr int PIPE_COPIES = NCONS == 2 ? 2 : 1;
 #endif
 static_assert(PIPE_COPIES >= 0 && PIPE_COPIES <= 2, "KDA_SM90_PIPE_COPIES is 0, 1 or 2");
 static_assert(!PAIR || PIPE_COPIES == 1, "the pair: group B copies q, k, g");
+static_assert(NTX == 0 || PAIR, "KDA_SM90_PAIR_A2: the pair only");
 constexpr bool CONS_COPIES = PREP_PIPE && PIPE_COPIES == 2;
 #if KDA_SM90_PIPE_ON
 constexpr int S_G = 0;                          // f32 [C][KP] cumulative gate            (set)

@@ -23,11 +23,14 @@ constexpr int PIPE_ROLL = KDA_SM90_PIPE_ROLL;
 constexpr int PIPE_ROLL = NCONS == 2 ? 1 : 0;
 #endif
 static_assert(PIPE_ROLL == 0 || PIPE_ROLL == 1, "KDA_SM90_PIPE_ROLL is 0 or 1");
-constexpr int BAR_PREP_A = 1, BAR_PREP_B = 2;
+constexpr int BAR_PREP_A = 1, BAR_PREP_B = 2, BAR_PREP_A1 = 3;
 static_assert(NTP == 2 * NTG && NMW == 4 && NIN >= 3, "prep pipeline: K = 128, NIN >= 3");
 
-__device__ __forceinline__ void prep_group_a(const KdaParams& p, const SeqInfo& si, char* base, uint64_t* bars) {
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+// Group A on local chunks c0, c0 + CSTEP, .. (tid: 0 .. 127 within the group; BAR its named barrier).
+template <int BAR, int CSTEP>
+__device__ __forceinline__ void prep_group_a(const KdaParams& p, const SeqInfo& si, char* base, uint64_t* bars,
+                                             int tid, int c0) {
+  const int lane = tid & 31, warp = tid >> 5;
   constexpr int GPR = K / 8;
   const int ri = tid / GPR, d = (tid % GPR) * 8;  // pass pp: row ri + 8 pp
   const int half = lane >> 4;
@@ -45,9 +48,9 @@ __device__ __forceinline__ void prep_group_a(const KdaParams& p, const SeqInfo& 
     for (int cc = 0; cc < NIN - 2; ++cc) issue(cc);
   }
   // (c: the local chunk, which indexes every ring and scratch set; KDA_GCHUNK(c) the data's chunk)
-  uint32_t rb_next0 = load_beta(p, si, KDA_GCHUNK(si, 0), ri), rb_next1 = load_beta(p, si, KDA_GCHUNK(si, 0), ri + 8);
+  uint32_t rb_next0 = load_beta(p, si, KDA_GCHUNK(si, c0), ri), rb_next1 = load_beta(p, si, KDA_GCHUNK(si, c0), ri + 8);
 
-  for (int c = 0; c < nlocal(si); ++c) {
+  for (int c = c0; c < nlocal(si); c += CSTEP) {
     const uint32_t rb0 = rb_next0, rb1 = rb_next1;
     const int rows = min(C, si.len - KDA_GCHUNK(si, c) * C);
     const int r = c % NREC, h = c & 1;
@@ -64,7 +67,7 @@ __device__ __forceinline__ void prep_group_a(const KdaParams& p, const SeqInfo& 
       prep_phase0(p, base, c, rows, ri, d, col0, half, rb0, aexp, bias0, ld0, xq0, xk0, b0);
       prep_phase0(p, base, c, rows, ri + 8, d, col1, half, rb1, aexp, bias1, ld1, xq1, xk1, b1);
     }
-    sm90::named_sync<BAR_PREP_A, NTG>();
+    sm90::named_sync<BAR, NTG>();
     if constexpr (PIPE_ROLL) {
       float GL[8];
       prep_gate_row(base, c, C - 1, d, GL);
@@ -90,8 +93,8 @@ __device__ __forceinline__ void prep_group_a(const KdaParams& p, const SeqInfo& 
       prep_phase1(p, base, c, ri + 8, d, xq1, xk1, b1, G, GL);
     }
     // beta one chunk ahead, loaded here (not at the top) so that it is not live across phase 1
-    rb_next0 = load_beta(p, si, KDA_GCHUNK(si, c + 1), ri);
-    rb_next1 = load_beta(p, si, KDA_GCHUNK(si, c + 1), ri + 8);
+    rb_next0 = load_beta(p, si, KDA_GCHUNK(si, c + CSTEP), ri);
+    rb_next1 = load_beta(p, si, KDA_GCHUNK(si, c + CSTEP), ri + 8);
     // Qd, Kr, Gamma_C of the record: visible to the consumers' wgmma (async proxy).
     sm90::fence_proxy_async();
     sm90::mbar_arrive(bars + B_REC_FULL + r);
@@ -157,16 +160,22 @@ __device__ __forceinline__ void prep_group_b(const KdaParams& p, const SeqInfo& 
 // softplus-gate build; 112 / 80 spills group B).
 constexpr int PREP_A_REGS = NT == 512 ? 104 : PREP_REGS;
 constexpr int PREP_B_REGS = NT == 512 ? 88 : PREP_REGS;
-static_assert(!REALLOC || NTG * (PREP_A_REGS + PREP_B_REGS) + 128 * NCONS * CONS_REGS <= NT * LAUNCH_REGS,
+static_assert(!REALLOC || NTG * (PREP_A_REGS + PREP_B_REGS) + NTX * PREP_A_REGS + 128 * NCONS * CONS_REGS <=
+                              NT * LAUNCH_REGS,
               "register budget");
 
 __device__ __forceinline__ void prep_role_pipe(const KdaParams& p, const SeqInfo& si, char* base, uint64_t* bars) {
+  // (NTX: the second group A takes the odd local chunks; both A groups use the scratch set of their
+  // chunks' parity, so the sets and barriers are those of one A group)
   if (threadIdx.x < NTG) {
     if constexpr (REALLOC) sm90::regs_dec<PREP_A_REGS>();
-    prep_group_a(p, si, base, bars);
-  } else {
+    prep_group_a<BAR_PREP_A, NTX ? 2 : 1>(p, si, base, bars, threadIdx.x, 0);
+  } else if (NTX == 0 || threadIdx.x < NTP) {
     if constexpr (REALLOC) sm90::regs_dec<PREP_B_REGS>();
     prep_group_b(p, si, base, bars);
+  } else {
+    if constexpr (REALLOC) sm90::regs_dec<PREP_A_REGS>();
+    prep_group_a<BAR_PREP_A1, 2>(p, si, base, bars, threadIdx.x - NTP, 1);
   }
 }
 

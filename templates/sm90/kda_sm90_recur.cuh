@@ -48,7 +48,7 @@ __device__ __forceinline__ uint32_t to_bf16x2(uint32_t x) {
 
 __device__ __forceinline__ void consumer_role(const KdaParams& p, const SeqInfo& si, char* base, uint64_t* bars,
                                               int cw) {
-  const int tid = threadIdx.x - NTP - 128 * cw;  // 0..127 within the warpgroup
+  const int tid = threadIdx.x - NTP - NTX - 128 * cw;  // 0..127 within the warpgroup
   const int w = tid >> 5, lane = tid & 31;
   const int g8 = lane >> 2, t4 = lane & 3;
   const int v0 = 64 * cw + 16 * w;    // first V row of this warp within the CTA's slice
