@@ -121,7 +121,9 @@ __device__ __forceinline__ void issue_chunk_spread(const KdaParams& p, const Seq
 
 // The pair's copies. issue_qkg: q, k, g rows of local chunk j (global KDA_GCHUNK(j)) into input stage
 // j % NIN, from NW warps (copy pi = w + NW lane: tensor pi / C, row pi % C). issue_v: the v rows of
-// global chunk cc into V stage cc % NV, one row per lane of the NW consumer warps.
+// global chunk cc into V stage cc % NV, one row per lane of the NW consumer warps. (The row address
+// lines repeat issue_chunk_spread's: a shared helper changed the instructions of all 20 GPU-validated
+// images, so unifying them waits for a device run.)
 template <int NW>
 __device__ __forceinline__ void issue_qkg(const KdaParams& p, const SeqInfo& si, int j, char* base, uint64_t* bars,
                                           int w, int lane) {
