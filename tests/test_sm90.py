@@ -161,8 +161,16 @@ def test_sm90_launcher_checks_inputs():
         base.update(kw)
         return KdaCall(**base)
 
-    p, _ = build_params(call(), var, var.name)
+    p, _, o_run = build_params(call(), var, var.name)
     assert (p.N, p.HV, p.group, p.g_fp32, p.beta_fp32, p.max_len) == (1, H, 1, 1, 1, T)
+    assert o_run is None and list(p.o_s) == [T * H * 64, H * 64, 64]
+    # o is written 16 bytes at a time: rows 2-byte aligned only (a [.., 65] buffer's first 64) go
+    # through an aligned stand-in with its own strides, which the launcher copies back.
+    wide = torch.randn(1, T, H, 65).bfloat16()
+    o_odd = wide[..., :64]
+    p, _, o_run = build_params(call(o=o_odd, o_strides=(T * H * 65, H * 65, 65)), var, var.name)
+    assert o_run is not None and o_run.data_ptr() % 16 == 0 and torch.equal(o_run, o_odd)
+    assert list(p.o_s) == [T * H * 64, H * 64, 64] and p.o == o_run.data_ptr()
     with pytest.raises(RuntimeError, match="q has dtype torch.float16, expected torch.bfloat16"):
         build_params(call(q=torch.randn(1, T, H, 64).half()), var, var.name)
     with pytest.raises(RuntimeError, match="K, V = 128, 128; variant has 64, 64"):
@@ -280,6 +288,26 @@ def test_sm90_varlen(va, lens):
     v, _ = va
     kw = make_case(v, "cuda", lens=lens, H=1, HV=2, chunk_states=v.state != "none", seed=len(lens))
     run_and_compare(v, kw)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("va", [x for x in VARIANTS if x[0].state == "fp32"][:2] +
+                         [x for x in VARIANTS if x[0].block_v == 64 and x[0].k == 128][:1],
+                         ids=lambda x: x[0].name)
+def test_sm90_out_with_unaligned_rows(va):
+    """The kernel writes o 16 bytes at a time; an engine's out= whose rows are only 2-byte aligned
+    (the first V columns of a [.., V + 1] buffer) is written through an aligned stand-in: the same
+    o bit for bit, and the column beside it untouched."""
+    import kdagen.runtime as rt
+
+    v, _ = va
+    kw = make_case(v, "cuda", lens=[37, 0, 90], H=1, HV=2, seed=11)
+    o_ref = rt.kda_prefill(**kw, variant=v.name)[0]
+    wide = torch.full((*o_ref.shape[:-1], v.v + 1), float("nan"), dtype=o_ref.dtype, device="cuda")
+    o = rt.kda_prefill(**kw, out=wide[..., :v.v], variant=v.name)[0]
+    assert o.data_ptr() == wide.data_ptr() and torch.equal(o, o_ref)
+    assert torch.isnan(wide[..., v.v]).all()
 
 
 def test_sm90_algorithm_emulation():

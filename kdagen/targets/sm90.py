@@ -18,15 +18,17 @@ from ..dtypes import torch_dtype
 from ..variant import Variant
 from .cuda_driver import load_module
 from .cuda_launch import KdaParams, check_call, check_shared_memory
-from .cuda_launch import aligned_inputs
+from .cuda_launch import aligned_btH, aligned_inputs
 from .cuda_launch import ptr as _ptr
 
 
 
-def build_params(call: KdaCall, v: Variant, who: str) -> tuple[KdaParams, list[torch.Tensor]]:
-    """Check `call` against variant `v` and fill the kernel's parameter struct. Returns the struct
-    and the tensors it points into that the caller must keep alive until the launch is queued
-    (realigned or converted copies)."""
+def build_params(call: KdaCall, v: Variant,
+                 who: str) -> tuple[KdaParams, list[torch.Tensor], torch.Tensor | None]:
+    """Check `call` against variant `v` and fill the kernel's parameter struct. Returns the struct,
+    the tensors it points into that the caller must keep alive until the launch is queued
+    (realigned or converted copies), and the aligned stand-in for o the kernel writes (None when
+    it writes call.o itself)."""
     check_call(call, v)
     in_t = torch_dtype(v.dtype)
     o = call.o
@@ -34,8 +36,10 @@ def build_params(call: KdaCall, v: Variant, who: str) -> tuple[KdaParams, list[t
         raise RuntimeError(f"{who}: o must be a 16-bit tensor with a unit last stride (strides {tuple(o.stride())})")
 
     # Rows are bulk-copied: 16-byte aligned sources (q, k, v rows are K*2 / V*2 bytes, g rows
-    # K*2 or K*4). beta is read element-wise.
+    # K*2 or K*4). beta is read element-wise. o is written 16 bytes at a time: an o whose rows are
+    # not 16-byte aligned is written through an aligned copy (copied back by the launcher).
     q, q_s, k, k_s, vv, v_s, g, g_s, beta = aligned_inputs(call, in_t)
+    o, o_s = aligned_btH(o, call.o_strides)
     A_log = call.A_log.float().contiguous() if (call.A_log is not None and v.gate != "precomputed") else None
     dt = call.dt_bias.float().contiguous() if (call.dt_bias is not None and v.gate != "precomputed") else None
     cu = call.cu_seqlens
@@ -50,7 +54,7 @@ def build_params(call: KdaCall, v: Variant, who: str) -> tuple[KdaParams, list[t
     p.hc, p.chunk_offsets = _ptr(call.chunk_states), _ptr(co)
     p.ws = 0
     for nm, s in (("q_s", q_s), ("k_s", k_s), ("v_s", v_s), ("g_s", g_s),
-                  ("b_s", call.beta_strides), ("o_s", call.o_strides)):
+                  ("b_s", call.beta_strides), ("o_s", o_s)):
         getattr(p, nm)[:] = [int(x) for x in s]
     p.B, p.T, p.N, p.H, p.HV = call.B, call.T, call.N, call.H, call.HV
     p.group = call.HV // call.H
@@ -59,7 +63,7 @@ def build_params(call: KdaCall, v: Variant, who: str) -> tuple[KdaParams, list[t
     p.use_l2norm, p.neg_eigval, p.state_kv = int(call.use_qk_l2norm), int(call.allow_neg_eigval), int(call.state_kv)
     p.g_fp32, p.beta_fp32 = int(g.dtype == torch.float32), int(beta.dtype == torch.float32)
     keep = [t for t in (q, k, vv, g, beta, A_log, dt, cu, co) if t is not None]
-    return p, keep
+    return p, keep, (o if o is not call.o else None)
 
 
 class Sm90Launcher:
@@ -88,10 +92,12 @@ class Sm90Launcher:
 
     def __call__(self, call: KdaCall) -> None:
         v = self.variant
-        p, keep = build_params(call, v, v.name)
+        p, keep, o_run = build_params(call, v, v.name)
         if call.N == 0:
             return
         mod, f, smem, nt = self._module(call.q.device)
         stream = torch.cuda.current_stream(call.q.device).cuda_stream
         mod.launch(f, (call.N, call.HV, v.v // v.block_v), (nt, 1, 1), smem, stream, p, "kda_fused")
+        if o_run is not None:
+            call.o.copy_(o_run)
         del keep  # realigned copies were made on this stream: the allocator keeps them for its work

@@ -182,7 +182,10 @@ constexpr int SM_REC = 0;
 constexpr int SM_IN = SM_REC + NRSLOT * REC_BYTES;
 constexpr int SM_V = SM_IN + NIN * IN_BYTES;
 constexpr int SM_SCR = SM_V + NV * V_BYTES;
-constexpr int SM_BAR = SM_SCR + SCR_BYTES;
+// o^T of each consumer warp on its way out: 16 time steps x 16 V columns of the input type
+constexpr int OST_BYTES = C * 16 * 2;
+constexpr int SM_OST = SM_SCR + SCR_BYTES;
+constexpr int SM_BAR = SM_OST + 4 * NCONS * OST_BYTES;
 // barriers: in_full[NIN], v_full[NV], v_empty[NV], rec_full[NREC], rec_empty[NREC]
 // (+ the prep pipeline's scr_full[2], scr_empty[2], in_empty[NIN])
 constexpr int B_IN_FULL = 0, B_V_FULL = NIN, B_V_EMPTY = NIN + NV, B_REC_FULL = NIN + 2 * NV,

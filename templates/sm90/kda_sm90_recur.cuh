@@ -36,6 +36,16 @@ __device__ __forceinline__ void load_state_l(const ST* base, float (*s)[4], int 
     }
 }
 
+// Two floats as one register of two input-type values (lo in the low half), rounded as from_f.
+__device__ __forceinline__ uint32_t pack_in(float lo, float hi) {
+  if constexpr (std::is_same<in_t, bf16>::value) {
+    return pack_bf16(lo, hi);
+  } else {
+    const __half2 h = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&h);
+  }
+}
+
 // The 16-bit pair of a ldmatrix register as bf16 (fp16 inputs are converted; bf16 passes).
 __device__ __forceinline__ uint32_t to_bf16x2(uint32_t x) {
   if constexpr (sizeof(in_t) == 2 && !std::is_same<in_t, bf16>::value) {
@@ -73,8 +83,12 @@ __device__ __forceinline__ void consumer_role(const KdaParams& p, const SeqInfo&
       for (int e = 0; e < 4; ++e) s[nt][e] = 0.f;
   }
   const int coff = p.hc ? p.chunk_offsets[si.n] : 0;
-  in_t* const obase = (in_t*)p.o + si.bidx * p.o_s[0] + si.h * p.o_s[2] + vr0 + si.tb * p.o_s[1];
-  const long long ostride = p.o_s[1];
+  // o^T leaves through the warp's shared tile (SM_OST): stmatrix.trans turns the accumulator (V rows x
+  // time steps) into 16 time-step rows of 16 V values, and each lane stores one 16-byte piece, time step
+  // ot, V columns 8 oh .. (eight 2-byte stores per thread and their 64-bit address arithmetic were 16%
+  // of the kernel's instructions at bv128, H200 ncu 2026-12-01). In the tile the two 16-byte halves of
+  // rows 4-7 of every 8 are swapped: each stmatrix matrix then writes all 32 banks once.
+  const int ot = lane >> 1, oh = lane & 1;
   // ldmatrix.x4.trans of v^T (A fragment: m = V rows of this warp, k = the chunk's 16 time steps):
   // matrix mi = lane / 8 holds time steps 8 (mi >> 1) .. + 7 and V columns v0 + 8 (mi & 1) .. + 7.
   const int vt_row = ((lane >> 3) >> 1) * 8 + (lane & 7), vt_col = v0 + ((lane >> 3) & 1) * 8;
@@ -191,15 +205,22 @@ __device__ __forceinline__ void consumer_role(const KdaParams& p, const SeqInfo&
     if (own) sm90::mbar_arrive(bars + B_REC_EMPTY + r);
     else if (lane == 0) sm90::mbar_arrive_remote(sm90::peer_addr(bars + B_REC_EMPTY + r, pair_rank(si) ^ 1u));
 
-    // o^T (V row vr0 (+ 8), time steps 8 nt + 2 t4 (+ 1)) -> o, rows past the end skipped.
-    in_t* oc = obase + (long long)c * C * ostride;
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int i = 8 * nt + 2 * t4 + (e & 1);
-        if (i < rows) oc[i * ostride + (e >> 1) * 8] = from_f<in_t>(ao[4 * nt + e]);
-      }
+    // o^T (V rows vr0, vr0 + 8; time steps 8 nt + 2 t4 (+ 1)): matrix 2 nt + hv is V rows 8 hv .. of
+    // time steps 8 nt ..; rows past the end are not stored. (The syncwarps order the tile's reuse.)
+    {
+      // (shared addresses from the record's: a generic tile pointer moved the wgmma descriptors out
+      // of the uniform registers, 116 more instructions per step in the pair)
+      const uint32_t ost = r0 - SM_REC + SM_OST + (4 * cw + w) * OST_BYTES;
+      const int sm_t = 8 * (lane >> 4) + (lane & 7);  // stmatrix: row lane % 8 of matrix lane / 8
+      __syncwarp();
+      sm90::stsm_x4_t(ost + sm_t * 32 + ((((lane >> 3) & 1) ^ ((sm_t >> 2) & 1)) * 16), pack_in(ao[0], ao[1]),
+                      pack_in(ao[2], ao[3]), pack_in(ao[4], ao[5]), pack_in(ao[6], ao[7]));
+      __syncwarp();
+      const uint4 ov = sm90::lds128(ost + ot * 32 + ((oh ^ ((ot >> 2) & 1)) * 16));
+      if (ot < rows)
+        *reinterpret_cast<uint4*>((in_t*)p.o + si.bidx * p.o_s[0] + si.h * p.o_s[2] +
+                                  (si.tb + (long long)c * C + ot) * p.o_s[1] + si.vb * BV + v0 + 8 * oh) = ov;
+    }
   }
 #if KDA_STATE != 0
   if (p.ht) store_state((state_t*)p.ht + st_off, s, vr0, t4, kv);
