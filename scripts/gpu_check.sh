@@ -51,7 +51,9 @@ for stage in $STAGES; do
       pids=()
       rm -f "$OUT"/errors_*.jsonl
       for i in $(seq 0 $((n - 1))); do
-        OMP_NUM_THREADS=2 KDAGEN_ERRORS="$OUT/errors_$i.jsonl" timeout "${TEST_TIMEOUT:-420}" \
+        # KDAGEN_DISABLE_JIT: the carried builds are what is tested; a stale one must fail, not be
+        # rebuilt from the default sources behind the test's back (a swapped-in A/B build was).
+        KDAGEN_DISABLE_JIT=1 OMP_NUM_THREADS=2 KDAGEN_ERRORS="$OUT/errors_$i.jsonl" timeout "${TEST_TIMEOUT:-420}" \
           python3 -m pytest -m gpu -q -rfE --tb=short --maxfail="${MAXFAIL:-10}" --durations=5 \
           -p no:cacheprovider --shard="$i/$n" ${PYTEST_ARGS:-tests} > "$OUT/pytest_gpu_$i.log" 2>&1 &
         pids+=($!)

@@ -39,6 +39,39 @@ __device__ __forceinline__ int nlocal(const SeqInfo& si) {
 #define KDA_GCHUNK(si, j) (j)  // (a macro: as a function it changed the default images' scheduling)
 #endif
 
+// Row `row` of tensor `ten` (0 q, 1 k, 2 g, 3 v) of global chunk cc: its global source, its place in
+// input stage st or V stage vs, and its bytes.
+struct RowCopy {
+  const char* src;
+  char* dst;
+  uint32_t bytes;
+};
+__device__ __forceinline__ RowCopy row_copy(const KdaParams& p, const SeqInfo& si, int cc, int ten, int row, char* base,
+                                            int st, int vs) {
+  const long long t = si.tb + (long long)cc * C + row;
+  const int hq = si.h / p.group;
+  char* const in = base + SM_IN + st * IN_BYTES;
+  RowCopy rc;
+  rc.bytes = QROW;
+  if (ten == 0) {
+    rc.src = (const char*)((const in_t*)p.q + si.bidx * p.q_s[0] + hq * p.q_s[2] + t * p.q_s[1]);
+    rc.dst = in + IN_Q + row * QROW;
+  } else if (ten == 1) {
+    rc.src = (const char*)((const in_t*)p.k + si.bidx * p.k_s[0] + hq * p.k_s[2] + t * p.k_s[1]);
+    rc.dst = in + IN_K + row * QROW;
+  } else if (ten == 2) {
+    const int gsz = p.g_fp32 ? 4 : 2;
+    rc.src = (const char*)p.g + (si.bidx * p.g_s[0] + si.h * p.g_s[2] + t * p.g_s[1]) * gsz;
+    rc.dst = in + IN_G + row * GROW;
+    rc.bytes = K * gsz;
+  } else {
+    rc.src = (const char*)((const in_t*)p.v + si.bidx * p.v_s[0] + si.h * p.v_s[2] + t * p.v_s[1] + si.vb * BV);
+    rc.dst = base + SM_V + vs * V_BYTES + row * VROW;
+    rc.bytes = BV * 2;
+  }
+  return rc;
+}
+
 // Issue the bulk copies of chunk cc (q, k, g into its IN stage; v into its V stage) from the 32
 // lanes of the prep group's copy warp. The IN stage was last read by the prep group's chunk
 // cc - NIN, in phases 0-2 of that chunk (this runs in its phase 4); the V stage is released by
@@ -48,8 +81,6 @@ __device__ __forceinline__ void issue_chunk(const KdaParams& p, const SeqInfo& s
   if (cc >= si.nc) return;
   const int st = cc % NIN, vs = cc % NV;
   const int rows = min(C, si.len - cc * C);
-  const long long t0 = si.tb + (long long)cc * C;
-  const int hq = si.h / p.group;
   const int gsz = p.g_fp32 ? 4 : 2;
   uint64_t* in_full = bars + B_IN_FULL + st;
   uint64_t* v_full = bars + B_V_FULL + vs;
@@ -60,16 +91,11 @@ __device__ __forceinline__ void issue_chunk(const KdaParams& p, const SeqInfo& s
   }
   __syncwarp();
   if (lane < rows) {
-    const long long t = t0 + lane;
-    char* in = base + SM_IN + st * IN_BYTES;
-    const in_t* q = (const in_t*)p.q + si.bidx * p.q_s[0] + hq * p.q_s[2] + t * p.q_s[1];
-    const in_t* k = (const in_t*)p.k + si.bidx * p.k_s[0] + hq * p.k_s[2] + t * p.k_s[1];
-    const char* g = (const char*)p.g + (si.bidx * p.g_s[0] + si.h * p.g_s[2] + t * p.g_s[1]) * gsz;
-    const in_t* v = (const in_t*)p.v + si.bidx * p.v_s[0] + si.h * p.v_s[2] + t * p.v_s[1] + si.vb * BV;
-    sm90::bulk_g2s(in + IN_Q + lane * QROW, q, QROW, in_full);
-    sm90::bulk_g2s(in + IN_K + lane * QROW, k, QROW, in_full);
-    sm90::bulk_g2s(in + IN_G + lane * GROW, g, K * gsz, in_full);
-    sm90::bulk_g2s(base + SM_V + vs * V_BYTES + lane * VROW, v, BV * 2, v_full);
+#pragma unroll
+    for (int ten = 0; ten < 4; ++ten) {
+      const RowCopy rc = row_copy(p, si, cc, ten, lane, base, st, vs);
+      sm90::bulk_g2s(rc.dst, rc.src, rc.bytes, ten == 3 ? v_full : in_full);
+    }
   }
 }
 
@@ -94,36 +120,14 @@ __device__ __forceinline__ void issue_chunk_spread(const KdaParams& p, const Seq
   }
   const int pi = w + NW * lane, ten = pi & 3, row = pi >> 2;
   if (row < rows) {
-    const long long t = si.tb + (long long)cc * C + row;
-    const int hq = si.h / p.group;
-    char* in = base + SM_IN + st * IN_BYTES;
-    const char* src;
-    char* dst;
-    uint32_t bytes = QROW;
-    if (ten == 0) {
-      src = (const char*)((const in_t*)p.q + si.bidx * p.q_s[0] + hq * p.q_s[2] + t * p.q_s[1]);
-      dst = in + IN_Q + row * QROW;
-    } else if (ten == 1) {
-      src = (const char*)((const in_t*)p.k + si.bidx * p.k_s[0] + hq * p.k_s[2] + t * p.k_s[1]);
-      dst = in + IN_K + row * QROW;
-    } else if (ten == 2) {
-      src = (const char*)p.g + (si.bidx * p.g_s[0] + si.h * p.g_s[2] + t * p.g_s[1]) * gsz;
-      dst = in + IN_G + row * GROW;
-      bytes = K * gsz;
-    } else {
-      src = (const char*)((const in_t*)p.v + si.bidx * p.v_s[0] + si.h * p.v_s[2] + t * p.v_s[1] + si.vb * BV);
-      dst = base + SM_V + vs * V_BYTES + row * VROW;
-      bytes = BV * 2;
-    }
-    sm90::bulk_g2s(dst, src, bytes, ten == 3 ? v_full : in_full);
+    const RowCopy rc = row_copy(p, si, cc, ten, row, base, st, vs);
+    sm90::bulk_g2s(rc.dst, rc.src, rc.bytes, ten == 3 ? v_full : in_full);
   }
 }
 
 // The pair's copies. issue_qkg: q, k, g rows of local chunk j (global KDA_GCHUNK(j)) into input stage
 // j % NIN, from NW warps (copy pi = w + NW lane: tensor pi / C, row pi % C). issue_v: the v rows of
-// global chunk cc into V stage cc % NV, one row per lane of the NW consumer warps. (The row address
-// lines repeat issue_chunk_spread's: a shared helper changed the instructions of all 20 GPU-validated
-// images, so unifying them waits for a device run.)
+// global chunk cc into V stage cc % NV, one row per lane of the NW consumer warps.
 template <int NW>
 __device__ __forceinline__ void issue_qkg(const KdaParams& p, const SeqInfo& si, int j, char* base, uint64_t* bars,
                                           int w, int lane) {
@@ -135,24 +139,8 @@ __device__ __forceinline__ void issue_qkg(const KdaParams& p, const SeqInfo& si,
   if (w == 0 && lane == 0) sm90::mbar_arrive_expect_tx(in_full, (uint32_t)rows * (2 * QROW + K * gsz));
   const int pi = w + NW * lane, ten = pi / C, row = pi % C;
   if (ten < 3 && row < rows) {
-    const long long t = si.tb + (long long)cc * C + row;
-    const int hq = si.h / p.group;
-    char* in = base + SM_IN + st * IN_BYTES;
-    const char* src;
-    char* dst;
-    uint32_t bytes = QROW;
-    if (ten == 0) {
-      src = (const char*)((const in_t*)p.q + si.bidx * p.q_s[0] + hq * p.q_s[2] + t * p.q_s[1]);
-      dst = in + IN_Q + row * QROW;
-    } else if (ten == 1) {
-      src = (const char*)((const in_t*)p.k + si.bidx * p.k_s[0] + hq * p.k_s[2] + t * p.k_s[1]);
-      dst = in + IN_K + row * QROW;
-    } else {
-      src = (const char*)p.g + (si.bidx * p.g_s[0] + si.h * p.g_s[2] + t * p.g_s[1]) * gsz;
-      dst = in + IN_G + row * GROW;
-      bytes = K * gsz;
-    }
-    sm90::bulk_g2s(dst, src, bytes, in_full);
+    const RowCopy rc = row_copy(p, si, cc, ten, row, base, st, 0);
+    sm90::bulk_g2s(rc.dst, rc.src, rc.bytes, in_full);
   }
 }
 template <int NW>
@@ -166,9 +154,8 @@ __device__ __forceinline__ void issue_v(const KdaParams& p, const SeqInfo& si, i
   if (w == 0 && lane == 0) sm90::mbar_arrive_expect_tx(v_full, (uint32_t)rows * (BV * 2));
   const int row = w + NW * lane;
   if (row < rows) {
-    const long long t = si.tb + (long long)cc * C + row;
-    const in_t* v = (const in_t*)p.v + si.bidx * p.v_s[0] + si.h * p.v_s[2] + t * p.v_s[1] + si.vb * BV;
-    sm90::bulk_g2s(base + SM_V + vs * V_BYTES + row * VROW, v, BV * 2, v_full);
+    const RowCopy rc = row_copy(p, si, cc, 3, row, base, 0, vs);
+    sm90::bulk_g2s(rc.dst, rc.src, rc.bytes, v_full);
   }
 }
 
