@@ -87,3 +87,30 @@ def test_capture_call_is_the_runtimes_call():
     registry().launcher(v.name, "cpu:None")(call)
     ro, rs, _ = reference(kw)
     assert rel_rmse(call.o, ro) < 1e-5 and rel_rmse(call.final_state, rs) < 1e-5
+
+
+def test_sm90_stamp_segments_on_synthetic_stamps():
+    """kdagen_dev/sm90_stamps.py: a bv128-like timeline (A 1000 cycles, then B 600, the consumers
+    start 50 after the record is done and work 400) comes back as those segments."""
+    from kdagen_dev.sm90_stamps import EVENTS, segments
+
+    ev = {n: i for i, n in enumerate(EVENTS)}
+    st = []
+    for cta in range(2):
+        rows = []
+        for c in range(8):
+            t = 10_000 + 2_000 * c
+            e = [[0, 0] for _ in EVENTS]
+            for name, at in (("A_WAIT", t - 100), ("A_GO", t), ("A_DONE", t + 1000), ("B_WAIT", t + 900),
+                             ("B_GO", t + 1010), ("B_DONE", t + 1610), ("C_WAIT", t + 1500),
+                             ("C_GO", t + 1660), ("C_DONE", t + 2060)):
+                e[ev[name]] = [at, at]
+            rows.append(e)
+        st.append(rows)
+    segs = segments(st, pair=False)
+    want = {"A waits (slot, scratch, inputs)": 100, "A works (phases 0-1)": 1000, "B waits (scr_full)": 110,
+            "B works (phases 2-5)": 600, "A done -> B starts": 10, "record done -> consumers start (own)": 50,
+            "consumers wait (record)": 160, "consumers work (products)": 400,
+            "consumer step (start to start)": 2000}
+    assert {k: set(v) for k, v in segs.items()} == {k: {x} for k, x in want.items()}
+    assert all(len(v) == 2 * 4 for v in segs.values())  # 2 CTAs x (8 - 4) chunks

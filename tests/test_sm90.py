@@ -78,14 +78,16 @@ def test_sm90_ptxas_reports_have_no_spills():
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+@pytest.mark.parametrize("defines", [[], ["-DKDA_SM90_STAMPS=1"]], ids=["default", "stamps"])
 @pytest.mark.parametrize("spec", [
     Variant("sm90", 16, 128, 128, "bf16", "bounded", "fp32", 128),  # 512 threads, setmaxnreg 96 / 160
     Variant("sm90", 16, 128, 128, "fp16", "unbounded", "bf16", 64),  # 384 threads, setmaxnreg 152 / 200
     Variant("sm90", 16, 64, 64, "bf16", "precomputed", "none", 64),  # 256 threads, no reallocation
 ], ids=lambda v: v.name)
-def test_sm90_compiles_without_spills(spec: Variant, tmp_path: Path):
+def test_sm90_compiles_without_spills(spec: Variant, defines: list[str], tmp_path: Path):
     """Render and compile the three thread layouts from scratch: the shared-memory map fits (a
-    static_assert) and nothing spills."""
+    static_assert) and nothing spills. Also the time-stamped diagnostic build scripts/sm90_stamps.py
+    reads, so that it still compiles when a session needs it."""
     from kdagen.build import parse_ptxas
     from kdagen.generate import render_variant
     from kdagen.targets import TARGETS
@@ -93,8 +95,8 @@ def test_sm90_compiles_without_spills(spec: Variant, tmp_path: Path):
     src = tmp_path / "kernel.cu"
     src.write_bytes(render_variant(spec)["kernel.cu"])
     info = TARGETS["sm90"]
-    cmd = ["nvcc", *info.nvcc_flags, "-fatbin", "-Xptxas", "-v", *[f"-I{ROOT / 'templates' / d}" for d in info.includes],
-           str(src), "-o", str(tmp_path / "k.fatbin")]
+    cmd = ["nvcc", *info.nvcc_flags, *defines, "-fatbin", "-Xptxas", "-v",
+           *[f"-I{ROOT / 'templates' / d}" for d in info.includes], str(src), "-o", str(tmp_path / "k.fatbin")]
     r = subprocess.run(cmd, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     # ptxas serializes wgmma it cannot prove safe, or injects warpgroup fences (C7519/C7520 notes)

@@ -204,6 +204,48 @@ constexpr int SMEM_MAX = 227 * 1024;          // H100 / H200 opt-in maximum per 
 static_assert(IN_BYTES % 16 == 0 && V_BYTES % 16 == 0 && SCR_BYTES % 16 == 0, "16-byte aligned stages");
 static_assert(SMEM_BYTES <= SMEM_MAX, "sm90 shared memory");
 
+// KDA_SM90_STAMPS=1 (diagnostic builds only; scripts/sm90_stamps.py): one thread of each role writes
+// clock64() and %globaltimer at the ring's handoffs of chunks STAMP_C0 .. STAMP_C0 + STAMP_N - 1 of the
+// first STAMP_CTAS CTAs into p.ws (unused by sm90 otherwise): [CTA][chunk][event] pairs of u64. Events
+// below; the host script turns them into the cycle's segments.
+#if defined(KDA_SM90_STAMPS) && KDA_SM90_STAMPS
+constexpr int STAMP_C0 = 64, STAMP_N = 64, STAMP_CTAS = 8;
+enum StampEvent {
+  ST_A_WAIT = 0,  // group A: before its scratch / record-slot / input waits
+  ST_A_GO,        // group A: all three waited
+  ST_A_DONE,      // group A: before its rec_full arrival
+  ST_B_WAIT,      // group B: before its scr_full wait
+  ST_B_GO,        // group B: scr_full waited
+  ST_B_DONE,      // group B: before its rec_full arrival
+  ST_B_FWD,       // group B (the pair): the forward copy issued
+  ST_C_WAIT,      // consumer warpgroup 0: before the record wait
+  ST_C_GO,        // consumer warpgroup 0: record waited
+  ST_C_DONE,      // consumer warpgroup 0: products waited, before the slot release
+  ST_NEV
+};
+__device__ __forceinline__ void stamp(const KdaParams& p, int gc, int ev) {
+  const int cta = (blockIdx.x * gridDim.y + blockIdx.y) * gridDim.z + blockIdx.z;  // (a pair's CTAs adjacent)
+  if (!p.ws || cta >= STAMP_CTAS || gc < STAMP_C0 || gc >= STAMP_C0 + STAMP_N) return;
+  unsigned long long g;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(g));
+  unsigned long long* w = reinterpret_cast<unsigned long long*>(p.ws) + 2 * ((cta * STAMP_N + gc - STAMP_C0) * ST_NEV + ev);
+  w[0] = (unsigned long long)clock64();
+  w[1] = g;
+}
+#define KDA_STAMP(cond, gc, ev) \
+  do {                          \
+    if (cond) stamp(p, (gc), (ev)); \
+  } while (0)
+}  // namespace kda
+// Read by scripts/sm90_stamps.py: (first chunk, chunks, CTAs, events).
+extern "C" __device__ int kda_stamp_meta[4] = {kda::STAMP_C0, kda::STAMP_N, kda::STAMP_CTAS, kda::ST_NEV};
+namespace kda {
+#else
+#define KDA_STAMP(cond, gc, ev) \
+  do {                          \
+  } while (0)
+#endif
+
 // Named barrier of the prep group (consumers use mbarriers and wgmma waits only).
 constexpr int BAR_PREP = 1;
 

@@ -54,12 +54,14 @@ __device__ __forceinline__ void prep_group_a(const KdaParams& p, const SeqInfo& 
     const uint32_t rb0 = rb_next0, rb1 = rb_next1;
     const int rows = min(C, si.len - KDA_GCHUNK(si, c) * C);
     const int r = c % NREC, h = c & 1;
+    KDA_STAMP(tid == 0, KDA_GCHUNK(si, c), ST_A_WAIT);
     // The scratch set is free once B finished chunk c - 2 with it.
     sm90::mbar_wait(bars + B_SCR_EMPTY + h, ((c >> 1) & 1) ^ 1);
     // The record slot is free once the consumers finished chunk c - NREC with it; then the inputs.
     // (in the pair also the peer's consumers, with remote arrivals)
     sm90::mbar_wait(bars + B_REC_EMPTY + r, ((c / NREC) & 1) ^ 1);
     sm90::mbar_wait(bars + B_IN_FULL + (c % NIN), (c / NIN) & 1);
+    KDA_STAMP(tid == 0, KDA_GCHUNK(si, c), ST_A_GO);
     float xq0[8], xk0[8], b0, xq1[8], xk1[8], b1;
     {
       const P0In ld0 = prep_phase0_load(p, base, c, ri, d, col0, half);
@@ -97,6 +99,7 @@ __device__ __forceinline__ void prep_group_a(const KdaParams& p, const SeqInfo& 
     rb_next1 = load_beta(p, si, KDA_GCHUNK(si, c + CSTEP), ri + 8);
     // Qd, Kr, Gamma_C of the record: visible to the consumers' wgmma (async proxy).
     sm90::fence_proxy_async();
+    KDA_STAMP(tid == 0, KDA_GCHUNK(si, c), ST_A_DONE);
     sm90::mbar_arrive(bars + B_REC_FULL + r);
     sm90::mbar_arrive(bars + B_SCR_FULL + h);
     // The stage of chunk c - 2 (B's phase 2 of it is done: A waited scr_empty of c - 2's set).
@@ -114,7 +117,9 @@ __device__ __forceinline__ void prep_group_b(const KdaParams& p, const SeqInfo& 
   for (int c = 0; c < nlocal(si); ++c) {
     const int rows = min(C, si.len - KDA_GCHUNK(si, c) * C);
     const int r = c % NREC, h = c & 1, st = c % NIN;
+    KDA_STAMP(tb == 0, KDA_GCHUNK(si, c), ST_B_WAIT);
     sm90::mbar_wait(bars + B_SCR_FULL + h, (c >> 1) & 1);
+    KDA_STAMP(tb == 0, KDA_GCHUNK(si, c), ST_B_GO);
     // (the exact fallback reads the input stage: it waits for the stage's copies itself)
     prep_phase2<4>(base, c, rows, bars + B_IN_FULL + st, (c / NIN) & 1);
     // the stage's last read (mode 1: B refills the stage itself, and an mbarrier whose phases
@@ -134,6 +139,7 @@ __device__ __forceinline__ void prep_group_b(const KdaParams& p, const SeqInfo& 
     }
     sm90::mbar_arrive(bars + B_SCR_EMPTY + h);  // the set's last read
     sm90::fence_proxy_async();
+    KDA_STAMP(tb == 0, KDA_GCHUNK(si, c), ST_B_DONE);
     sm90::mbar_arrive(bars + B_REC_FULL + r);
     // Stage c % NIN: A read it in phases 0-1 of chunk c (before scr_full), B's phase 2 is past the
     // group barrier; so chunk c + NIN may land there (in_empty is not needed in this mode).
@@ -148,6 +154,7 @@ __device__ __forceinline__ void prep_group_b(const KdaParams& p, const SeqInfo& 
         sm90::mbar_arrive_expect_tx_remote(pbar, REC_USED);
         sm90::bulk_s2peer(sm90::peer_addr(base + SM_REC + (NREC + r) * REC_BYTES, peer), base + SM_REC + r * REC_BYTES,
                           REC_USED, pbar);
+        KDA_STAMP(true, KDA_GCHUNK(si, c), ST_B_FWD);
       }
     } else if constexpr (PIPE_COPIES == 1) {
       issue_chunk_spread<4>(p, si, c + NIN, base, bars, warp - 4, tid & 31);

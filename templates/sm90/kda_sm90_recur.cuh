@@ -149,8 +149,10 @@ __device__ __forceinline__ void consumer_role(const KdaParams& p, const SeqInfo&
     sm90::mbar_arrive(bars + B_V_EMPTY + vs);
     if constexpr (PAIR) issue_v<4>(p, si, c + NV - 1, base, bars, w, lane);
 
+    KDA_STAMP(tid == 0 && cw == 0, c, ST_C_WAIT);
     if (own) sm90::mbar_wait(bars + B_REC_FULL + r, (j / NREC) & 1);
     else sm90::mbar_wait(bars + B_REC_PEER + r, (j / NREC) & 1);
+    KDA_STAMP(tid == 0 && cw == 0, c, ST_C_GO);
     const char* rec = base + SM_REC + slot * REC_BYTES;
     const uint64_t so = (uint64_t)(slot * (REC_BYTES >> 4));  // the slot, in descriptor units
     {
@@ -200,6 +202,7 @@ __device__ __forceinline__ void consumer_role(const KdaParams& p, const SeqInfo&
     sm90::wgmma_wait<0>();
     sm90::reg_fence(s);
     sm90::reg_fence(ao);
+    KDA_STAMP(tid == 0 && cw == 0, c, ST_C_DONE);
     // Release the slot. A peer record's slot is tracked by the peer's rec_empty (its prep refills
     // its own slot and this one together): one remote arrival per warp.
     if (own) sm90::mbar_arrive(bars + B_REC_EMPTY + r);

@@ -1,0 +1,45 @@
+"""The sm90 stamp diagnostic's analysis (scripts/sm90_stamps.py runs it on the GPU): the ring's
+handoffs, time-stamped by a KDA_SM90_STAMPS=1 build (templates/sm90/kda_sm90_layout.cuh,
+StampEvent), as per-chunk segments."""
+
+from __future__ import annotations
+
+EVENTS = ["A_WAIT", "A_GO", "A_DONE", "B_WAIT", "B_GO", "B_DONE", "B_FWD", "C_WAIT", "C_GO", "C_DONE"]
+
+
+def segments(st: list, pair: bool, c0: int = 0) -> dict[str, list[float]]:
+    """The cycle's segments per chunk from stamps st[cta][chunk][event] = (clock64, globaltimer ns):
+    SM cycles within a CTA, ns across a pair's CTAs (cta ^ 1 is the peer; rank = cta & 1); chunk index
+    c of st is global chunk c0 + c."""
+    ev = {name: i for i, name in enumerate(EVENTS)}
+
+    def clk(cta, c, name):
+        return st[cta][c][ev[name]][0]
+
+    def ns(cta, c, name):
+        return st[cta][c][ev[name]][1]
+
+    segs: dict[str, list[float]] = {}
+
+    def add(name, x):
+        segs.setdefault(name, []).append(x)
+
+    for cta in range(len(st)):
+        for c in range(len(st[cta]) - 4):
+            own = (not pair) or ((c0 + c) & 1) == (cta & 1)
+            if own:  # this CTA prepped chunk c (the pair: every other one)
+                add("A waits (slot, scratch, inputs)", clk(cta, c, "A_GO") - clk(cta, c, "A_WAIT"))
+                add("A works (phases 0-1)", clk(cta, c, "A_DONE") - clk(cta, c, "A_GO"))
+                add("B waits (scr_full)", clk(cta, c, "B_GO") - clk(cta, c, "B_WAIT"))
+                add("B works (phases 2-5)", clk(cta, c, "B_DONE") - clk(cta, c, "B_GO"))
+                add("A done -> B starts", clk(cta, c, "B_GO") - clk(cta, c, "A_DONE"))
+                ready = max(clk(cta, c, "A_DONE"), clk(cta, c, "B_DONE"))
+                add("record done -> consumers start (own)", clk(cta, c, "C_GO") - ready)
+                if pair:
+                    peer = cta ^ 1
+                    add("forward issued -> peer consumers start [ns]", ns(peer, c, "C_GO") - ns(cta, c, "B_FWD"))
+                    add("B done -> forward issued", clk(cta, c, "B_FWD") - clk(cta, c, "B_DONE"))
+            add("consumers wait (record)", clk(cta, c, "C_GO") - clk(cta, c, "C_WAIT"))
+            add("consumers work (products)", clk(cta, c, "C_DONE") - clk(cta, c, "C_GO"))
+            add("consumer step (start to start)", clk(cta, c + 1, "C_GO") - clk(cta, c, "C_GO"))
+    return segs
