@@ -74,10 +74,12 @@ def default_jobs() -> int:
 def _include_hash(dirs: tuple[str, ...]) -> str:
     # Names relative to the templates' parent ("templates/common/..."): the same string in a
     # checkout and in an installed package, so a key does not depend on where kdagen lives.
+    # Documentation (*.md, e.g. a target's DESIGN.md) compiles into nothing: editing it must not
+    # make every artifact stale.
     data = b""
     for d in dirs:
         for p in sorted((TEMPLATES_DIR / d).rglob("*")):
-            if p.is_file() and not p.name.endswith(".j2") and "__pycache__" not in p.parts:
+            if p.is_file() and not p.name.endswith((".j2", ".md")) and "__pycache__" not in p.parts:
                 data += str(p.relative_to(TEMPLATES_DIR.parent)).encode() + b"\0" + p.read_bytes() + b"\0"
     return sha256_bytes(data)
 

@@ -72,6 +72,28 @@ def test_cache_key_tracks_toolchain_version_and_source(monkeypatch):
     assert kbuild.cache_key(v, "a" * 64) != k1
 
 
+def test_include_hash_covers_headers_not_documentation(tmp_path, monkeypatch):
+    """A header edit makes a target's artifacts stale; an edit of its DESIGN.md does not."""
+    (tmp_path / "templates" / "t").mkdir(parents=True)
+    hdr, doc = tmp_path / "templates" / "t" / "k.cuh", tmp_path / "templates" / "t" / "DESIGN.md"
+    hdr.write_text("// v1\n")
+    doc.write_text("# notes\n")
+    monkeypatch.setattr(kbuild, "TEMPLATES_DIR", tmp_path / "templates")
+
+    def key() -> str:
+        kbuild._include_hash.cache_clear()
+        return kbuild._include_hash(("t",))
+
+    try:
+        k1 = key()
+        doc.write_text("# notes, edited\n")
+        assert key() == k1
+        hdr.write_text("// v2\n")
+        assert key() != k1
+    finally:
+        kbuild._include_hash.cache_clear()
+
+
 def test_unknown_spec_and_variant_errors(tmp_path):
     with pytest.raises(BuildError, match="kdagen generate --spec specs/nope.yaml"):
         kbuild.build_spec("nope", build_dir=tmp_path)
