@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import struct
 import sys
 from pathlib import Path
 
@@ -38,19 +39,16 @@ def main() -> int:
     var = entry(a.variant).variant
     call = capture_call(bench_case(a.T, a.H, D=var.k), var.name)
     la = Sm90Launcher(var, Path(a.fatbin))
-    mod, f, smem, nt = la._module(call.q.device)
-    import struct
-
+    mod = la._module(call.q.device)[0]
     C0, N, CTAS, nev = struct.unpack("<4i", mod.read_global("kda_stamp_meta", 16))  # (not a stamps build: raises)
     if nev != len(EVENTS):
         raise SystemExit(f"{a.fatbin} stamps {nev} events, kdagen_dev/sm90_stamps.py names {len(EVENTS)}")
     p, keep, o_run = build_params(call, var, var.name)
     buf = torch.zeros(CTAS * N * len(EVENTS) * 2, dtype=torch.int64, device=call.q.device)
     p.ws = buf.data_ptr()
-    stream = torch.cuda.current_stream(call.q.device).cuda_stream
     for _ in range(a.calls):  # the last call's stamps are kept
         buf.zero_()
-        mod.launch(f, (call.N, call.HV, var.v // var.block_v), (nt, 1, 1), smem, stream, p, "kda_fused")
+        la.launch(call, p)
     torch.cuda.synchronize()
     del keep, o_run
     st = buf.view(CTAS, N, len(EVENTS), 2).cpu().tolist()

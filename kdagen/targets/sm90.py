@@ -90,14 +90,19 @@ class Sm90Launcher:
             self._meta[idx] = meta
         return meta
 
+    def launch(self, call: KdaCall, p: KdaParams) -> None:
+        """Queue kda_fused on the current stream with parameters `p` (from build_params) for `call`."""
+        mod, f, smem, nt = self._module(call.q.device)
+        stream = torch.cuda.current_stream(call.q.device).cuda_stream
+        mod.launch(f, (call.N, call.HV, self.variant.v // self.variant.block_v), (nt, 1, 1), smem, stream, p,
+                   "kda_fused")
+
     def __call__(self, call: KdaCall) -> None:
         v = self.variant
         p, keep, o_run = build_params(call, v, v.name)
         if call.N == 0:
             return
-        mod, f, smem, nt = self._module(call.q.device)
-        stream = torch.cuda.current_stream(call.q.device).cuda_stream
-        mod.launch(f, (call.N, call.HV, v.v // v.block_v), (nt, 1, 1), smem, stream, p, "kda_fused")
+        self.launch(call, p)
         if o_run is not None:
             call.o.copy_(o_run)
         del keep  # realigned copies were made on this stream: the allocator keeps them for its work

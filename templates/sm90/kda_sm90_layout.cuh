@@ -236,10 +236,6 @@ __device__ __forceinline__ void stamp(const KdaParams& p, int gc, int ev) {
   do {                          \
     if (cond) stamp(p, (gc), (ev)); \
   } while (0)
-}  // namespace kda
-// Read by scripts/sm90_stamps.py: (first chunk, chunks, CTAs, events).
-extern "C" __device__ int kda_stamp_meta[4] = {kda::STAMP_C0, kda::STAMP_N, kda::STAMP_CTAS, kda::ST_NEV};
-namespace kda {
 #else
 #define KDA_STAMP(cond, gc, ev) \
   do {                          \
@@ -256,4 +252,8 @@ constexpr int BAR_PREP = 1;
 #ifndef KDA_LAYOUT_ONLY  // (host-side tools that print the layout define it)
 extern "C" __device__ int kda_meta[8] = {kda::SMEM_BYTES, kda::NT, kda::C, kda::K, kda::V, kda::NCONS, kda::NIN,
                                           kda::NREC};
+#if defined(KDA_SM90_STAMPS) && KDA_SM90_STAMPS
+// Read by scripts/sm90_stamps.py: (first chunk, chunks, CTAs, events).
+extern "C" __device__ int kda_stamp_meta[4] = {kda::STAMP_C0, kda::STAMP_N, kda::STAMP_CTAS, kda::ST_NEV};
+#endif
 #endif
