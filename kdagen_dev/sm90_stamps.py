@@ -4,7 +4,7 @@ StampEvent), as per-chunk segments."""
 
 from __future__ import annotations
 
-EVENTS = ["A_WAIT", "A_GO", "A_DONE", "B_WAIT", "B_GO", "B_DONE", "B_FWD", "C_WAIT", "C_GO", "C_DONE"]
+EVENTS = ["A_WAIT", "A_GO", "A_DONE", "B_WAIT", "B_GO", "B_DONE", "B_FWD", "C_WAIT", "C_GO", "C_DONE", "C_TOP", "C_VGO", "B_FULL", "B_DONE1", "B_DONE2", "B_DONE3"]
 
 
 def segments(st: list, pair: bool, c0: int = 0) -> dict[str, list[float]]:
@@ -34,12 +34,22 @@ def segments(st: list, pair: bool, c0: int = 0) -> dict[str, list[float]]:
                 add("B works (phases 2-5)", clk(cta, c, "B_DONE") - clk(cta, c, "B_GO"))
                 add("A done -> B starts", clk(cta, c, "B_GO") - clk(cta, c, "A_DONE"))
                 ready = max(clk(cta, c, "A_DONE"), clk(cta, c, "B_DONE"))
+                if clk(cta, c, "B_DONE1"):
+                    add("B's last warp done - B warp 0 done", max(clk(cta, c, f"B_DONE{w}") for w in (1, 2, 3))
+                        - clk(cta, c, "B_DONE"))
                 add("record done -> consumers start (own)", clk(cta, c, "C_GO") - ready)
                 if pair:
                     peer = cta ^ 1
                     add("forward issued -> peer consumers start [ns]", ns(peer, c, "C_GO") - ns(cta, c, "B_FWD"))
                     add("B done -> forward issued", clk(cta, c, "B_FWD") - clk(cta, c, "B_DONE"))
+                    add("  of which: group B's barrier", clk(cta, c, "B_FULL") - clk(cta, c, "B_DONE"))
             add("consumers wait (record)", clk(cta, c, "C_GO") - clk(cta, c, "C_WAIT"))
             add("consumers work (products)", clk(cta, c, "C_DONE") - clk(cta, c, "C_GO"))
             add("consumer step (start to start)", clk(cta, c + 1, "C_GO") - clk(cta, c, "C_GO"))
+            if not clk(cta, c, "C_TOP"):  # (KDA_SM90_STAMPS=2 only)
+                continue
+            # the rest of the step: what the consumers do outside the record wait and the products
+            add("consumers: slot release, o store", clk(cta, c + 1, "C_TOP") - clk(cta, c, "C_DONE"))
+            add("consumers: S to bf16, v wait", clk(cta, c, "C_VGO") - clk(cta, c, "C_TOP"))
+            add("consumers: v fragments, v copies", clk(cta, c, "C_WAIT") - clk(cta, c, "C_VGO"))
     return segs

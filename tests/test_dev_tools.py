@@ -91,7 +91,8 @@ def test_capture_call_is_the_runtimes_call():
 
 def test_sm90_stamp_segments_on_synthetic_stamps():
     """kdagen_dev/sm90_stamps.py: a bv128-like timeline (A 1000 cycles, then B 600, the consumers
-    start 50 after the record is done and work 400) comes back as those segments."""
+    start 50 after the record is done and work 400, then 700 outside the products) comes back as those
+    segments."""
     from kdagen_dev.sm90_stamps import EVENTS, segments
 
     ev = {n: i for i, n in enumerate(EVENTS)}
@@ -103,7 +104,8 @@ def test_sm90_stamp_segments_on_synthetic_stamps():
             e = [[0, 0] for _ in EVENTS]
             for name, at in (("A_WAIT", t - 100), ("A_GO", t), ("A_DONE", t + 1000), ("B_WAIT", t + 900),
                              ("B_GO", t + 1010), ("B_DONE", t + 1610), ("C_WAIT", t + 1500),
-                             ("C_GO", t + 1660), ("C_DONE", t + 2060)):
+                             ("C_GO", t + 1660), ("C_DONE", t + 2060), ("C_TOP", t + 1200),
+                             ("C_VGO", t + 1420)):
                 e[ev[name]] = [at, at]
             rows.append(e)
         st.append(rows)
@@ -111,6 +113,7 @@ def test_sm90_stamp_segments_on_synthetic_stamps():
     want = {"A waits (slot, scratch, inputs)": 100, "A works (phases 0-1)": 1000, "B waits (scr_full)": 110,
             "B works (phases 2-5)": 600, "A done -> B starts": 10, "record done -> consumers start (own)": 50,
             "consumers wait (record)": 160, "consumers work (products)": 400,
-            "consumer step (start to start)": 2000}
+            "consumer step (start to start)": 2000, "consumers: slot release, o store": 1140,
+            "consumers: S to bf16, v wait": 220, "consumers: v fragments, v copies": 80}
     assert {k: set(v) for k, v in segs.items()} == {k: {x} for k, x in want.items()}
     assert all(len(v) == 2 * 4 for v in segs.values())  # 2 CTAs x (8 - 4) chunks

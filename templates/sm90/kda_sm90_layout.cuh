@@ -221,6 +221,12 @@ enum StampEvent {
   ST_C_WAIT,      // consumer warpgroup 0: before the record wait
   ST_C_GO,        // consumer warpgroup 0: record waited
   ST_C_DONE,      // consumer warpgroup 0: products waited, before the slot release
+  ST_C_TOP,       // consumer warpgroup 0: the step's start (KDA_SM90_STAMPS=2 only: these two cost the pair ~20%)
+  ST_C_VGO,       // consumer warpgroup 0: v_full waited (=2 only)
+  ST_B_FULL,      // group B (the pair): the forwarding thread past group B's barrier
+  ST_B_DONE1,     // group B: ST_B_DONE of lane 0 of its warps 1, 2, 3
+  ST_B_DONE2,
+  ST_B_DONE3,
   ST_NEV
 };
 __device__ __forceinline__ void stamp(const KdaParams& p, int gc, int ev) {
@@ -236,9 +242,16 @@ __device__ __forceinline__ void stamp(const KdaParams& p, int gc, int ev) {
   do {                          \
     if (cond) stamp(p, (gc), (ev)); \
   } while (0)
+#define KDA_STAMP2(cond, gc, ev) \
+  do {                           \
+    if (KDA_SM90_STAMPS >= 2 && (cond)) stamp(p, (gc), (ev)); \
+  } while (0)
 #else
 #define KDA_STAMP(cond, gc, ev) \
   do {                          \
+  } while (0)
+#define KDA_STAMP2(cond, gc, ev) \
+  do {                           \
   } while (0)
 #endif
 

@@ -140,15 +140,19 @@ __device__ __forceinline__ void prep_group_b(const KdaParams& p, const SeqInfo& 
     sm90::mbar_arrive(bars + B_SCR_EMPTY + h);  // the set's last read
     sm90::fence_proxy_async();
     KDA_STAMP(tb == 0, KDA_GCHUNK(si, c), ST_B_DONE);
+    KDA_STAMP(tb == 32 || tb == 64 || tb == 96, KDA_GCHUNK(si, c), ST_B_DONE1 + tb / 32 - 1);
     sm90::mbar_arrive(bars + B_REC_FULL + r);
     // Stage c % NIN: A read it in phases 0-1 of chunk c (before scr_full), B's phase 2 is past the
     // group barrier; so chunk c + NIN may land there (in_empty is not needed in this mode).
     if constexpr (PAIR) {
-      issue_qkg<4>(p, si, c + NIN, base, bars, warp - 4, tid & 31);
-      // Forward the record to the peer ring's slot r once every prep thread has arrived (its slot
-      // there is free: the peer's consumers released it on this CTA's rec_empty, which A waited).
+      // Forward the record to the peer ring's slot r, then issue the copies. Group A's part is visible
+      // since scr_full (A fenced before arriving), group B's after this barrier (each thread fenced).
+      // Waiting rec_full here instead took ~2800 cycles after the last B warp had arrived (stamps, H200
+      // 2026-12-02), and the copies first were slower. The peer's slot is free: its consumers released
+      // it on this CTA's rec_empty, which A waited before this chunk.
+      sm90::named_sync<BAR_PREP_B, NTG>();
       if (tb == 0) {
-        sm90::mbar_wait(bars + B_REC_FULL + r, (c / NREC) & 1);
+        KDA_STAMP(true, KDA_GCHUNK(si, c), ST_B_FULL);
         const uint32_t peer = pair_rank(si) ^ 1u;
         const uint32_t pbar = sm90::peer_addr(bars + B_REC_PEER + r, peer);
         sm90::mbar_arrive_expect_tx_remote(pbar, REC_USED);
@@ -156,6 +160,7 @@ __device__ __forceinline__ void prep_group_b(const KdaParams& p, const SeqInfo& 
                           REC_USED, pbar);
         KDA_STAMP(true, KDA_GCHUNK(si, c), ST_B_FWD);
       }
+      issue_qkg<4>(p, si, c + NIN, base, bars, warp - 4, tid & 31);
     } else if constexpr (PIPE_COPIES == 1) {
       issue_chunk_spread<4>(p, si, c + NIN, base, bars, warp - 4, tid & 31);
     }

@@ -123,6 +123,7 @@ __device__ __forceinline__ void consumer_role(const KdaParams& p, const SeqInfo&
     const int j = PAIR ? c >> 1 : c;
     const int r = j % NREC, slot = own ? r : NREC + r, vs = c % NV;
     const int rows = min(C, si.len - c * C);
+    KDA_STAMP2(tid == 0 && cw == 0, c, ST_C_TOP);
     if (p.hc) {
 #if KDA_STATE == 2
       store_state((bf16*)p.hc + ((long long)(coff + c) * p.HV + si.h) * V * K, s, vr0, t4, kv);
@@ -138,6 +139,7 @@ __device__ __forceinline__ void consumer_role(const KdaParams& p, const SeqInfo&
     // v^T of this warp's 16 V rows; time steps past the end of the sequence are zeroed (the stage
     // rows there are stale). The stage is released as soon as the registers hold it.
     sm90::mbar_wait(bars + B_V_FULL + vs, (c / NV) & 1);
+    KDA_STAMP2(tid == 0 && cw == 0, c, ST_C_VGO);
     uint32_t va[4];
     ldsm_x4_t(va, base + SM_V + vs * V_BYTES + vt_row * VROW + vt_col * 2);
 #pragma unroll
