@@ -78,7 +78,8 @@ def test_sm90_ptxas_reports_have_no_spills():
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
-@pytest.mark.parametrize("defines", [[], ["-DKDA_SM90_STAMPS=1"]], ids=["default", "stamps"])
+@pytest.mark.parametrize("defines", [[], ["-DKDA_SM90_STAMPS=1"], ["-DKDA_SM90_PAIR_VCOPY_A=1", "-DKDA_SM90_VMASK_LAST=1"]],
+                         ids=["default", "stamps", "ab_options"])
 @pytest.mark.parametrize("spec", [
     Variant("sm90", 16, 128, 128, "bf16", "bounded", "fp32", 128),  # 512 threads, setmaxnreg 96 / 160
     Variant("sm90", 16, 128, 128, "fp16", "unbounded", "bf16", 64),  # 384 threads, setmaxnreg 152 / 200
@@ -87,7 +88,8 @@ def test_sm90_ptxas_reports_have_no_spills():
 def test_sm90_compiles_without_spills(spec: Variant, defines: list[str], tmp_path: Path):
     """Render and compile the three thread layouts from scratch: the shared-memory map fits (a
     static_assert) and nothing spills. Also the time-stamped diagnostic build scripts/sm90_stamps.py
-    reads, so that it still compiles when a session needs it."""
+    reads, and the A/B options prepared for the next GPU session, so that they still compile when a
+    session needs them."""
     from kdagen.build import parse_ptxas
     from kdagen.generate import render_variant
     from kdagen.targets import TARGETS

@@ -98,6 +98,21 @@ static_assert(PIPE_COPIES >= 0 && PIPE_COPIES <= 2, "KDA_SM90_PIPE_COPIES is 0, 
 static_assert(!PAIR || PIPE_COPIES == 1, "the pair: group B copies q, k, g");
 static_assert(NTX == 0 || PAIR, "KDA_SM90_PAIR_A2: the pair only");
 constexpr bool CONS_COPIES = PREP_PIPE && PIPE_COPIES == 2;
+// A/B options for the next GPU session (defaults off; templates/sm90/DESIGN.md, session 14):
+// KDA_SM90_PAIR_VCOPY_A=1 (the pair): group A, which waits for free record slots, issues the v copies
+// of global chunks 2 j + 4, 2 j + 5 at the end of its local chunk j (chunks 0-3 before its loop),
+// instead of the consumer warps, whose step is the pair's bound.
+// KDA_SM90_VMASK_LAST=1: the consumers mask v^T's rows past the sequence end only in a short chunk.
+#if defined(KDA_SM90_PAIR_VCOPY_A) && KDA_SM90_PAIR_VCOPY_A
+constexpr bool PAIR_VCOPY_A = PAIR;
+#else
+constexpr bool PAIR_VCOPY_A = false;
+#endif
+#if defined(KDA_SM90_VMASK_LAST) && KDA_SM90_VMASK_LAST
+constexpr bool VMASK_LAST = true;
+#else
+constexpr bool VMASK_LAST = false;
+#endif
 #if KDA_SM90_PIPE_ON
 constexpr int S_G = 0;                          // f32 [C][KP] cumulative gate            (set)
 constexpr int S_RQ = S_G + C * KP * 4;          // f32 [C] L2-norm factors of q, k         (set)

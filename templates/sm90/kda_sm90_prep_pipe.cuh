@@ -47,6 +47,12 @@ __device__ __forceinline__ void prep_group_a(const KdaParams& p, const SeqInfo& 
   if constexpr (PIPE_COPIES == 0) {
     for (int cc = 0; cc < NIN - 2; ++cc) issue(cc);
   }
+  // PAIR_VCOPY_A: v of global chunks 0-3 first; local chunk c then copies chunks 2 c + 4 and 2 c + 5
+  // (their stages were last read at chunks 2 c - 4, 2 c - 3: at most 4 global chunks behind this one's
+  // record, which never waits on these copies)
+  if constexpr (PAIR_VCOPY_A) {
+    for (int cc = 0; cc < 4; ++cc) issue_v<4>(p, si, cc, base, bars, warp, lane);
+  }
   // (c: the local chunk, which indexes every ring and scratch set; KDA_GCHUNK(c) the data's chunk)
   uint32_t rb_next0 = load_beta(p, si, KDA_GCHUNK(si, c0), ri), rb_next1 = load_beta(p, si, KDA_GCHUNK(si, c0), ri + 8);
 
@@ -104,6 +110,10 @@ __device__ __forceinline__ void prep_group_a(const KdaParams& p, const SeqInfo& 
     sm90::mbar_arrive(bars + B_SCR_FULL + h);
     // The stage of chunk c - 2 (B's phase 2 of it is done: A waited scr_empty of c - 2's set).
     if constexpr (PIPE_COPIES == 0) issue(c + NIN - 2);
+    if constexpr (PAIR_VCOPY_A) {
+      issue_v<4>(p, si, 2 * c + 4, base, bars, warp, lane);
+      issue_v<4>(p, si, 2 * c + 5, base, bars, warp, lane);
+    }
   }
 }
 

@@ -113,7 +113,7 @@ __device__ __forceinline__ void consumer_role(const KdaParams& p, const SeqInfo&
     for (int cc = 0; cc < NIN; ++cc) issue_chunk_spread<4 * NCONS>(p, si, cc, base, bars, wi, lane);
   }
   // The pair's consumers copy their v rows themselves, NV - 1 chunks ahead.
-  if constexpr (PAIR) {
+  if constexpr (PAIR && !PAIR_VCOPY_A) {
     for (int cc = 0; cc < NV - 1; ++cc) issue_v<4>(p, si, cc, base, bars, w, lane);
   }
 
@@ -143,13 +143,17 @@ __device__ __forceinline__ void consumer_role(const KdaParams& p, const SeqInfo&
     uint32_t va[4];
     ldsm_x4_t(va, base + SM_V + vs * V_BYTES + vt_row * VROW + vt_col * 2);
 #pragma unroll
-    for (int q = 0; q < 4; ++q) {
-      const int k0 = 2 * t4 + 8 * (q >> 1);
-      const uint32_t keep = (k0 < rows ? 0x0000ffffu : 0u) | (k0 + 1 < rows ? 0xffff0000u : 0u);
-      va[q] = to_bf16x2(va[q]) & keep;
+    for (int q = 0; q < 4; ++q) va[q] = to_bf16x2(va[q]);
+    if (!VMASK_LAST || rows < C) {  // (VMASK_LAST: a full chunk needs no mask)
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const int k0 = 2 * t4 + 8 * (q >> 1);
+        const uint32_t keep = (k0 < rows ? 0x0000ffffu : 0u) | (k0 + 1 < rows ? 0xffff0000u : 0u);
+        va[q] &= keep;
+      }
     }
     sm90::mbar_arrive(bars + B_V_EMPTY + vs);
-    if constexpr (PAIR) issue_v<4>(p, si, c + NV - 1, base, bars, w, lane);
+    if constexpr (PAIR && !PAIR_VCOPY_A) issue_v<4>(p, si, c + NV - 1, base, bars, w, lane);
 
     KDA_STAMP(tid == 0 && cw == 0, c, ST_C_WAIT);
     if (own) sm90::mbar_wait(bars + B_REC_FULL + r, (j / NREC) & 1);
