@@ -78,7 +78,8 @@ def test_sm90_ptxas_reports_have_no_spills():
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
-@pytest.mark.parametrize("defines", [[], ["-DKDA_SM90_STAMPS=1"], ["-DKDA_SM90_PAIR_VCOPY_A=1", "-DKDA_SM90_VMASK_LAST=1"]],
+@pytest.mark.parametrize("defines", [[], ["-DKDA_SM90_STAMPS=1"],
+                                     ["-DKDA_SM90_PAIR_VCOPY_A=1", "-DKDA_SM90_VMASK_LAST=1"]],
                          ids=["default", "stamps", "ab_options"])
 @pytest.mark.parametrize("spec", [
     Variant("sm90", 16, 128, 128, "bf16", "bounded", "fp32", 128),  # 512 threads, setmaxnreg 96 / 160
