@@ -31,19 +31,23 @@ def built_variants(target: str = "sm80") -> list[tuple[Any, Path]]:
 @contextmanager
 def launcher_swapped(variant: str, device_key: str, launcher: Callable):
     """kda_prefill launches `variant` on `device_key` through `launcher` inside the block: the
-    registry's launcher is replaced and the runtime's cached plans (which hold launchers) are
-    forgotten on entry and on exit."""
+    registry's launcher is replaced, the variant counts as built (its artifact is not what runs, so a
+    stale or missing one must not stop an A/B script, with KDAGEN_DISABLE_JIT=1 or without), and the
+    runtime's cached plans (which hold launchers) are forgotten on entry and on exit."""
     import kdagen.runtime as rt
+    from kdagen.select import READY
 
     reg = rt.registry()
     key = (variant, device_key)
     saved = reg._launchers.get(key)
+    saved_status = reg._status.get(variant)
 
     def forget_plans():
         rt._PLANS.clear()
         rt._LAST = rt._NO_PLAN
 
     reg._launchers[key] = launcher
+    reg._status[variant] = (READY, None)
     forget_plans()
     try:
         yield launcher
@@ -53,6 +57,10 @@ def launcher_swapped(variant: str, device_key: str, launcher: Callable):
             reg._launchers.pop(key, None)
         else:
             reg._launchers[key] = saved
+        if saved_status is None:
+            reg._status.pop(variant, None)
+        else:
+            reg._status[variant] = saved_status
 
 
 def capture_call(kw: dict, variant: str):

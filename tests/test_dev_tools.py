@@ -89,6 +89,41 @@ def test_capture_call_is_the_runtimes_call():
     assert rel_rmse(call.o, ro) < 1e-5 and rel_rmse(call.final_state, rs) < 1e-5
 
 
+@pytest.mark.skipif(conftest.HAS_CUDA, reason="the interpreter runs only without a GPU")
+def test_capture_call_does_not_need_a_fresh_artifact():
+    """An A/B script times its own builds: capture_call works while the registry's artifact of the
+    variant is stale and cannot be rebuilt (KDAGEN_DISABLE_JIT=1 on the GPU machine), and leaves the
+    registry's view of it as it was."""
+    from kdagen.cases import make_case
+    from kdagen.errors import NoVariantError
+    import kdagen.runtime as rt
+    from kdagen.runtime import kda_prefill, registry
+    from kdagen.select import NEEDS_BUILD
+    from kdagen_dev.launch import capture_call
+
+    reg = registry()
+    v = next(v for v in reg.variants() if v.name == "kda_fwd_triton_c16_k32_v64_fp32_gb_sfp32_bv16")
+    kw = make_case(v, "cpu", B=1, T=20, H=1, HV=2, seed=3)
+    stale = (NEEDS_BUILD, "not built, and KDAGEN_DISABLE_JIT=1 forbids building it now")
+    saved = reg._status.get(v.name)
+    reg._status[v.name] = stale
+    rt._CHOICES.clear()  # (an earlier test's dispatch of this variant is memoised)
+    rt._PLANS.clear()
+    rt._LAST = rt._NO_PLAN
+    try:
+        with pytest.raises(NoVariantError, match="forbids building it now"):
+            kda_prefill(**kw, variant=v.name)
+        call = capture_call(kw, v.name)
+        assert (call.K, call.V, call.T) == (32, 64, 20)
+        assert reg._status[v.name] == stale
+    finally:
+        if saved is None:
+            reg._status.pop(v.name, None)
+        else:
+            reg._status[v.name] = saved
+        rt._CHOICES.clear()
+
+
 def test_sm90_stamp_segments_on_synthetic_stamps():
     """kdagen_dev/sm90_stamps.py: a bv128-like timeline (A 1000 cycles, then B 600, the consumers
     start 50 after the record is done and work 400, then 700 outside the products) comes back as those
