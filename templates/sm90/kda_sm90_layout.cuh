@@ -113,6 +113,15 @@ constexpr bool VMASK_LAST = true;
 #else
 constexpr bool VMASK_LAST = false;
 #endif
+// KDA_SM90_UKG=1 (the prep pipeline): the record's W slot holds Kg = k^ Gamma (bf16, the prep's L
+// operand) instead of W = (I+L)^-1 diag(b) Kg, and the consumers form U^T = (v^T - S Kg^T) A^T: group B
+// makes no W tiles and group A no X scratch, for one more wgmma round trip per consumer step (the
+// consumers wait ~1200-1500 cycles per chunk at bv128, where the prep is the bound).
+#if defined(KDA_SM90_UKG) && KDA_SM90_UKG
+constexpr bool UKG = PREP_PIPE;  // (the one-group prep, K = 64, keeps W)
+#else
+constexpr bool UKG = false;
+#endif
 #if KDA_SM90_PIPE_ON
 constexpr int S_G = 0;                          // f32 [C][KP] cumulative gate            (set)
 constexpr int S_RQ = S_G + C * KP * 4;          // f32 [C] L2-norm factors of q, k         (set)
@@ -200,7 +209,10 @@ constexpr int SM_SCR = SM_V + NV * V_BYTES;
 // o^T of each consumer warp on its way out: 16 time steps x 16 V columns of the input type
 constexpr int OST_BYTES = C * 16 * 2;
 constexpr int SM_OST = SM_SCR + SCR_BYTES;
-constexpr int SM_BAR = SM_OST + 4 * NCONS * OST_BYTES;
+// UKG: a 16 x 16 identity (bf16, interleaved K-major) for v^T I, the first product of Y^T = v^T - S Kg^T
+constexpr int SM_ID = SM_OST + 4 * NCONS * OST_BYTES;
+constexpr int ID_BYTES = UKG ? 512 : 0;
+constexpr int SM_BAR = SM_ID + ID_BYTES;
 // barriers: in_full[NIN], v_full[NV], v_empty[NV], rec_full[NREC], rec_empty[NREC]
 // (+ the prep pipeline's scr_full[2], scr_empty[2], in_empty[NIN])
 constexpr int B_IN_FULL = 0, B_V_FULL = NIN, B_V_EMPTY = NIN + NV, B_REC_FULL = NIN + 2 * NV,
@@ -272,6 +284,8 @@ __device__ __forceinline__ void stamp(const KdaParams& p, int gc, int ev) {
 
 // Named barrier of the prep group (consumers use mbarriers and wgmma waits only).
 constexpr int BAR_PREP = 1;
+// Named barrier of the consumer warpgroups (UKG: the identity tile written before the first step).
+constexpr int BAR_CONS = 4;
 
 }  // namespace kda
 

@@ -317,13 +317,17 @@ __device__ __forceinline__ void prep_phase1(const KdaParams& p, char* base, int 
     pqd[e / 2] = pack_bf16(p.scale * q0, p.scale * q1);
     pb[e / 2] = pack_bf16(xk[e] * i0, xk[e + 1] * i1);
     pkr[e / 2] = pack_bf16(xk[e] * __expf(GL[e] - G[e]), xk[e + 1] * __expf(GL[e + 1] - G[e + 1]));
-    split_bf16(b * k0, b * k1, xkh[e / 2], xkl[e / 2]);
+    if constexpr (!UKG) split_bf16(b * k0, b * k1, xkh[e / 2], xkl[e / 2]);
   }
   *reinterpret_cast<uint4*>(sAK + ri * KB1 + d) = make_uint4(pk[0], pk[1], pk[2], pk[3]);
   *reinterpret_cast<uint4*>(sAQ + ri * KB1 + d) = make_uint4(pq[0], pq[1], pq[2], pq[3]);
   *reinterpret_cast<uint4*>(sBK + ri * KB1 + d) = make_uint4(pb[0], pb[1], pb[2], pb[3]);
-  *reinterpret_cast<uint4*>(sXh + ri * KB1 + d) = make_uint4(xkh[0], xkh[1], xkh[2], xkh[3]);
-  *reinterpret_cast<uint4*>(sXl + ri * KB1 + d) = make_uint4(xkl[0], xkl[1], xkl[2], xkl[3]);
+  if constexpr (UKG) {  // Kg [j][K] in the W slot (the consumers' B of S Kg^T)
+    *reinterpret_cast<uint4*>(rec + R_W + sm90::sw128_k<C>(ri, d)) = make_uint4(pk[0], pk[1], pk[2], pk[3]);
+  } else {
+    *reinterpret_cast<uint4*>(sXh + ri * KB1 + d) = make_uint4(xkh[0], xkh[1], xkh[2], xkh[3]);
+    *reinterpret_cast<uint4*>(sXl + ri * KB1 + d) = make_uint4(xkl[0], xkl[1], xkl[2], xkl[3]);
+  }
   // Qd [i][K] and Kr [j][K]: 16-byte pieces of one row; in the swizzled tiles the 8 pieces
   // a quarter-warp writes are one 128-byte row of an atom (conflict-free).
   *reinterpret_cast<uint4*>(rec + R_QD + sm90::sw128_k<C>(ri, d)) = make_uint4(pqd[0], pqd[1], pqd[2], pqd[3]);

@@ -141,7 +141,7 @@ __device__ __forceinline__ void prep_group_b(const KdaParams& p, const SeqInfo& 
     if (tb < C) prep_phase4(base, c, tb);
     sm90::named_sync<BAR_PREP_B, NTG>();
     prep_phase5_ainv<NTG>(base, c, tb);
-    {
+    if constexpr (!UKG) {  // (UKG: the consumers apply (I+L)^-1 diag(b) to v^T - S Kg^T themselves)
       uint32_t ah[4], al[4];
       prep_inv_frags(base, c, tid & 31, ah, al);
       prep_w16(base, c, ah, al, 2 * (warp - 4));
