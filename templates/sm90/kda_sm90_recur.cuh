@@ -155,15 +155,20 @@ __device__ __forceinline__ void consumer_role(const KdaParams& p, const SeqInfo&
     KDA_STAMP2(tid == 0 && cw == 0, c, ST_C_VGO);
     uint32_t va[4];
     ldsm_x4_t(va, base + SM_V + vs * V_BYTES + vt_row * VROW + vt_col * 2);
-#pragma unroll
-    for (int q = 0; q < 4; ++q) va[q] = to_bf16x2(va[q]);
-    if (!VMASK_LAST || rows < C) {  // (VMASK_LAST: a full chunk needs no mask)
+    auto mask_v = [&](bool convert) {
 #pragma unroll
       for (int q = 0; q < 4; ++q) {
         const int k0 = 2 * t4 + 8 * (q >> 1);
         const uint32_t keep = (k0 < rows ? 0x0000ffffu : 0u) | (k0 + 1 < rows ? 0xffff0000u : 0u);
-        va[q] &= keep;
+        va[q] = (convert ? to_bf16x2(va[q]) : va[q]) & keep;
       }
+    };
+    if constexpr (VMASK_LAST) {  // a full chunk needs no mask (a branch: a select keeps the mask's cost)
+#pragma unroll
+      for (int q = 0; q < 4; ++q) va[q] = to_bf16x2(va[q]);
+      if (rows < C) mask_v(false);
+    } else {
+      mask_v(true);
     }
     sm90::mbar_arrive(bars + B_V_EMPTY + vs);
     if constexpr (PAIR && !PAIR_VCOPY_A) issue_v<4>(p, si, c + NV - 1, base, bars, w, lane);
