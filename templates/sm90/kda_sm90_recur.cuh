@@ -56,6 +56,12 @@ __device__ __forceinline__ uint32_t to_bf16x2(uint32_t x) {
   }
 }
 
+// An m64n16 accumulator (8 per thread) as the bf16 A fragment of a k16 step, split into high and low parts.
+__device__ __forceinline__ void acc16_split(const float (&d)[8], uint32_t (&hi)[4], uint32_t (&lo)[4]) {
+#pragma unroll
+  for (int q = 0; q < 4; ++q) split_bf16(d[(q >> 1) * 4 + (q & 1) * 2], d[(q >> 1) * 4 + (q & 1) * 2 + 1], hi[q], lo[q]);
+}
+
 __device__ __forceinline__ void consumer_role(const KdaParams& p, const SeqInfo& si, char* base, uint64_t* bars,
                                               int cw) {
   const int tid = threadIdx.x - NTP - NTX - 128 * cw;  // 0..127 within the warpgroup
@@ -216,9 +222,7 @@ __device__ __forceinline__ void consumer_role(const KdaParams& p, const SeqInfo&
     sm90::reg_fence(au);
     if constexpr (UKG) {  // U^T = Y^T (A_hi + A_lo)^T with Y^T in hi + lo (hi hi + hi lo + lo hi)
       uint32_t yh[4], yl[4];
-#pragma unroll
-      for (int q = 0; q < 4; ++q)
-        split_bf16(au[(q >> 1) * 4 + (q & 1) * 2], au[(q >> 1) * 4 + (q & 1) * 2 + 1], yh[q], yl[q]);
+      acc16_split(au, yh, yl);
       sm90::reg_fence(yh);
       sm90::reg_fence(yl);
       sm90::wgmma_fence();
@@ -232,8 +236,7 @@ __device__ __forceinline__ void consumer_role(const KdaParams& p, const SeqInfo&
     // U^T as bf16 A fragments, high and low parts (the low part only feeds o: rel RMSE of o
     // 2.6e-3 -> 1.9e-3 in the emulation, for one m64n16k16).
     uint32_t ua[4], ul[4];
-#pragma unroll
-    for (int q = 0; q < 4; ++q) split_bf16(au[(q >> 1) * 4 + (q & 1) * 2], au[(q >> 1) * 4 + (q & 1) * 2 + 1], ua[q], ul[q]);
+    acc16_split(au, ua, ul);
     sm90::reg_fence(ua);
     sm90::reg_fence(ul);
     sm90::wgmma_fence();
