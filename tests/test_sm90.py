@@ -79,8 +79,8 @@ def test_sm90_ptxas_reports_have_no_spills():
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
 @pytest.mark.parametrize("defines", [[], ["-DKDA_SM90_STAMPS=1"],
-                                     ["-DKDA_SM90_PAIR_VCOPY_A=1", "-DKDA_SM90_VMASK_LAST=1", "-DKDA_SM90_UKG=1"]],
-                         ids=["default", "stamps", "ab_options"])
+                                     ["-DKDA_SM90_UKG=0"]],
+                         ids=["default", "stamps", "w_record"])
 @pytest.mark.parametrize("spec", [
     Variant("sm90", 16, 128, 128, "bf16", "bounded", "fp32", 128),  # 512 threads, setmaxnreg 96 / 160
     Variant("sm90", 16, 128, 128, "fp16", "unbounded", "bf16", 64),  # 384 threads, setmaxnreg 152 / 200
@@ -89,8 +89,8 @@ def test_sm90_ptxas_reports_have_no_spills():
 def test_sm90_compiles_without_spills(spec: Variant, defines: list[str], tmp_path: Path):
     """Render and compile the three thread layouts from scratch: the shared-memory map fits (a
     static_assert) and nothing spills. Also the time-stamped diagnostic build scripts/sm90_stamps.py
-    reads, and the A/B options prepared for the next GPU session, so that they still compile when a
-    session needs them."""
+    reads, and the W record (KDA_SM90_UKG=0, the A/B baseline of the default Kg record), so that they
+    still compile when a session needs them."""
     from kdagen.build import parse_ptxas
     from kdagen.generate import render_variant
     from kdagen.targets import TARGETS
@@ -115,8 +115,8 @@ def _sass_checkable() -> list[tuple[Variant, Path]]:
 
 @pytest.mark.parametrize("va", _sass_checkable(), ids=lambda va: va[0].name)
 def test_sm90_sass_structure(va):
-    """The machine code is the design: HGMMA for the consumer's products (2 + 2 K/16 + 3 m64n16
-    and one m64nK with transposed B per chunk), bulk copies completing on mbarriers (UBLKCP, SYNCS),
+    """The machine code is the design: HGMMA for the consumer's products (m64n16: 1 + 2 K/16 + 6 with
+    the Kg record, 2 + 2 K/16 + 3 with W; one m64nK with transposed B per chunk), bulk copies completing on mbarriers (UBLKCP, SYNCS),
     setmaxnreg where the roles' register needs differ, and the prep's mma.sync (HMMA)."""
     from kdagen_dev.sass import disassemble
 
@@ -125,15 +125,17 @@ def test_sm90_sass_structure(va):
     ops = sass.opcodes()
     count = lambda prefix: sum(n for op, n in ops.items() if op.startswith(prefix))  # noqa: E731
     text = "\n".join(sass.instructions)
-    assert count("HGMMA.64x16x16.F32.BF16") == 2 + 2 * (var.k // 16) + 3, ops
+    # The K = 128 prep pipeline's Kg record: Y^T = v^T I - S Kg^T (1 + K/16), o^T = S Qd^T (K/16),
+    # U^T = Y^T A^T in hi + lo (3), o^T += U^T Mqk^T (3), one more wgmma round trip. K = 64's W record:
+    # U^T = v^T (A_hi + A_lo)^T - S W^T (2 + K/16), o^T (K/16 + 3).
+    pipe = var.k == 128
+    assert count("HGMMA.64x16x16.F32.BF16") == (1 + 3 if pipe else 2) + 2 * (var.k // 16) + 3, ops
     assert count(f"HGMMA.64x{var.k}x16.F32.BF16") == 1 and ".tnspB" in text, ops
     assert count("UBLKCP") >= 4, ops  # q, k, g, v rows (prologue and loop copies)
     assert count("SYNCS.PHASECHK") >= 4 and count("SYNCS.ARRIVE") >= 4, ops
-    assert count("WARPGROUP.ARRIVE") == 2 and count("WARPGROUP.DEPBAR") == 2, ops
-    # L/Mqk per K slice; W (3 x 2 per 16-column tile: two tiles per warp where the prep is the
-    # K = 128 pipeline of two 4-warp groups, one otherwise)
-    pipe = var.k == 128
-    assert count("HMMA.16816") == 4 * (2 if var.k >= 128 else 1) + 6 * (2 if pipe else 1), ops
+    assert count("WARPGROUP.ARRIVE") == (3 if pipe else 2) and count("WARPGROUP.DEPBAR") == (3 if pipe else 2), ops
+    # L/Mqk per K slice; W only in the one-group prep (3 x 2 per 16-column tile)
+    assert count("HMMA.16816") == 4 * (2 if var.k >= 128 else 1) + (0 if pipe else 6), ops
     threads = 2 * var.k + 128 * (var.block_v // 64)
     # setmaxnreg per role: the consumers and the prep, or the pipeline's two groups
     assert count("USETMAXREG") == (0 if threads <= 256 else 3 if pipe else 2), ops
@@ -315,15 +317,16 @@ def test_sm90_out_with_unaligned_rows(va):
     assert torch.isnan(wide[..., v.v]).all()
 
 
-@pytest.mark.parametrize("ukg", [False, True], ids=["w", "ukg"])
+@pytest.mark.parametrize("ukg", [False, True], ids=["w", "kg"])
 def test_sm90_algorithm_emulation(ukg: bool):
     """The kernel's chunk-16 algorithm in torch, with the kernel's record (Qd, W, Kr, Mqk in
     hi + lo bf16 with an fp32 diagonal, (I+L)^-1 diag(b) in hi + lo) and its bf16 rounding points,
     one head on CPU, against the float64 reference: checks the consumer's formulas
     (U^T = v^T (A_hi + A_lo)^T - S W^T, o^T = S Qd^T + U^T Mqk^T, S = S Gamma_C + U^T Kr)
     independently of any GPU, and the accuracy they allow (sm80's rounding points: o 3.9e-3).
-    ukg: the KDA_SM90_UKG option's record and formula, U^T = (v^T - S Kg^T) A^T with Kg = k^ Gamma in
-    bf16 (the prep's L operand) and v^T - S Kg^T split hi + lo, instead of W."""
+    ukg: the default record and formula of the prep pipeline (KDA_SM90_UKG), U^T = (v^T - S Kg^T) A^T
+    with Kg = k^ Gamma in bf16 (the prep's L operand) and v^T - S Kg^T split hi + lo, instead of W
+    (K = 64's one-group prep keeps W)."""
     from kdagen.reference import activate_gate, kda_reference, rel_rmse
 
     torch.manual_seed(3)

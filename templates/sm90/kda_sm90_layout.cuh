@@ -98,26 +98,15 @@ static_assert(PIPE_COPIES >= 0 && PIPE_COPIES <= 2, "KDA_SM90_PIPE_COPIES is 0, 
 static_assert(!PAIR || PIPE_COPIES == 1, "the pair: group B copies q, k, g");
 static_assert(NTX == 0 || PAIR, "KDA_SM90_PAIR_A2: the pair only");
 constexpr bool CONS_COPIES = PREP_PIPE && PIPE_COPIES == 2;
-// A/B options for the next GPU session (defaults off; templates/sm90/DESIGN.md, session 14):
-// KDA_SM90_PAIR_VCOPY_A=1 (the pair): group A, which waits for free record slots, issues the v copies
-// of global chunks 2 j + 4, 2 j + 5 at the end of its local chunk j (chunks 0-3 before its loop),
-// instead of the consumer warps, whose step is the pair's bound.
-// KDA_SM90_VMASK_LAST=1: the consumers mask v^T's rows past the sequence end only in a short chunk.
-#if defined(KDA_SM90_PAIR_VCOPY_A) && KDA_SM90_PAIR_VCOPY_A
+// The pair's v copies: group A, which waits for free record slots anyway, issues the v copies of global
+// chunks 2 j + 4, 2 j + 5 at the end of its local chunk j (chunks 0-3 before its loop), so the consumer
+// step, the pair's bound, issues none (H200 2026-12-02: -1.5..-2%, o bitwise equal).
 constexpr bool PAIR_VCOPY_A = PAIR;
-#else
-constexpr bool PAIR_VCOPY_A = false;
-#endif
-#if defined(KDA_SM90_VMASK_LAST) && KDA_SM90_VMASK_LAST
-constexpr bool VMASK_LAST = true;
-#else
-constexpr bool VMASK_LAST = false;
-#endif
-// KDA_SM90_UKG=1 (the prep pipeline): the record's W slot holds Kg = k^ Gamma (bf16, the prep's L
-// operand) instead of W = (I+L)^-1 diag(b) Kg, and the consumers form U^T = (v^T - S Kg^T) A^T: group B
-// makes no W tiles and group A no X scratch, for one more wgmma round trip per consumer step (the
-// consumers wait ~1200-1500 cycles per chunk at bv128, where the prep is the bound).
-#if defined(KDA_SM90_UKG) && KDA_SM90_UKG
+// KDA_SM90_UKG (the prep pipeline; default 1, =0 for the W record): the record's W slot holds Kg = k^ Gamma
+// (bf16, the prep's L operand) instead of W = (I+L)^-1 diag(b) Kg, and the consumers form
+// U^T = (v^T - S Kg^T) A^T: group B makes no W tiles and group A no X scratch, for one more wgmma round
+// trip per consumer step (H200 2026-12-02: bv128 -6..-8%, the pair -5%; o within 7e-5 of the W record's).
+#if !defined(KDA_SM90_UKG) || KDA_SM90_UKG
 constexpr bool UKG = PREP_PIPE;  // (the one-group prep, K = 64, keeps W)
 #else
 constexpr bool UKG = false;

@@ -131,10 +131,6 @@ __device__ __forceinline__ void consumer_role(const KdaParams& p, const SeqInfo&
   if constexpr (CONS_COPIES) {
     for (int cc = 0; cc < NIN; ++cc) issue_chunk_spread<4 * NCONS>(p, si, cc, base, bars, wi, lane);
   }
-  // The pair's consumers copy their v rows themselves, NV - 1 chunks ahead.
-  if constexpr (PAIR && !PAIR_VCOPY_A) {
-    for (int cc = 0; cc < NV - 1; ++cc) issue_v<4>(p, si, cc, base, bars, w, lane);
-  }
 
   for (int c = 0; c < si.nc; ++c) {
     // The record of chunk c: slot r of the own ring, or (the pair, the peer's chunks) of the peer ring.
@@ -161,23 +157,18 @@ __device__ __forceinline__ void consumer_role(const KdaParams& p, const SeqInfo&
     KDA_STAMP2(tid == 0 && cw == 0, c, ST_C_VGO);
     uint32_t va[4];
     ldsm_x4_t(va, base + SM_V + vs * V_BYTES + vt_row * VROW + vt_col * 2);
-    auto mask_v = [&](bool convert) {
+#pragma unroll
+    for (int q = 0; q < 4; ++q) va[q] = to_bf16x2(va[q]);
+    // Only a short chunk needs the mask (a branch: as a select it kept its cost, H200 2026-12-02: bv128
+    // -3..-6% without it).
+    if (rows < C) {
 #pragma unroll
       for (int q = 0; q < 4; ++q) {
         const int k0 = 2 * t4 + 8 * (q >> 1);
-        const uint32_t keep = (k0 < rows ? 0x0000ffffu : 0u) | (k0 + 1 < rows ? 0xffff0000u : 0u);
-        va[q] = (convert ? to_bf16x2(va[q]) : va[q]) & keep;
+        va[q] &= (k0 < rows ? 0x0000ffffu : 0u) | (k0 + 1 < rows ? 0xffff0000u : 0u);
       }
-    };
-    if constexpr (VMASK_LAST) {  // a full chunk needs no mask (a branch: a select keeps the mask's cost)
-#pragma unroll
-      for (int q = 0; q < 4; ++q) va[q] = to_bf16x2(va[q]);
-      if (rows < C) mask_v(false);
-    } else {
-      mask_v(true);
     }
     sm90::mbar_arrive(bars + B_V_EMPTY + vs);
-    if constexpr (PAIR && !PAIR_VCOPY_A) issue_v<4>(p, si, c + NV - 1, base, bars, w, lane);
 
     KDA_STAMP(tid == 0 && cw == 0, c, ST_C_WAIT);
     if (own) sm90::mbar_wait(bars + B_REC_FULL + r, (j / NREC) & 1);
