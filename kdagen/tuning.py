@@ -39,8 +39,10 @@ VERSION = 1
 ENV = "KDAGEN_TUNING"
 # The regimes `kdagen tune` writes rules for: edges of tokens per sequence and of sequences x
 # value heads per SM (chunk size follows the serial chain's length; V-split the programs per SM).
-TOKEN_EDGES: tuple[float, ...] = (0, 512, 2048, 8192, 32768, math.inf)
-SEQ_HEAD_EDGES: tuple[float, ...] = (0, 0.0625, 0.25, 1.0, 4.0, math.inf)
+# 16384 and 0.5 split the cell of B1 T8192 H96 / H64 and T16384 H48, whose fastest targets and
+# V-splits differ (H200 2026-12-02: sm90's CTA pair at H64, sm80 block_v 32 at H96, 16 at H48).
+TOKEN_EDGES: tuple[float, ...] = (0, 512, 2048, 8192, 16384, 32768, math.inf)
+SEQ_HEAD_EDGES: tuple[float, ...] = (0, 0.0625, 0.25, 0.5, 1.0, 4.0, math.inf)
 
 
 class TuningError(KdagenError):

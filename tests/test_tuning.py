@@ -161,7 +161,7 @@ def test_derive_rules_takes_the_best_geomean_per_regime():
                 "seq_heads_per_sm": shs, "times": times}
 
     ms = [
-        # same regime (tokens [2048, 8192) x heads/SM [0.25, 1)): (16, 64) is best on one, close on the other
+        # same regime (tokens [2048, 8192) x heads/SM [0.5, 1)): (16, 64) is best on one, close on the other
         m("a", 4096, 0.5, {(16, 32): 1.00, (16, 64): 0.90, (64, 16): 1.50}),
         m("b", 6000, 0.7, {(16, 32): 1.00, (16, 64): 1.02, (64, 16): 0.99}),
         # another regime, where only two settings ran
@@ -171,7 +171,7 @@ def test_derive_rules_takes_the_best_geomean_per_regime():
     rules = tuning.derive_rules(ms)
     assert len(rules) == 2
     r = next(r for r in rules if r.tokens_per_seq == (2048, 8192))
-    assert (r.chunk, r.block_v, r.seq_heads_per_sm) == (16, 64, (0.25, 1.0))
+    assert (r.chunk, r.block_v, r.seq_heads_per_sm) == (16, 64, (0.5, 1.0))
     # geomean of 0.90/0.90 and 1.02/0.99
     assert r.evidence["geomean_vs_best"] == pytest.approx(math.sqrt(1.02 / 0.99), abs=1e-4)
     assert r.evidence["cases"] == ["a", "b"]
@@ -200,7 +200,7 @@ def test_derive_rules_ranks_the_targets_of_a_regime():
         m("d", 70000, 0.1, "triton", {(16, 32): 2.5}),
     ]
     rules = {(r.target, r.tokens_per_seq): r for r in tuning.derive_rules(ms)}
-    s, t = rules["sm80", (8192, 32768)], rules["triton", (8192, 32768)]
+    s, t = rules["sm80", (8192, 16384)], rules["triton", (8192, 16384)]
     # each target's own setting first: triton c64 wins both cases; for sm80, c16 (1.0 and 1.11 of
     # the case's best, geomean 1.054) beats c64 (1.12 and 1.0: 1.058)
     assert (t.chunk, t.block_v, s.chunk, s.block_v) == (64, 16, 16, 16)
@@ -231,3 +231,14 @@ def test_dispatch_prefers_the_target_ranked_first_in_the_regime(gpu):
     # a target the file ranks beats one it does not rank in that regime, whatever their own order
     tuning.save(a_tuning(rules=rules[:1]), gpu)
     assert sel.select(cands, info()).target == "triton"
+
+
+def test_issue16_rows_fall_in_their_own_regimes():
+    """B1 T8192 H96, B1 T8192 H64 and B1 T16384 H48 on a 132-SM GPU (H200) get three regimes: their
+    fastest targets and V-splits differ (sm80 block_v 32, sm90's CTA pair, sm80 block_v 16 in one process,
+    2026-12-02), so one rule for the three mis-dispatched two of them."""
+    cells = {(T, H): tuple(tuning.bucket(x, e) for x, e in zip(tuning.regime(T, 1, 1, H, 132),
+                                                              (tuning.TOKEN_EDGES, tuning.SEQ_HEAD_EDGES)))
+             for T, H in [(8192, 96), (8192, 64), (16384, 48)]}
+    assert len(set(cells.values())) == 3, cells
+    assert cells[8192, 64] == ((8192, 16384), (0.25, 0.5))
