@@ -116,8 +116,9 @@ def _sass_checkable() -> list[tuple[Variant, Path]]:
 @pytest.mark.parametrize("va", _sass_checkable(), ids=lambda va: va[0].name)
 def test_sm90_sass_structure(va):
     """The machine code is the design: HGMMA for the consumer's products (m64n16: 1 + 2 K/16 + 6 with
-    the Kg record, 2 + 2 K/16 + 3 with W; one m64nK with transposed B per chunk), bulk copies completing on mbarriers (UBLKCP, SYNCS),
-    setmaxnreg where the roles' register needs differ, and the prep's mma.sync (HMMA)."""
+    the Kg record, 2 + 2 K/16 + 3 with W; one m64nK with transposed B per chunk), bulk copies
+    completing on mbarriers (UBLKCP, SYNCS), setmaxnreg where the roles' register needs differ, and
+    the prep's mma.sync (HMMA)."""
     from kdagen_dev.sass import disassemble
 
     var, art = va
@@ -133,7 +134,8 @@ def test_sm90_sass_structure(va):
     assert count(f"HGMMA.64x{var.k}x16.F32.BF16") == 1 and ".tnspB" in text, ops
     assert count("UBLKCP") >= 4, ops  # q, k, g, v rows (prologue and loop copies)
     assert count("SYNCS.PHASECHK") >= 4 and count("SYNCS.ARRIVE") >= 4, ops
-    assert count("WARPGROUP.ARRIVE") == (3 if pipe else 2) and count("WARPGROUP.DEPBAR") == (3 if pipe else 2), ops
+    rounds = 3 if pipe else 2  # wgmma round trips per step
+    assert count("WARPGROUP.ARRIVE") == rounds and count("WARPGROUP.DEPBAR") == rounds, ops
     # L/Mqk per K slice; W only in the one-group prep (3 x 2 per 16-column tile)
     assert count("HMMA.16816") == 4 * (2 if var.k >= 128 else 1) + (0 if pipe else 6), ops
     threads = 2 * var.k + 128 * (var.block_v // 64)

@@ -98,10 +98,6 @@ static_assert(PIPE_COPIES >= 0 && PIPE_COPIES <= 2, "KDA_SM90_PIPE_COPIES is 0, 
 static_assert(!PAIR || PIPE_COPIES == 1, "the pair: group B copies q, k, g");
 static_assert(NTX == 0 || PAIR, "KDA_SM90_PAIR_A2: the pair only");
 constexpr bool CONS_COPIES = PREP_PIPE && PIPE_COPIES == 2;
-// The pair's v copies: group A, which waits for free record slots anyway, issues the v copies of global
-// chunks 2 j + 4, 2 j + 5 at the end of its local chunk j (chunks 0-3 before its loop), so the consumer
-// step, the pair's bound, issues none (H200 2026-12-02: -1.5..-2%, o bitwise equal).
-constexpr bool PAIR_VCOPY_A = PAIR;
 // KDA_SM90_UKG (the prep pipeline; default 1, =0 for the W record): the record's W slot holds Kg = k^ Gamma
 // (bf16, the prep's L operand) instead of W = (I+L)^-1 diag(b) Kg, and the consumers form
 // U^T = (v^T - S Kg^T) A^T: group B makes no W tiles and group A no X scratch, for one more wgmma round
@@ -121,7 +117,7 @@ constexpr int S_AQ = S_AK + C * KB1 * 2;        // bf16 [C][KB1] q e^G          
 constexpr int S_BK = S_AQ + C * KB1 * 2;        // bf16 [C][KB1] k e^-G                    (set)
 constexpr int S_XH = S_BK + C * KB1 * 2;        // bf16 [C][KB1] b k e^G, high part (W record only)
 constexpr int S_XL = S_XH + C * KB1 * 2;        //                       low part  (W record only)
-constexpr int S_HALF = UKG ? S_XH : S_XL + C * KB1 * 2;  // one set (the Kg record needs no X); the second follows
+constexpr int S_HALF = UKG ? S_XH : S_XL + C * KB1 * 2;  // one set (Kg: no X); the second follows
 constexpr int S_PART = 2 * S_HALF;              // f32 [NMW][2][16][16] partial L, Mqk (group B)
 constexpr int S_LT = S_PART + NMW * 512 * 4;    // f32 [C][CP] L^T (times b)            (group B)
 constexpr int S_B = S_LT + C * CP * 4;          // f32 [2][C] beta (by chunk parity)
