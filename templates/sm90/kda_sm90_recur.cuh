@@ -132,30 +132,12 @@ __device__ __forceinline__ void consumer_role(const KdaParams& p, const SeqInfo&
     for (int cc = 0; cc < NIN; ++cc) issue_chunk_spread<4 * NCONS>(p, si, cc, base, bars, wi, lane);
   }
 
-  for (int c = 0; c < si.nc; ++c) {
-    // The record of chunk c: slot r of the own ring, or (the pair, the peer's chunks) of the peer ring.
-    const bool own = !PAIR || (c & 1) == pair_rank(si);
-    const int j = PAIR ? c >> 1 : c;
-    const int r = j % NREC, slot = own ? r : NREC + r, vs = c % NV;
-    const int rows = min(C, si.len - c * C);
-    KDA_STAMP2(tid == 0 && cw == 0, c, ST_C_TOP);
-    if (p.hc) {
-#if KDA_STATE == 2
-      store_state((bf16*)p.hc + ((long long)(coff + c) * p.HV + si.h) * V * K, s, vr0, t4, kv);
-#else
-      store_state((float*)p.hc + ((long long)(coff + c) * p.HV + si.h) * V * K, s, vr0, t4, kv);
-#endif
-    }
-    // S as bf16 A fragments, k-step ks = state columns 16 ks .. 16 ks + 15.
-    uint32_t sa[K / 16][4];
-#pragma unroll
-    for (int ks = 0; ks < K / 16; ++ks) acc_to_a(s[2 * ks], s[2 * ks + 1], sa[ks]);
-
-    // v^T of this warp's 16 V rows; time steps past the end of the sequence are zeroed (the stage
-    // rows there are stale). The stage is released as soon as the registers hold it.
+  // v^T of this warp's 16 V rows for chunk c; time steps past the end of the sequence are zeroed (the
+  // stage rows there are stale). The stage is released as soon as the registers hold it.
+  auto load_vt = [&](int c, int rows, uint32_t (&va)[4]) {
+    const int vs = c % NV;
     sm90::mbar_wait(bars + B_V_FULL + vs, (c / NV) & 1);
     KDA_STAMP2(tid == 0 && cw == 0, c, ST_C_VGO);
-    uint32_t va[4];
     ldsm_x4_t(va, base + SM_V + vs * V_BYTES + vt_row * VROW + vt_col * 2);
 #pragma unroll
     for (int q = 0; q < 4; ++q) va[q] = to_bf16x2(va[q]);
@@ -169,21 +151,68 @@ __device__ __forceinline__ void consumer_role(const KdaParams& p, const SeqInfo&
       }
     }
     sm90::mbar_arrive(bars + B_V_EMPTY + vs);
+  };
+  // Release record slot r. A peer record's slot is tracked by the peer's rec_empty (its prep refills its
+  // own slot and this one together): one remote arrival per warp.
+  auto release = [&](bool own, int r) {
+    if (own) sm90::mbar_arrive(bars + B_REC_EMPTY + r);
+    else if (lane == 0) sm90::mbar_arrive_remote(sm90::peer_addr(bars + B_REC_EMPTY + r, pair_rank(si) ^ 1u));
+  };
+  // o^T of chunk c (V rows vr0, vr0 + 8; time steps 8 nt + 2 t4 (+ 1)): matrix 2 nt + hv is V rows 8 hv .. of
+  // time steps 8 nt ..; rows past the end are not stored. (The syncwarps order the tile's reuse.)
+  auto store_o = [&](const float (&ao)[8], int c, int rows) {
+    // (shared addresses from the record's: a generic tile pointer moved the wgmma descriptors out
+    // of the uniform registers, 116 more instructions per step in the pair)
+    const uint32_t ost = r0 - SM_REC + SM_OST + (4 * cw + w) * OST_BYTES;
+    const int sm_t = 8 * (lane >> 4) + (lane & 7);  // stmatrix: row lane % 8 of matrix lane / 8
+    __syncwarp();
+    sm90::stsm_x4_t(ost + sm_t * 32 + ((((lane >> 3) & 1) ^ ((sm_t >> 2) & 1)) * 16), pack_in(ao[0], ao[1]),
+                    pack_in(ao[2], ao[3]), pack_in(ao[4], ao[5]), pack_in(ao[6], ao[7]));
+    __syncwarp();
+    const uint4 ov = sm90::lds128(ost + ot * 32 + ((oh ^ ((ot >> 2) & 1)) * 16));
+    if (ot < rows)
+      *reinterpret_cast<uint4*>((in_t*)p.o + si.bidx * p.o_s[0] + si.h * p.o_s[2] +
+                                (si.tb + (long long)c * C + ot) * p.o_s[1] + si.vb * BV + v0 + 8 * oh) = ov;
+  };
+  auto store_hc = [&](int c) {
+    if (p.hc) {
+#if KDA_STATE == 2
+      store_state((bf16*)p.hc + ((long long)(coff + c) * p.HV + si.h) * V * K, s, vr0, t4, kv);
+#else
+      store_state((float*)p.hc + ((long long)(coff + c) * p.HV + si.h) * V * K, s, vr0, t4, kv);
+#endif
+    }
+  };
+  // S *= Gamma_C of the record at rec
+  auto decay = [&](const char* rec) {
+    const float* gm = reinterpret_cast<const float*>(rec + R_GM);
+#pragma unroll
+    for (int nt = 0; nt < K / 8; ++nt) {
+      const float2 g = *reinterpret_cast<const float2*>(gm + 8 * nt + 2 * t4);
+      s[nt][0] *= g.x; s[nt][1] *= g.y; s[nt][2] *= g.x; s[nt][3] *= g.y;
+    }
+  };
+
+  // One chunk: its record in slot r (own ring, or the pair's peer ring), completed in phase ph & 1.
+  auto step16 = [&](int c, bool own, int r, uint32_t ph) {
+    const int slot = own ? r : NREC + r;
+    const int rows = min(C, si.len - c * C);
+    KDA_STAMP2(tid == 0 && cw == 0, c, ST_C_TOP);
+    store_hc(c);
+    // S as bf16 A fragments, k-step ks = state columns 16 ks .. 16 ks + 15.
+    uint32_t sa[K / 16][4];
+#pragma unroll
+    for (int ks = 0; ks < K / 16; ++ks) acc_to_a(s[2 * ks], s[2 * ks + 1], sa[ks]);
+    uint32_t va[4];
+    load_vt(c, rows, va);
 
     KDA_STAMP(tid == 0 && cw == 0, c, ST_C_WAIT);
-    if (own) sm90::mbar_wait(bars + B_REC_FULL + r, (j / NREC) & 1);
-    else sm90::mbar_wait(bars + B_REC_PEER + r, (j / NREC) & 1);
+    if (own) sm90::mbar_wait(bars + B_REC_FULL + r, ph);
+    else sm90::mbar_wait(bars + B_REC_PEER + r, ph);
     KDA_STAMP(tid == 0 && cw == 0, c, ST_C_GO);
     const char* rec = base + SM_REC + slot * REC_BYTES;
     const uint64_t so = (uint64_t)(slot * (REC_BYTES >> 4));  // the slot, in descriptor units
-    {
-      const float* gm = reinterpret_cast<const float*>(rec + R_GM);
-#pragma unroll
-      for (int nt = 0; nt < K / 8; ++nt) {
-        const float2 g = *reinterpret_cast<const float2*>(gm + 8 * nt + 2 * t4);
-        s[nt][0] *= g.x; s[nt][1] *= g.y; s[nt][2] *= g.x; s[nt][3] *= g.y;
-      }
-    }
+    decay(rec);
     const uint64_t dAH = dAH0 + so, dAL = dAL0 + so, dMq = dMq0 + so, dMl = dMl0 + so, dKr = dKr0 + so;
 
     // U^T and o^T accumulators (m64n16: 8 per thread), local to the step (the first product of
@@ -241,28 +270,138 @@ __device__ __forceinline__ void consumer_role(const KdaParams& p, const SeqInfo&
     sm90::reg_fence(s);
     sm90::reg_fence(ao);
     KDA_STAMP(tid == 0 && cw == 0, c, ST_C_DONE);
-    // Release the slot. A peer record's slot is tracked by the peer's rec_empty (its prep refills
-    // its own slot and this one together): one remote arrival per warp.
-    if (own) sm90::mbar_arrive(bars + B_REC_EMPTY + r);
-    else if (lane == 0) sm90::mbar_arrive_remote(sm90::peer_addr(bars + B_REC_EMPTY + r, pair_rank(si) ^ 1u));
+    release(own, r);
+    store_o(ao, c, rows);
+  };
 
-    // o^T (V rows vr0, vr0 + 8; time steps 8 nt + 2 t4 (+ 1)): matrix 2 nt + hv is V rows 8 hv .. of
-    // time steps 8 nt ..; rows past the end are not stored. (The syncwarps order the tile's reuse.)
-    {
-      // (shared addresses from the record's: a generic tile pointer moved the wgmma descriptors out
-      // of the uniform registers, 116 more instructions per step in the pair)
-      const uint32_t ost = r0 - SM_REC + SM_OST + (4 * cw + w) * OST_BYTES;
-      const int sm_t = 8 * (lane >> 4) + (lane & 7);  // stmatrix: row lane % 8 of matrix lane / 8
-      __syncwarp();
-      sm90::stsm_x4_t(ost + sm_t * 32 + ((((lane >> 3) & 1) ^ ((sm_t >> 2) & 1)) * 16), pack_in(ao[0], ao[1]),
-                      pack_in(ao[2], ao[3]), pack_in(ao[4], ao[5]), pack_in(ao[6], ao[7]));
-      __syncwarp();
-      const uint4 ov = sm90::lds128(ost + ot * 32 + ((oh ^ ((ot >> 2) & 1)) * 16));
-      if (ot < rows)
-        *reinterpret_cast<uint4*>((in_t*)p.o + si.bidx * p.o_s[0] + si.h * p.o_s[2] +
-                                  (si.tb + (long long)c * C + ot) * p.o_s[1] + si.vb * BV + v0 + 8 * oh) = ov;
-    }
+#if KDA_SM90_P32_ON
+  // P32: one step per 32 tokens, chunks c0 = 2 m (record R0) and c1 = 2 m + 1 (R1, with the cross blocks);
+  // tests/test_sm90.py::test_sm90_algorithm_emulation[p32] is this step in torch:
+  //   Y_0 = v_0^T - S Kg_0^T,  Y_1 = v_1^T - (S G_0) Kg_1^T                     (S G_0: S Gamma_C of R0)
+  //   U_0 = Y_0 A_00^T,        U_1 = Y_1 A_11^T + Y_0 A_10^T
+  //   o_0 = S Qd_0^T + U_0 M_00^T,  o_1 = (S G_0) Qd_1^T + U_0 M_10^T + U_1 M_11^T
+  //   S <- S G_0 + U_0 Kr_0  (the chunk state of c1),  S <- S G_1 + U_1 Kr_1
+  // Three wgmma round trips per 32 tokens where two chunk steps take six.
+  const uint64_t dA10H0 = sm90::make_desc(r0 + R_A10H, 128, 256, sm90::LAYOUT_INTERLEAVE);
+  const uint64_t dA10L0 = sm90::make_desc(r0 + R_A10L, 128, 256, sm90::LAYOUT_INTERLEAVE);
+  const uint64_t dM10H0 = sm90::make_desc(r0 + R_M10H, 128, 256, sm90::LAYOUT_INTERLEAVE);
+  const uint64_t dM10L0 = sm90::make_desc(r0 + R_M10L, 128, 256, sm90::LAYOUT_INTERLEAVE);
+  auto step32 = [&](int m, bool own0, int r, uint32_t ph) {
+    const int c0 = 2 * m, c1 = c0 + 1;
+    const int slot0 = own0 ? r : NREC + r, slot1 = own0 ? NREC + r : r;
+    const int rows1 = min(C, si.len - c1 * C);
+    store_hc(c0);
+    uint32_t sa0[K / 16][4], sa1[K / 16][4];
+#pragma unroll
+    for (int ks = 0; ks < K / 16; ++ks) acc_to_a(s[2 * ks], s[2 * ks + 1], sa0[ks]);
+    uint32_t va0[4], va1[4];
+    load_vt(c0, C, va0);
+    load_vt(c1, rows1, va1);
+    sm90::mbar_wait(bars + (own0 ? B_REC_FULL : B_REC_PEER) + r, ph);
+    sm90::mbar_wait(bars + (own0 ? B_REC_PEER : B_REC_FULL) + r, ph);
+    const char* rec0 = base + SM_REC + slot0 * REC_BYTES;
+    const char* rec1 = base + SM_REC + slot1 * REC_BYTES;
+    const uint64_t so0 = (uint64_t)(slot0 * (REC_BYTES >> 4)), so1 = (uint64_t)(slot1 * (REC_BYTES >> 4));
+    decay(rec0);
+#pragma unroll
+    for (int ks = 0; ks < K / 16; ++ks) acc_to_a(s[2 * ks], s[2 * ks + 1], sa1[ks]);
+
+    float au0[8], au1[8], ao0[8], ao1[8];
+    sm90::reg_fence(s);
+    sm90::reg_fence(sa0);
+    sm90::reg_fence(sa1);
+    sm90::reg_fence(va0);
+    sm90::reg_fence(va1);
+    sm90::wgmma_fence();
+    sm90::wgmma_m64n16_rs<1>(au0, va0, dI, false);
+#pragma unroll
+    for (int ks = 0; ks < K / 16; ++ks) sm90::wgmma_m64n16_rs<-1>(au0, sa0[ks], dW0 + so0 + kstep(ks), true);
+    sm90::wgmma_m64n16_rs<1>(au1, va1, dI, false);
+#pragma unroll
+    for (int ks = 0; ks < K / 16; ++ks) sm90::wgmma_m64n16_rs<-1>(au1, sa1[ks], dW0 + so1 + kstep(ks), true);
+    sm90::wgmma_commit();
+#pragma unroll
+    for (int ks = 0; ks < K / 16; ++ks) sm90::wgmma_m64n16_rs<1>(ao0, sa0[ks], dQd0 + so0 + kstep(ks), ks > 0);
+#pragma unroll
+    for (int ks = 0; ks < K / 16; ++ks) sm90::wgmma_m64n16_rs<1>(ao1, sa1[ks], dQd0 + so1 + kstep(ks), ks > 0);
+    sm90::wgmma_commit();
+    sm90::wgmma_wait<1>();
+    sm90::reg_fence(au0);
+    sm90::reg_fence(au1);
+    uint32_t y0h[4], y0l[4], y1h[4], y1l[4];
+    acc16_split(au0, y0h, y0l);
+    acc16_split(au1, y1h, y1l);
+    sm90::reg_fence(y0h);
+    sm90::reg_fence(y0l);
+    sm90::reg_fence(y1h);
+    sm90::reg_fence(y1l);
+    sm90::wgmma_fence();
+    sm90::wgmma_m64n16_rs<1>(au0, y0h, dAH0 + so0, false);
+    sm90::wgmma_m64n16_rs<1>(au0, y0h, dAL0 + so0, true);
+    sm90::wgmma_m64n16_rs<1>(au0, y0l, dAH0 + so0, true);
+    sm90::wgmma_m64n16_rs<1>(au1, y1h, dAH0 + so1, false);
+    sm90::wgmma_m64n16_rs<1>(au1, y1h, dAL0 + so1, true);
+    sm90::wgmma_m64n16_rs<1>(au1, y1l, dAH0 + so1, true);
+    sm90::wgmma_m64n16_rs<1>(au1, y0h, dA10H0 + so1, true);
+    sm90::wgmma_m64n16_rs<1>(au1, y0h, dA10L0 + so1, true);
+    sm90::wgmma_m64n16_rs<1>(au1, y0l, dA10H0 + so1, true);
+    sm90::wgmma_commit();
+    sm90::wgmma_wait<0>();
+    sm90::reg_fence(au0);
+    sm90::reg_fence(au1);
+    sm90::reg_fence(ao0);
+    sm90::reg_fence(ao1);
+    uint32_t u0h[4], u0l[4], u1h[4], u1l[4];
+    acc16_split(au0, u0h, u0l);
+    acc16_split(au1, u1h, u1l);
+    sm90::reg_fence(u0h);
+    sm90::reg_fence(u0l);
+    sm90::reg_fence(u1h);
+    sm90::reg_fence(u1l);
+    sm90::wgmma_fence();
+    sm90::wgmma_m64nN_rs_tb<K>(s, u0h, dKr0 + so0);
+    sm90::wgmma_m64n16_rs<1>(ao0, u0h, dMq0 + so0, true);
+    sm90::wgmma_m64n16_rs<1>(ao0, u0h, dMl0 + so0, true);
+    sm90::wgmma_m64n16_rs<1>(ao0, u0l, dMq0 + so0, true);
+    sm90::wgmma_m64n16_rs<1>(ao1, u0h, dM10H0 + so1, true);
+    sm90::wgmma_m64n16_rs<1>(ao1, u0h, dM10L0 + so1, true);
+    sm90::wgmma_m64n16_rs<1>(ao1, u0l, dM10H0 + so1, true);
+    sm90::wgmma_m64n16_rs<1>(ao1, u1h, dMq0 + so1, true);
+    sm90::wgmma_m64n16_rs<1>(ao1, u1h, dMl0 + so1, true);
+    sm90::wgmma_m64n16_rs<1>(ao1, u1l, dMq0 + so1, true);
+    sm90::wgmma_commit();
+    sm90::wgmma_wait<0>();
+    sm90::reg_fence(s);
+    sm90::reg_fence(ao0);
+    sm90::reg_fence(ao1);
+    store_hc(c1);
+    decay(rec1);
+    sm90::reg_fence(s);
+    sm90::wgmma_fence();
+    sm90::wgmma_m64nN_rs_tb<K>(s, u1h, dKr0 + so1);
+    sm90::wgmma_commit();
+    // (the o stores overlap the last product; the slots are free once it has read Kr_1)
+    store_o(ao0, c0, C);
+    store_o(ao1, c1, rows1);
+    sm90::wgmma_wait<0>();
+    sm90::reg_fence(s);
+    release(own0, r);
+    release(!own0, r);
+  };
+  for (int m = 0; 2 * m < si.nc; ++m) {
+    // the first chunk's record is this CTA's where its rank preps the first chunk of step m
+    const bool own0 = (((m & 1) ^ 1) == (int)pair_rank(si));
+    if (2 * m + 1 == si.nc) step16(2 * m, own0, m % NREC, (m / NREC) & 1);
+    else step32(m, own0, m % NREC, (m / NREC) & 1);
   }
+#else
+  for (int c = 0; c < si.nc; ++c) {
+    // The record of chunk c: slot r of the own ring, or (the pair, the peer's chunks) of the peer ring.
+    const bool own = !PAIR || (c & 1) == pair_rank(si);
+    const int j = PAIR ? c >> 1 : c;
+    step16(c, own, j % NREC, (j / NREC) & 1);
+  }
+#endif
 #if KDA_STATE != 0
   if (p.ht) store_state((state_t*)p.ht + st_off, s, vr0, t4, kv);
 #endif
