@@ -295,10 +295,13 @@ __device__ __forceinline__ void consumer_role(const KdaParams& p, const SeqInfo&
 #pragma unroll
     for (int ks = 0; ks < K / 16; ++ks) acc_to_a(s[2 * ks], s[2 * ks + 1], sa0[ks]);
     uint32_t va0[4], va1[4];
+    KDA_STAMP2(tid == 0 && cw == 0, c0, ST_C_TOP);
     load_vt(c0, C, va0);
     load_vt(c1, rows1, va1);
+    KDA_STAMP(tid == 0 && cw == 0, c0, ST_C_WAIT);
     sm90::mbar_wait(bars + (own0 ? B_REC_FULL : B_REC_PEER) + r, ph);
     sm90::mbar_wait(bars + (own0 ? B_REC_PEER : B_REC_FULL) + r, ph);
+    KDA_STAMP(tid == 0 && cw == 0, c0, ST_C_GO);
     const char* rec0 = base + SM_REC + slot0 * REC_BYTES;
     const char* rec1 = base + SM_REC + slot1 * REC_BYTES;
     const uint64_t so0 = (uint64_t)(slot0 * (REC_BYTES >> 4)), so1 = (uint64_t)(slot1 * (REC_BYTES >> 4));
@@ -385,6 +388,7 @@ __device__ __forceinline__ void consumer_role(const KdaParams& p, const SeqInfo&
     store_o(ao1, c1, rows1);
     sm90::wgmma_wait<0>();
     sm90::reg_fence(s);
+    KDA_STAMP(tid == 0 && cw == 0, c0, ST_C_DONE);
     release(own0, r);
     release(!own0, r);
   };
