@@ -26,7 +26,6 @@ def main() -> int:
     ap.add_argument("--T", type=int, default=16384)
     ap.add_argument("--H", type=int, default=48)
     ap.add_argument("--calls", type=int, default=3)
-    ap.add_argument("--p32", action="store_true", help="the fatbin is a KDA_SM90_P32=1 build (the pair's 32-token step)")
     a = ap.parse_args()
 
     import torch
@@ -57,7 +56,7 @@ def main() -> int:
         print("no stamps written: is --fatbin a KDA_SM90_STAMPS=1 build, and the sequence longer than "
               f"{C0 + N} chunks?")
         return 1
-    segs = segments(st, pair=var.block_v == 64 and var.k == 128, c0=C0, p32=a.p32)
+    segs = segments(st, pair=var.block_v == 64 and var.k == 128, c0=C0)
     print(f"{var.name} B1 T{a.T} H{a.H}: medians over chunks {C0}..{C0 + N - 5} of {CTAS} CTAs (SM cycles "
           "unless marked)")
     for name, xs in segs.items():

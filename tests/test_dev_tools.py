@@ -152,31 +152,3 @@ def test_sm90_stamp_segments_on_synthetic_stamps():
             "consumers: S to bf16, v wait": 220, "consumers: v fragments, v copies": 80}
     assert {k: set(v) for k, v in segs.items()} == {k: {x} for k, x in want.items()}
     assert all(len(v) == 2 * 4 for v in segs.values())  # 2 CTAs x (8 - 4) chunks
-
-
-def test_sm90_stamp_prep_assignment_of_the_pair():
-    """Which CTA of the pair preps which chunk, as the stamp analysis assumes it: every chunk by exactly
-    one rank; by default rank c % 2; with the 32-token step (P32) one chunk of each step per rank, the
-    second chunk of step m by rank m % 2 (the kernel's KDA_GCHUNK), so the ranks take turns with the
-    cross blocks. The consumer segments of a P32 timeline come once per step."""
-    from kdagen_dev.sm90_stamps import EVENTS, preps, segments
-
-    for p32 in (False, True):
-        for c in range(16):
-            assert preps(0, c, True, p32) != preps(1, c, True, p32)
-    assert [c for c in range(8) if preps(0, c, True, False)] == [0, 2, 4, 6]
-    assert [c for c in range(8) if preps(0, c, True, True)] == [1, 2, 5, 6]
-    assert [c for c in range(8) if preps(1, c, True, True)] == [0, 3, 4, 7]
-    # local chunk j of rank r is global chunk 2 j + (((j ^ r) & 1) ^ 1)
-    for r in range(2):
-        assert [c for c in range(16) if preps(r, c, True, True)] == [2 * j + (((j ^ r) & 1) ^ 1) for j in range(8)]
-    ev = {n: i for i, n in enumerate(EVENTS)}
-    st = [[[[0, 0] for _ in EVENTS] for _ in range(10)] for _ in range(2)]
-    for cta in range(2):
-        for c in range(0, 10, 2):
-            t = 10_000 + 3_000 * c
-            for name, at in (("C_WAIT", t - 200), ("C_GO", t), ("C_DONE", t + 2500)):
-                st[cta][c][ev[name]] = [at, at]
-    segs = segments(st, pair=True, p32=True)
-    assert set(segs["consumer step (start to start)"]) == {6000}
-    assert len(segs["consumers work (products)"]) == 2 * 3  # chunks 0, 2, 4 of 0..5 per CTA

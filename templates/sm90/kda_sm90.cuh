@@ -34,13 +34,7 @@ extern "C" __global__ void KDA_CLUSTER_DIMS __launch_bounds__(kda::NT, 1) kda_fu
   si.tb = p.cu_seqlens ? bos : 0;
 #if KDA_SM90_PAIR_ON
   si.rank = (int)sm90::cluster_rank();
-#if KDA_SM90_P32_ON
-  // one local chunk per 32-token step, except where an odd chunk count leaves the last step one chunk
-  // (the first), whose rank is not this one
-  si.nloc = (si.nc + 1) / 2 - ((si.nc & 1) && ((((si.nc - 1) / 2) ^ si.rank) & 1) == 0 ? 1 : 0);
-#else
   si.nloc = (si.nc - si.rank + 1) / 2;
-#endif
 #endif
 
   if (threadIdx.x == 0) {

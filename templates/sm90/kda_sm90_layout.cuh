@@ -53,23 +53,7 @@ constexpr int R_ML = R_MQ + 512;        //                                      
 constexpr int R_AH = R_ML + 512;        // bf16 [16][16] (I+L)^-1 diag(b), high part
 constexpr int R_AL = R_AH + 512;        //                                 low part
 constexpr int R_GM = R_AL + 512;        // fp32 [K] Gamma_C
-// KDA_SM90_P32 (the pair only; A/B option): the consumers run one step per 32 tokens over two chunk
-// records, the one of chunk 2m and the one of chunk 2m + 1; the latter's CTA adds the cross blocks
-// A_10 and M_10 (hi + lo, interleaved [16][16] like A and Mqk) after its record (DESIGN.md "32-token step").
-constexpr int R_A10H = R_GM + K * 4;
-constexpr int R_A10L = R_A10H + 512;
-constexpr int R_M10H = R_A10L + 512;
-constexpr int R_M10L = R_M10H + 512;
-#if defined(KDA_SM90_P32) && KDA_SM90_P32 && KDA_K == 128 && KDA_V == 128 && KDA_BV == 64
-#define KDA_SM90_P32_ON 1
-constexpr bool P32 = true;
-constexpr int REC_END = R_M10L + 512;
-#else
-#define KDA_SM90_P32_ON 0
-constexpr bool P32 = false;
-constexpr int REC_END = R_GM + K * 4;
-#endif
-constexpr int REC_BYTES = (REC_END + 1023) / 1024 * 1024;  // stages stay 1024-aligned
+constexpr int REC_BYTES = (R_GM + K * 4 + 1023) / 1024 * 1024;  // stages stay 1024-aligned
 
 // ---- prep scratch (the sm80 chunk-16 prep's shared arrays) ----
 constexpr int KP = K + 4;    // fp32 row pitch
@@ -99,7 +83,6 @@ constexpr bool PREP_PIPE = KDA_SM90_PIPE_ON;
 #define KDA_SM90_PAIR_ON 0
 #endif
 constexpr bool PAIR = KDA_SM90_PAIR_ON;
-static_assert(!P32 || PAIR, "KDA_SM90_P32: the CTA pair only");
 // Who issues the bulk copies in the pipeline (KDA_SM90_PIPE_COPIES): 0 group A after its phase 1
 // (chunk c + NIN - 2); 1 group B at the end of its chunk c (chunk c + NIN, into the stage B's own
 // phase 2 has just released); 2 the consumer warps, chunk c + NIN once the record of chunk c is
@@ -183,7 +166,6 @@ constexpr int NV = PAIR ? 8 : NIN + NREC;
 #endif
 constexpr int NRSLOT = PAIR ? 2 * NREC : NREC;  // record slots: own ring, then the peer ring
 constexpr int REC_USED = R_GM + K * 4;          // bytes of a record the pair forwards
-constexpr int REC_USED32 = REC_END;             // (P32: a second-half record, with the cross blocks)
 static_assert(NIN >= 2 && NREC >= 1, "ring depths");
 
 // Who issues the bulk copies (templates/sm90/DESIGN.md "measured from SASS"; default 2: on the

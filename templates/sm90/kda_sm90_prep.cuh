@@ -33,11 +33,7 @@ __device__ __forceinline__ int nlocal(const SeqInfo& si) {
   return si.nc;
 #endif
 }
-#if KDA_SM90_PAIR_ON && KDA_SM90_P32_ON
-// P32: local chunk j is one of the chunks 2 j, 2 j + 1 of 32-token step j; rank j & 1 preps the second
-// (and adds the cross blocks), the other rank the first, so the two CTAs take turns with that extra work.
-#define KDA_GCHUNK(si, j) (2 * (j) + ((((j) ^ (si).rank) & 1) ^ 1))
-#elif KDA_SM90_PAIR_ON
+#if KDA_SM90_PAIR_ON
 #define KDA_GCHUNK(si, j) (2 * (j) + (si).rank)
 #else
 #define KDA_GCHUNK(si, j) (j)  // (a macro: as a function it changed the default images' scheduling)
@@ -454,81 +450,6 @@ __device__ __forceinline__ void prep_phase5_ainv(char* base, int c, int u0) {
     *reinterpret_cast<bf16*>(rec + R_AL + sm90::il16_k(i, j)) = __float2bfloat16_rn(y - __bfloat162float(yh));
   }
 }
-// ---- 6 (P32: the second chunk of a 32-token step, after phase 5a) the cross blocks the consumers' step
-// needs besides the two records: with chunk 2m's record in peer slot c % NREC (forwarded, waited for by
-// the caller) and this chunk's in the own slot,
-//   M_10 = Qd_1 Kr_0^T,  A_10 = -(I + L_11)^-1 L_10 A_00,  L_10 = diag(b_1) Kg_1 Kr_0^T,
-// (A_00 = (I + L_00)^-1 diag(b_0) as forwarded, hi + lo), both hi + lo into the record. Both products are
-// <k_i e^(G_i - a), k_j e^(a - G_j)> with a the gate at the boundary: no factor exceeds 1, so no fallback.
-// Group B's threads (tb < NTH, named barrier BAR); warp wb: K columns 32 wb .. 32 wb + 31 into spart.
-template <int BAR, int NTH>
-__device__ __forceinline__ void prep_cross(char* base, int c, int tb) {
-  KDA_PREP_SCRATCH(base, c);
-  const char* const prec = base + SM_REC + (NREC + c % NREC) * REC_BYTES;
-  const int lane = tb & 31, wb = tb >> 5;
-  const int g8 = lane >> 2, t4 = lane & 3, lm = lane >> 3, lr = lane & 7;
-  static_assert(NTH == 128 && K == 128, "cross blocks: 4 warps of 32 K columns");
-  float accL[2][4] = {}, accM[2][4] = {};
-#pragma unroll
-  for (int sl = 0; sl < 2; ++sl) {
-    const int c0 = 32 * wb + 16 * sl;
-    uint32_t ak[4], aq[4], bk[4];
-    ldsm_x4(ak, rec + R_W + sm90::sw128_k<C>(lr + 8 * (lm & 1), c0 + 8 * (lm >> 1)));
-    ldsm_x4(aq, rec + R_QD + sm90::sw128_k<C>(lr + 8 * (lm & 1), c0 + 8 * (lm >> 1)));
-    ldsm_x4(bk, prec + R_KR + sm90::sw128_mn<K>(lr + 8 * (lm >> 1), c0 + 8 * (lm & 1)));
-    mma_bf16(accL[0], ak, bk[0], bk[1]);
-    mma_bf16(accL[1], ak, bk[2], bk[3]);
-    mma_bf16(accM[0], aq, bk[0], bk[1]);
-    mma_bf16(accM[1], aq, bk[2], bk[3]);
-  }
-  float* pL = spart + wb * 512;
-  float* pM = pL + 256;
-#pragma unroll
-  for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      const int i = g8 + 8 * hh, j = 8 * nt + 2 * t4;
-      *reinterpret_cast<float2*>(pL + i * 16 + j) = make_float2(accL[nt][2 * hh], accL[nt][2 * hh + 1]);
-      *reinterpret_cast<float2*>(pM + i * 16 + j) = make_float2(accM[nt][2 * hh], accM[nt][2 * hh + 1]);
-    }
-  sm90::named_sync<BAR, NTH>();
-  // L_10 (times b_1) into sLT (row-major here), M_10 into the record
-  for (int u = tb; u < 256; u += NTH) {
-    const int i = u >> 4, j = u & 15;
-    float l = 0.f, m = 0.f;
-#pragma unroll
-    for (int w = 0; w < 4; ++w) {
-      l += spart[w * 512 + u];
-      m += spart[w * 512 + 256 + u];
-    }
-    sLT[i * CP + j] = sbc[i] * l;
-    const bf16 mh = __float2bfloat16_rn(m);
-    *reinterpret_cast<bf16*>(rec + R_M10H + sm90::il16_k(i, j)) = mh;
-    *reinterpret_cast<bf16*>(rec + R_M10L + sm90::il16_k(i, j)) = __float2bfloat16_rn(m - __bfloat162float(mh));
-  }
-  sm90::named_sync<BAR, NTH>();
-  // X = L_10 A_00 into spart
-  for (int u = tb; u < 256; u += NTH) {
-    const int i = u >> 4, j = u & 15;
-    float x = 0.f;
-#pragma unroll
-    for (int kk = 0; kk < 16; ++kk)
-      x += sLT[i * CP + kk] * (__bfloat162float(*reinterpret_cast<const bf16*>(prec + R_AH + sm90::il16_k(kk, j))) +
-                               __bfloat162float(*reinterpret_cast<const bf16*>(prec + R_AL + sm90::il16_k(kk, j))));
-    spart[u] = x;
-  }
-  sm90::named_sync<BAR, NTH>();
-  // A_10 = -(I + L_11)^-1 X (unit lower triangular: k <= i)
-  for (int u = tb; u < 256; u += NTH) {
-    const int i = u >> 4, j = u & 15;
-    float y = 0.f;
-    for (int kk = 0; kk <= i; ++kk) y -= sInv[i * IPF + kk] * spart[kk * 16 + j];
-    const bf16 yh = __float2bfloat16_rn(y);
-    *reinterpret_cast<bf16*>(rec + R_A10H + sm90::il16_k(i, j)) = yh;
-    *reinterpret_cast<bf16*>(rec + R_A10L + sm90::il16_k(i, j)) = __float2bfloat16_rn(y - __bfloat162float(yh));
-  }
-}
-
 // ---- 5b. A fragments of (I + L)^-1 (rows g8, g8 + 8; columns 2 t4 (+ 8)), split hi + lo
 __device__ __forceinline__ void prep_inv_frags(char* base, int c, int lane, uint32_t (&ah)[4], uint32_t (&al)[4]) {
   KDA_PREP_SCRATCH(base, c);

@@ -143,15 +143,6 @@ __device__ __forceinline__ void prep_group_b(const KdaParams& p, const SeqInfo& 
     if (tb < C) prep_phase4(base, c, tb);
     sm90::named_sync<BAR_PREP_B, NTG>();
     prep_phase5_ainv<NTG>(base, c, tb);
-    // P32: the second chunk of a 32-token step adds the cross blocks, once the first chunk's record has
-    // landed in the peer ring (its forward does not wait on anything of this CTA's)
-    const bool cross = P32 && ((c ^ pair_rank(si)) & 1) == 0;
-    if constexpr (P32) {
-      if (cross) {
-        sm90::mbar_wait(bars + B_REC_PEER + r, (c / NREC) & 1);
-        prep_cross<BAR_PREP_B, NTG>(base, c, tb);
-      }
-    }
     if constexpr (!UKG) {  // (UKG: the consumers apply (I+L)^-1 diag(b) to v^T - S Kg^T themselves)
       uint32_t ah[4], al[4];
       prep_inv_frags(base, c, tid & 31, ah, al);
@@ -176,10 +167,9 @@ __device__ __forceinline__ void prep_group_b(const KdaParams& p, const SeqInfo& 
         KDA_STAMP(true, KDA_GCHUNK(si, c), ST_B_FULL);
         const uint32_t peer = pair_rank(si) ^ 1u;
         const uint32_t pbar = sm90::peer_addr(bars + B_REC_PEER + r, peer);
-        const uint32_t bytes = cross ? REC_USED32 : REC_USED;
-        sm90::mbar_arrive_expect_tx_remote(pbar, bytes);
+        sm90::mbar_arrive_expect_tx_remote(pbar, REC_USED);
         sm90::bulk_s2peer(sm90::peer_addr(base + SM_REC + (NREC + r) * REC_BYTES, peer), base + SM_REC + r * REC_BYTES,
-                          bytes, pbar);
+                          REC_USED, pbar);
         KDA_STAMP(true, KDA_GCHUNK(si, c), ST_B_FWD);
       }
       issue_qkg<4>(p, si, c + NIN, base, bars, warp - 4, tid & 31);
