@@ -157,6 +157,23 @@ __device__ __forceinline__ void wgmma_m64n16_rs(float (&d)[8], const uint32_t (&
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"((int)accumulate), "n"(SCALE_A));
 }
 
+// D[64 x 32] (+)= A[64 x 16] B, A bf16 from registers, B K-major from shared memory (d: the m64n32
+// accumulator, 16 per thread; d[0..7] hold columns 0-15 in the m64n16 order, d[8..15] columns 16-31).
+// accumulate = false overwrites D.
+__device__ __forceinline__ void wgmma_m64n32_rs(float (&d)[16], const uint32_t (&a)[4], uint64_t desc_b,
+                                                bool accumulate) {
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, %21, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, {%16, %17, %18, %19}, %20, p, 1, 1, 0;\n"
+      "}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"((int)accumulate));
+}
+
 // D[64 x N] += A[64 x 16] B, N = 64 or 128, A bf16 from registers, B MN-major (transposed) from
 // shared memory. d is the m64nN accumulator (N / 2 floats per thread).
 template <int N>

@@ -107,6 +107,16 @@ constexpr bool UKG = PREP_PIPE;  // (the one-group prep, K = 64, keeps W)
 #else
 constexpr bool UKG = false;
 #endif
+// KDA_SM90_YO (the Kg record; default 1, =0 for separate tiles): -Kg and Qd share one K-major 128B-swizzled
+// [2C][K] tile (rows 0 .. C-1 -Kg, C .. 2C-1 Qd; the W and Qd slots' bytes), so the consumers' Y^T = v^T - S Kg^T
+// and o^T = S Qd^T are one m64n32k16 wgmma per k-step with v^T as the accumulator's start, instead of
+// 1 + 2 K / 16 m64n16k16 (the identity product among them).
+#if !defined(KDA_SM90_YO) || KDA_SM90_YO
+constexpr bool YO = UKG && PAIR;
+#else
+constexpr bool YO = false;
+#endif
+static_assert(R_W == R_QD + C * K * 2 && R_KR == R_W + C * K * 2, "YO: the [2C][K] tile takes the Qd and W slots");
 #if KDA_SM90_PIPE_ON
 constexpr int S_G = 0;                          // f32 [C][KP] cumulative gate            (set)
 constexpr int S_RQ = S_G + C * KP * 4;          // f32 [C] L2-norm factors of q, k         (set)
@@ -196,7 +206,7 @@ constexpr int OST_BYTES = C * 16 * 2;
 constexpr int SM_OST = SM_SCR + SCR_BYTES;
 // UKG: a 16 x 16 identity (bf16, interleaved K-major) for v^T I, the first product of Y^T = v^T - S Kg^T
 constexpr int SM_ID = SM_OST + 4 * NCONS * OST_BYTES;
-constexpr int ID_BYTES = UKG ? 512 : 0;
+constexpr int ID_BYTES = UKG && !YO ? 512 : 0;
 constexpr int SM_BAR = SM_ID + ID_BYTES;
 // barriers: in_full[NIN], v_full[NV], v_empty[NV], rec_full[NREC], rec_empty[NREC]
 // (+ the prep pipeline's scr_full[2], scr_empty[2], in_empty[NIN])

@@ -322,7 +322,10 @@ __device__ __forceinline__ void prep_phase1(const KdaParams& p, char* base, int 
   *reinterpret_cast<uint4*>(sAK + ri * KB1 + d) = make_uint4(pk[0], pk[1], pk[2], pk[3]);
   *reinterpret_cast<uint4*>(sAQ + ri * KB1 + d) = make_uint4(pq[0], pq[1], pq[2], pq[3]);
   *reinterpret_cast<uint4*>(sBK + ri * KB1 + d) = make_uint4(pb[0], pb[1], pb[2], pb[3]);
-  if constexpr (UKG) {  // Kg [j][K] in the W slot (the consumers' B of S Kg^T)
+  if constexpr (YO) {  // -Kg (sign bits flipped) in rows 0 .. C-1 of the [2C][K] tile of -Kg and Qd
+    constexpr uint32_t ng = 0x80008000u;
+    *reinterpret_cast<uint4*>(rec + sm90::sw128_k<2 * C>(ri, d)) = make_uint4(pk[0] ^ ng, pk[1] ^ ng, pk[2] ^ ng, pk[3] ^ ng);
+  } else if constexpr (UKG) {  // Kg [j][K] in the W slot (the consumers' B of S Kg^T)
     *reinterpret_cast<uint4*>(rec + R_W + sm90::sw128_k<C>(ri, d)) = make_uint4(pk[0], pk[1], pk[2], pk[3]);
   } else {
     *reinterpret_cast<uint4*>(sXh + ri * KB1 + d) = make_uint4(xkh[0], xkh[1], xkh[2], xkh[3]);
@@ -330,7 +333,11 @@ __device__ __forceinline__ void prep_phase1(const KdaParams& p, char* base, int 
   }
   // Qd [i][K] and Kr [j][K]: 16-byte pieces of one row; in the swizzled tiles the 8 pieces
   // a quarter-warp writes are one 128-byte row of an atom (conflict-free).
-  *reinterpret_cast<uint4*>(rec + R_QD + sm90::sw128_k<C>(ri, d)) = make_uint4(pqd[0], pqd[1], pqd[2], pqd[3]);
+  if constexpr (YO) {  // rows C .. 2C - 1 of the [2C][K] tile
+    *reinterpret_cast<uint4*>(rec + sm90::sw128_k<2 * C>(C + ri, d)) = make_uint4(pqd[0], pqd[1], pqd[2], pqd[3]);
+  } else {
+    *reinterpret_cast<uint4*>(rec + R_QD + sm90::sw128_k<C>(ri, d)) = make_uint4(pqd[0], pqd[1], pqd[2], pqd[3]);
+  }
   *reinterpret_cast<uint4*>(rec + R_KR + sm90::sw128_mn<K>(ri, d)) = make_uint4(pkr[0], pkr[1], pkr[2], pkr[3]);
 }
 

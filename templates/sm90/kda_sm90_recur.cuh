@@ -112,9 +112,12 @@ __device__ __forceinline__ void consumer_role(const KdaParams& p, const SeqInfo&
   const uint64_t dQd0 = sm90::make_desc(r0 + R_QD, 16, 1024, sm90::LAYOUT_SW128);
   const uint64_t dW0 = sm90::make_desc(r0 + R_W, 16, 1024, sm90::LAYOUT_SW128);
   auto kstep = [](int ks) { return (uint64_t)(((ks >> 2) * (C * 128) + (ks & 3) * 32) >> 4); };
+  // YO: the [2C][K] tile of -Kg and Qd (64-column groups 2C * 128 bytes apart)
+  const uint64_t dKQ0 = dQd0;
+  auto kstep2 = [](int ks) { return (uint64_t)(((ks >> 2) * (2 * C * 128) + (ks & 3) * 32) >> 4); };
   // UKG: the identity tile, written once by warpgroup 0 and made visible to the async proxy
   const uint64_t dI = sm90::make_desc(r0 - SM_REC + SM_ID, 128, 256, sm90::LAYOUT_INTERLEAVE);
-  if constexpr (UKG) {
+  if constexpr (UKG && !YO) {
     if (cw == 0) {
 #pragma unroll
       for (int u = tid; u < 256; u += 128) {
@@ -221,25 +224,47 @@ __device__ __forceinline__ void consumer_role(const KdaParams& p, const SeqInfo&
     sm90::reg_fence(s);
     sm90::reg_fence(sa);
     sm90::reg_fence(va);
-    sm90::wgmma_fence();
-    if constexpr (UKG) {
-      // Y^T = v^T I - S Kg^T (the W slot holds Kg); U^T = Y^T A^T after the wait below
-      sm90::wgmma_m64n16_rs<1>(au, va, dI, false);
+    if constexpr (YO) {
+      // [Y^T | o^T] = [v^T | 0] + S [-Kg; Qd]^T
+      float ay[16];
+      sm90::wgmma_fence();
+#pragma unroll
+      for (int ks = 0; ks < K / 16; ++ks) sm90::wgmma_m64n32_rs(ay, sa[ks], dKQ0 + so + kstep2(ks), ks > 0);
+      sm90::wgmma_commit();
+      if constexpr (CONS_COPIES) issue_chunk_spread<4 * NCONS>(p, si, c + NIN, base, bars, wi, lane);
+      sm90::wgmma_wait<0>();
+      sm90::reg_fence(ay);
+      // + v^T (its bf16 pairs in A-fragment order are the accumulator's). (v^T as the accumulator's start
+      // value, set by ALU instructions, or two 8-register accumulator operands made ptxas serialize every
+      // wgmma of the kernel.)
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        au[2 * q] = ay[2 * q] + __uint_as_float(va[q] << 16);
+        au[2 * q + 1] = ay[2 * q + 1] + __uint_as_float(va[q] & 0xffff0000u);
+      }
+#pragma unroll
+      for (int e = 0; e < 8; ++e) ao[e] = ay[8 + e];
     } else {
-      // U^T = v^T (A_hi + A_lo)^T - S W^T
-      sm90::wgmma_m64n16_rs<1>(au, va, dAH, false);
-      sm90::wgmma_m64n16_rs<1>(au, va, dAL, true);
+      sm90::wgmma_fence();
+      if constexpr (UKG) {
+        // Y^T = v^T I - S Kg^T (the W slot holds Kg); U^T = Y^T A^T after the wait below
+        sm90::wgmma_m64n16_rs<1>(au, va, dI, false);
+      } else {
+        // U^T = v^T (A_hi + A_lo)^T - S W^T
+        sm90::wgmma_m64n16_rs<1>(au, va, dAH, false);
+        sm90::wgmma_m64n16_rs<1>(au, va, dAL, true);
+      }
+#pragma unroll
+      for (int ks = 0; ks < K / 16; ++ks) sm90::wgmma_m64n16_rs<-1>(au, sa[ks], dW0 + so + kstep(ks), true);
+      sm90::wgmma_commit();
+      // o^T = S Qd^T (off the chain: issued behind U, waited for at the end of the step)
+#pragma unroll
+      for (int ks = 0; ks < K / 16; ++ks) sm90::wgmma_m64n16_rs<1>(ao, sa[ks], dQd0 + so + kstep(ks), ks > 0);
+      sm90::wgmma_commit();
+      if constexpr (CONS_COPIES) issue_chunk_spread<4 * NCONS>(p, si, c + NIN, base, bars, wi, lane);
+      sm90::wgmma_wait<1>();
+      sm90::reg_fence(au);
     }
-#pragma unroll
-    for (int ks = 0; ks < K / 16; ++ks) sm90::wgmma_m64n16_rs<-1>(au, sa[ks], dW0 + so + kstep(ks), true);
-    sm90::wgmma_commit();
-    // o^T = S Qd^T (off the chain: issued behind U, waited for at the end of the step)
-#pragma unroll
-    for (int ks = 0; ks < K / 16; ++ks) sm90::wgmma_m64n16_rs<1>(ao, sa[ks], dQd0 + so + kstep(ks), ks > 0);
-    sm90::wgmma_commit();
-    if constexpr (CONS_COPIES) issue_chunk_spread<4 * NCONS>(p, si, c + NIN, base, bars, wi, lane);
-    sm90::wgmma_wait<1>();
-    sm90::reg_fence(au);
     if constexpr (UKG) {  // U^T = Y^T (A_hi + A_lo)^T with Y^T in hi + lo (hi hi + hi lo + lo hi)
       uint32_t yh[4], yl[4];
       acc16_split(au, yh, yl);
