@@ -18,8 +18,18 @@ def entry(variant: str):
     return e
 
 
-def build(variant: str, out: Path, defines: Sequence[str], includes: Sequence[str] = ()) -> None:
-    """Compile the generated source of `variant` with extra -D flags into `out`."""
+def wgmma_serialized(ptxas_log: str) -> list[str]:
+    """ptxas's notes that it serialized the kernel's wgmma (C7511, C7512: a wait after every wgmma, from
+    register shortage or from accumulators it cannot track). Such a build times its products several
+    times slower than the design (session 16: the 32-token step's products 4226 -> 2622 cycles once fixed),
+    so an A/B of it measures the compiler's fallback, not the kernel."""
+    return [ln.strip() for ln in ptxas_log.splitlines() if "wgmma" in ln and "serialized" in ln]
+
+
+def build(variant: str, out: Path, defines: Sequence[str], includes: Sequence[str] = (),
+          allow_serialized: bool = False) -> None:
+    """Compile the generated source of `variant` with extra -D flags into `out`; refuse a build whose
+    wgmma ptxas serialized unless allow_serialized."""
     from kdagen.build import nvcc_command
 
     e = entry(variant)
@@ -30,6 +40,11 @@ def build(variant: str, out: Path, defines: Sequence[str], includes: Sequence[st
     (out.with_suffix(".log")).write_text(r.stdout + r.stderr)
     if r.returncode:
         raise SystemExit(r.stdout + r.stderr)
+    ser = wgmma_serialized(r.stdout + r.stderr)
+    if ser and not allow_serialized:
+        out.unlink(missing_ok=True)
+        raise SystemExit(f"{out}: ptxas serialized the wgmma of this build (--allow-serialized to keep it):\n  "
+                         + "\n  ".join(ser))
     regs = [ln.strip() for ln in (r.stdout + r.stderr).splitlines() if "registers" in ln or "spill" in ln]
     print(f"built {out} ({' '.join(defines)})\n  " + "\n  ".join(regs[-4:]))
 

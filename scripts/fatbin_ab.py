@@ -29,10 +29,12 @@ def main() -> int:
     ap.add_argument("--build", metavar="OUT", help="compile the variant with -D flags into OUT and exit")
     ap.add_argument("-D", dest="defines", action="append", default=[])
     ap.add_argument("-I", dest="includes", action="append", default=[], help="searched before templates/ (--build)")
+    ap.add_argument("--allow-serialized", action="store_true",
+                    help="(--build) keep a build whose wgmma ptxas serialized (C7511/C7512); refused otherwise")
     ap.add_argument("builds", nargs="*", help="LABEL=PATH.fatbin[@VARIANT] (default: --variant)")
     a = ap.parse_args()
     if a.build:
-        build(a.variant, Path(a.build), a.defines, a.includes)
+        build(a.variant, Path(a.build), a.defines, a.includes, allow_serialized=a.allow_serialized)
         return 0
 
     import torch

@@ -152,3 +152,16 @@ def test_sm90_stamp_segments_on_synthetic_stamps():
             "consumers: S to bf16, v wait": 220, "consumers: v fragments, v copies": 80}
     assert {k: set(v) for k, v in segs.items()} == {k: {x} for k, x in want.items()}
     assert all(len(v) == 2 * 4 for v in segs.values())  # 2 CTAs x (8 - 4) chunks
+
+
+def test_ab_build_refuses_serialized_wgmma():
+    """kdagen_dev/ab.py finds ptxas's notes that it serialized a kernel's wgmma (the session-16 32-token step
+    was timed that way in two calls), and ignores the other ptxas notes (injected fences, register counts)."""
+    from kdagen_dev.ab import wgmma_serialized
+
+    log = """ptxas info    : (C7512) Potential Performance Loss: wgmma.mma_async instructions are serialized due to insufficient register resources for the function 'kda_fused'
+ptxas info    : (C7519) warpgroup.arrive is injected in around line 3277 by compiler to allow use of registers in GMMA in function 'kda_fused'
+ptxas info    : Used 168 registers, used 5 barriers"""
+    assert wgmma_serialized(log) == [log.splitlines()[0].strip()]
+    assert wgmma_serialized(log.replace("C7512", "C7511").replace("for the function", "for the wgmma pipeline in the function"))
+    assert wgmma_serialized("\n".join(log.splitlines()[1:])) == []
