@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 from .errors import KdagenError
+from .timing import combine as timing_combine
 
 RESULTS_KIND = "kdagen-bench"
 RESULTS_VERSION = 1
@@ -453,6 +454,10 @@ class Options:
     graphs: bool = True
     warm_procs: int = 8
     budget_ms: float = 200.0  # measured time per implementation and case (20..200 calls)
+    # The candidates of a case are timed in this many interleaved rounds (budget split among them), the
+    # result the median of the rounds' medians: timed one after another, a slow drift of the GPU (3-5% within
+    # a process, H200 2026-12-02) ranks whichever variant came first or last.
+    rounds: int = 1
     extra: dict = field(default_factory=dict)
 
 
@@ -599,7 +604,8 @@ def _run(cases, opts, echo, progress, device, timers, partial) -> dict:
     rows: list[dict] = []
     results = {"kind": RESULTS_KIND, "version": RESULTS_VERSION, "env": env, "copy_bandwidth_Bps": bw,
                "options": {"compare": list(opts.compare), "compare_all": opts.compare_all, "variants": opts.variants,
-                           "top": opts.top, "graphs": opts.graphs, "budget_ms": opts.budget_ms, **opts.extra},
+                           "top": opts.top, "graphs": opts.graphs, "budget_ms": opts.budget_ms, "rounds": opts.rounds,
+                           **opts.extra},
                "warm_up": [{"call": lab, "s": round(sec, 2), "error": err} for lab, sec, err in warm],
                "tuning_file": _tuning_file(device), "cases": rows}
     for case, plan in zip(cases, plans):
@@ -665,25 +671,40 @@ def _measure_case(case: Case, plan: dict, opts: Options, bw: float, timers: Any,
     ref_o = None
     if plan["error"]:
         row["error"] = plan["error"]
-    for cand in plan["candidates"]:
-        cell: dict[str, Any] = {"variant": cand.name, "target": cand.target, "chunk": cand.chunk,
-                                "block_v": cand.block_v, "auto": cand.name == plan["auto"], "listed": cand.listed}
-        try:
-            # the auto one through dispatch (variant=None): the call a user makes
-            name = None if cand.name == plan["auto"] else cand.name
-            t = timers.time_calls(lambda s: run_kdagen(case, s, name), sets, iters=None, budget_ms=opts.budget_ms)
-            cell["timing"] = t.as_dict()
-            cell["TBps"] = case.compulsory_bytes() / (t.median * 1e-3) / 1e12
-            o = run_kdagen(case, sets[0], name)[0]
-            if cand.name == plan["auto"]:
-                ref_o = o
-            else:
-                cell["rel_vs_auto"] = _rel(o, ref_o)
-            del o
-        except Exception as e:  # noqa: BLE001
-            cell["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    cands = plan["candidates"]
+    cells: list[dict[str, Any]] = [{"variant": c.name, "target": c.target, "chunk": c.chunk, "block_v": c.block_v,
+                                    "auto": c.name == plan["auto"], "listed": c.listed} for c in cands]
+    # the auto one through dispatch (variant=None): the call a user makes
+    names = [None if c.name == plan["auto"] else c.name for c in cands]
+    rounds = max(1, opts.rounds)
+    timed: list[list[Any]] = [[] for _ in cands]
+    for r in range(rounds):
+        for i, cell in enumerate(cells):
+            if "error" not in cell:
+                try:
+                    timed[i].append(timers.time_calls(lambda s, n=names[i]: run_kdagen(case, s, n), sets, iters=None,
+                                                      budget_ms=opts.budget_ms / rounds))
+                except Exception as e:  # noqa: BLE001
+                    cell["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            if r == rounds - 1:
+                progress.advance(f"{case.name}: {cell['variant']}")
+    for i, (cand, cell) in enumerate(zip(cands, cells)):
+        if "error" not in cell:
+            try:
+                t = timing_combine(timed[i])
+                cell["timing"] = t.as_dict()
+                if rounds > 1:
+                    cell["round_medians"] = [x.median for x in timed[i]]
+                cell["TBps"] = case.compulsory_bytes() / (t.median * 1e-3) / 1e12
+                o = run_kdagen(case, sets[0], names[i])[0]
+                if cand.name == plan["auto"]:
+                    ref_o = o
+                else:
+                    cell["rel_vs_auto"] = _rel(o, ref_o)
+                del o
+            except Exception as e:  # noqa: BLE001
+                cell["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         row["variants"].append(cell)
-        progress.advance(f"{case.name}: {cand.name}")
     if opts.graphs and case.short and plan["auto"] is not None:
         try:
             row["graph"] = timers.graph_calls(lambda s: run_kdagen(case, s, None), sets[:4], iters=None,

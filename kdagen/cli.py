@@ -227,7 +227,7 @@ class _Bar:
 
 
 def _bench_options(compare: str, compare_all: bool, variants: str | None, top: int | None, no_graphs: bool,
-                   warm_procs: int, budget_ms: float):
+                   warm_procs: int, budget_ms: float, rounds: int = 1):
     from .bench import BenchError, Options, parse_compare
 
     if top is not None and top < 0:
@@ -236,10 +236,12 @@ def _bench_options(compare: str, compare_all: bool, variants: str | None, top: i
         raise BenchError(f"--warm-procs: expected 0 or more processes, found {warm_procs}")
     if not budget_ms > 0:
         raise BenchError(f"--budget-ms: expected a positive number of milliseconds, found {budget_ms}")
+    if rounds < 1:
+        raise BenchError(f"--rounds: expected 1 or more rounds, found {rounds}")
     # a glob names the variants to time: all of them unless --top says otherwise
     top = (0 if variants else 3) if top is None else top
     return Options(compare=parse_compare(compare), compare_all=compare_all, variants=variants, top=top,
-                   graphs=not no_graphs, warm_procs=warm_procs, budget_ms=budget_ms)
+                   graphs=not no_graphs, warm_procs=warm_procs, budget_ms=budget_ms, rounds=rounds)
 
 
 def _bench_common(f):
@@ -255,6 +257,10 @@ def _bench_common(f):
                      help="make the first calls (fla autotuning, Triton compiles) in this many processes at once"),
         click.option("--budget-ms", type=float, default=200.0, show_default=True,
                      help="measured time per implementation and case (20 to 200 calls)"),
+        click.option("--rounds", type=int, default=None,
+                     help="time a case's candidates in this many interleaved rounds, the budget split among them "
+                          "(default: bench 1, tune 3): a GPU drifting during the case then ranks no variant by "
+                          "its place in the order"),
     ]):
         f = opt(f)
     return f
@@ -272,7 +278,7 @@ def _bench_common(f):
 @click.option("--from-json", "from_json", type=click.Path(dir_okay=False), default=None,
               help="measure nothing: make bench.md and bench.png from this bench.json into --out")
 def bench(cases: str, compare: str, compare_all: bool, variants: str | None, top: int | None, no_graphs: bool,
-          warm_procs: int, budget_ms: float, out: str, from_json: str | None) -> None:
+          warm_procs: int, budget_ms: float, rounds: int | None, out: str, from_json: str | None) -> None:
     """Time every candidate variant of each case, the auto-selected one and the peers on this GPU;
     write bench.json, a markdown report and a plot."""
     from . import bench as b
@@ -282,7 +288,8 @@ def bench(cases: str, compare: str, compare_all: bool, variants: str | None, top
         if from_json:
             results = b.read_results(Path(from_json))
         else:
-            opts = _bench_options(compare, compare_all, variants, top, no_graphs, warm_procs, budget_ms)
+            opts = _bench_options(compare, compare_all, variants, top, no_graphs, warm_procs, budget_ms,
+                                  1 if rounds is None else rounds)
             case_list = b.load_cases(cases)
             bar = _Bar("bench")
             command = "kdagen bench " + " ".join(sys.argv[2:])
@@ -310,14 +317,15 @@ def bench(cases: str, compare: str, compare_all: bool, variants: str | None, top
 @click.option("--out", "out_file", type=click.Path(dir_okay=False), default=None,
               help="the tuning file to write (default: the one dispatch reads for this GPU, "
                    "KDAGEN_TUNING or <cache>/tuning/<GPU>.json)")
-def tune(cases: str, variants: str | None, top: int | None, warm_procs: int, budget_ms: float,
+def tune(cases: str, variants: str | None, top: int | None, warm_procs: int, budget_ms: float, rounds: int | None,
          out_file: str | None) -> None:
     """Measure the candidate variants per shape regime and write this GPU's tuning file (dispatch
     prefers, in each regime, the chunk size and V-split measured fastest there)."""
     from . import bench as b
 
     try:
-        opts = _bench_options("none", False, variants, 0 if top is None else top, True, warm_procs, budget_ms)
+        opts = _bench_options("none", False, variants, 0 if top is None else top, True, warm_procs, budget_ms,
+                              3 if rounds is None else rounds)
         case_list = [c for c in b.load_cases(cases)]
         bar = _Bar("tune")
         try:

@@ -44,6 +44,15 @@ def summarize(times: Sequence[float]) -> Timing:
     return Timing(median=statistics.median(ts), p10=pct(0.1), p90=pct(0.9), min=ts[0], n=len(ts))
 
 
+def combine(timings: Sequence[Timing]) -> Timing:
+    """One Timing from several timed rounds of the same call: the median of the rounds' medians (a round
+    that drifted does not move it far), the outer percentiles and the total count."""
+    if not timings:
+        raise ValueError("combine: expected at least one Timing, found none")
+    return Timing(median=statistics.median(t.median for t in timings), p10=min(t.p10 for t in timings),
+                  p90=max(t.p90 for t in timings), min=min(t.min for t in timings), n=sum(t.n for t in timings))
+
+
 def _event_times(run: Callable[[int], Any], iters: int) -> list[float]:
     import torch
 

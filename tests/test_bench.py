@@ -260,3 +260,26 @@ def test_cli_bench_without_a_gpu_says_so(tmp_path, monkeypatch):
         pytest.skip("a GPU is here")
     r = CliRunner().invoke(main, ["bench", "--cases", "B1 T64 H32", "--out", str(tmp_path)])
     assert r.exit_code == 2 and "needs a CUDA GPU" in r.output
+
+
+def test_candidates_are_timed_in_interleaved_rounds():
+    """rounds = 3: each candidate is timed three times, in turn with the others (the fake timer's values come
+    in call order), with a third of the budget each; its timing is the median of its rounds' medians, and the
+    rounds' medians are kept. A drift that slows every third call ranks no candidate by its place."""
+    opts = b.Options(compare=(), warm_procs=0, top=0, graphs=False, rounds=3, budget_ms=90.0)
+    budgets = []
+    base = fake_timers([1.0, 0.5, 1.3, 0.65, 0.9, 0.45])
+
+    def time_calls(fn, sets, **kw):
+        budgets.append(kw["budget_ms"])
+        return base.time_calls(fn, sets, **kw)
+
+    timers = types.SimpleNamespace(time_calls=time_calls, copy_bandwidth=base.copy_bandwidth,
+                                   graph_calls=base.graph_calls)
+    res = b.run([TINY], opts, echo=lambda m: None, device="cpu", timers=timers)
+    a, c = res["cases"][0]["variants"]
+    assert a["round_medians"] == [1.0, 1.3, 0.9] and c["round_medians"] == [0.5, 0.65, 0.45]
+    assert a["timing"]["median"] == 1.0 and c["timing"]["median"] == 0.5
+    assert a["timing"]["n"] == 60 and a["timing"]["p90"] == pytest.approx(1.2 * 1.3)
+    assert budgets == [30.0] * 6 and res["options"]["rounds"] == 3
+    assert res["cases"][0]["best"] == c["variant"]
