@@ -134,14 +134,15 @@ def test_sm90_sass_structure(va):
     text = "\n".join(sass.instructions)
     # The K = 128 prep pipeline's Kg record: Y^T = v^T I - S Kg^T (1 + K/16), o^T = S Qd^T (K/16),
     # U^T = Y^T A^T in hi + lo (3), o^T += U^T Mqk^T (3), one more wgmma round trip. K = 64's W record:
-    # U^T = v^T (A_hi + A_lo)^T - S W^T (2 + K/16), o^T (K/16 + 3). The pair (YO): [Y^T | o^T] as one
-    # m64n32k16 per k-step (K/16), then U^T (3) and o^T += (3).
+    # U^T = v^T (A_hi + A_lo)^T - S W^T (2 + K/16), o^T (K/16 + 3), and at K = 64 (OHL) o^T from S's low part too
+    # (K/16). The pair (YO): [Y^T | o^T] as one m64n32k16 per k-step (K/16), then U^T (3) and o^T += (3).
     pipe = var.k == 128
     yo = pipe and var.block_v == 64
     if yo:
         assert count("HGMMA.64x16x16.F32.BF16") == 3 + 3 and count("HGMMA.64x32x16.F32.BF16") == var.k // 16, ops
     else:
-        assert count("HGMMA.64x16x16.F32.BF16") == (1 + 3 if pipe else 2) + 2 * (var.k // 16) + 3, ops
+        assert count("HGMMA.64x16x16.F32.BF16") == ((1 + 3 if pipe else 2) + 2 * (var.k // 16) + 3
+                                                    + (var.k // 16 if var.k == 64 else 0)), ops
     assert count(f"HGMMA.64x{var.k}x16.F32.BF16") == 1 and ".tnspB" in text, ops
     assert count("UBLKCP") >= 4, ops  # q, k, g, v rows (prologue and loop copies)
     assert count("SYNCS.PHASECHK") >= 4 and count("SYNCS.ARRIVE") >= 4, ops
@@ -339,7 +340,7 @@ def test_sm90_algorithm_emulation(mode: str, gs: float):
     independently of any GPU, and the accuracy they allow (sm80's rounding points: o 3.9e-3).
     kg: the default record and formula of the prep pipeline (KDA_SM90_UKG), U^T = (v^T - S Kg^T) A^T
     with Kg = k^ Gamma in bf16 (the prep's L operand) and v^T - S Kg^T split hi + lo, instead of W
-    (K = 64's one-group prep keeps W). gs shifts g: at -4 the gate decays ~0.1 per token instead of
+    (K = 64's one-group prep keeps W, and takes o^T from S in hi + lo: OHL). gs shifts g: at -4 the gate decays ~0.1 per token instead of
     ~2.5, so S0 and the state carried between chunks weigh in (at 0 the state forgets a chunk's past
     within a few tokens). The chunk states are checked too."""
     from kdagen.reference import activate_gate, kda_reference, rel_rmse
@@ -384,11 +385,12 @@ def test_sm90_algorithm_emulation(mode: str, gs: float):
         else:
             Ut = hl(split(vc.T - Sb @ bf(kc * Gam).T), A)  # Y^T: the fp32 accumulator, split hi + lo
         U = split(Ut)
-        ot = Sb @ Qd.T + hl(U, M)
+        ot = (Sb + bf(S - Sb) if mode == "w" else Sb) @ Qd.T + hl(U, M)  # (w: K = 64, o from S in hi + lo)
         S = S * torch.exp(G[-1])[None, :] + U[0] @ Kr
         o[c0:c0 + rows] = bf(ot.T[:rows])
     e_o, e_s = rel_rmse(o[None, :, None].double(), ro), rel_rmse(S[None, None].double(), rs)
     e_c = rel_rmse(torch.stack(states)[:, None].double(), rcs)
-    # measured (o, state, chunk states): w, kg 1.92e-3, 2.11e-3, 0.67e-3; kg at gs = -4 3.08e-3, 2.49e-3, 1.53e-3
+    # measured (o, state, chunk states): w 1.84e-3, 2.11e-3, 0.67e-3; kg 1.92e-3, 2.11e-3, 0.67e-3; kg at gs = -4
+    # 3.08e-3, 2.49e-3, 1.53e-3
     bound = 2.5e-3 if gs == 0 else 3.5e-3
     assert e_o < bound and e_s < 3e-3 and e_c < 3e-3, (e_o, e_s, e_c)

@@ -117,6 +117,14 @@ constexpr bool YO = UKG && PAIR;
 constexpr bool YO = false;
 #endif
 static_assert(R_W == R_QD + C * K * 2 && R_KR == R_W + C * K * 2, "YO: the [2C][K] tile takes the Qd and W slots");
+// OHL (K = 64, `KDA_SM90_OHL=0` turns it off): the o product takes S in hi + lo bf16 (K/16 more m64n16k16, off
+// the step's chain). K = 64 has half the terms per output to average bf16(S)'s rounding over: rel RMSE of o at
+// g = -8 4.02e-3 on the H200 (sm80 4.9e-3), over issue 16's 4e-3; 3.92e-3 -> 3.58e-3 in the emulation.
+#if !defined(KDA_SM90_OHL) || KDA_SM90_OHL
+constexpr bool OHL = K == 64;
+#else
+constexpr bool OHL = false;
+#endif
 #if KDA_SM90_PIPE_ON
 constexpr int S_G = 0;                          // f32 [C][KP] cumulative gate            (set)
 constexpr int S_RQ = S_G + C * KP * 4;          // f32 [C] L2-norm factors of q, k         (set)

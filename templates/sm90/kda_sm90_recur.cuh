@@ -36,6 +36,15 @@ __device__ __forceinline__ void load_state_l(const ST* base, float (*s)[4], int 
     }
 }
 
+// acc_to_a with the low parts too: a = bf16 pairs of the accumulators, al = of what bf16 rounded off.
+__device__ __forceinline__ void acc_to_a_split(const float (&lo)[4], const float (&hi)[4], uint32_t (&a)[4],
+                                               uint32_t (&al)[4]) {
+  split_bf16(lo[0], lo[1], a[0], al[0]);
+  split_bf16(lo[2], lo[3], a[1], al[1]);
+  split_bf16(hi[0], hi[1], a[2], al[2]);
+  split_bf16(hi[2], hi[3], a[3], al[3]);
+}
+
 // Two floats as one register of two input-type values (lo in the low half), rounded as from_f.
 __device__ __forceinline__ uint32_t pack_in(float lo, float hi) {
   if constexpr (std::is_same<in_t, bf16>::value) {
@@ -204,8 +213,16 @@ __device__ __forceinline__ void consumer_role(const KdaParams& p, const SeqInfo&
     store_hc(c);
     // S as bf16 A fragments, k-step ks = state columns 16 ks .. 16 ks + 15.
     uint32_t sa[K / 16][4];
+    // OHL (K = 64): also S's low part (S - bf16(S)) for the o product
+    uint32_t sl[OHL ? K / 16 : 1][4];
 #pragma unroll
-    for (int ks = 0; ks < K / 16; ++ks) acc_to_a(s[2 * ks], s[2 * ks + 1], sa[ks]);
+    for (int ks = 0; ks < K / 16; ++ks) {
+      if constexpr (OHL) {
+        acc_to_a_split(s[2 * ks], s[2 * ks + 1], sa[ks], sl[ks]);
+      } else {
+        acc_to_a(s[2 * ks], s[2 * ks + 1], sa[ks]);
+      }
+    }
     uint32_t va[4];
     load_vt(c, rows, va);
 
@@ -223,6 +240,7 @@ __device__ __forceinline__ void consumer_role(const KdaParams& p, const SeqInfo&
     float au[8], ao[8];
     sm90::reg_fence(s);
     sm90::reg_fence(sa);
+    if constexpr (OHL) sm90::reg_fence(sl);
     sm90::reg_fence(va);
     if constexpr (YO) {
       // [Y^T | o^T] = [v^T | 0] + S [-Kg; Qd]^T
@@ -260,6 +278,10 @@ __device__ __forceinline__ void consumer_role(const KdaParams& p, const SeqInfo&
       // o^T = S Qd^T (off the chain: issued behind U, waited for at the end of the step)
 #pragma unroll
       for (int ks = 0; ks < K / 16; ++ks) sm90::wgmma_m64n16_rs<1>(ao, sa[ks], dQd0 + so + kstep(ks), ks > 0);
+      if constexpr (OHL) {
+#pragma unroll
+        for (int ks = 0; ks < K / 16; ++ks) sm90::wgmma_m64n16_rs<1>(ao, sl[ks], dQd0 + so + kstep(ks), true);
+      }
       sm90::wgmma_commit();
       if constexpr (CONS_COPIES) issue_chunk_spread<4 * NCONS>(p, si, c + NIN, base, bars, wi, lane);
       sm90::wgmma_wait<1>();
