@@ -130,9 +130,10 @@ constexpr int S_G = 0;                          // f32 [C][KP] cumulative gate  
 constexpr int S_RQ = S_G + C * KP * 4;          // f32 [C] L2-norm factors of q, k         (set)
 constexpr int S_RK = S_RQ + C * 4;
 constexpr int S_DG = S_RK + C * 4;              // f32 [C] <q^_i, k^_i>                    (set)
-constexpr int S_AK = S_DG + C * 4;              // bf16 [C][KB1] k e^G                     (set)
-constexpr int S_AQ = S_AK + C * KB1 * 2;        // bf16 [C][KB1] q e^G                     (set)
-constexpr int S_BK = S_AQ + C * KB1 * 2;        // bf16 [C][KB1] k e^-G                    (set)
+// (the Kg record: L's and Mqk's row operands are the record's Kg and Qd tiles, so no AK / AQ: 17 KB less)
+constexpr int S_AK = S_DG + C * 4;              // bf16 [C][KB1] k e^G       (set; W record only)
+constexpr int S_AQ = S_AK + (UKG ? 0 : C * KB1 * 2);  // bf16 [C][KB1] q e^G (set; W record only)
+constexpr int S_BK = S_AQ + (UKG ? 0 : C * KB1 * 2);  // bf16 [C][KB1] k e^-G                    (set)
 constexpr int S_XH = S_BK + C * KB1 * 2;        // bf16 [C][KB1] b k e^G, high part (W record only)
 constexpr int S_XL = S_XH + C * KB1 * 2;        //                       low part  (W record only)
 constexpr int S_HALF = UKG ? S_XH : S_XL + C * KB1 * 2;  // one set (Kg: no X); the second follows

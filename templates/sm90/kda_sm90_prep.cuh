@@ -319,8 +319,10 @@ __device__ __forceinline__ void prep_phase1(const KdaParams& p, char* base, int 
     pkr[e / 2] = pack_bf16(xk[e] * __expf(GL[e] - G[e]), xk[e + 1] * __expf(GL[e + 1] - G[e + 1]));
     if constexpr (!UKG) split_bf16(b * k0, b * k1, xkh[e / 2], xkl[e / 2]);
   }
-  *reinterpret_cast<uint4*>(sAK + ri * KB1 + d) = make_uint4(pk[0], pk[1], pk[2], pk[3]);
-  *reinterpret_cast<uint4*>(sAQ + ri * KB1 + d) = make_uint4(pq[0], pq[1], pq[2], pq[3]);
+  if constexpr (!UKG) {  // (the Kg record: phase 2 reads the record's Kg and Qd instead)
+    *reinterpret_cast<uint4*>(sAK + ri * KB1 + d) = make_uint4(pk[0], pk[1], pk[2], pk[3]);
+    *reinterpret_cast<uint4*>(sAQ + ri * KB1 + d) = make_uint4(pq[0], pq[1], pq[2], pq[3]);
+  }
   *reinterpret_cast<uint4*>(sBK + ri * KB1 + d) = make_uint4(pb[0], pb[1], pb[2], pb[3]);
   if constexpr (YO) {  // -Kg (sign bits flipped) in rows 0 .. C-1 of the [2C][K] tile of -Kg and Qd
     constexpr uint32_t ng = 0x80008000u;
@@ -348,7 +350,7 @@ __device__ __forceinline__ void prep_phase1(const KdaParams& p, char* base, int 
 // gates). in_full (or nullptr): the input stage's barrier, waited before that read where the
 // stage's own wait was another warp's.
 template <int W0>
-__device__ __forceinline__ void prep_phase2(char* base, int c, int rows, uint64_t* in_full = nullptr,
+__device__ __forceinline__ void prep_phase2(char* base, int c, int rows, float scale, uint64_t* in_full = nullptr,
                                             uint32_t in_parity = 0) {
   const int tid = threadIdx.x, lane = tid & 31, w = (tid >> 5) - W0;
   KDA_PREP_SCRATCH(base, c);
@@ -364,8 +366,17 @@ __device__ __forceinline__ void prep_phase2(char* base, int c, int rows, uint64_
     for (int o = 16; o > 0; o >>= 1) span = fmaxf(span, __shfl_xor_sync(0xffffffffu, span, o));
     if (span <= 80.f) {
       uint32_t ak[4], aq[4], bk[4];
-      ldsm_x4(ak, sAK + (lr + 8 * (lm & 1)) * KB1 + c0 + 8 * (lm >> 1));
-      ldsm_x4(aq, sAQ + (lr + 8 * (lm & 1)) * KB1 + c0 + 8 * (lm >> 1));
+      const int ar = lr + 8 * (lm & 1), ac = c0 + 8 * (lm >> 1);  // A fragment: row, 8 columns
+      if constexpr (YO) {  // -Kg and Qd (scale included) in the record's [2C][K] tile
+        ldsm_x4(ak, rec + sm90::sw128_k<2 * C>(ar, ac));
+        ldsm_x4(aq, rec + sm90::sw128_k<2 * C>(C + ar, ac));
+      } else if constexpr (UKG) {  // Kg and Qd (scale included) in the record's tiles
+        ldsm_x4(ak, rec + R_W + sm90::sw128_k<C>(ar, ac));
+        ldsm_x4(aq, rec + R_QD + sm90::sw128_k<C>(ar, ac));
+      } else {
+        ldsm_x4(ak, sAK + ar * KB1 + ac);
+        ldsm_x4(aq, sAQ + ar * KB1 + ac);
+      }
       ldsm_x4(bk, sBK + (lr + 8 * (lm >> 1)) * KB1 + c0 + 8 * (lm & 1));
       mma_bf16(accL[0], ak, bk[0], bk[1]);
       mma_bf16(accL[1], ak, bk[2], bk[3]);
@@ -406,8 +417,9 @@ __device__ __forceinline__ void prep_phase2(char* base, int c, int rows, uint64_
           l += to_f(ki[dd]) * wv;
           m += to_f(qi[dd]) * wv;
         }
-        pL[i * 16 + j] += l * srk[i] * srk[j];
-        pM[i * 16 + j] += m * srq[i] * srk[j];
+        // (the Kg record's MMA partials are of -L with YO, and of Mqk with the scale included)
+        pL[i * 16 + j] += (YO ? -l : l) * srk[i] * srk[j];
+        pM[i * 16 + j] += (UKG ? scale * m : m) * srq[i] * srk[j];
       }
     }
   }
@@ -425,8 +437,8 @@ __device__ __forceinline__ void prep_phase3(const KdaParams& p, char* base, int 
       l += spart[w * 512 + u];
       m += spart[w * 512 + 256 + u];
     }
-    if (i > j) sLT[j * CP + i] = sbc[i] * l;
-    const float mq = i > j ? p.scale * m : i == j ? p.scale * sdg[i] : 0.f;
+    if (i > j) sLT[j * CP + i] = sbc[i] * (YO ? -l : l);  // (YO: the partials are of -Kg)
+    const float mq = i > j ? (UKG ? m : p.scale * m) : i == j ? p.scale * sdg[i] : 0.f;  // (UKG: Qd has the scale)
     const bf16 mh = __float2bfloat16_rn(mq);
     *reinterpret_cast<bf16*>(rec + R_MQ + sm90::il16_k(i, j)) = mh;
     *reinterpret_cast<bf16*>(rec + R_ML + sm90::il16_k(i, j)) = __float2bfloat16_rn(mq - __bfloat162float(mh));
@@ -549,7 +561,7 @@ __device__ __forceinline__ void prep_role(const KdaParams& p, const SeqInfo& si,
     if constexpr (COPY_MODE == 2) {
       if (warp >= COPY_W0) issue_chunk_spread(p, si, c + NIN - 1, base, bars, warp - COPY_W0, lane);
     }
-    prep_phase2<0>(base, c, rows);
+    prep_phase2<0>(base, c, rows, p.scale);
     sm90::named_sync<BAR_PREP, NTP>();
     prep_phase3<NTP>(p, base, c, tid);
     sm90::named_sync<BAR_PREP, NTP>();

@@ -133,7 +133,7 @@ __device__ __forceinline__ void prep_group_b(const KdaParams& p, const SeqInfo& 
     sm90::mbar_wait(bars + B_SCR_FULL + h, (c >> 1) & 1);
     KDA_STAMP(tb == 0, KDA_GCHUNK(si, c), ST_B_GO);
     // (the exact fallback reads the input stage: it waits for the stage's copies itself)
-    prep_phase2<4>(base, c, rows, bars + B_IN_FULL + st, (c / NIN) & 1);
+    prep_phase2<4>(base, c, rows, p.scale, bars + B_IN_FULL + st, (c / NIN) & 1);
     // the stage's last read (mode 1: B refills the stage itself, and an mbarrier whose phases
     // complete unwaited is an error to synccheck)
     if constexpr (PIPE_COPIES == 0) sm90::mbar_arrive(bars + B_IN_EMPTY + st);
