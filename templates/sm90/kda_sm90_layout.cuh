@@ -109,8 +109,8 @@ constexpr bool UKG = false;
 #endif
 // KDA_SM90_YO (the Kg record; default 1, =0 for separate tiles): -Kg and Qd share one K-major 128B-swizzled
 // [2C][K] tile (rows 0 .. C-1 -Kg, C .. 2C-1 Qd; the W and Qd slots' bytes), so the consumers' Y^T = v^T - S Kg^T
-// and o^T = S Qd^T are one m64n32k16 wgmma per k-step with v^T as the accumulator's start, instead of
-// 1 + 2 K / 16 m64n16k16 (the identity product among them).
+// and o^T = S Qd^T are one m64n32k16 wgmma per k-step (v^T added after the wait), instead of
+// 1 + 2 K / 16 m64n16k16 (the identity product among them). The pair only: at bv128 it spilled.
 #if !defined(KDA_SM90_YO) || KDA_SM90_YO
 constexpr bool YO = UKG && PAIR;
 #else

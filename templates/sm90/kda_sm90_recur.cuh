@@ -121,8 +121,7 @@ __device__ __forceinline__ void consumer_role(const KdaParams& p, const SeqInfo&
   const uint64_t dQd0 = sm90::make_desc(r0 + R_QD, 16, 1024, sm90::LAYOUT_SW128);
   const uint64_t dW0 = sm90::make_desc(r0 + R_W, 16, 1024, sm90::LAYOUT_SW128);
   auto kstep = [](int ks) { return (uint64_t)(((ks >> 2) * (C * 128) + (ks & 3) * 32) >> 4); };
-  // YO: the [2C][K] tile of -Kg and Qd (64-column groups 2C * 128 bytes apart)
-  const uint64_t dKQ0 = dQd0;
+  // YO: the [2C][K] tile of -Kg and Qd starts at R_QD (dQd0), its 64-column groups 2C * 128 bytes apart
   auto kstep2 = [](int ks) { return (uint64_t)(((ks >> 2) * (2 * C * 128) + (ks & 3) * 32) >> 4); };
   // UKG: the identity tile, written once by warpgroup 0 and made visible to the async proxy
   const uint64_t dI = sm90::make_desc(r0 - SM_REC + SM_ID, 128, 256, sm90::LAYOUT_INTERLEAVE);
@@ -247,7 +246,7 @@ __device__ __forceinline__ void consumer_role(const KdaParams& p, const SeqInfo&
       float ay[16];
       sm90::wgmma_fence();
 #pragma unroll
-      for (int ks = 0; ks < K / 16; ++ks) sm90::wgmma_m64n32_rs(ay, sa[ks], dKQ0 + so + kstep2(ks), ks > 0);
+      for (int ks = 0; ks < K / 16; ++ks) sm90::wgmma_m64n32_rs(ay, sa[ks], dQd0 + so + kstep2(ks), ks > 0);
       sm90::wgmma_commit();
       if constexpr (CONS_COPIES) issue_chunk_spread<4 * NCONS>(p, si, c + NIN, base, bars, wi, lane);
       sm90::wgmma_wait<0>();
