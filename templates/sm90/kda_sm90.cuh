@@ -34,7 +34,8 @@ extern "C" __global__ void KDA_CLUSTER_DIMS __launch_bounds__(kda::NT, 1) kda_fu
   si.tb = p.cu_seqlens ? bos : 0;
 #if KDA_SM90_PAIR_ON
   si.rank = (int)sm90::cluster_rank();
-  si.nloc = (si.nc - si.rank + 1) / 2;
+  // (C32: both sub-chunks of each of its records, the last one's sub-chunk 1 possibly empty)
+  si.nloc = C32 ? 2 * (((si.len + CR - 1) / CR - si.rank + 1) / 2) : (si.nc - si.rank + 1) / 2;
 #endif
 
   if (threadIdx.x == 0) {

@@ -33,7 +33,10 @@ __device__ __forceinline__ int nlocal(const SeqInfo& si) {
   return si.nc;
 #endif
 }
-#if KDA_SM90_PAIR_ON
+#if KDA_SM90_PAIR_ON && defined(KDA_SM90_C32) && KDA_SM90_C32
+// (C32: local sub-chunk j = 2 l + h is sub-chunk h of the CTA's local record l, global record 2 l + rank)
+#define KDA_GCHUNK(si, j) (4 * ((j) >> 1) + 2 * (si).rank + ((j) & 1))
+#elif KDA_SM90_PAIR_ON
 #define KDA_GCHUNK(si, j) (2 * (j) + (si).rank)
 #else
 #define KDA_GCHUNK(si, j) (j)  // (a macro: as a function it changed the default images' scheduling)
@@ -133,7 +136,7 @@ __device__ __forceinline__ void issue_qkg(const KdaParams& p, const SeqInfo& si,
                                           int w, int lane) {
   if (j >= nlocal(si)) return;
   const int cc = KDA_GCHUNK(si, j), st = j % NIN;
-  const int rows = min(C, si.len - cc * C);
+  const int rows = max(0, min(C, si.len - cc * C));  // (C32: a record's sub-chunk 1 may lie past the end)
   const int gsz = p.g_fp32 ? 4 : 2;
   uint64_t* in_full = bars + B_IN_FULL + st;
   if (w == 0 && lane == 0) sm90::mbar_arrive_expect_tx(in_full, (uint32_t)rows * (2 * QROW + K * gsz));
@@ -174,10 +177,17 @@ __device__ __forceinline__ uint32_t load_beta(const KdaParams& p, const SeqInfo&
 // scratch set of chunk parity c & 1 and phases 2-5 (group B) read it (S_HALF = 0 without the
 // pipeline: one set); spart, sLT, sInv are B's own. Each function names its arrays with this macro.
 __device__ __forceinline__ int scr_set(int c) { return (c & 1) * S_HALF; }
+// The record slot of local chunk c, and (C32) the first record row of its sub-chunk.
+__device__ __forceinline__ int rec_slot(int c) { return (C32 ? c >> 1 : c) % NREC; }
+__device__ __forceinline__ int rec_row0(int c) { return C32 ? (c & 1) * C : 0; }
+// The cumulative gate [C][KP] (C32: in place of g in the input stage).
+__device__ __forceinline__ float* gate_arr(char* base, int c) {
+  return reinterpret_cast<float*>(C32 ? base + SM_IN + (c % NIN) * IN_BYTES + IN_G : base + SM_SCR + scr_set(c) + S_G);
+}
 #define KDA_PREP_SCRATCH(base, c)                                                         \
   char* const scr = (base) + SM_SCR;                                                       \
   char* const scs = scr + scr_set(c);                                                      \
-  float* const sG = reinterpret_cast<float*>(scs + S_G);                                   \
+  float* const sG = gate_arr(base, c);                                                     \
   float* const srq = reinterpret_cast<float*>(scs + S_RQ);                                 \
   float* const srk = reinterpret_cast<float*>(scs + S_RK);                                 \
   float* const sdg = reinterpret_cast<float*>(scs + S_DG);                                 \
@@ -189,11 +199,13 @@ __device__ __forceinline__ int scr_set(int c) { return (c & 1) * S_HALF; }
   float* const spart = reinterpret_cast<float*>(scr + S_PART);                             \
   float* const sLT = reinterpret_cast<float*>(scr + S_LT);                                 \
   float* const sbc = reinterpret_cast<float*>(scr + S_B) + ((c) & 1) * C; /* by parity */  \
-  float* const sInv = reinterpret_cast<float*>(scr + S_INV);                               \
+  float* const sInv = reinterpret_cast<float*>(scr + S_INV) + (C32 ? ((c) & 1) * 16 * IPF : 0); \
+  float* const sGM = reinterpret_cast<float*>(scs + S_GM); /* C32 */                       \
   const char* const in = (base) + SM_IN + ((c) % NIN) * IN_BYTES;                          \
-  char* const rec = (base) + SM_REC + ((c) % NREC) * REC_BYTES;                            \
+  char* const rec = (base) + SM_REC + rec_slot(c) * REC_BYTES;                             \
+  const int rh = rec_row0(c);                                                              \
   (void)sG; (void)srq; (void)srk; (void)sdg; (void)sAK; (void)sAQ; (void)sBK; (void)sXh;  \
-  (void)sXl; (void)spart; (void)sLT; (void)sbc; (void)sInv; (void)in; (void)rec
+  (void)sXl; (void)spart; (void)sLT; (void)sbc; (void)sInv; (void)sGM; (void)in; (void)rec; (void)rh
 
 // Phase 0's shared-memory reads of one pass (row ri, columns d .. d + 7; gate column col, rows
 // 8 half .. 8 half + 7). Group A reads both passes before either writes: the compiler cannot move a
@@ -258,7 +270,17 @@ __device__ __forceinline__ void prep_phase0(const KdaParams& p, char* base, int 
       const int jr = half ? ((j + 4) & 7) : j;
       sG[(8 * half + jr) * KP + col] = half ? a[(j + 4) & 7] : a[j];
     }
-    if (half) reinterpret_cast<float*>(rec + R_GM)[col] = __expf(a[7]);
+    if (half) {
+      const float e = __expf(a[7]);
+      if constexpr (C32) {
+        // e^G of the sub-chunk's last row: sub-chunk 1 reads sub-chunk 0's (this thread wrote it) for the
+        // record's Gamma_C and its rows' decays from the record start; B reads sub-chunk 1's for Kr
+        if (c & 1) reinterpret_cast<float*>(rec + R_GM)[col] = reinterpret_cast<const float*>(scr + S_GM)[col] * e;
+        sGM[col] = e;
+      } else {
+        reinterpret_cast<float*>(rec + R_GM)[col] = e;
+      }
+    }
   }
   {
     float aq = 1.f, ak = 1.f;
@@ -294,8 +316,8 @@ __device__ __forceinline__ void prep_phase0(const KdaParams& p, char* base, int 
 
 // ---- 1. decays of row ri, columns d .. d + 7, once per element; Qd and Kr into the record
 // Eight consecutive fp32 of the cumulative gate (row r, columns d .. d + 7).
-__device__ __forceinline__ void prep_gate_row(const char* base, int c, int r, int d, float (&G)[8]) {
-  const float* sG = reinterpret_cast<const float*>(base + SM_SCR + scr_set(c) + S_G);
+__device__ __forceinline__ void prep_gate_row(char* base, int c, int r, int d, float (&G)[8]) {
+  const float* sG = gate_arr(base, c);
   const float4* gp = reinterpret_cast<const float4*>(sG + r * KP + d);
   const float4 x0 = gp[0], x1 = gp[1];
   G[0] = x0.x; G[1] = x0.y; G[2] = x0.z; G[3] = x0.w; G[4] = x1.x; G[5] = x1.y; G[6] = x1.z; G[7] = x1.w;
@@ -307,6 +329,16 @@ __device__ __forceinline__ void prep_phase1(const KdaParams& p, char* base, int 
                                             const float (&xk)[8], float b, const float (&G)[8], const float (&GL)[8]) {
   KDA_PREP_SCRATCH(base, c);
   uint32_t pk[4], pq[4], pb[4], pqd[4], pkr[4], xkh[4], xkl[4];
+  // C32, sub-chunk 1: the record's Kg and Qd rows decay from the record's start (times sub-chunk 0's e^G of
+  // its last row), L's and Mqk's row operands from this sub-chunk's (pk, pqd into S_AK1, S_AQ1)
+  const bool sub1 = C32 && (c & 1);
+  uint32_t pk2[4], pqd2[4];
+  float e15[8];
+  if (sub1) {
+    const float4* gp = reinterpret_cast<const float4*>(reinterpret_cast<const float*>(scr + S_GM) + d);
+    const float4 x0 = gp[0], x1 = gp[1];
+    e15[0] = x0.x; e15[1] = x0.y; e15[2] = x0.z; e15[3] = x0.w; e15[4] = x1.x; e15[5] = x1.y; e15[6] = x1.z; e15[7] = x1.w;
+  }
 #pragma unroll
   for (int e = 0; e < 8; e += 2) {
     const float e0 = __expf(G[e]), e1 = __expf(G[e + 1]);
@@ -315,6 +347,10 @@ __device__ __forceinline__ void prep_phase1(const KdaParams& p, char* base, int 
     pk[e / 2] = pack_bf16(k0, k1);
     pq[e / 2] = pack_bf16(q0, q1);
     pqd[e / 2] = pack_bf16(p.scale * q0, p.scale * q1);
+    if (sub1) {
+      pk2[e / 2] = pack_bf16(k0 * e15[e], k1 * e15[e + 1]);
+      pqd2[e / 2] = pack_bf16(p.scale * q0 * e15[e], p.scale * q1 * e15[e + 1]);
+    }
     pb[e / 2] = pack_bf16(xk[e] * i0, xk[e + 1] * i1);
     pkr[e / 2] = pack_bf16(xk[e] * __expf(GL[e] - G[e]), xk[e + 1] * __expf(GL[e + 1] - G[e + 1]));
     if constexpr (!UKG) split_bf16(b * k0, b * k1, xkh[e / 2], xkl[e / 2]);
@@ -324,9 +360,18 @@ __device__ __forceinline__ void prep_phase1(const KdaParams& p, char* base, int 
     *reinterpret_cast<uint4*>(sAQ + ri * KB1 + d) = make_uint4(pq[0], pq[1], pq[2], pq[3]);
   }
   *reinterpret_cast<uint4*>(sBK + ri * KB1 + d) = make_uint4(pb[0], pb[1], pb[2], pb[3]);
-  if constexpr (YO) {  // -Kg (sign bits flipped) in rows 0 .. C-1 of the [2C][K] tile of -Kg and Qd
-    constexpr uint32_t ng = 0x80008000u;
-    *reinterpret_cast<uint4*>(rec + sm90::sw128_k<2 * C>(ri, d)) = make_uint4(pk[0] ^ ng, pk[1] ^ ng, pk[2] ^ ng, pk[3] ^ ng);
+  constexpr uint32_t ng = 0x80008000u;
+  if (sub1) {
+    *reinterpret_cast<uint4*>(scr + S_AK1 + (ri * KB1 + d) * 2) = make_uint4(pk[0] ^ ng, pk[1] ^ ng, pk[2] ^ ng, pk[3] ^ ng);
+    *reinterpret_cast<uint4*>(scr + S_AQ1 + (ri * KB1 + d) * 2) = make_uint4(pqd[0], pqd[1], pqd[2], pqd[3]);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      pk[e] = pk2[e];
+      pqd[e] = pqd2[e];
+    }
+  }
+  if constexpr (YO) {  // -Kg (sign bits flipped) in rows 0 .. CR-1 of the [2CR][K] tile of -Kg and Qd
+    *reinterpret_cast<uint4*>(rec + sm90::sw128_k<2 * CR>(rh + ri, d)) = make_uint4(pk[0] ^ ng, pk[1] ^ ng, pk[2] ^ ng, pk[3] ^ ng);
   } else if constexpr (UKG) {  // Kg [j][K] in the W slot (the consumers' B of S Kg^T)
     *reinterpret_cast<uint4*>(rec + R_W + sm90::sw128_k<C>(ri, d)) = make_uint4(pk[0], pk[1], pk[2], pk[3]);
   } else {
@@ -335,12 +380,13 @@ __device__ __forceinline__ void prep_phase1(const KdaParams& p, char* base, int 
   }
   // Qd [i][K] and Kr [j][K]: 16-byte pieces of one row; in the swizzled tiles the 8 pieces
   // a quarter-warp writes are one 128-byte row of an atom (conflict-free).
-  if constexpr (YO) {  // rows C .. 2C - 1 of the [2C][K] tile
-    *reinterpret_cast<uint4*>(rec + sm90::sw128_k<2 * C>(C + ri, d)) = make_uint4(pqd[0], pqd[1], pqd[2], pqd[3]);
+  if constexpr (YO) {  // rows CR .. 2CR - 1 of the [2CR][K] tile
+    *reinterpret_cast<uint4*>(rec + sm90::sw128_k<2 * CR>(CR + rh + ri, d)) = make_uint4(pqd[0], pqd[1], pqd[2], pqd[3]);
   } else {
     *reinterpret_cast<uint4*>(rec + R_QD + sm90::sw128_k<C>(ri, d)) = make_uint4(pqd[0], pqd[1], pqd[2], pqd[3]);
   }
-  *reinterpret_cast<uint4*>(rec + R_KR + sm90::sw128_mn<K>(ri, d)) = make_uint4(pkr[0], pkr[1], pkr[2], pkr[3]);
+  // (C32: sub-chunk 0's rows decay to its own end here; group B rescales them to the record's end)
+  *reinterpret_cast<uint4*>(rec + R_KR + sm90::sw128_mn<K>(rh + ri, d)) = make_uint4(pkr[0], pkr[1], pkr[2], pkr[3]);
 }
 
 // ---- 2. L (b, strictly lower) and Mqk (scale, lower incl. diagonal) partials of the K slices of
@@ -349,14 +395,25 @@ __device__ __forceinline__ void prep_phase1(const KdaParams& p, char* base, int 
 // exp(G_i - G_j) on CUDA cores, reading q and k again from the input stage (rare: only for extreme
 // gates). in_full (or nullptr): the input stage's barrier, waited before that read where the
 // stage's own wait was another warp's.
-template <int W0>
+// C32: the cross block of a record's sub-chunk 1 (rows) and 0 (columns): partials of this warp's K slices of
+// -(k_1 e^(G - G_15)) (k_0 e^(G_15 - G))^T and (scale q_1 e^(G - G_15)) (k_0 e^(G_15 - G))^T, both factors <= 1.
+struct CrossAcc {
+  float l[2][4], m[2][4];
+};
+template <int W0, bool CROSS = false>
 __device__ __forceinline__ void prep_phase2(char* base, int c, int rows, float scale, uint64_t* in_full = nullptr,
-                                            uint32_t in_parity = 0) {
+                                            uint32_t in_parity = 0, CrossAcc* cross = nullptr) {
   const int tid = threadIdx.x, lane = tid & 31, w = (tid >> 5) - W0;
   KDA_PREP_SCRATCH(base, c);
   const int g8 = lane >> 2, t4 = lane & 3, lm = lane >> 3, lr = lane & 7;
   if (w >= NMW) return;
   float accL[2][4] = {}, accM[2][4] = {};
+  if constexpr (CROSS) {
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) cross->l[nt][e] = cross->m[nt][e] = 0.f;
+  }
   unsigned fallback = 0;
 #pragma unroll
   for (int sl = 0; sl < SPW; ++sl) {
@@ -364,12 +421,31 @@ __device__ __forceinline__ void prep_phase2(char* base, int c, int rows, float s
     float span = lane < 16 ? -sG[(C - 1) * KP + c0 + lane] : 0.f;
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) span = fmaxf(span, __shfl_xor_sync(0xffffffffu, span, o));
-    if (span <= 80.f) {
+    const int ar = lr + 8 * (lm & 1), ac = c0 + 8 * (lm >> 1);  // A fragment: row, 8 columns
+    if constexpr (CROSS) {  // (sub-chunk 1 of a C32 record: operands anchored at the sub-chunk, in S_AK1, S_AQ1)
+      uint32_t ak[4], aq[4], bk[4], bx[4];
+      ldsm_x4(ak, reinterpret_cast<const bf16*>(scr + S_AK1) + ar * KB1 + ac);
+      ldsm_x4(aq, reinterpret_cast<const bf16*>(scr + S_AQ1) + ar * KB1 + ac);
+      // sub-chunk 0's Kr rows (k e^(G_15 - G), still to its own end): B fragments, rows j, 8 columns
+      ldsm_x4(bx, rec + R_KR + sm90::sw128_mn<K>(lr + 8 * (lm >> 1), c0 + 8 * (lm & 1)));
+      mma_bf16(cross->l[0], ak, bx[0], bx[1]);
+      mma_bf16(cross->l[1], ak, bx[2], bx[3]);
+      mma_bf16(cross->m[0], aq, bx[0], bx[1]);
+      mma_bf16(cross->m[1], aq, bx[2], bx[3]);
+      if (span <= 80.f) {
+        ldsm_x4(bk, sBK + (lr + 8 * (lm >> 1)) * KB1 + c0 + 8 * (lm & 1));
+        mma_bf16(accL[0], ak, bk[0], bk[1]);
+        mma_bf16(accL[1], ak, bk[2], bk[3]);
+        mma_bf16(accM[0], aq, bk[0], bk[1]);
+        mma_bf16(accM[1], aq, bk[2], bk[3]);
+      } else {
+        fallback |= 1u << sl;
+      }
+    } else if (span <= 80.f) {
       uint32_t ak[4], aq[4], bk[4];
-      const int ar = lr + 8 * (lm & 1), ac = c0 + 8 * (lm >> 1);  // A fragment: row, 8 columns
-      if constexpr (YO) {  // -Kg and Qd (scale included) in the record's [2C][K] tile
-        ldsm_x4(ak, rec + sm90::sw128_k<2 * C>(ar, ac));
-        ldsm_x4(aq, rec + sm90::sw128_k<2 * C>(C + ar, ac));
+      if constexpr (YO) {  // -Kg and Qd (scale included) in the record's [2CR][K] tile
+        ldsm_x4(ak, rec + sm90::sw128_k<2 * CR>(ar, ac));
+        ldsm_x4(aq, rec + sm90::sw128_k<2 * CR>(CR + ar, ac));
       } else if constexpr (UKG) {  // Kg and Qd (scale included) in the record's tiles
         ldsm_x4(ak, rec + R_W + sm90::sw128_k<C>(ar, ac));
         ldsm_x4(aq, rec + R_QD + sm90::sw128_k<C>(ar, ac));
@@ -440,8 +516,8 @@ __device__ __forceinline__ void prep_phase3(const KdaParams& p, char* base, int 
     if (i > j) sLT[j * CP + i] = sbc[i] * (YO ? -l : l);  // (YO: the partials are of -Kg)
     const float mq = i > j ? (UKG ? m : p.scale * m) : i == j ? p.scale * sdg[i] : 0.f;  // (UKG: Qd has the scale)
     const bf16 mh = __float2bfloat16_rn(mq);
-    *reinterpret_cast<bf16*>(rec + R_MQ + sm90::il16_k(i, j)) = mh;
-    *reinterpret_cast<bf16*>(rec + R_ML + sm90::il16_k(i, j)) = __float2bfloat16_rn(mq - __bfloat162float(mh));
+    *reinterpret_cast<bf16*>(rec + R_MQ + il_rec(rh + i, rh + j)) = mh;
+    *reinterpret_cast<bf16*>(rec + R_ML + il_rec(rh + i, rh + j)) = __float2bfloat16_rn(mq - __bfloat162float(mh));
   }
 }
 
@@ -465,10 +541,102 @@ __device__ __forceinline__ void prep_phase5_ainv(char* base, int c, int u0) {
     const int i = u >> 4, j = u & 15;
     const float y = sInv[i * IPF + j] * sbc[j];
     const bf16 yh = __float2bfloat16_rn(y);
-    *reinterpret_cast<bf16*>(rec + R_AH + sm90::il16_k(i, j)) = yh;
-    *reinterpret_cast<bf16*>(rec + R_AL + sm90::il16_k(i, j)) = __float2bfloat16_rn(y - __bfloat162float(yh));
+    *reinterpret_cast<bf16*>(rec + R_AH + il_rec(rh + i, rh + j)) = yh;
+    *reinterpret_cast<bf16*>(rec + R_AL + il_rec(rh + i, rh + j)) = __float2bfloat16_rn(y - __bfloat162float(yh));
+    // (C32, sub-chunk 0: kept in fp32 for the cross block, which needs T_00 diag(b_0); beta's parity slot is
+    // rewritten by group A's next record before B gets there)
+    if (C32 && !(c & 1)) sInv[i * IPF + j] = y;
   }
 }
+// ---- C32: a record's off-diagonal blocks (group B, thread tb of NTG = 128).
+// Sub-chunk 0: the upper blocks (rows 0-15, columns 16-31) of Mqk and A, hi and lo, are zero: the 512 bytes at
+// the start of each part's second k-slab.
+__device__ __forceinline__ void prep_c32_zero(char* base, int c, int tb) {
+  KDA_PREP_SCRATCH(base, c);
+  *reinterpret_cast<uint4*>(rec + R_MQ + (tb >> 5) * TILE_MA + 16 * CR * 2 + (tb & 31) * 16) = make_uint4(0, 0, 0, 0);
+}
+// Sub-chunk 1, after phase 3 read the partials: this warp's cross partials into spart (phase 2's order).
+__device__ __forceinline__ void prep_cross_store(char* base, int c, int w, int lane, const CrossAcc& x) {
+  KDA_PREP_SCRATCH(base, c);
+  const int g8 = lane >> 2, t4 = lane & 3;
+  float* pL = spart + w * 512;
+  float* pM = pL + 256;
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int i = g8 + 8 * hh, j = 8 * nt + 2 * t4;
+      *reinterpret_cast<float2*>(pL + i * 16 + j) = make_float2(x.l[nt][2 * hh], x.l[nt][2 * hh + 1]);
+      *reinterpret_cast<float2*>(pM + i * 16 + j) = make_float2(x.m[nt][2 * hh], x.m[nt][2 * hh + 1]);
+    }
+}
+// Sub-chunk 1, after phase 2 read them: sub-chunk 0's Kr rows times e^G of the record's last row (relative to
+// sub-chunk 1's start), so that they decay to the record's end. (Rounded twice: emulation o +2% at strong gates.)
+__device__ __forceinline__ void prep_kr0_rescale(char* base, int c, int tb) {
+  KDA_PREP_SCRATCH(base, c);
+#pragma unroll
+  for (int pi = tb; pi < C * K / 8; pi += NTP / 2) {
+    const int j = pi / (K / 8), d = (pi % (K / 8)) * 8;
+    uint4* pk = reinterpret_cast<uint4*>(rec + R_KR + sm90::sw128_mn<K>(j, d));
+    const uint4 x = *pk;
+    const float4 g0 = *reinterpret_cast<const float4*>(sGM + d), g1 = *reinterpret_cast<const float4*>(sGM + d + 4);
+    const uint32_t xs[4] = {x.x, x.y, x.z, x.w};
+    const float gg[8] = {g0.x, g0.y, g0.z, g0.w, g1.x, g1.y, g1.z, g1.w};
+    uint32_t ys[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+      ys[e] = pack_bf16(__uint_as_float(xs[e] << 16) * gg[2 * e], __uint_as_float(xs[e] & 0xffff0000u) * gg[2 * e + 1]);
+    *pk = make_uint4(ys[0], ys[1], ys[2], ys[3]);
+  }
+}
+// Sub-chunk 1: the summed cross blocks. M_10 (scale in) into the record; L_10 = diag(b_1) (k_1 ..)(k_0 ..)^T into
+// warp 0's L partials (in place: element u is read and written by one thread only).
+template <int STEP>
+__device__ __forceinline__ void prep_cross_sum(char* base, int c, int u0) {
+  KDA_PREP_SCRATCH(base, c);
+  for (int u = u0; u < 256; u += STEP) {
+    const int i = u >> 4, j = u & 15;
+    float l = 0.f, m = 0.f;
+#pragma unroll
+    for (int w = 0; w < NMW; ++w) {
+      l += spart[w * 512 + u];
+      m += spart[w * 512 + 256 + u];
+    }
+    spart[u] = -sbc[i] * l;  // (the partials are of -k_1 ..)
+    const bf16 mh = __float2bfloat16_rn(m);
+    *reinterpret_cast<bf16*>(rec + R_MQ + il_rec(C + i, j)) = mh;
+    *reinterpret_cast<bf16*>(rec + R_ML + il_rec(C + i, j)) = __float2bfloat16_rn(m - __bfloat162float(mh));
+  }
+}
+// Sub-chunk 1: X = T_11 L_10 into sLT (free since phase 4), T_11 = (I + L_11)^-1 (lower triangular).
+template <int STEP>
+__device__ __forceinline__ void prep_cross_x(char* base, int c, int u0) {
+  KDA_PREP_SCRATCH(base, c);
+  for (int u = u0; u < 256; u += STEP) {
+    const int i = u >> 4, j = u & 15;
+    float x = 0.f;
+#pragma unroll
+    for (int k = 0; k < C; ++k) x += k <= i ? sInv[i * IPF + k] * spart[k * 16 + j] : 0.f;
+    sLT[i * CP + j] = x;
+  }
+}
+// Sub-chunk 1: the lower block of (I + L)^-1 diag(b), -X T_00 diag(b_0) (sub-chunk 0 left T_00 diag(b_0) in its
+// sInv), hi + lo into the record.
+template <int STEP>
+__device__ __forceinline__ void prep_cross_a10(char* base, int c, int u0) {
+  KDA_PREP_SCRATCH(base, c);
+  const float* sInv0 = reinterpret_cast<const float*>(scr + S_INV);
+  for (int u = u0; u < 256; u += STEP) {
+    const int i = u >> 4, j = u & 15;
+    float y = 0.f;
+#pragma unroll
+    for (int k = 0; k < C; ++k) y -= k >= j ? sLT[i * CP + k] * sInv0[k * IPF + j] : 0.f;
+    const bf16 yh = __float2bfloat16_rn(y);
+    *reinterpret_cast<bf16*>(rec + R_AH + il_rec(C + i, j)) = yh;
+    *reinterpret_cast<bf16*>(rec + R_AL + il_rec(C + i, j)) = __float2bfloat16_rn(y - __bfloat162float(yh));
+  }
+}
+
 // ---- 5b. A fragments of (I + L)^-1 (rows g8, g8 + 8; columns 2 t4 (+ 8)), split hi + lo
 __device__ __forceinline__ void prep_inv_frags(char* base, int c, int lane, uint32_t (&ah)[4], uint32_t (&al)[4]) {
   KDA_PREP_SCRATCH(base, c);
