@@ -26,6 +26,7 @@ def main() -> int:
     ap.add_argument("--T", type=int, default=16384)
     ap.add_argument("--H", type=int, default=48)
     ap.add_argument("--calls", type=int, default=3)
+    ap.add_argument("--dump", help="also write the raw stamps [cta][chunk][event] = (clock64, ns) as JSON here")
     a = ap.parse_args()
 
     import torch
@@ -52,6 +53,11 @@ def main() -> int:
     torch.cuda.synchronize()
     del keep, o_run
     st = buf.view(CTAS, N, len(EVENTS), 2).cpu().tolist()
+    if a.dump:
+        import json
+
+        Path(a.dump).write_text(json.dumps({"variant": var.name, "T": a.T, "H": a.H, "c0": C0, "events": EVENTS,
+                                            "stamps": st}))
     if not any(st[0][0][e][0] for e in range(len(EVENTS))):
         print("no stamps written: is --fatbin a KDA_SM90_STAMPS=1 build, and the sequence longer than "
               f"{C0 + N} chunks?")

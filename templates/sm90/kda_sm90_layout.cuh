@@ -220,6 +220,15 @@ constexpr int NV = C32 ? 5 : PAIR ? 8 : NIN + NREC;
 // for a record this group has still to make.
 constexpr int VLEAD = NV - 4;
 static_assert(!PAIR || VLEAD >= 1, "the pair: NV >= 5");
+// C32 (KDA_SM90_C32_VA=1: group A as above): the consumers copy their v themselves, sub-chunks 2 m + 4 and
+// 2 m + 5 in step m once its own v is in registers. With NV 5 group A's copies waited for the record before the
+// one it was making, which tied the prep to the consumers (H200: 1.4x slower than the chunk-16 pair).
+#if defined(KDA_SM90_C32_VA) && KDA_SM90_C32_VA
+constexpr bool C32_VCONS = false;
+#else
+constexpr bool C32_VCONS = C32;
+#endif
+static_assert(!C32_VCONS || NV >= 5, "C32: the consumers copy v 4 sub-chunks ahead");
 constexpr int NRSLOT = PAIR ? 2 * NREC : NREC;  // record slots: own ring, then the peer ring
 constexpr int REC_USED = R_GM + K * 4;          // bytes of a record the pair forwards
 static_assert(NIN >= 2 && NREC >= 1, "ring depths");

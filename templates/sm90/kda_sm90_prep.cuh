@@ -182,7 +182,11 @@ __device__ __forceinline__ int rec_slot(int c) { return (C32 ? c >> 1 : c) % NRE
 __device__ __forceinline__ int rec_row0(int c) { return C32 ? (c & 1) * C : 0; }
 // The cumulative gate [C][KP] (C32: in place of g in the input stage).
 __device__ __forceinline__ float* gate_arr(char* base, int c) {
-  return reinterpret_cast<float*>(C32 ? base + SM_IN + (c % NIN) * IN_BYTES + IN_G : base + SM_SCR + scr_set(c) + S_G);
+  if constexpr (C32) {
+    return reinterpret_cast<float*>(base + SM_IN + (c % NIN) * IN_BYTES + IN_G);
+  } else {
+    return reinterpret_cast<float*>(base + SM_SCR + scr_set(c) + S_G);
+  }
 }
 #define KDA_PREP_SCRATCH(base, c)                                                         \
   char* const scr = (base) + SM_SCR;                                                       \

@@ -53,7 +53,7 @@ __device__ __forceinline__ void prep_group_a(const KdaParams& p, const SeqInfo& 
   // chunks 0-3 first; local chunk c then copies chunks 2 c + 4 and 2 c + 5 (their stages were last read
   // at chunks 2 c - 4, 2 c - 3: at most 4 global chunks behind this one's record, which never waits on
   // these copies)
-  if constexpr (PAIR) {
+  if constexpr (PAIR && !C32_VCONS) {
     for (int cc = 0; cc < VLEAD; ++cc) issue_v<4>(p, si, cc, base, bars, warp, lane);
   }
   // (c: the local chunk, which indexes every ring and scratch set; KDA_GCHUNK(c) the data's chunk)
@@ -115,13 +115,13 @@ __device__ __forceinline__ void prep_group_a(const KdaParams& p, const SeqInfo& 
     sm90::mbar_arrive(bars + B_SCR_FULL + h);
     // The stage of chunk c - 2 (B's phase 2 of it is done: A waited scr_empty of c - 2's set).
     if constexpr (PIPE_COPIES == 0) issue(c + NIN - 2);
-    if constexpr (PAIR) {
+    if constexpr (PAIR && !C32_VCONS) {
       issue_v<4>(p, si, 2 * c + VLEAD, base, bars, warp, lane);
       issue_v<4>(p, si, 2 * c + VLEAD + 1, base, bars, warp, lane);
     }
   }
   // (C32: a rank with few records stops short of the last v chunks; its consumers need them all)
-  if constexpr (C32) {
+  if constexpr (C32 && !C32_VCONS) {
     for (int cc = 2 * nlocal(si) + VLEAD; cc < si.nc; ++cc) issue_v<4>(p, si, cc, base, bars, warp, lane);
   }
 }

@@ -142,6 +142,9 @@ __device__ __forceinline__ void consumer_role(const KdaParams& p, const SeqInfo&
   if constexpr (CONS_COPIES) {
     for (int cc = 0; cc < NIN; ++cc) issue_chunk_spread<4 * NCONS>(p, si, cc, base, bars, wi, lane);
   }
+  if constexpr (C32_VCONS) {
+    for (int cc = 0; cc < 4; ++cc) issue_v<4>(p, si, cc, base, bars, w, lane);
+  }
 
   // v^T of this warp's 16 V rows for chunk c; time steps past the end of the sequence are zeroed (the
   // stage rows there are stale). The stage is released as soon as the registers hold it.
@@ -335,6 +338,10 @@ __device__ __forceinline__ void consumer_role(const KdaParams& p, const SeqInfo&
     uint32_t va0[4], va1[4] = {0u, 0u, 0u, 0u};
     load_vt(2 * m, rows0, va0);
     if (rows1 > 0) load_vt(2 * m + 1, rows1, va1);
+    if constexpr (C32_VCONS) {  // (their slots: sub-chunks 2 m - 1 and 2 m, in registers by now)
+      issue_v<4>(p, si, 2 * m + 4, base, bars, w, lane);
+      issue_v<4>(p, si, 2 * m + 5, base, bars, w, lane);
+    }
     KDA_STAMP(tid == 0 && cw == 0, 2 * m, ST_C_WAIT);
     if (own) sm90::mbar_wait(bars + B_REC_FULL + r, ph);
     else sm90::mbar_wait(bars + B_REC_PEER + r, ph);
