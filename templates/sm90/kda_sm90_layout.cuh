@@ -304,6 +304,8 @@ enum StampEvent {
   ST_B_DONE1,     // group B: ST_B_DONE of lane 0 of its warps 1, 2, 3
   ST_B_DONE2,
   ST_B_DONE3,
+  ST_B_CPY,       // group B (the pair): its q, k, g copies issued
+  ST_C_STORE,     // consumer warpgroup 0 (=2 only): slot released, before the o store
   ST_NEV
 };
 __device__ __forceinline__ void stamp(const KdaParams& p, int gc, int ev) {

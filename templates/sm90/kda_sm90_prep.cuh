@@ -146,6 +146,24 @@ __device__ __forceinline__ void issue_qkg(const KdaParams& p, const SeqInfo& si,
     sm90::bulk_g2s(rc.dst, rc.src, rc.bytes, in_full);
   }
 }
+// issue_qkg's copies from one warp, in a loop whose addresses are warp-uniform by construction (KDA_SM90_UCOPY:
+// A/B of the copy-issue cost; row-parallel lanes need an ELECT / R2UR loop of ~30 cycles a copy)
+__device__ __forceinline__ void issue_qkg_uni(const KdaParams& p, const SeqInfo& si, int j, char* base, uint64_t* bars,
+                                              int lane) {
+  if (j >= nlocal(si)) return;
+  const int cc = KDA_GCHUNK(si, j), st = j % NIN;
+  const int rows = max(0, min(C, si.len - cc * C));
+  const int gsz = p.g_fp32 ? 4 : 2;
+  uint64_t* in_full = bars + B_IN_FULL + st;
+  if (lane == 0) {
+    sm90::mbar_arrive_expect_tx(in_full, (uint32_t)rows * (2 * QROW + K * gsz));
+    for (int ten = 0; ten < 3; ++ten)
+      for (int row = 0; row < rows; ++row) {
+        const RowCopy rc = row_copy(p, si, cc, ten, row, base, st, 0);
+        sm90::bulk_g2s(rc.dst, rc.src, rc.bytes, in_full);
+      }
+  }
+}
 template <int NW>
 __device__ __forceinline__ void issue_v(const KdaParams& p, const SeqInfo& si, int cc, char* base, uint64_t* bars,
                                         int w, int lane) {

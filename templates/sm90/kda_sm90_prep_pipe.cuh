@@ -141,7 +141,12 @@ __device__ __forceinline__ void prep_group_b(const KdaParams& p, const SeqInfo& 
     KDA_STAMP(tb == 0, KDA_GCHUNK(si, c), ST_B_GO);
     // (the exact fallback reads the input stage: it waits for the stage's copies itself)
     CrossAcc cross;
-    if (C32 && h) prep_phase2<4, C32>(base, c, rows, p.scale, bars + B_IN_FULL + st, (c / NIN) & 1, &cross);
+#if defined(KDA_X_NOCROSS) && KDA_X_NOCROSS  // (diagnostic timing build: o wrong)
+    constexpr bool XC = false;
+#else
+    constexpr bool XC = C32;
+#endif
+    if (XC && h) prep_phase2<4, C32>(base, c, rows, p.scale, bars + B_IN_FULL + st, (c / NIN) & 1, &cross);
     else prep_phase2<4>(base, c, rows, p.scale, bars + B_IN_FULL + st, (c / NIN) & 1);
     // the stage's last read (mode 1: B refills the stage itself, and an mbarrier whose phases
     // complete unwaited is an error to synccheck)
@@ -152,16 +157,16 @@ __device__ __forceinline__ void prep_group_b(const KdaParams& p, const SeqInfo& 
     if (tb < C) prep_phase4(base, c, tb);
     if constexpr (C32) {
       // (the partials' room is free since phase 3; sub-chunk 0's Kr rows since phase 2)
-      if (h) {
+      if (XC && h) {
         prep_cross_store(base, c, warp - 4, tid & 31, cross);
         prep_kr0_rescale(base, c, tb);
-      } else {
+      } else if (!h) {
         prep_c32_zero(base, c, tb);
       }
     }
     sm90::named_sync<BAR_PREP_B, NTG>();
     prep_phase5_ainv<NTG>(base, c, tb);
-    if (C32 && h) {
+    if (XC && h) {
       // the cross blocks: M_10, then A_10 = -T_11 L_10 T_00 diag(b_0) (two fp32 16 x 16 products)
       prep_cross_sum<NTG>(base, c, tb);
       sm90::named_sync<BAR_PREP_B, NTG>();
@@ -200,7 +205,13 @@ __device__ __forceinline__ void prep_group_b(const KdaParams& p, const SeqInfo& 
         KDA_STAMP(true, KDA_GCHUNK(si, c), ST_B_FWD);
       }
       }
+      KDA_STAMP(tb == 0 && C32 && !h, KDA_GCHUNK(si, c), ST_B_FULL);
+#if defined(KDA_SM90_UCOPY) && KDA_SM90_UCOPY
+      if (warp == 4) issue_qkg_uni(p, si, c + NIN, base, bars, tid & 31);
+#else
       issue_qkg<4>(p, si, c + NIN, base, bars, warp - 4, tid & 31);
+#endif
+      KDA_STAMP(tb == 0, KDA_GCHUNK(si, c), ST_B_CPY);
     } else if constexpr (PIPE_COPIES == 1) {
       issue_chunk_spread<4>(p, si, c + NIN, base, bars, warp - 4, tid & 31);
     }

@@ -331,6 +331,7 @@ __device__ __forceinline__ void consumer_role(const KdaParams& p, const SeqInfo&
   auto step32 = [&](int m, bool own, int r, uint32_t ph) {
     const int slot = own ? r : NREC + r;
     const int rows0 = min(C, si.len - m * CR), rows1 = max(0, min(C, si.len - m * CR - C));
+    KDA_STAMP2(tid == 0 && cw == 0, 2 * m, ST_C_TOP);
     store_hc(m);
     uint32_t sa[K / 16][4];
 #pragma unroll
@@ -338,6 +339,7 @@ __device__ __forceinline__ void consumer_role(const KdaParams& p, const SeqInfo&
     uint32_t va0[4], va1[4] = {0u, 0u, 0u, 0u};
     load_vt(2 * m, rows0, va0);
     if (rows1 > 0) load_vt(2 * m + 1, rows1, va1);
+    KDA_STAMP2(tid == 0 && cw == 0, 2 * m, ST_C_VGO);
     if constexpr (C32_VCONS) {  // (their slots: sub-chunks 2 m - 1 and 2 m, in registers by now)
       issue_v<4>(p, si, 2 * m + 4, base, bars, w, lane);
       issue_v<4>(p, si, 2 * m + 5, base, bars, w, lane);
@@ -421,6 +423,7 @@ __device__ __forceinline__ void consumer_role(const KdaParams& p, const SeqInfo&
     sm90::reg_fence(ao);
     KDA_STAMP(tid == 0 && cw == 0, 2 * m, ST_C_DONE);
     release(own, r);
+    KDA_STAMP2(tid == 0 && cw == 0, 2 * m, ST_C_STORE);
     float o0[8], o1[8];
 #pragma unroll
     for (int e = 0; e < 8; ++e) {
