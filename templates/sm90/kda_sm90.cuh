@@ -15,8 +15,10 @@
 #else
 #define KDA_CLUSTER_DIMS
 #endif
-extern "C" __global__ void KDA_CLUSTER_DIMS __launch_bounds__(kda::NT, 1) kda_fused(const KdaParams p) {
+extern "C" __global__ void KDA_CLUSTER_DIMS __launch_bounds__(kda::NT, 1)
+    kda_fused(const __grid_constant__ KdaParams90 pp) {
   using namespace kda;
+  const KdaParams& p = pp.p;  // (a reference into parameter space: tmaps(p) finds the maps after it)
   extern __shared__ __align__(16) char smem_raw[];
   // Swizzled record tiles need 1024-byte aligned atoms: align the dynamic base (SMEM_BYTES
   // carries the slack).
@@ -27,6 +29,7 @@ extern "C" __global__ void KDA_CLUSTER_DIMS __launch_bounds__(kda::NT, 1) kda_fu
   si.n = blockIdx.x;
   si.h = blockIdx.y;
   si.vb = blockIdx.z;
+  si.hq = si.h / p.group;
   int bos;
   seq_bounds(p, si.n, bos, si.len);
   si.nc = (si.len + C - 1) / C;

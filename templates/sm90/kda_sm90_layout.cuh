@@ -4,6 +4,7 @@
 #pragma once
 #include "kda_variant.cuh"
 #include "kda_sm90_ptx.cuh"
+#include "kda_sm90_tma.cuh"
 
 namespace kda {
 
@@ -48,16 +49,22 @@ constexpr int CONS_REGS = NT == 512 ? 160 : 200;
 constexpr int PREP_REGS = NT == 512 ? 96 : (NT * LAUNCH_REGS - 128 * NCONS * CONS_REGS) / (NTP + NTX) / 8 * 8;
 static_assert(!REALLOC || ((NTP + NTX) * PREP_REGS + 128 * NCONS * CONS_REGS) <= NT * LAUNCH_REGS, "register budget");
 
-// ---- input stage (q, k, g rows of one chunk; bulk-copied) ----
+// ---- input stage (q, k, g tiles of one chunk, dense rows as the tensor-map copies write them) ----
 constexpr int QROW = K * 2;            // bytes of a q / k row
-constexpr int GROW = K * 4 + 16;       // g row pitch (room for fp32; +16 spreads the banks)
+constexpr int GROW = K * 4;            // room for a row of fp32 g (16-bit g: rows K * 2 apart, g_pitch)
 constexpr int IN_Q = 0;
 constexpr int IN_K = C * QROW;
 constexpr int IN_G = 2 * C * QROW;
 constexpr int IN_BYTES = 2 * C * QROW + C * GROW;
-// ---- v stage (this CTA's BV columns; rows padded by 16 bytes: conflict-free ldmatrix.trans) ----
-constexpr int VROW = BV * 2 + 16;
-constexpr int V_BYTES = C * VROW;
+// ---- v stage (this CTA's BV columns as 64-column boxes of C rows, each 128-byte swizzled: conflict-free
+// ldmatrix.trans) ----
+constexpr int V_BOX = C * 128;
+constexpr int V_BYTES = (BV / 64) * V_BOX;
+static_assert(IN_BYTES % 1024 == 0 && V_BYTES % 1024 == 0, "tensor-map boxes: 1024-aligned stages");
+// Byte offset of v (row, col) in a stage.
+__device__ __forceinline__ uint32_t v_off(int row, int col) {
+  return (uint32_t)((col >> 6) * V_BOX + row * 128 + ((((col & 63) >> 3) ^ (row & 7)) << 4) + (col & 7) * 2);
+}
 
 // ---- chunk record (written by the prep, read by the consumers' wgmma) ----
 constexpr int R_QD = 0;                 // bf16 [CR][K] Qd, K-major 128B-swizzled
@@ -138,7 +145,9 @@ constexpr bool YO = false;
 #endif
 static_assert(!C32 || (YO && PAIR), "chunk 32: the pair with the merged Y/o tile");
 static_assert(R_W == R_QD + CR * K * 2 && R_KR == R_W + CR * K * 2, "YO: the [2CR][K] tile takes the Qd and W slots");
-static_assert(!C32 || GROW == KP * 4, "C32: the cumulative gate takes g's place in the input stage");
+// (C32: the cumulative gate takes g's place in the input stage, rows GKP floats apart)
+constexpr int GKP = C32 ? K : KP;
+static_assert(!C32 || GROW == GKP * 4, "C32: the cumulative gate takes g's place in the input stage");
 // OHL (K = 64, `KDA_SM90_OHL=0` turns it off): the o product takes S in hi + lo bf16 (K/16 more m64n16k16, off
 // the step's chain). K = 64 has half the terms per output to average bf16(S)'s rounding over: rel RMSE of o at
 // g = -8 4.02e-3 on the H200 (sm80 4.9e-3), over issue 16's 4e-3; 3.92e-3 -> 3.58e-3 in the emulation.

@@ -12,6 +12,7 @@ namespace kda {
 // What both roles know about the CTA's (sequence, value head).
 struct SeqInfo {
   int n, h, vb, len, nc;  // sequence, value head, V block (columns vb * BV ..), length, chunks
+  int hq;                 // q / k head (GQA: h / group)
   long long bidx, tb;  // batch index (0 with cu_seqlens), first token of the sequence in its row
 #if KDA_SM90_PAIR_ON
   int rank, nloc;      // the pair: this CTA's rank in the cluster, chunks it preps
@@ -42,142 +43,69 @@ __device__ __forceinline__ int nlocal(const SeqInfo& si) {
 #define KDA_GCHUNK(si, j) (j)  // (a macro: as a function it changed the default images' scheduling)
 #endif
 
-// Row `row` of tensor `ten` (0 q, 1 k, 2 g, 3 v) of global chunk cc: its global source, its place in
-// input stage st or V stage vs, and its bytes.
-struct RowCopy {
-  const char* src;
-  char* dst;
-  uint32_t bytes;
-};
-__device__ __forceinline__ RowCopy row_copy(const KdaParams& p, const SeqInfo& si, int cc, int ten, int row, char* base,
-                                            int st, int vs) {
-  const long long t = si.tb + (long long)cc * C + row;
-  const int hq = si.h / p.group;
+// The tensor-map copies of global chunk cc (kda_sm90_tma.cuh), each one box of C rows of this CTA's head from
+// row si.tb + C cc: q, k, g into input stage st, v (its BV columns, 64-column boxes) into V stage vs. Rows past
+// the tensor's end are zero-filled, rows past the sequence's end belong to the next one: the prep selects zeros
+// for both, and the consumers mask v^T in a short chunk. The expected bytes are the full boxes.
+__device__ __forceinline__ void tma_qkg(const KdaParams& p, const SeqInfo& si, int cc, char* base, uint64_t* bars,
+                                        int st) {
+  const KdaTmap* tm = tmaps(p);
+  const int t = (int)si.tb + cc * C, hq = si.hq, b = (int)si.bidx;
   char* const in = base + SM_IN + st * IN_BYTES;
-  RowCopy rc;
-  rc.bytes = QROW;
-  if (ten == 0) {
-    rc.src = (const char*)((const in_t*)p.q + si.bidx * p.q_s[0] + hq * p.q_s[2] + t * p.q_s[1]);
-    rc.dst = in + IN_Q + row * QROW;
-  } else if (ten == 1) {
-    rc.src = (const char*)((const in_t*)p.k + si.bidx * p.k_s[0] + hq * p.k_s[2] + t * p.k_s[1]);
-    rc.dst = in + IN_K + row * QROW;
-  } else if (ten == 2) {
-    const int gsz = p.g_fp32 ? 4 : 2;
-    rc.src = (const char*)p.g + (si.bidx * p.g_s[0] + si.h * p.g_s[2] + t * p.g_s[1]) * gsz;
-    rc.dst = in + IN_G + row * GROW;
-    rc.bytes = K * gsz;
-  } else {
-    rc.src = (const char*)((const in_t*)p.v + si.bidx * p.v_s[0] + si.h * p.v_s[2] + t * p.v_s[1] + si.vb * BV);
-    rc.dst = base + SM_V + vs * V_BYTES + row * VROW;
-    rc.bytes = BV * 2;
-  }
-  return rc;
+  uint64_t* full = bars + B_IN_FULL + st;
+  sm90::mbar_arrive_expect_tx(full, (uint32_t)(C * (2 * QROW + K * (p.g_fp32 ? 4 : 2))));
+  sm90::tma_load_4d(in + IN_Q, tm + TM_Q, 0, t, hq, b, full);
+  sm90::tma_load_4d(in + IN_K, tm + TM_K, 0, t, hq, b, full);
+  sm90::tma_load_4d(in + IN_G, tm + TM_G, 0, t, si.h, b, full);
+}
+__device__ __forceinline__ void tma_v(const KdaParams& p, const SeqInfo& si, int cc, char* base, uint64_t* bars,
+                                      int vs) {
+  const KdaTmap* tm = tmaps(p);
+  const int t = (int)si.tb + cc * C, b = (int)si.bidx;
+  uint64_t* full = bars + B_V_FULL + vs;
+  sm90::mbar_arrive_expect_tx(full, (uint32_t)V_BYTES);
+#pragma unroll
+  for (int hb = 0; hb < BV / 64; ++hb)
+    sm90::tma_load_4d(base + SM_V + vs * V_BYTES + hb * V_BOX, tm + TM_V, si.vb * BV + 64 * hb, t, si.h, b, full);
 }
 
-// Issue the bulk copies of chunk cc (q, k, g into its IN stage; v into its V stage) from the 32
-// lanes of the prep group's copy warp. The IN stage was last read by the prep group's chunk
-// cc - NIN, in phases 0-2 of that chunk (this runs in its phase 4); the V stage is released by
-// the consumers (v_empty).
+// Issue the copies of chunk cc (q, k, g into its IN stage; v into its V stage) from the prep group's copy warp
+// (one thread). The IN stage was last read by the prep group's chunk cc - NIN; the V stage is released by the
+// consumers (v_empty).
 __device__ __forceinline__ void issue_chunk(const KdaParams& p, const SeqInfo& si, int cc, char* base, uint64_t* bars,
                                             int lane) {
   if (cc >= si.nc) return;
-  const int st = cc % NIN, vs = cc % NV;
-  const int rows = min(C, si.len - cc * C);
-  const int gsz = p.g_fp32 ? 4 : 2;
-  uint64_t* in_full = bars + B_IN_FULL + st;
-  uint64_t* v_full = bars + B_V_FULL + vs;
+  const int vs = cc % NV;
   sm90::mbar_wait(bars + B_V_EMPTY + vs, ((cc / NV) & 1) ^ 1);
   if (lane == 0) {
-    sm90::mbar_arrive_expect_tx(in_full, (uint32_t)rows * (2 * QROW + K * gsz));
-    sm90::mbar_arrive_expect_tx(v_full, (uint32_t)rows * (BV * 2));
-  }
-  __syncwarp();
-  if (lane < rows) {
-#pragma unroll
-    for (int ten = 0; ten < 4; ++ten) {
-      const RowCopy rc = row_copy(p, si, cc, ten, lane, base, st, vs);
-      sm90::bulk_g2s(rc.dst, rc.src, rc.bytes, ten == 3 ? v_full : in_full);
-    }
+    tma_qkg(p, si, cc, base, bars, cc % NIN);
+    tma_v(p, si, cc, base, bars, vs);
   }
 }
 
-// The same copies as issue_chunk, spread over NW warps (default COPY_NW) (w = 0 .. NW - 1): copy
-// pi = w + NW * lane is tensor pi % 4 (q, k, g, v) of row pi / 4, one per lane, so each
-// warp's serial loop over distinct uniform operands is ~4 C / NW copies instead of 4 C.
-// The expect_tx may follow another warp's complete_tx (the tx-count may go negative; the phase
-// still needs the arrival). Every issuing warp waits for the V stage before any copy.
+// The same copies from warp w == 0 of the NW issuing warps (the others have nothing to do: one thread issues
+// the four boxes).
 template <int NW = COPY_NW>
 __device__ __forceinline__ void issue_chunk_spread(const KdaParams& p, const SeqInfo& si, int cc, char* base,
                                                    uint64_t* bars, int w, int lane) {
-  if (cc >= si.nc) return;
-  const int st = cc % NIN, vs = cc % NV;
-  const int rows = min(C, si.len - cc * C);
-  const int gsz = p.g_fp32 ? 4 : 2;
-  uint64_t* in_full = bars + B_IN_FULL + st;
-  uint64_t* v_full = bars + B_V_FULL + vs;
-  sm90::mbar_wait(bars + B_V_EMPTY + vs, ((cc / NV) & 1) ^ 1);
-  if (w == 0 && lane == 0) {
-    sm90::mbar_arrive_expect_tx(in_full, (uint32_t)rows * (2 * QROW + K * gsz));
-    sm90::mbar_arrive_expect_tx(v_full, (uint32_t)rows * (BV * 2));
-  }
-  const int pi = w + NW * lane, ten = pi & 3, row = pi >> 2;
-  if (row < rows) {
-    const RowCopy rc = row_copy(p, si, cc, ten, row, base, st, vs);
-    sm90::bulk_g2s(rc.dst, rc.src, rc.bytes, ten == 3 ? v_full : in_full);
-  }
+  if (w == 0) issue_chunk(p, si, cc, base, bars, lane);
 }
 
-// The pair's copies. issue_qkg: q, k, g rows of local chunk j (global KDA_GCHUNK(j)) into input stage
-// j % NIN, from NW warps (copy pi = w + NW lane: tensor pi / C, row pi % C). issue_v: the v rows of
-// global chunk cc into V stage cc % NV, one row per lane of the NW consumer warps.
+// The pair's copies. issue_qkg: q, k, g of local chunk j (global KDA_GCHUNK(j)) into input stage j % NIN.
+// issue_v: the v of global chunk cc into V stage cc % NV (waits for the stage). Warp w == 0 of NW issues.
 template <int NW>
 __device__ __forceinline__ void issue_qkg(const KdaParams& p, const SeqInfo& si, int j, char* base, uint64_t* bars,
                                           int w, int lane) {
   if (j >= nlocal(si)) return;
-  const int cc = KDA_GCHUNK(si, j), st = j % NIN;
-  const int rows = max(0, min(C, si.len - cc * C));  // (C32: a record's sub-chunk 1 may lie past the end)
-  const int gsz = p.g_fp32 ? 4 : 2;
-  uint64_t* in_full = bars + B_IN_FULL + st;
-  if (w == 0 && lane == 0) sm90::mbar_arrive_expect_tx(in_full, (uint32_t)rows * (2 * QROW + K * gsz));
-  const int pi = w + NW * lane, ten = pi / C, row = pi % C;
-  if (ten < 3 && row < rows) {
-    const RowCopy rc = row_copy(p, si, cc, ten, row, base, st, 0);
-    sm90::bulk_g2s(rc.dst, rc.src, rc.bytes, in_full);
-  }
-}
-// issue_qkg's copies from one warp, in a loop whose addresses are warp-uniform by construction (KDA_SM90_UCOPY:
-// A/B of the copy-issue cost; row-parallel lanes need an ELECT / R2UR loop of ~30 cycles a copy)
-__device__ __forceinline__ void issue_qkg_uni(const KdaParams& p, const SeqInfo& si, int j, char* base, uint64_t* bars,
-                                              int lane) {
-  if (j >= nlocal(si)) return;
-  const int cc = KDA_GCHUNK(si, j), st = j % NIN;
-  const int rows = max(0, min(C, si.len - cc * C));
-  const int gsz = p.g_fp32 ? 4 : 2;
-  uint64_t* in_full = bars + B_IN_FULL + st;
-  if (lane == 0) {
-    sm90::mbar_arrive_expect_tx(in_full, (uint32_t)rows * (2 * QROW + K * gsz));
-    for (int ten = 0; ten < 3; ++ten)
-      for (int row = 0; row < rows; ++row) {
-        const RowCopy rc = row_copy(p, si, cc, ten, row, base, st, 0);
-        sm90::bulk_g2s(rc.dst, rc.src, rc.bytes, in_full);
-      }
-  }
+  if (w == 0 && lane == 0) tma_qkg(p, si, KDA_GCHUNK(si, j), base, bars, j % NIN);
 }
 template <int NW>
 __device__ __forceinline__ void issue_v(const KdaParams& p, const SeqInfo& si, int cc, char* base, uint64_t* bars,
                                         int w, int lane) {
-  if (cc >= si.nc) return;
+  if (cc >= si.nc || w != 0) return;
   const int vs = cc % NV;
-  const int rows = min(C, si.len - cc * C);
-  uint64_t* v_full = bars + B_V_FULL + vs;
   sm90::mbar_wait(bars + B_V_EMPTY + vs, ((cc / NV) & 1) ^ 1);
-  if (w == 0 && lane == 0) sm90::mbar_arrive_expect_tx(v_full, (uint32_t)rows * (BV * 2));
-  const int row = w + NW * lane;
-  if (row < rows) {
-    const RowCopy rc = row_copy(p, si, cc, 3, row, base, 0, vs);
-    sm90::bulk_g2s(rc.dst, rc.src, rc.bytes, v_full);
-  }
+  if (lane == 0) tma_v(p, si, cc, base, bars, vs);
 }
 
 // beta of row ri of chunk cc (raw bits: fp32, or the input type in the low 16 bits).
@@ -198,7 +126,7 @@ __device__ __forceinline__ int scr_set(int c) { return (c & 1) * S_HALF; }
 // The record slot of local chunk c, and (C32) the first record row of its sub-chunk.
 __device__ __forceinline__ int rec_slot(int c) { return (C32 ? c >> 1 : c) % NREC; }
 __device__ __forceinline__ int rec_row0(int c) { return C32 ? (c & 1) * C : 0; }
-// The cumulative gate [C][KP] (C32: in place of g in the input stage).
+// The cumulative gate [C][GKP] (C32: in place of g in the input stage).
 __device__ __forceinline__ float* gate_arr(char* base, int c) {
   if constexpr (C32) {
     return reinterpret_cast<float*>(base + SM_IN + (c % NIN) * IN_BYTES + IN_G);
@@ -243,11 +171,13 @@ __device__ __forceinline__ P0In prep_phase0_load(const KdaParams& p, const char*
   P0In x;
   x.rq = *reinterpret_cast<const uint4*>(in + IN_Q + ri * QROW + d * 2);
   x.rk = *reinterpret_cast<const uint4*>(in + IN_K + ri * QROW + d * 2);
-  const char* gp = in + IN_G + (8 * half) * GROW;
+  // (the tensor map's dense rows: K * 4 bytes for fp32 g, K * 2 for 16-bit g)
+  const int gpitch = p.g_fp32 ? K * 4 : K * 2;
+  const char* gp = in + IN_G + (8 * half) * gpitch;
 #pragma unroll
   for (int j = 0; j < 8; ++j)
-    x.gx[j] = p.g_fp32 ? reinterpret_cast<const float*>(gp + j * GROW)[col]
-                       : to_f(reinterpret_cast<const in_t*>(gp + j * GROW)[col]);
+    x.gx[j] = p.g_fp32 ? reinterpret_cast<const float*>(gp + j * gpitch)[col]
+                       : to_f(reinterpret_cast<const in_t*>(gp + j * gpitch)[col]);
   return x;
 }
 
@@ -286,11 +216,11 @@ __device__ __forceinline__ void prep_phase0(const KdaParams& p, char* base, int 
     for (int j = 0; j < 8; ++j) {
       if (half) a[j] += first;
     }
-    // Rows 8 apart share banks at pitch KP; the second half writes rotated by 4 rows.
+    // Rows 8 apart share banks at pitch KP; the second half writes rotated by 4 rows. (C32's dense pitch: 2-way)
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
       const int jr = half ? ((j + 4) & 7) : j;
-      sG[(8 * half + jr) * KP + col] = half ? a[(j + 4) & 7] : a[j];
+      sG[(8 * half + jr) * GKP + col] = half ? a[(j + 4) & 7] : a[j];
     }
     if (half) {
       const float e = __expf(a[7]);
@@ -340,7 +270,7 @@ __device__ __forceinline__ void prep_phase0(const KdaParams& p, char* base, int 
 // Eight consecutive fp32 of the cumulative gate (row r, columns d .. d + 7).
 __device__ __forceinline__ void prep_gate_row(char* base, int c, int r, int d, float (&G)[8]) {
   const float* sG = gate_arr(base, c);
-  const float4* gp = reinterpret_cast<const float4*>(sG + r * KP + d);
+  const float4* gp = reinterpret_cast<const float4*>(sG + r * GKP + d);
   const float4 x0 = gp[0], x1 = gp[1];
   G[0] = x0.x; G[1] = x0.y; G[2] = x0.z; G[3] = x0.w; G[4] = x1.x; G[5] = x1.y; G[6] = x1.z; G[7] = x1.w;
 }
@@ -440,7 +370,7 @@ __device__ __forceinline__ void prep_phase2(char* base, int c, int rows, float s
 #pragma unroll
   for (int sl = 0; sl < SPW; ++sl) {
     const int c0 = 16 * (w * SPW + sl);
-    float span = lane < 16 ? -sG[(C - 1) * KP + c0 + lane] : 0.f;
+    float span = lane < 16 ? -sG[(C - 1) * GKP + c0 + lane] : 0.f;
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) span = fmaxf(span, __shfl_xor_sync(0xffffffffu, span, o));
     const int ar = lr + 8 * (lm & 1), ac = c0 + 8 * (lm >> 1);  // A fragment: row, 8 columns
@@ -511,7 +441,7 @@ __device__ __forceinline__ void prep_phase2(char* base, int c, int rows, float s
         const in_t* kj = reinterpret_cast<const in_t*>(in + IN_K + j * QROW);
         float l = 0.f, m = 0.f;
         for (int dd = c0; dd < c0 + 16; ++dd) {
-          const float wv = __expf(sG[i * KP + dd] - sG[j * KP + dd]) * to_f(kj[dd]);
+          const float wv = __expf(sG[i * GKP + dd] - sG[j * GKP + dd]) * to_f(kj[dd]);
           l += to_f(ki[dd]) * wv;
           m += to_f(qi[dd]) * wv;
         }

@@ -206,11 +206,7 @@ __device__ __forceinline__ void prep_group_b(const KdaParams& p, const SeqInfo& 
       }
       }
       KDA_STAMP(tb == 0 && C32 && !h, KDA_GCHUNK(si, c), ST_B_FULL);
-#if defined(KDA_SM90_UCOPY) && KDA_SM90_UCOPY
-      if (warp == 4) issue_qkg_uni(p, si, c + NIN, base, bars, tid & 31);
-#else
       issue_qkg<4>(p, si, c + NIN, base, bars, warp - 4, tid & 31);
-#endif
       KDA_STAMP(tb == 0, KDA_GCHUNK(si, c), ST_B_CPY);
     } else if constexpr (PIPE_COPIES == 1) {
       issue_chunk_spread<4>(p, si, c + NIN, base, bars, warp - 4, tid & 31);
