@@ -183,7 +183,7 @@ def kda_prefill_cp(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, 
     C = kw.get("chunk_size")
     if want_cs:
         if C is None:
-            raise KdaInputError("chunk_size: 16, 32 or 64 required with return_chunk_states")
+            raise KdaInputError("chunk_size: 16 or 64 required with return_chunk_states")
         for p in pieces:
             if p.incoming and (ctx.rank_bounds[ctx.rank] - ctx.cu[p.seq]) % C:
                 raise KdaInputError(f"return_chunk_states: rank {ctx.rank} starts inside chunk of sequence {p.seq}; "

@@ -253,10 +253,10 @@ def check_signature(q, k, v, g, beta, *, A_log, dt_bias, scale, lower_bound, gat
         state = "fp32"
     else:
         state = "none"
-    if chunk_size is not None and chunk_size not in (16, 32, 64):  # (32: sm90's CTA pair only)
-        raise _err("chunk_size", "16, 32, 64 or None", repr(chunk_size))
+    if chunk_size is not None and chunk_size not in (16, 64):
+        raise _err("chunk_size", "16, 64 or None", repr(chunk_size))
     if (return_chunk_states or chunk_states is not None) and chunk_size is None:
-        raise _err("chunk_size", "16, 32 or 64 when return_chunk_states=True (the states' spacing)", None)
+        raise _err("chunk_size", "16 or 64 when return_chunk_states=True (the states' spacing)", None)
     return CallInfo(device=dev, dtype=dtype_name(q.dtype), layout=layout.lower(), B=B, T=T, N=N, H=H, HV=HV,
                     K=K, V=V, gate=gate, state=state, varlen=varlen, chunk_size=chunk_size, max_len=max_len,
                     cu_seqlens_host=None)

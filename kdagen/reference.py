@@ -33,8 +33,7 @@ __all__ = [
 GATES = ("bounded", "unbounded", "precomputed")
 LAYOUTS = ("BSND", "BNSD")
 STATE_LAYOUTS = ("VK", "KV")
-CHUNK_SIZES = (16, 64)  # the chunked reference's
-CHUNK_STATE_SIZES = (16, 32, 64)  # the kernels' chunk sizes (32: sm90's CTA pair)
+CHUNK_SIZES = (16, 64)
 SUB_TILE = 16  # row/column tile of L and Mqk; also the Neumann block size
 L2NORM_EPS = 1e-6
 
@@ -339,9 +338,8 @@ def kda_reference(
     chunk_states_size: int | None = None,
 ) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """Token-by-token float64 KDA: returns (o, final_state or None, chunk_states or None)."""
-    if chunk_states_size is not None and chunk_states_size not in CHUNK_STATE_SIZES:
-        raise ValueError(f"chunk_states_size: expected one of {CHUNK_STATE_SIZES} or None, "
-                         f"found {chunk_states_size!r}")
+    if chunk_states_size is not None and chunk_states_size not in CHUNK_SIZES:
+        raise ValueError(f"chunk_states_size: expected one of {CHUNK_SIZES} or None, found {chunk_states_size!r}")
     p = _prepare(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, scale=scale, lower_bound=lower_bound,
                  gate=gate, initial_state=initial_state, cu_seqlens=cu_seqlens, layout=layout,
                  state_layout=state_layout, use_qk_l2norm=use_qk_l2norm, allow_neg_eigval=allow_neg_eigval)

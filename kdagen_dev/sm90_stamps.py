@@ -6,7 +6,7 @@ from __future__ import annotations
 
 # (the order of StampEvent in kda_sm90_layout.cuh)
 EVENTS = ["A_WAIT", "A_GO", "A_DONE", "B_WAIT", "B_GO", "B_DONE", "B_FWD", "C_WAIT", "C_GO", "C_DONE",
-          "C_TOP", "C_VGO", "B_FULL", "B_DONE1", "B_DONE2", "B_DONE3", "B_CPY", "C_STORE"]
+          "C_TOP", "C_VGO", "B_FULL", "B_DONE1", "B_DONE2", "B_DONE3"]
 
 
 def segments(st: list, pair: bool, c0: int = 0) -> dict[str, list[float]]:

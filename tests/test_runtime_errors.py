@@ -48,8 +48,8 @@ def call(**over):
     (dict(cu_seqlens=torch.tensor([0, 5, 20], dtype=torch.float32)), "cu_seqlens: expected a 1-D int32 or int64 tensor"),
     (dict(initial_state=torch.randn(1, 2, 32, 16)), "initial_state: expected shape [N, HV, V, K] = (1, 2, 32, 32)"),
     (dict(initial_state=torch.randn(1, 2, 32, 32).half()), "initial_state: expected dtype float32 or bfloat16"),
-    (dict(chunk_size=48), "chunk_size: expected 16, 32, 64 or None, found 48"),
-    (dict(return_chunk_states=True), "chunk_size: expected 16, 32 or 64 when return_chunk_states=True"),
+    (dict(chunk_size=32), "chunk_size: expected 16, 64 or None, found 32"),
+    (dict(return_chunk_states=True), "chunk_size: expected 16 or 64 when return_chunk_states=True"),
     (dict(q=torch.randn(1, 20, 1, 64)[..., ::2]), "q: expected a contiguous last (feature) dimension"),
 ])
 def test_bad_call_messages(over, needle):
@@ -124,7 +124,7 @@ def test_forcing_a_variant_that_does_not_fit():
     (dict(final_state=torch.empty(1, 2, 32, 64)[..., ::2]), "final_state: expected a contiguous tensor"),
     (dict(initial_state=torch.randn(1, 2, 32, 32), final_state=torch.empty(1, 2, 32, 32, dtype=torch.bfloat16)),
      "final_state: expected dtype torch.float32 (as initial_state: one state dtype per call), found torch.bfloat16"),
-    (dict(chunk_states=torch.empty(2, 2, 32, 32)), "chunk_size: expected 16, 32 or 64 when return_chunk_states=True"),
+    (dict(chunk_states=torch.empty(2, 2, 32, 32)), "chunk_size: expected 16 or 64 when return_chunk_states=True"),
     (dict(chunk_states=torch.empty(2, 3, 32, 32), chunk_size=16),
      "chunk_states: expected shape [rows, HV, V, K] = (rows, 2, 32, 32)"),
     (dict(chunk_states=torch.empty(1, 2, 32, 32), chunk_size=16),

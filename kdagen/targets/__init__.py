@@ -152,11 +152,7 @@ TARGETS: dict[str, TargetInfo] = {
     "sm90": TargetInfo(
         name="sm90",
         description="CUDA C++ for Hopper (sm_90a): one fused kernel, bulk copies on mbarriers, wgmma, setmaxnreg",
-        # chunk 32: records of two 16-token sub-chunks, one consumer step per 32 tokens (the CTA pair only)
-        chunks=(16, 32),
-        rejects=(((("chunk", 32), ("k", 64)), "chunk 32 is the CTA pair's (K = V = 128, block_v 64)"),
-                 ((("chunk", 32), ("block_v", 128)), "chunk 32 is the CTA pair's (K = V = 128, block_v 64)")),
-        preferred_chunk=16,
+        chunks=(16,),
         head_dims=(64, 128),
         dtypes=("bf16", "fp16"),
         gates=("bounded", "unbounded", "precomputed"),

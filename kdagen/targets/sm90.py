@@ -8,7 +8,6 @@ constants are read from the module's `kda_meta` global (single source of truth: 
 
 from __future__ import annotations
 
-import ctypes
 import struct
 from pathlib import Path
 
@@ -21,7 +20,6 @@ from .cuda_driver import load_module
 from .cuda_launch import KdaParams, check_call, check_shared_memory
 from .cuda_launch import aligned_btH, aligned_inputs
 from .cuda_launch import ptr as _ptr
-from .tma import params90, tensor_maps
 
 
 
@@ -88,25 +86,16 @@ class Sm90Launcher:
             if props.major < 9:
                 raise RuntimeError(f"{v.name}: needs an sm_90 GPU (Hopper), {props.name} is sm_{props.major}{props.minor}")
             check_shared_memory(v.name, {"kda_fused": smem}, props)
-            try:
-                size90, tm_off, size = struct.unpack("<3i", mod.read_global("kda_param_meta", 12))
-            except RuntimeError:  # an image from before the tensor-map copies (A/B runs): KdaParams alone
-                size90, tm_off, size = 0, 0, ctypes.sizeof(KdaParams)
-            if size != ctypes.sizeof(KdaParams):
-                raise RuntimeError(f"{v.name}: artifact {self.artifact} has a {size}-byte KdaParams, this kdagen "
-                                   f"{ctypes.sizeof(KdaParams)} (rebuild it: kdagen build)")
-            meta = (mod, mod.function("kda_fused", smem), smem, nt, size90, tm_off)
+            meta = (mod, mod.function("kda_fused", smem), smem, nt)
             self._meta[idx] = meta
         return meta
 
     def launch(self, call: KdaCall, p: KdaParams) -> None:
-        """Queue kda_fused on the current stream with parameters `p` (from build_params) for `call`; the
-        tensor maps of its copies are encoded from `p` (kdagen/targets/tma.py)."""
-        mod, f, smem, nt, size90, tm_off = self._module(call.q.device)
-        v = self.variant
-        arg = params90(KdaParams, p, tensor_maps(p, v.k, v.v, v.block_v, 2, v.name), tm_off, size90) if size90 else p
+        """Queue kda_fused on the current stream with parameters `p` (from build_params) for `call`."""
+        mod, f, smem, nt = self._module(call.q.device)
         stream = torch.cuda.current_stream(call.q.device).cuda_stream
-        mod.launch(f, (call.N, call.HV, v.v // v.block_v), (nt, 1, 1), smem, stream, arg, "kda_fused")
+        mod.launch(f, (call.N, call.HV, self.variant.v // self.variant.block_v), (nt, 1, 1), smem, stream, p,
+                   "kda_fused")
 
     def __call__(self, call: KdaCall) -> None:
         v = self.variant

@@ -15,10 +15,8 @@
 #else
 #define KDA_CLUSTER_DIMS
 #endif
-extern "C" __global__ void KDA_CLUSTER_DIMS __launch_bounds__(kda::NT, 1)
-    kda_fused(const __grid_constant__ KdaParams90 pp) {
+extern "C" __global__ void KDA_CLUSTER_DIMS __launch_bounds__(kda::NT, 1) kda_fused(const KdaParams p) {
   using namespace kda;
-  const KdaParams& p = pp.p;  // (a reference into parameter space: tmaps(p) finds the maps after it)
   extern __shared__ __align__(16) char smem_raw[];
   // Swizzled record tiles need 1024-byte aligned atoms: align the dynamic base (SMEM_BYTES
   // carries the slack).
@@ -29,7 +27,6 @@ extern "C" __global__ void KDA_CLUSTER_DIMS __launch_bounds__(kda::NT, 1)
   si.n = blockIdx.x;
   si.h = blockIdx.y;
   si.vb = blockIdx.z;
-  si.hq = si.h / p.group;
   int bos;
   seq_bounds(p, si.n, bos, si.len);
   si.nc = (si.len + C - 1) / C;
@@ -37,8 +34,7 @@ extern "C" __global__ void KDA_CLUSTER_DIMS __launch_bounds__(kda::NT, 1)
   si.tb = p.cu_seqlens ? bos : 0;
 #if KDA_SM90_PAIR_ON
   si.rank = (int)sm90::cluster_rank();
-  // (C32: both sub-chunks of each of its records, the last one's sub-chunk 1 possibly empty)
-  si.nloc = C32 ? 2 * (((si.len + CR - 1) / CR - si.rank + 1) / 2) : (si.nc - si.rank + 1) / 2;
+  si.nloc = (si.nc - si.rank + 1) / 2;
 #endif
 
   if (threadIdx.x == 0) {

@@ -4,24 +4,12 @@
 #pragma once
 #include "kda_variant.cuh"
 #include "kda_sm90_ptx.cuh"
-#include "kda_sm90_tma.cuh"
 
 namespace kda {
 
-static_assert(C == 16, "sm90: 16-token chunks (KDA_SM90_C32: records of two of them)");
+static_assert(C == 16, "sm90: chunk 16 (chunk 64 is not written yet)");
 static_assert(K == V && (K == 64 || K == 128), "sm90: K = V in {64, 128}");
 static_assert(BV % 64 == 0 && V % BV == 0, "sm90: block_v is a multiple of 64 (wgmma M) dividing V");
-
-// KDA_SM90_C32 (variant chunk 32; the pair only, templates/sm90/DESIGN.md "Chunk 32"): a record covers two
-// 16-token sub-chunks h = 0, 1 (rows h C ..), both prepped by one CTA, so no record waits on the peer's, and
-// the consumer step runs over its CR = 32 tokens with m64n64 / m64n32 products. The prep still works on 16-token
-// sub-chunks (C).
-#if defined(KDA_SM90_C32) && KDA_SM90_C32
-constexpr bool C32 = true;
-#else
-constexpr bool C32 = false;
-#endif
-constexpr int CR = C32 ? 2 * C : C;     // tokens per record
 
 // ---- roles ----
 constexpr int NTP = 2 * K;          // prep threads: thread = (row, 8 columns); 16 rows x K / 8
@@ -41,45 +29,30 @@ static_assert(NWP % 4 == 0, "consumer warpgroups must start on a warpgroup bound
 // (32). Without the reallocation ptxas spills the 384-thread kernel at 168 registers.
 constexpr bool REALLOC = NT > 256;
 constexpr int LAUNCH_REGS = NT == 512 ? 128 : 168;
-#ifdef KDA_SM90_CONS_REGS  // (A/B builds)
-constexpr int CONS_REGS = KDA_SM90_CONS_REGS;
-#else
+constexpr int PREP_REGS = NT == 512 ? 96 : 152;
 constexpr int CONS_REGS = NT == 512 ? 160 : 200;
-#endif
-constexpr int PREP_REGS = NT == 512 ? 96 : (NT * LAUNCH_REGS - 128 * NCONS * CONS_REGS) / (NTP + NTX) / 8 * 8;
 static_assert(!REALLOC || ((NTP + NTX) * PREP_REGS + 128 * NCONS * CONS_REGS) <= NT * LAUNCH_REGS, "register budget");
 
-// ---- input stage (q, k, g tiles of one chunk, dense rows as the tensor-map copies write them) ----
+// ---- input stage (q, k, g rows of one chunk; bulk-copied) ----
 constexpr int QROW = K * 2;            // bytes of a q / k row
-constexpr int GROW = K * 4;            // room for a row of fp32 g (16-bit g: rows K * 2 apart, g_pitch)
+constexpr int GROW = K * 4 + 16;       // g row pitch (room for fp32; +16 spreads the banks)
 constexpr int IN_Q = 0;
 constexpr int IN_K = C * QROW;
 constexpr int IN_G = 2 * C * QROW;
 constexpr int IN_BYTES = 2 * C * QROW + C * GROW;
-// ---- v stage (this CTA's BV columns as 64-column boxes of C rows, each 128-byte swizzled: conflict-free
-// ldmatrix.trans) ----
-constexpr int V_BOX = C * 128;
-constexpr int V_BYTES = (BV / 64) * V_BOX;
-static_assert(IN_BYTES % 1024 == 0 && V_BYTES % 1024 == 0, "tensor-map boxes: 1024-aligned stages");
-// Byte offset of v (row, col) in a stage.
-__device__ __forceinline__ uint32_t v_off(int row, int col) {
-  return (uint32_t)((col >> 6) * V_BOX + row * 128 + ((((col & 63) >> 3) ^ (row & 7)) << 4) + (col & 7) * 2);
-}
+// ---- v stage (this CTA's BV columns; rows padded by 16 bytes: conflict-free ldmatrix.trans) ----
+constexpr int VROW = BV * 2 + 16;
+constexpr int V_BYTES = C * VROW;
 
 // ---- chunk record (written by the prep, read by the consumers' wgmma) ----
-constexpr int R_QD = 0;                 // bf16 [CR][K] Qd, K-major 128B-swizzled
-constexpr int R_W = CR * K * 2;         // bf16 [CR][K] W, K-major 128B-swizzled
-constexpr int R_KR = 2 * CR * K * 2;    // bf16 [CR][K] Kr, MN-major 128B-swizzled
-constexpr int TILE_MA = CR * CR * 2;    // Mqk and (I+L)^-1 diag(b): [CR][CR] K-major interleaved, k-slabs of 16
-constexpr int R_MQ = 3 * CR * K * 2;    //   columns 16 CR bytes apart; Mqk high part
-constexpr int R_ML = R_MQ + TILE_MA;    //                                  low part
-constexpr int R_AH = R_ML + TILE_MA;    // (I+L)^-1 diag(b), high part
-constexpr int R_AL = R_AH + TILE_MA;    //                   low part
-constexpr int R_GM = R_AL + TILE_MA;    // fp32 [K] Gamma_C (of the record's CR tokens)
-// Byte offset of (row, col) in an Mqk / A part: k-slab col / 16, then the interleaved [CR][16] layout.
-__device__ __forceinline__ uint32_t il_rec(int row, int col) {
-  return (uint32_t)((col >> 4) * (16 * CR * 2)) + sm90::il16_k(row, col & 15);
-}
+constexpr int R_QD = 0;                 // bf16 [C][K] Qd, K-major 128B-swizzled
+constexpr int R_W = C * K * 2;          // bf16 [C][K] W, K-major 128B-swizzled
+constexpr int R_KR = 2 * C * K * 2;     // bf16 [C][K] Kr, MN-major 128B-swizzled
+constexpr int R_MQ = 3 * C * K * 2;     // bf16 [16][16] Mqk, K-major interleaved, high part
+constexpr int R_ML = R_MQ + 512;        //                                        low part
+constexpr int R_AH = R_ML + 512;        // bf16 [16][16] (I+L)^-1 diag(b), high part
+constexpr int R_AL = R_AH + 512;        //                                 low part
+constexpr int R_GM = R_AL + 512;        // fp32 [K] Gamma_C
 constexpr int REC_BYTES = (R_GM + K * 4 + 1023) / 1024 * 1024;  // stages stay 1024-aligned
 
 // ---- prep scratch (the sm80 chunk-16 prep's shared arrays) ----
@@ -143,11 +116,7 @@ constexpr bool YO = UKG && PAIR;
 #else
 constexpr bool YO = false;
 #endif
-static_assert(!C32 || (YO && PAIR), "chunk 32: the pair with the merged Y/o tile");
-static_assert(R_W == R_QD + CR * K * 2 && R_KR == R_W + CR * K * 2, "YO: the [2CR][K] tile takes the Qd and W slots");
-// (C32: the cumulative gate takes g's place in the input stage, rows GKP floats apart)
-constexpr int GKP = C32 ? K : KP;
-static_assert(!C32 || GROW == GKP * 4, "C32: the cumulative gate takes g's place in the input stage");
+static_assert(R_W == R_QD + C * K * 2 && R_KR == R_W + C * K * 2, "YO: the [2C][K] tile takes the Qd and W slots");
 // OHL (K = 64, `KDA_SM90_OHL=0` turns it off): the o product takes S in hi + lo bf16 (K/16 more m64n16k16, off
 // the step's chain). K = 64 has half the terms per output to average bf16(S)'s rounding over: rel RMSE of o at
 // g = -8 4.02e-3 on the H200 (sm80 4.9e-3), over issue 16's 4e-3; 3.92e-3 -> 3.58e-3 in the emulation.
@@ -157,9 +126,8 @@ constexpr bool OHL = K == 64;
 constexpr bool OHL = false;
 #endif
 #if KDA_SM90_PIPE_ON
-// (C32: the cumulative gate overwrites g in the input stage, at the same pitch, for shared memory)
 constexpr int S_G = 0;                          // f32 [C][KP] cumulative gate            (set)
-constexpr int S_RQ = S_G + (C32 ? 0 : C * KP * 4);  // f32 [C] L2-norm factors of q, k     (set)
+constexpr int S_RQ = S_G + C * KP * 4;          // f32 [C] L2-norm factors of q, k         (set)
 constexpr int S_RK = S_RQ + C * 4;
 constexpr int S_DG = S_RK + C * 4;              // f32 [C] <q^_i, k^_i>                    (set)
 // (the Kg record: L's and Mqk's row operands are the record's Kg and Qd tiles, so no AK / AQ: 17 KB less)
@@ -168,18 +136,11 @@ constexpr int S_AQ = S_AK + (UKG ? 0 : C * KB1 * 2);  // bf16 [C][KB1] q e^G (se
 constexpr int S_BK = S_AQ + (UKG ? 0 : C * KB1 * 2);  // bf16 [C][KB1] k e^-G                    (set)
 constexpr int S_XH = S_BK + C * KB1 * 2;        // bf16 [C][KB1] b k e^G, high part (W record only)
 constexpr int S_XL = S_XH + C * KB1 * 2;        //                       low part  (W record only)
-constexpr int S_GM = UKG ? S_XH : S_XL + C * KB1 * 2;  // f32 [K] e^G of the sub-chunk's last row (C32; set)
-constexpr int S_HALF = S_GM + (C32 ? K * 4 : 0);  // one set (Kg: no X); the second follows
-// C32, sub-chunk 1 only: L's and Mqk's row operands anchored at the sub-chunk (the record's are anchored at the
-// record's start: their factors span 32 tokens); -k e^G (sign flipped as the record's -Kg) and scale q e^G
-constexpr int S_AK1 = 2 * S_HALF;               // bf16 [C][KB1]                        (C32)
-constexpr int S_AQ1 = S_AK1 + (C32 ? C * KB1 * 2 : 0);
-constexpr int S_PART = S_AQ1 + (C32 ? C * KB1 * 2 : 0);  // f32 [NMW][2][16][16] partial L, Mqk (group B)
+constexpr int S_HALF = UKG ? S_XH : S_XL + C * KB1 * 2;  // one set (Kg: no X); the second follows
+constexpr int S_PART = 2 * S_HALF;              // f32 [NMW][2][16][16] partial L, Mqk (group B)
 constexpr int S_LT = S_PART + NMW * 512 * 4;    // f32 [C][CP] L^T (times b)            (group B)
 constexpr int S_B = S_LT + C * CP * 4;          // f32 [2][C] beta (by chunk parity)
-constexpr int S_INV = S_B + 2 * C * 4;          // f32 [16][IPF] (I+L)^-1 (group B; C32: by parity, the
-                                                //   even one times diag(b), kept for the cross block)
-constexpr int NINV = C32 ? 2 : 1;
+constexpr int S_INV = S_B + 2 * C * 4;          // f32 [16][IPF] (I+L)^-1               (group B)
 static_assert(S_HALF % 16 == 0, "16-byte aligned scratch sets");
 #else
 constexpr int S_HALF = 0;                       // one set
@@ -197,10 +158,8 @@ constexpr int S_BK = S_AQ + C * KB1 * 2;        // bf16 [C][KB1] k e^-G
 constexpr int S_XH = S_BK + C * KB1 * 2;        // bf16 [C][KB1] b k e^G, high part
 constexpr int S_XL = S_XH + C * KB1 * 2;        //                       low part
 constexpr int S_INV = S_XL + C * KB1 * 2;       // f32 [16][IPF] (I+L)^-1
-constexpr int NINV = 1;
-constexpr int S_GM = 0, S_AK1 = 0, S_AQ1 = 0;   // (C32 only)
 #endif
-constexpr int SCR_BYTES = (S_INV + NINV * 16 * IPF * 4 + 15) / 16 * 16;
+constexpr int SCR_BYTES = (S_INV + 16 * IPF * 4 + 15) / 16 * 16;
 static_assert(C * (K / 8) == NTP && NMW <= NWP && K / 16 == NWP, "chunk 16 prep layout");
 
 // ---- ring depths ----
@@ -209,7 +168,7 @@ static_assert(C * (K / 8) == NTP && NMW <= NWP && K / 16 == NWP, "chunk 16 prep 
 #ifdef KDA_NIN
 constexpr int NIN = KDA_NIN;
 #elif KDA_SM90_PIPE_ON
-constexpr int NIN = C32 ? 3 : 4;  // (the second scratch set takes a stage's room; C32: the records take more)
+constexpr int NIN = 4;  // (the second scratch set takes a stage's room)
 #else
 constexpr int NIN = 5;
 #endif
@@ -222,22 +181,8 @@ constexpr int NREC = PAIR ? 2 : 3;  // (the pair holds two rings of NREC: its ow
 #ifdef KDA_NV
 constexpr int NV = KDA_NV;
 #else
-constexpr int NV = C32 ? 5 : PAIR ? 8 : NIN + NREC;
+constexpr int NV = PAIR ? 8 : NIN + NREC;
 #endif
-// The pair's group A copies v of global chunks VLEAD + 2 j and VLEAD + 2 j + 1 after its local chunk j; their
-// slots were last used by chunks 4 and 3 global chunks behind the record it works on, so the copy never waits
-// for a record this group has still to make.
-constexpr int VLEAD = NV - 4;
-static_assert(!PAIR || VLEAD >= 1, "the pair: NV >= 5");
-// C32 (KDA_SM90_C32_VA=1: group A as above): the consumers copy their v themselves, sub-chunks 2 m + 4 and
-// 2 m + 5 in step m once its own v is in registers. With NV 5 group A's copies waited for the record before the
-// one it was making, which tied the prep to the consumers (H200: 1.4x slower than the chunk-16 pair).
-#if defined(KDA_SM90_C32_VA) && KDA_SM90_C32_VA
-constexpr bool C32_VCONS = false;
-#else
-constexpr bool C32_VCONS = C32;
-#endif
-static_assert(!C32_VCONS || NV >= 5, "C32: the consumers copy v 4 sub-chunks ahead");
 constexpr int NRSLOT = PAIR ? 2 * NREC : NREC;  // record slots: own ring, then the peer ring
 constexpr int REC_USED = R_GM + K * 4;          // bytes of a record the pair forwards
 static_assert(NIN >= 2 && NREC >= 1, "ring depths");
@@ -313,8 +258,6 @@ enum StampEvent {
   ST_B_DONE1,     // group B: ST_B_DONE of lane 0 of its warps 1, 2, 3
   ST_B_DONE2,
   ST_B_DONE3,
-  ST_B_CPY,       // group B (the pair): its q, k, g copies issued
-  ST_C_STORE,     // consumer warpgroup 0 (=2 only): slot released, before the o store
   ST_NEV
 };
 __device__ __forceinline__ void stamp(const KdaParams& p, int gc, int ev) {
@@ -353,7 +296,7 @@ constexpr int BAR_CONS = 4;
 // Read by the launcher: (shared memory bytes, threads, chunk, K, V, consumer warpgroups (BV / 64),
 // NIN, NREC).
 #ifndef KDA_LAYOUT_ONLY  // (host-side tools that print the layout define it)
-extern "C" __device__ int kda_meta[8] = {kda::SMEM_BYTES, kda::NT, kda::CR, kda::K, kda::V, kda::NCONS, kda::NIN,
+extern "C" __device__ int kda_meta[8] = {kda::SMEM_BYTES, kda::NT, kda::C, kda::K, kda::V, kda::NCONS, kda::NIN,
                                           kda::NREC};
 #if defined(KDA_SM90_STAMPS) && KDA_SM90_STAMPS
 // Read by scripts/sm90_stamps.py: (first chunk, chunks, CTAs, events).

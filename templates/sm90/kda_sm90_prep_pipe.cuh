@@ -25,7 +25,6 @@ constexpr int PIPE_ROLL = NCONS == 2 ? 1 : 0;
 static_assert(PIPE_ROLL == 0 || PIPE_ROLL == 1, "KDA_SM90_PIPE_ROLL is 0 or 1");
 constexpr int BAR_PREP_A = 1, BAR_PREP_B = 2, BAR_PREP_A1 = 3;
 static_assert(NTP == 2 * NTG && NMW == 4 && NIN >= 3, "prep pipeline: K = 128, NIN >= 3");
-static_assert(!C32 || NTX == 0, "C32: one group A (it keeps sub-chunk 0's last-row decays for sub-chunk 1)");
 
 // Group A on local chunks c0, c0 + CSTEP, .. (tid: 0 .. 127 within the group; BAR its named barrier).
 template <int BAR, int CSTEP>
@@ -53,8 +52,8 @@ __device__ __forceinline__ void prep_group_a(const KdaParams& p, const SeqInfo& 
   // chunks 0-3 first; local chunk c then copies chunks 2 c + 4 and 2 c + 5 (their stages were last read
   // at chunks 2 c - 4, 2 c - 3: at most 4 global chunks behind this one's record, which never waits on
   // these copies)
-  if constexpr (PAIR && !C32_VCONS) {
-    for (int cc = 0; cc < VLEAD; ++cc) issue_v<4>(p, si, cc, base, bars, warp, lane);
+  if constexpr (PAIR) {
+    for (int cc = 0; cc < 4; ++cc) issue_v<4>(p, si, cc, base, bars, warp, lane);
   }
   // (c: the local chunk, which indexes every ring and scratch set; KDA_GCHUNK(c) the data's chunk)
   uint32_t rb_next0 = load_beta(p, si, KDA_GCHUNK(si, c0), ri), rb_next1 = load_beta(p, si, KDA_GCHUNK(si, c0), ri + 8);
@@ -62,21 +61,19 @@ __device__ __forceinline__ void prep_group_a(const KdaParams& p, const SeqInfo& 
   for (int c = c0; c < nlocal(si); c += CSTEP) {
     const uint32_t rb0 = rb_next0, rb1 = rb_next1;
     const int rows = min(C, si.len - KDA_GCHUNK(si, c) * C);
-    const int r = rec_slot(c), h = c & 1, rc = C32 ? c >> 1 : c;  // (rc: the local record)
+    const int r = c % NREC, h = c & 1;
     KDA_STAMP(tid == 0, KDA_GCHUNK(si, c), ST_A_WAIT);
     // The scratch set is free once B finished chunk c - 2 with it.
     sm90::mbar_wait(bars + B_SCR_EMPTY + h, ((c >> 1) & 1) ^ 1);
-    // The record slot is free once the consumers finished record rc - NREC with it; then the inputs.
-    // (in the pair also the peer's consumers, with remote arrivals; C32: before the record's first sub-chunk)
-    if (!C32 || h == 0) sm90::mbar_wait(bars + B_REC_EMPTY + r, ((rc / NREC) & 1) ^ 1);
+    // The record slot is free once the consumers finished chunk c - NREC with it; then the inputs.
+    // (in the pair also the peer's consumers, with remote arrivals)
+    sm90::mbar_wait(bars + B_REC_EMPTY + r, ((c / NREC) & 1) ^ 1);
     sm90::mbar_wait(bars + B_IN_FULL + (c % NIN), (c / NIN) & 1);
     KDA_STAMP(tid == 0, KDA_GCHUNK(si, c), ST_A_GO);
     float xq0[8], xk0[8], b0, xq1[8], xk1[8], b1;
     {
       const P0In ld0 = prep_phase0_load(p, base, c, ri, d, col0, half);
       const P0In ld1 = prep_phase0_load(p, base, c, ri + 8, d, col1, half);
-      // (C32: the cumulative gate overwrites g in the stage; with 2-byte g other threads' elements)
-      if constexpr (C32) sm90::named_sync<BAR, NTG>();
       prep_phase0(p, base, c, rows, ri, d, col0, half, rb0, aexp, bias0, ld0, xq0, xk0, b0);
       prep_phase0(p, base, c, rows, ri + 8, d, col1, half, rb1, aexp, bias1, ld1, xq1, xk1, b1);
     }
@@ -111,18 +108,14 @@ __device__ __forceinline__ void prep_group_a(const KdaParams& p, const SeqInfo& 
     // Qd, Kr, Gamma_C of the record: visible to the consumers' wgmma (async proxy).
     sm90::fence_proxy_async();
     KDA_STAMP(tid == 0, KDA_GCHUNK(si, c), ST_A_DONE);
-    if (!C32 || h == 1) sm90::mbar_arrive(bars + B_REC_FULL + r);
+    sm90::mbar_arrive(bars + B_REC_FULL + r);
     sm90::mbar_arrive(bars + B_SCR_FULL + h);
     // The stage of chunk c - 2 (B's phase 2 of it is done: A waited scr_empty of c - 2's set).
     if constexpr (PIPE_COPIES == 0) issue(c + NIN - 2);
-    if constexpr (PAIR && !C32_VCONS) {
-      issue_v<4>(p, si, 2 * c + VLEAD, base, bars, warp, lane);
-      issue_v<4>(p, si, 2 * c + VLEAD + 1, base, bars, warp, lane);
+    if constexpr (PAIR) {
+      issue_v<4>(p, si, 2 * c + 4, base, bars, warp, lane);
+      issue_v<4>(p, si, 2 * c + 5, base, bars, warp, lane);
     }
-  }
-  // (C32: a rank with few records stops short of the last v chunks; its consumers need them all)
-  if constexpr (C32 && !C32_VCONS) {
-    for (int cc = 2 * nlocal(si) + VLEAD; cc < si.nc; ++cc) issue_v<4>(p, si, cc, base, bars, warp, lane);
   }
 }
 
@@ -135,19 +128,12 @@ __device__ __forceinline__ void prep_group_b(const KdaParams& p, const SeqInfo& 
   }
   for (int c = 0; c < nlocal(si); ++c) {
     const int rows = min(C, si.len - KDA_GCHUNK(si, c) * C);
-    const int r = rec_slot(c), h = c & 1, st = c % NIN;
+    const int r = c % NREC, h = c & 1, st = c % NIN;
     KDA_STAMP(tb == 0, KDA_GCHUNK(si, c), ST_B_WAIT);
     sm90::mbar_wait(bars + B_SCR_FULL + h, (c >> 1) & 1);
     KDA_STAMP(tb == 0, KDA_GCHUNK(si, c), ST_B_GO);
     // (the exact fallback reads the input stage: it waits for the stage's copies itself)
-    CrossAcc cross;
-#if defined(KDA_X_NOCROSS) && KDA_X_NOCROSS  // (diagnostic timing build: o wrong)
-    constexpr bool XC = false;
-#else
-    constexpr bool XC = C32;
-#endif
-    if (XC && h) prep_phase2<4, C32>(base, c, rows, p.scale, bars + B_IN_FULL + st, (c / NIN) & 1, &cross);
-    else prep_phase2<4>(base, c, rows, p.scale, bars + B_IN_FULL + st, (c / NIN) & 1);
+    prep_phase2<4>(base, c, rows, p.scale, bars + B_IN_FULL + st, (c / NIN) & 1);
     // the stage's last read (mode 1: B refills the stage itself, and an mbarrier whose phases
     // complete unwaited is an error to synccheck)
     if constexpr (PIPE_COPIES == 0) sm90::mbar_arrive(bars + B_IN_EMPTY + st);
@@ -155,25 +141,8 @@ __device__ __forceinline__ void prep_group_b(const KdaParams& p, const SeqInfo& 
     prep_phase3<NTG>(p, base, c, tb);
     sm90::named_sync<BAR_PREP_B, NTG>();
     if (tb < C) prep_phase4(base, c, tb);
-    if constexpr (C32) {
-      // (the partials' room is free since phase 3; sub-chunk 0's Kr rows since phase 2)
-      if (XC && h) {
-        prep_cross_store(base, c, warp - 4, tid & 31, cross);
-        prep_kr0_rescale(base, c, tb);
-      } else if (!h) {
-        prep_c32_zero(base, c, tb);
-      }
-    }
     sm90::named_sync<BAR_PREP_B, NTG>();
     prep_phase5_ainv<NTG>(base, c, tb);
-    if (XC && h) {
-      // the cross blocks: M_10, then A_10 = -T_11 L_10 T_00 diag(b_0) (two fp32 16 x 16 products)
-      prep_cross_sum<NTG>(base, c, tb);
-      sm90::named_sync<BAR_PREP_B, NTG>();
-      prep_cross_x<NTG>(base, c, tb);
-      sm90::named_sync<BAR_PREP_B, NTG>();
-      prep_cross_a10<NTG>(base, c, tb);
-    }
     if constexpr (!UKG) {  // (UKG: the consumers apply (I+L)^-1 diag(b) to v^T - S Kg^T themselves)
       uint32_t ah[4], al[4];
       prep_inv_frags(base, c, tid & 31, ah, al);
@@ -184,11 +153,10 @@ __device__ __forceinline__ void prep_group_b(const KdaParams& p, const SeqInfo& 
     sm90::fence_proxy_async();
     KDA_STAMP(tb == 0, KDA_GCHUNK(si, c), ST_B_DONE);
     KDA_STAMP(tb == 32 || tb == 64 || tb == 96, KDA_GCHUNK(si, c), ST_B_DONE1 + tb / 32 - 1);
-    if (!C32 || h) sm90::mbar_arrive(bars + B_REC_FULL + r);
+    sm90::mbar_arrive(bars + B_REC_FULL + r);
     // Stage c % NIN: A read it in phases 0-1 of chunk c (before scr_full), B's phase 2 is past the
     // group barrier; so chunk c + NIN may land there (in_empty is not needed in this mode).
     if constexpr (PAIR) {
-      if (!C32 || h) {
       // Forward the record to the peer ring's slot r, then issue the copies. Group A's part is visible
       // since scr_full (A fenced before arriving), group B's after this barrier (each thread fenced).
       // Waiting rec_full here instead took ~2800 cycles after the last B warp had arrived (stamps, H200
@@ -204,10 +172,7 @@ __device__ __forceinline__ void prep_group_b(const KdaParams& p, const SeqInfo& 
                           REC_USED, pbar);
         KDA_STAMP(true, KDA_GCHUNK(si, c), ST_B_FWD);
       }
-      }
-      KDA_STAMP(tb == 0 && C32 && !h, KDA_GCHUNK(si, c), ST_B_FULL);
       issue_qkg<4>(p, si, c + NIN, base, bars, warp - 4, tid & 31);
-      KDA_STAMP(tb == 0, KDA_GCHUNK(si, c), ST_B_CPY);
     } else if constexpr (PIPE_COPIES == 1) {
       issue_chunk_spread<4>(p, si, c + NIN, base, bars, warp - 4, tid & 31);
     }

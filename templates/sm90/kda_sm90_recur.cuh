@@ -122,7 +122,7 @@ __device__ __forceinline__ void consumer_role(const KdaParams& p, const SeqInfo&
   const uint64_t dW0 = sm90::make_desc(r0 + R_W, 16, 1024, sm90::LAYOUT_SW128);
   auto kstep = [](int ks) { return (uint64_t)(((ks >> 2) * (C * 128) + (ks & 3) * 32) >> 4); };
   // YO: the [2C][K] tile of -Kg and Qd starts at R_QD (dQd0), its 64-column groups 2C * 128 bytes apart
-  auto kstep2 = [](int ks) { return (uint64_t)(((ks >> 2) * (2 * CR * 128) + (ks & 3) * 32) >> 4); };
+  auto kstep2 = [](int ks) { return (uint64_t)(((ks >> 2) * (2 * C * 128) + (ks & 3) * 32) >> 4); };
   // UKG: the identity tile, written once by warpgroup 0 and made visible to the async proxy
   const uint64_t dI = sm90::make_desc(r0 - SM_REC + SM_ID, 128, 256, sm90::LAYOUT_INTERLEAVE);
   if constexpr (UKG && !YO) {
@@ -142,9 +142,6 @@ __device__ __forceinline__ void consumer_role(const KdaParams& p, const SeqInfo&
   if constexpr (CONS_COPIES) {
     for (int cc = 0; cc < NIN; ++cc) issue_chunk_spread<4 * NCONS>(p, si, cc, base, bars, wi, lane);
   }
-  if constexpr (C32_VCONS) {
-    for (int cc = 0; cc < 4; ++cc) issue_v<4>(p, si, cc, base, bars, w, lane);
-  }
 
   // v^T of this warp's 16 V rows for chunk c; time steps past the end of the sequence are zeroed (the
   // stage rows there are stale). The stage is released as soon as the registers hold it.
@@ -152,7 +149,7 @@ __device__ __forceinline__ void consumer_role(const KdaParams& p, const SeqInfo&
     const int vs = c % NV;
     sm90::mbar_wait(bars + B_V_FULL + vs, (c / NV) & 1);
     KDA_STAMP2(tid == 0 && cw == 0, c, ST_C_VGO);
-    ldsm_x4_t(va, base + SM_V + vs * V_BYTES + v_off(vt_row, vt_col));
+    ldsm_x4_t(va, base + SM_V + vs * V_BYTES + vt_row * VROW + vt_col * 2);
 #pragma unroll
     for (int q = 0; q < 4; ++q) va[q] = to_bf16x2(va[q]);
     // Only a short chunk needs the mask (a branch: as a select it kept its cost, H200 2026-12-02: bv128
@@ -323,131 +320,11 @@ __device__ __forceinline__ void consumer_role(const KdaParams& p, const SeqInfo&
     store_o(ao, c, rows);
   };
 
-  // C32: one step per 32-token record (sub-chunks 2 m, 2 m + 1), the products over k = 32:
-  //   [Y^T | o^T] = S [-Kg; Qd]^T            16 m64n32k16 (the record's [64][K] tile) -> wait
-  //   Y^T += v^T;  U^T = Y^T A^T              6 m64n32k16 (Y and A in hi + lo, k = 32) -> wait
-  //   S = S Gamma_C + U^T Kr; o^T += U^T Mqk^T  2 m64n128k16 + 6 m64n32k16               -> wait
-  // (A and Mqk are block lower triangular: their upper blocks are zeros in the record.)
-  auto step32 = [&](int m, bool own, int r, uint32_t ph) {
-    const int slot = own ? r : NREC + r;
-    const int rows0 = min(C, si.len - m * CR), rows1 = max(0, min(C, si.len - m * CR - C));
-    KDA_STAMP2(tid == 0 && cw == 0, 2 * m, ST_C_TOP);
-    store_hc(m);
-    uint32_t sa[K / 16][4];
-#pragma unroll
-    for (int ks = 0; ks < K / 16; ++ks) acc_to_a(s[2 * ks], s[2 * ks + 1], sa[ks]);
-    uint32_t va0[4], va1[4] = {0u, 0u, 0u, 0u};
-    load_vt(2 * m, rows0, va0);
-    if (rows1 > 0) load_vt(2 * m + 1, rows1, va1);
-    KDA_STAMP2(tid == 0 && cw == 0, 2 * m, ST_C_VGO);
-    if constexpr (C32_VCONS) {  // (their slots: sub-chunks 2 m - 1 and 2 m, in registers by now)
-      issue_v<4>(p, si, 2 * m + 4, base, bars, w, lane);
-      issue_v<4>(p, si, 2 * m + 5, base, bars, w, lane);
-    }
-    KDA_STAMP(tid == 0 && cw == 0, 2 * m, ST_C_WAIT);
-    if (own) sm90::mbar_wait(bars + B_REC_FULL + r, ph);
-    else sm90::mbar_wait(bars + B_REC_PEER + r, ph);
-    KDA_STAMP(tid == 0 && cw == 0, 2 * m, ST_C_GO);
-    const char* rec = base + SM_REC + slot * REC_BYTES;
-    const uint64_t so = (uint64_t)(slot * (REC_BYTES >> 4));
-    decay(rec);
-    constexpr uint64_t SLAB = (16 * CR * 2) >> 4;  // the second k-slab of Mqk / A, descriptor units
-    constexpr uint64_t KR1 = (2 * K * 16) >> 4;     // Kr's rows 16-31
-    const uint64_t dAH = dAH0 + so, dAL = dAL0 + so, dMq = dMq0 + so, dMl = dMl0 + so, dKr = dKr0 + so;
-    // (Y^T and o^T as two m64n32 products per k-step: as one m64n64 ptxas serialized every wgmma, C7511, even with
-    // 240 registers)
-    float ay[16], ao[16];
-    sm90::reg_fence(s);
-    sm90::reg_fence(sa);
-    sm90::reg_fence(va0);
-    sm90::reg_fence(va1);
-    sm90::wgmma_fence();
-#pragma unroll
-    for (int ks = 0; ks < K / 16; ++ks) {
-      sm90::wgmma_m64n32_rs(ay, sa[ks], dQd0 + so + kstep2(ks), ks > 0);
-      sm90::wgmma_m64n32_rs(ao, sa[ks], dQd0 + so + kstep2(ks) + ((CR * 128) >> 4), ks > 0);
-    }
-    sm90::wgmma_commit();
-    sm90::wgmma_wait<0>();
-    sm90::reg_fence(ay);
-    sm90::reg_fence(ao);
-    // Y^T + v^T, split hi + lo as the A fragments of k-steps 0 (tokens 0-15) and 1 (16-31); o^T's start
-    uint32_t yh[2][4], yl[2][4];
-#pragma unroll
-    for (int hk = 0; hk < 2; ++hk) {
-      float y[8];
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const uint32_t vq = hk ? va1[q] : va0[q];
-        y[2 * q] = ay[8 * hk + 2 * q] + __uint_as_float(vq << 16);
-        y[2 * q + 1] = ay[8 * hk + 2 * q + 1] + __uint_as_float(vq & 0xffff0000u);
-      }
-      acc16_split(y, yh[hk], yl[hk]);
-    }
-    sm90::reg_fence(yh);
-    sm90::reg_fence(yl);
-    float au[16];
-    sm90::wgmma_fence();
-    sm90::wgmma_m64n32_rs(au, yh[0], dAH, false);
-    sm90::wgmma_m64n32_rs(au, yh[1], dAH + SLAB, true);
-    sm90::wgmma_m64n32_rs(au, yh[0], dAL, true);
-    sm90::wgmma_m64n32_rs(au, yh[1], dAL + SLAB, true);
-    sm90::wgmma_m64n32_rs(au, yl[0], dAH, true);
-    sm90::wgmma_m64n32_rs(au, yl[1], dAH + SLAB, true);
-    sm90::wgmma_commit();
-    sm90::wgmma_wait<0>();
-    sm90::reg_fence(au);
-    uint32_t ua[2][4], ul[2][4];
-#pragma unroll
-    for (int hk = 0; hk < 2; ++hk) {
-      float u[8];
-#pragma unroll
-      for (int e = 0; e < 8; ++e) u[e] = au[8 * hk + e];
-      acc16_split(u, ua[hk], ul[hk]);
-    }
-    sm90::reg_fence(ua);
-    sm90::reg_fence(ul);
-    sm90::reg_fence(ao);
-    sm90::wgmma_fence();
-    sm90::wgmma_m64nN_rs_tb<K>(s, ua[0], dKr);
-    sm90::wgmma_m64nN_rs_tb<K>(s, ua[1], dKr + KR1);
-    sm90::wgmma_m64n32_rs(ao, ua[0], dMq, true);
-    sm90::wgmma_m64n32_rs(ao, ua[1], dMq + SLAB, true);
-    sm90::wgmma_m64n32_rs(ao, ua[0], dMl, true);
-    sm90::wgmma_m64n32_rs(ao, ua[1], dMl + SLAB, true);
-    sm90::wgmma_m64n32_rs(ao, ul[0], dMq, true);
-    sm90::wgmma_m64n32_rs(ao, ul[1], dMq + SLAB, true);
-    sm90::wgmma_commit();
-    sm90::wgmma_wait<0>();
-    sm90::reg_fence(s);
-    sm90::reg_fence(ao);
-    KDA_STAMP(tid == 0 && cw == 0, 2 * m, ST_C_DONE);
-    release(own, r);
-    KDA_STAMP2(tid == 0 && cw == 0, 2 * m, ST_C_STORE);
-    float o0[8], o1[8];
-#pragma unroll
-    for (int e = 0; e < 8; ++e) {
-      o0[e] = ao[e];
-      o1[e] = ao[8 + e];
-    }
-    store_o(o0, 2 * m, rows0);
-    if (rows1 > 0) store_o(o1, 2 * m + 1, rows1);
-  };
-
-  if constexpr (C32) {
-    const int nr = (si.len + CR - 1) / CR;
-    for (int m = 0; m < nr; ++m) {
-      const bool own = (m & 1) == pair_rank(si);
-      const int j = m >> 1;
-      step32(m, own, j % NREC, (j / NREC) & 1);
-    }
-  } else {
-    for (int c = 0; c < si.nc; ++c) {
-      // The record of chunk c: slot r of the own ring, or (the pair, the peer's chunks) of the peer ring.
-      const bool own = !PAIR || (c & 1) == pair_rank(si);
-      const int j = PAIR ? c >> 1 : c;
-      step16(c, own, j % NREC, (j / NREC) & 1);
-    }
+  for (int c = 0; c < si.nc; ++c) {
+    // The record of chunk c: slot r of the own ring, or (the pair, the peer's chunks) of the peer ring.
+    const bool own = !PAIR || (c & 1) == pair_rank(si);
+    const int j = PAIR ? c >> 1 : c;
+    step16(c, own, j % NREC, (j / NREC) & 1);
   }
 #if KDA_STATE != 0
   if (p.ht) store_state((state_t*)p.ht + st_off, s, vr0, t4, kv);
