@@ -55,7 +55,7 @@ extern "C" __global__ void KDA_CLUSTER_DIMS __launch_bounds__(kda::NT, 1) kda_fu
     }
     for (int i = 0; i < NIN; ++i) sm90::mbar_init(bars + B_IN_EMPTY + i, NTG);
     if constexpr (PAIR) {
-      for (int i = 0; i < NREC; ++i) sm90::mbar_init(bars + B_REC_PEER + i, FWD2 ? 2 : 1);  // the peer's expect_tx
+      for (int i = 0; i < NREC; ++i) sm90::mbar_init(bars + B_REC_PEER + i, 1);  // the peer's expect_tx
     }
 #endif
     // barrier initialisation visible to the async proxy (the bulk copies' complete_tx)

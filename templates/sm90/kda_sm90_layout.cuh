@@ -44,6 +44,17 @@ constexpr int IN_BYTES = 2 * C * QROW + C * GROW;
 constexpr int VROW = BV * 2 + 16;
 constexpr int V_BYTES = C * VROW;
 
+// ---- chunk record (written by the prep, read by the consumers' wgmma) ----
+constexpr int R_QD = 0;                 // bf16 [C][K] Qd, K-major 128B-swizzled
+constexpr int R_W = C * K * 2;          // bf16 [C][K] W, K-major 128B-swizzled
+constexpr int R_KR = 2 * C * K * 2;     // bf16 [C][K] Kr, MN-major 128B-swizzled
+constexpr int R_MQ = 3 * C * K * 2;     // bf16 [16][16] Mqk, K-major interleaved, high part
+constexpr int R_ML = R_MQ + 512;        //                                        low part
+constexpr int R_AH = R_ML + 512;        // bf16 [16][16] (I+L)^-1 diag(b), high part
+constexpr int R_AL = R_AH + 512;        //                                 low part
+constexpr int R_GM = R_AL + 512;        // fp32 [K] Gamma_C
+constexpr int REC_BYTES = (R_GM + K * 4 + 1023) / 1024 * 1024;  // stages stay 1024-aligned
+
 // ---- prep scratch (the sm80 chunk-16 prep's shared arrays) ----
 constexpr int KP = K + 4;    // fp32 row pitch
 constexpr int CP = C + 4;
@@ -105,6 +116,7 @@ constexpr bool YO = UKG && PAIR;
 #else
 constexpr bool YO = false;
 #endif
+static_assert(R_W == R_QD + C * K * 2 && R_KR == R_W + C * K * 2, "YO: the [2C][K] tile takes the Qd and W slots");
 // OHL (K = 64, `KDA_SM90_OHL=0` turns it off): the o product takes S in hi + lo bf16 (K/16 more m64n16k16, off
 // the step's chain). K = 64 has half the terms per output to average bf16(S)'s rounding over: rel RMSE of o at
 // g = -8 4.02e-3 on the H200 (sm80 4.9e-3), over issue 16's 4e-3; 3.92e-3 -> 3.58e-3 in the emulation.
@@ -113,32 +125,6 @@ constexpr bool OHL = K == 64;
 #else
 constexpr bool OHL = false;
 #endif
-
-// KDA_SM90_FWD2 (the pair's merged Y/o record; default 1, =0 for one copy): the pair forwards a record in two
-// copies, group A's part (the [-Kg; Qd] tile, Kr, Gamma_C: 12.5 KB) as soon as group B starts the chunk, and B's
-// (Mqk, (I+L)^-1 diag(b): 2 KB) when it is done, so the peer's consumers wait for 2 KB after B instead of
-// 14.5 KB. (Stamps, H200 2026-12-02: a forwarded record reached the peer's consumers ~670 ns after the copy.)
-#if !defined(KDA_SM90_FWD2) || KDA_SM90_FWD2
-constexpr bool FWD2 = YO;
-#else
-constexpr bool FWD2 = false;
-#endif
-
-// ---- chunk record (written by the prep, read by the consumers' wgmma) ----
-constexpr int R_QD = 0;                 // bf16 [C][K] Qd, K-major 128B-swizzled
-constexpr int R_W = C * K * 2;          // bf16 [C][K] W, K-major 128B-swizzled
-constexpr int R_KR = 2 * C * K * 2;     // bf16 [C][K] Kr, MN-major 128B-swizzled
-// (FWD2: Gamma_C, group A's, before B's tiles, so that each group's part is contiguous)
-constexpr int R_GM = FWD2 ? 3 * C * K * 2 : 3 * C * K * 2 + 2048;  // fp32 [K] Gamma_C
-constexpr int R_MQ = FWD2 ? R_GM + K * 4 : 3 * C * K * 2;  // bf16 [16][16] Mqk, K-major interleaved, high part
-constexpr int R_ML = R_MQ + 512;        //                                        low part
-constexpr int R_AH = R_ML + 512;        // bf16 [16][16] (I+L)^-1 diag(b), high part
-constexpr int R_AL = R_AH + 512;        //                                 low part
-constexpr int REC_END = 3 * C * K * 2 + 2048 + K * 4;
-constexpr int REC_BYTES = (REC_END + 1023) / 1024 * 1024;  // stages stay 1024-aligned
-static_assert(FWD2 ? R_AL + 512 == REC_END : R_GM + K * 4 == REC_END, "record layout");
-static_assert(R_W == R_QD + C * K * 2 && R_KR == R_W + C * K * 2, "YO: the [2C][K] tile takes the Qd and W slots");
-
 #if KDA_SM90_PIPE_ON
 constexpr int S_G = 0;                          // f32 [C][KP] cumulative gate            (set)
 constexpr int S_RQ = S_G + C * KP * 4;          // f32 [C] L2-norm factors of q, k         (set)
@@ -198,8 +184,7 @@ constexpr int NV = KDA_NV;
 constexpr int NV = PAIR ? 8 : NIN + NREC;
 #endif
 constexpr int NRSLOT = PAIR ? 2 * NREC : NREC;  // record slots: own ring, then the peer ring
-constexpr int REC_USED = REC_END;               // bytes of a record the pair forwards
-constexpr int REC_A = FWD2 ? R_MQ : 0;          // FWD2: group A's part, [0, REC_A)
+constexpr int REC_USED = R_GM + K * 4;          // bytes of a record the pair forwards
 static_assert(NIN >= 2 && NREC >= 1, "ring depths");
 
 // Who issues the bulk copies (templates/sm90/DESIGN.md "measured from SASS"; default 2: on the

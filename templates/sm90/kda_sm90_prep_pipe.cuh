@@ -126,26 +126,12 @@ __device__ __forceinline__ void prep_group_b(const KdaParams& p, const SeqInfo& 
   } else if constexpr (PIPE_COPIES == 1) {
     for (int cc = 0; cc < NIN; ++cc) issue_chunk_spread<4>(p, si, cc, base, bars, warp - 4, tid & 31);
   }
-  // (the pair) bytes [b0, b1) of local chunk c's record into the peer ring's slot, one remote expect_tx arrival
-  auto forward = [&](int c, int b0, int b1) {
-    const int r = c % NREC;
-    const uint32_t peer = pair_rank(si) ^ 1u;
-    const uint32_t pbar = sm90::peer_addr(bars + B_REC_PEER + r, peer);
-    sm90::mbar_arrive_expect_tx_remote(pbar, (uint32_t)(b1 - b0));
-    sm90::bulk_s2peer(sm90::peer_addr(base + SM_REC + (NREC + r) * REC_BYTES + b0, peer),
-                      base + SM_REC + r * REC_BYTES + b0, (uint32_t)(b1 - b0), pbar);
-  };
   for (int c = 0; c < nlocal(si); ++c) {
     const int rows = min(C, si.len - KDA_GCHUNK(si, c) * C);
     const int r = c % NREC, h = c & 1, st = c % NIN;
     KDA_STAMP(tb == 0, KDA_GCHUNK(si, c), ST_B_WAIT);
     sm90::mbar_wait(bars + B_SCR_FULL + h, (c >> 1) & 1);
     KDA_STAMP(tb == 0, KDA_GCHUNK(si, c), ST_B_GO);
-    // FWD2: group A's part of the record to the peer now (A fenced its writes before scr_full; the peer's slot
-    // is free: see the forward below)
-    if constexpr (FWD2) {
-      if (tb == 0) forward(c, 0, REC_A);
-    }
     // (the exact fallback reads the input stage: it waits for the stage's copies itself)
     prep_phase2<4>(base, c, rows, p.scale, bars + B_IN_FULL + st, (c / NIN) & 1);
     // the stage's last read (mode 1: B refills the stage itself, and an mbarrier whose phases
@@ -179,7 +165,11 @@ __device__ __forceinline__ void prep_group_b(const KdaParams& p, const SeqInfo& 
       sm90::named_sync<BAR_PREP_B, NTG>();
       if (tb == 0) {
         KDA_STAMP(true, KDA_GCHUNK(si, c), ST_B_FULL);
-        forward(c, REC_A, REC_USED);
+        const uint32_t peer = pair_rank(si) ^ 1u;
+        const uint32_t pbar = sm90::peer_addr(bars + B_REC_PEER + r, peer);
+        sm90::mbar_arrive_expect_tx_remote(pbar, REC_USED);
+        sm90::bulk_s2peer(sm90::peer_addr(base + SM_REC + (NREC + r) * REC_BYTES, peer), base + SM_REC + r * REC_BYTES,
+                          REC_USED, pbar);
         KDA_STAMP(true, KDA_GCHUNK(si, c), ST_B_FWD);
       }
       issue_qkg<4>(p, si, c + NIN, base, bars, warp - 4, tid & 31);
