@@ -25,6 +25,7 @@ def main() -> int:
     ap.add_argument("--T", type=int, default=65536)
     ap.add_argument("--H", type=int, default=24)
     ap.add_argument("--iters", type=int, default=15)
+    ap.add_argument("--lens", help="varlen: comma-separated sequence lengths (instead of --T)")
     ap.add_argument("--recur-only", type=int, default=0, help="run kda_recur this many times (for ncu)")
     ap.add_argument("--build", metavar="OUT", help="compile the variant with -D flags into OUT and exit")
     ap.add_argument("-D", dest="defines", action="append", default=[])
@@ -46,10 +47,12 @@ def main() -> int:
     from kdagen_dev.launch import capture_call
 
     var0 = entry(a.variant).variant
-    T, H, D = a.T, a.H, var0.k
-    inp = bench_case(T, H, D=D)
+    lens = [int(x) for x in a.lens.split(",")] if a.lens else None
+    T, H, D = (sum(lens) if lens else a.T), a.H, var0.k
+    inp = bench_case(None if lens else T, H, lens=lens, D=D)
     first = FirstResult()
-    print(f"{a.variant} B1 T{T} H{H} D{D} on {torch.cuda.get_device_name()}", flush=True)
+    shape = f"varlen {lens}" if lens else f"B1 T{T}"
+    print(f"{a.variant} {shape} H{H} D{D} on {torch.cuda.get_device_name()}", flush=True)
     for item in a.builds:
         label, _, path = item.partition("=")
         path, _, vname = path.partition("@")  # LABEL=PATH[@VARIANT]: another variant of the same shape

@@ -30,6 +30,8 @@ def build_params(call: KdaCall, v: Variant,
     (realigned or converted copies), and the aligned stand-in for o the kernel writes (None when
     it writes call.o itself)."""
     check_call(call, v)
+    if call.N > 65535:  # (sequences run along the grid's y)
+        raise RuntimeError(f"{who}: at most 65535 sequences per call, found {call.N}")
     in_t = torch_dtype(v.dtype)
     o = call.o
     if o.stride(-1) != 1 or o.element_size() != 2:
@@ -86,16 +88,22 @@ class Sm90Launcher:
             if props.major < 9:
                 raise RuntimeError(f"{v.name}: needs an sm_90 GPU (Hopper), {props.name} is sm_{props.major}{props.minor}")
             check_shared_memory(v.name, {"kda_fused": smem}, props)
-            meta = (mod, mod.function("kda_fused", smem), smem, nt)
+            try:  # (images from before the longest-first order took the grid as (sequences, heads): A/B runs)
+                heads_x = struct.unpack("<i", mod.read_global("kda_grid_heads_x", 4))[0] == 1
+            except RuntimeError:
+                heads_x = False
+            meta = (mod, mod.function("kda_fused", smem), smem, nt, heads_x)
             self._meta[idx] = meta
         return meta
 
     def launch(self, call: KdaCall, p: KdaParams) -> None:
         """Queue kda_fused on the current stream with parameters `p` (from build_params) for `call`."""
-        mod, f, smem, nt = self._module(call.q.device)
+        mod, f, smem, nt, heads_x = self._module(call.q.device)
         stream = torch.cuda.current_stream(call.q.device).cuda_stream
-        mod.launch(f, (call.N, call.HV, self.variant.v // self.variant.block_v), (nt, 1, 1), smem, stream, p,
-                   "kda_fused")
+        # grid: heads along x, sequences along y (the kernel maps row y to sequences longest first)
+        nv = self.variant.v // self.variant.block_v
+        grid = (call.HV, call.N, nv) if heads_x else (call.N, call.HV, nv)
+        mod.launch(f, grid, (nt, 1, 1), smem, stream, p, "kda_fused")
 
     def __call__(self, call: KdaCall) -> None:
         v = self.variant

@@ -15,6 +15,35 @@
 #else
 #define KDA_CLUSTER_DIMS
 #endif
+namespace kda {
+// Varlen: grid row r (blockIdx.y, heads along x) takes the sequence of rank r by descending length (ties by
+// index), so the longest sequences' CTAs are dispatched first and the short ones fill the tail (list
+// scheduling, longest first; a model of issue 16's varlen H96 row: 501 -> 387 chunk times at bv128). The
+// CTA ranks the lengths itself, in shared memory before the rings exist (up to LPT_MAX sequences; beyond that,
+// index order).
+constexpr int LPT_MAX = 256;
+// Read by the launcher: 1 = the grid is (heads, sequences, V blocks). (Images without it took (sequences, heads).)
+extern "C" __device__ int kda_grid_heads_x = 1;
+__device__ __forceinline__ int longest_first(const KdaParams& p, int r, char* scratch) {
+  const int N = p.N;
+  if (!p.cu_seqlens || N > LPT_MAX) return r;
+  int* sl = reinterpret_cast<int*>(scratch);
+  int* pick = sl + LPT_MAX;
+  for (int i = threadIdx.x; i < N; i += NT) sl[i] = p.cu_seqlens[i + 1] - p.cu_seqlens[i];
+  __syncthreads();
+  for (int i = threadIdx.x; i < N; i += NT) {
+    const int li = sl[i];
+    int rank = 0;
+    for (int j = 0; j < N; ++j) rank += (sl[j] > li) | ((sl[j] == li) & (j < i));
+    if (rank == r) *pick = i;  // (the ranks are a permutation: exactly one thread writes)
+  }
+  __syncthreads();
+  const int n = *pick;
+  __syncthreads();  // (the scratch is the first record slot's, written once the rings exist)
+  return n;
+}
+}  // namespace kda
+
 extern "C" __global__ void KDA_CLUSTER_DIMS __launch_bounds__(kda::NT, 1) kda_fused(const KdaParams p) {
   using namespace kda;
   extern __shared__ __align__(16) char smem_raw[];
@@ -24,8 +53,8 @@ extern "C" __global__ void KDA_CLUSTER_DIMS __launch_bounds__(kda::NT, 1) kda_fu
   uint64_t* bars = reinterpret_cast<uint64_t*>(base + SM_BAR);
 
   SeqInfo si;
-  si.n = blockIdx.x;
-  si.h = blockIdx.y;
+  si.n = longest_first(p, blockIdx.y, base);
+  si.h = blockIdx.x;
   si.vb = blockIdx.z;
   int bos;
   seq_bounds(p, si.n, bos, si.len);

@@ -261,7 +261,7 @@ enum StampEvent {
   ST_NEV
 };
 __device__ __forceinline__ void stamp(const KdaParams& p, int gc, int ev) {
-  const int cta = (blockIdx.x * gridDim.y + blockIdx.y) * gridDim.z + blockIdx.z;  // (a pair's CTAs adjacent)
+  const int cta = (blockIdx.y * gridDim.x + blockIdx.x) * gridDim.z + blockIdx.z;  // (a pair's CTAs adjacent)
   if (!p.ws || cta >= STAMP_CTAS || gc < STAMP_C0 || gc >= STAMP_C0 + STAMP_N) return;
   unsigned long long g;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(g));
