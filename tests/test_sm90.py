@@ -198,11 +198,47 @@ def test_sm90_launcher_checks_inputs():
         build_params(call(K=128, V=128), var, var.name)
     with pytest.raises(RuntimeError, match="needs A_log"):
         build_params(call(A_log=None), var, var.name)
+    with pytest.raises(RuntimeError, match="at most 65535 sequences per call, found 70000"):  # (the grid's y)
+        build_params(call(N=70000), var, var.name)
     with pytest.raises(RuntimeError, match="final_state must be contiguous torch.float32"):
         build_params(call(final_state=torch.zeros(1, H, 64, 64).bfloat16()), var, var.name)
 
 
 # ----------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.parametrize("heads_x", [True, False], ids=["longest_first", "older_image"])
+def test_sm90_launch_grid(heads_x: bool, monkeypatch):
+    """The grid is (value heads, sequences, V blocks): the kernel maps grid row y to the sequence of rank y by
+    descending length, so the longest sequences' CTAs go first (varlen). An image without kda_grid_heads_x (built
+    before that order, kept for A/B runs) gets its old (sequences, heads) grid. No GPU: the module is recorded."""
+    from kdagen.abi import KdaCall
+    from kdagen.targets.sm90 import Sm90Launcher, build_params
+
+    var = Variant("sm90", 16, 128, 128, "bf16", "bounded", "fp32", 64)
+    lens = [30, 70, 5]
+    T, N, H, HV = sum(lens), len(lens), 2, 4
+    x = lambda h: torch.randn(1, T, h, 128).bfloat16()  # noqa: E731
+    st = lambda h: (T * h * 128, h * 128, 128)  # noqa: E731
+    call = KdaCall(q=x(H), k=x(H), v=x(HV), g=torch.randn(1, T, HV, 128), beta=torch.randn(1, T, HV), o=x(HV),
+                   q_strides=st(H), k_strides=st(H), v_strides=st(HV), g_strides=st(HV), beta_strides=(T * HV, HV, 1),
+                   o_strides=st(HV), B=1, T=T, N=N, H=H, HV=HV, K=128, V=128,
+                   cu_seqlens=torch.tensor([0, 30, 100, 105], dtype=torch.int32), A_log=torch.zeros(HV),
+                   dt_bias=None, scale=128 ** -0.5, lower_bound=-5.0, use_qk_l2norm=True, allow_neg_eigval=False,
+                   initial_state=None, final_state=None, state_kv=False, chunk_states=None, chunk_offsets=None,
+                   max_len=70)
+    p, _, _ = build_params(call, var, var.name)
+    launches = []
+
+    class Mod:
+        def launch(self, f, grid, block, smem, stream, params, what):
+            launches.append((tuple(grid), tuple(block)))
+
+    la = Sm90Launcher(var, Path("unused.fatbin"))
+    monkeypatch.setattr(la, "_module", lambda dev: (Mod(), "kda_fused", 1000, 384, heads_x))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: type("S", (), {"cuda_stream": 7})())
+    la.launch(call, p)
+    assert launches == [((HV, N, 2) if heads_x else (N, HV, 2), (384, 1, 1))]
 
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="CUDA not available")
