@@ -19,9 +19,10 @@ namespace kda {
 // Varlen: grid row r (blockIdx.y, heads along x) takes the sequence of rank r by descending length (ties by
 // index), so the longest sequences' CTAs are dispatched first and the short ones fill the tail (list
 // scheduling, longest first; a model of issue 16's varlen H96 row: 501 -> 387 chunk times at bv128). The
-// CTA ranks the lengths itself, in shared memory before the rings exist (up to LPT_MAX sequences; beyond that,
-// index order).
-constexpr int LPT_MAX = 256;
+// CTA ranks the lengths itself, in shared memory before the rings exist: O(N^2 / NT) per CTA, so up to LPT_MAX
+// sequences (beyond that, index order: many CTAs per SM leave a smaller tail, and the ranking would cost
+// short sequences' CTAs a few microseconds each).
+constexpr int LPT_MAX = 64;
 // Read by the launcher: 1 = the grid is (heads, sequences, V blocks). (Images without it took (sequences, heads).)
 extern "C" __device__ int kda_grid_heads_x = 1;
 __device__ __forceinline__ int longest_first(const KdaParams& p, int r, char* scratch) {
