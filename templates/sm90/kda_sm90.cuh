@@ -20,9 +20,9 @@ namespace kda {
 // index), so the longest sequences' CTAs are dispatched first and the short ones fill the tail (list
 // scheduling, longest first; a model of issue 16's varlen H96 row: 501 -> 387 chunk times at bv128). The
 // CTA ranks the lengths itself, in shared memory before the rings exist: O(N^2 / NT) per CTA, so up to LPT_MAX
-// sequences (beyond that, index order: many CTAs per SM leave a smaller tail, and the ranking would cost
-// short sequences' CTAs a few microseconds each).
-constexpr int LPT_MAX = 64;
+// sequences; beyond that, index order (H200 2026-12-02 at 64: 64 x 48 tokens +4% at bv128, 64 random lengths
+// -2..-5% at bv128 but +3% in the pair: many CTAs per SM leave a smaller tail than the ranking costs).
+constexpr int LPT_MAX = 16;
 // Read by the launcher: 1 = the grid is (heads, sequences, V blocks). (Images without it took (sequences, heads).)
 extern "C" __device__ int kda_grid_heads_x = 1;
 __device__ __forceinline__ int longest_first(const KdaParams& p, int r, char* scratch) {
