@@ -1,7 +1,8 @@
 """Launcher for the sm90 target: one fused kernel per variant (kda_fused, templates/sm90/).
 
-Grid: sequences x value heads x V / block_v; each CTA streams its head's inputs in with bulk
-copies, builds the chunk records in shared memory and runs the recurrence (no workspace). The
+Grid: value heads x sequences (varlen: longest first, ranked in the kernel) x V / block_v; each CTA
+streams its head's inputs in with bulk copies, builds the chunk records in shared memory and runs the
+recurrence (no workspace). The
 kernel takes the same `KdaParams` struct as sm80 (mirrored in kdagen.targets.sm80); its shape
 constants are read from the module's `kda_meta` global (single source of truth: the header).
 """

@@ -1,5 +1,5 @@
 // kdagen sm90 KDA prefill: one fused kernel per variant (templates/sm90/DESIGN.md).
-//   kda_fused (grid: sequences x value heads; 2K prep threads + V/64 consumer warpgroups):
+//   kda_fused (grid: value heads x sequences x V blocks; 2K prep threads + V/64 consumer warpgroups):
 //   the prep group streams q, k, g, v in with bulk copies and turns each 16-token chunk into a
 //   record in shared memory; the consumers run the chunk recurrence on it with the fp32 state in
 //   wgmma accumulators. No per-chunk workspace goes through HBM.
