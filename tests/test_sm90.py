@@ -162,25 +162,28 @@ def test_sm90_sass_structure(va):
     assert count("MEMBAR.ALL.GPU") == (2 if pair else 0) and count("CCTL.IVALL") == (2 if pair else 0), ops
 
 
+def _cpu_call(T: int, H: int, HV: int, D: int, **kw):
+    """A KdaCall on CPU tensors (B1, BSND, K = V = D, H q/k heads and HV value heads), fields overridden by kw."""
+    from kdagen.abi import KdaCall
+
+    x = lambda h: torch.randn(1, T, h, D).bfloat16()  # noqa: E731
+    st = lambda h: (T * h * D, h * D, D)  # noqa: E731
+    base = dict(q=x(H), k=x(H), v=x(HV), g=torch.randn(1, T, HV, D), beta=torch.randn(1, T, HV), o=x(HV),
+                q_strides=st(H), k_strides=st(H), v_strides=st(HV), g_strides=st(HV), beta_strides=(T * HV, HV, 1),
+                o_strides=st(HV), B=1, T=T, N=1, H=H, HV=HV, K=D, V=D, cu_seqlens=None, A_log=torch.zeros(HV),
+                dt_bias=None, scale=D ** -0.5, lower_bound=-5.0, use_qk_l2norm=True, allow_neg_eigval=False,
+                initial_state=None, final_state=None, state_kv=False, chunk_states=None, chunk_offsets=None, max_len=T)
+    base.update(kw)
+    return KdaCall(**base)
+
+
 def test_sm90_launcher_checks_inputs():
     """The launcher names the argument that does not fit the variant (no GPU needed)."""
-    from kdagen.abi import KdaCall
     from kdagen.targets.sm90 import build_params
 
     var = Variant("sm90", 16, 64, 64, "bf16", "bounded", "fp32", 64)
     T, H = 20, 2
-
-    def call(**kw):
-        x = lambda d=64: torch.randn(1, T, H, d).bfloat16()  # noqa: E731
-        base = dict(q=x(), k=x(), v=x(), g=torch.randn(1, T, H, 64), beta=torch.randn(1, T, H), o=x(),
-                    q_strides=(T * H * 64, H * 64, 64), k_strides=(T * H * 64, H * 64, 64),
-                    v_strides=(T * H * 64, H * 64, 64), g_strides=(T * H * 64, H * 64, 64),
-                    beta_strides=(T * H, H, 1), o_strides=(T * H * 64, H * 64, 64), B=1, T=T, N=1, H=H, HV=H,
-                    K=64, V=64, cu_seqlens=None, A_log=torch.zeros(H), dt_bias=None, scale=0.125, lower_bound=-5.0,
-                    use_qk_l2norm=True, allow_neg_eigval=False, initial_state=None, final_state=None,
-                    state_kv=False, chunk_states=None, chunk_offsets=None, max_len=T)
-        base.update(kw)
-        return KdaCall(**base)
+    call = lambda **kw: _cpu_call(T, H, H, 64, **kw)  # noqa: E731
 
     p, _, o_run = build_params(call(), var, var.name)
     assert (p.N, p.HV, p.group, p.g_fp32, p.beta_fp32, p.max_len) == (1, H, 1, 1, 1, T)
@@ -204,29 +207,17 @@ def test_sm90_launcher_checks_inputs():
         build_params(call(final_state=torch.zeros(1, H, 64, 64).bfloat16()), var, var.name)
 
 
-# ----------------------------------------------------------------------------- GPU
-
-
 @pytest.mark.parametrize("heads_x", [True, False], ids=["longest_first", "older_image"])
 def test_sm90_launch_grid(heads_x: bool, monkeypatch):
     """The grid is (value heads, sequences, V blocks): the kernel maps grid row y to the sequence of rank y by
     descending length, so the longest sequences' CTAs go first (varlen). An image without kda_grid_heads_x (built
     before that order, kept for A/B runs) gets its old (sequences, heads) grid. No GPU: the module is recorded."""
-    from kdagen.abi import KdaCall
     from kdagen.targets.sm90 import Sm90Launcher, build_params
 
     var = Variant("sm90", 16, 128, 128, "bf16", "bounded", "fp32", 64)
     lens = [30, 70, 5]
     T, N, H, HV = sum(lens), len(lens), 2, 4
-    x = lambda h: torch.randn(1, T, h, 128).bfloat16()  # noqa: E731
-    st = lambda h: (T * h * 128, h * 128, 128)  # noqa: E731
-    call = KdaCall(q=x(H), k=x(H), v=x(HV), g=torch.randn(1, T, HV, 128), beta=torch.randn(1, T, HV), o=x(HV),
-                   q_strides=st(H), k_strides=st(H), v_strides=st(HV), g_strides=st(HV), beta_strides=(T * HV, HV, 1),
-                   o_strides=st(HV), B=1, T=T, N=N, H=H, HV=HV, K=128, V=128,
-                   cu_seqlens=torch.tensor([0, 30, 100, 105], dtype=torch.int32), A_log=torch.zeros(HV),
-                   dt_bias=None, scale=128 ** -0.5, lower_bound=-5.0, use_qk_l2norm=True, allow_neg_eigval=False,
-                   initial_state=None, final_state=None, state_kv=False, chunk_states=None, chunk_offsets=None,
-                   max_len=70)
+    call = _cpu_call(T, H, HV, 128, N=N, cu_seqlens=torch.tensor([0, 30, 100, 105], dtype=torch.int32), max_len=70)
     p, _, _ = build_params(call, var, var.name)
     launches = []
 
@@ -239,6 +230,10 @@ def test_sm90_launch_grid(heads_x: bool, monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: type("S", (), {"cuda_stream": 7})())
     la.launch(call, p)
     assert launches == [((HV, N, 2) if heads_x else (N, HV, 2), (384, 1, 1))]
+
+
+# ----------------------------------------------------------------------------- GPU
+
 
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="CUDA not available")
