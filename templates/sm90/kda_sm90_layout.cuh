@@ -17,11 +17,25 @@ constexpr int NWP = NTP / 32;       // prep warps (a whole number of warpgroups)
 constexpr int NCONS = BV / 64;      // consumer warpgroups, 64 rows of V (wgmma M) each
 // KDA_SM90_PAIR_A2=1 (A/B option, the pair only): a second group A of 4 warps (after group B) preps
 // the odd local chunks, so two chunks' phases 0-1 run at once.
-#if defined(KDA_SM90_PAIR_A2) && KDA_SM90_PAIR_A2
+// KDA_SM90_PAIR_CW=1 (A/B option, the pair only): a copy warpgroup (after group B) issues every bulk copy of
+// q, k, g and v, so neither prep group's chain holds a copy loop.
+#if defined(KDA_SM90_PAIR_CW) && KDA_SM90_PAIR_CW
+#define KDA_SM90_CW_ON 1
+#else
+#define KDA_SM90_CW_ON 0
+#endif
+#if (defined(KDA_SM90_PAIR_A2) && KDA_SM90_PAIR_A2) || KDA_SM90_CW_ON
 constexpr int NTX = 128;
 #else
 constexpr int NTX = 0;
 #endif
+constexpr bool PAIR_CW = KDA_SM90_CW_ON;
+#if KDA_SM90_CW_ON
+constexpr int CW_MODE = KDA_SM90_PAIR_CW;  // 1: q, k, g and v; 2: v only; 3: q, k, g only (bisection)
+#else
+constexpr int CW_MODE = 0;
+#endif
+constexpr bool CW_QKG = CW_MODE == 1 || CW_MODE == 3, CW_V = CW_MODE == 1 || CW_MODE == 2;
 constexpr int NT = NTP + NTX + 128 * NCONS;
 static_assert(NWP % 4 == 0, "consumer warpgroups must start on a warpgroup boundary");
 // Registers after setmaxnreg (K = 128: 512 threads launched at 128 each, or 384 at 168): the
@@ -30,7 +44,11 @@ static_assert(NWP % 4 == 0, "consumer warpgroups must start on a warpgroup bound
 constexpr bool REALLOC = NT > 256;
 constexpr int LAUNCH_REGS = NT == 512 ? 128 : 168;
 constexpr int PREP_REGS = NT == 512 ? 96 : 152;
-constexpr int CONS_REGS = NT == 512 ? 160 : 200;
+#ifdef KDA_SM90_CW_CONS_REGS
+constexpr int CONS_REGS = KDA_SM90_CW_CONS_REGS;
+#else
+constexpr int CONS_REGS = NT == 512 && !PAIR_CW ? 160 : 200;
+#endif
 static_assert(!REALLOC || ((NTP + NTX) * PREP_REGS + 128 * NCONS * CONS_REGS) <= NT * LAUNCH_REGS, "register budget");
 
 // ---- input stage (q, k, g rows of one chunk; bulk-copied) ----
