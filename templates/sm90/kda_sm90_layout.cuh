@@ -15,27 +15,28 @@ static_assert(BV % 64 == 0 && V % BV == 0, "sm90: block_v is a multiple of 64 (w
 constexpr int NTP = 2 * K;          // prep threads: thread = (row, 8 columns); 16 rows x K / 8
 constexpr int NWP = NTP / 32;       // prep warps (a whole number of warpgroups)
 constexpr int NCONS = BV / 64;      // consumer warpgroups, 64 rows of V (wgmma M) each
-// KDA_SM90_PAIR_A2=1 (A/B option, the pair only): a second group A of 4 warps (after group B) preps
-// the odd local chunks, so two chunks' phases 0-1 run at once.
-// KDA_SM90_PAIR_CW=1 (A/B option, the pair only): a copy warpgroup (after group B) issues every bulk copy of
-// q, k, g and v, so neither prep group's chain holds a copy loop.
-#if defined(KDA_SM90_PAIR_CW) && KDA_SM90_PAIR_CW
+// The prep pipeline and the CTA pair (macros here: the roles below depend on them; see their constexprs).
+#if KDA_K == 128 && (!defined(KDA_SM90_PREP_PIPE) || KDA_SM90_PREP_PIPE)
+#define KDA_SM90_PIPE_ON 1
+#else
+#define KDA_SM90_PIPE_ON 0
+#endif
+#if KDA_SM90_PIPE_ON && KDA_BV == 64 && KDA_V == 128 && (!defined(KDA_SM90_PAIR) || KDA_SM90_PAIR)
+#define KDA_SM90_PAIR_ON 1
+#else
+#define KDA_SM90_PAIR_ON 0
+#endif
+// The pair's copy warpgroup (default; KDA_SM90_PAIR_CW=0 for group B's q, k, g and group A's v copies): a fourth
+// warpgroup issues every bulk copy, so no prep group's cycle holds a copy loop (stamps, H200 2026-12-02: each
+// cp.async.bulk issue took ~35 cycles, serialised across the SM's warps; B spent ~1600 of its ~4800-cycle chunk
+// in its copies, A ~1100 in its v copies, and the consumer step followed that cycle).
+#if KDA_SM90_PAIR_ON && (!defined(KDA_SM90_PAIR_CW) || KDA_SM90_PAIR_CW)
 #define KDA_SM90_CW_ON 1
 #else
 #define KDA_SM90_CW_ON 0
 #endif
-#if (defined(KDA_SM90_PAIR_A2) && KDA_SM90_PAIR_A2) || KDA_SM90_CW_ON
-constexpr int NTX = 128;
-#else
-constexpr int NTX = 0;
-#endif
 constexpr bool PAIR_CW = KDA_SM90_CW_ON;
-#if KDA_SM90_CW_ON
-constexpr int CW_MODE = KDA_SM90_PAIR_CW;  // 1: q, k, g and v; 2: v only; 3: q, k, g only (bisection)
-#else
-constexpr int CW_MODE = 0;
-#endif
-constexpr bool CW_QKG = CW_MODE == 1 || CW_MODE == 3, CW_V = CW_MODE == 1 || CW_MODE == 2;
+constexpr int NTX = PAIR_CW ? 128 : 0;  // threads of the copy warpgroup (after the prep, before the consumers)
 constexpr int NT = NTP + NTX + 128 * NCONS;
 static_assert(NWP % 4 == 0, "consumer warpgroups must start on a warpgroup boundary");
 // Registers after setmaxnreg (K = 128: 512 threads launched at 128 each, or 384 at 168): the
@@ -44,11 +45,7 @@ static_assert(NWP % 4 == 0, "consumer warpgroups must start on a warpgroup bound
 constexpr bool REALLOC = NT > 256;
 constexpr int LAUNCH_REGS = NT == 512 ? 128 : 168;
 constexpr int PREP_REGS = NT == 512 ? 96 : 152;
-#ifdef KDA_SM90_CW_CONS_REGS
-constexpr int CONS_REGS = KDA_SM90_CW_CONS_REGS;
-#else
 constexpr int CONS_REGS = NT == 512 && !PAIR_CW ? 160 : 200;
-#endif
 static_assert(!REALLOC || ((NTP + NTX) * PREP_REGS + 128 * NCONS * CONS_REGS) <= NT * LAUNCH_REGS, "register budget");
 
 // ---- input stage (q, k, g rows of one chunk; bulk-copied) ----
@@ -84,29 +81,20 @@ constexpr int IPF = 20;                // fp32 row pitch of (I+L)^-1 (16-byte ro
 // splits into two 4-warp groups pipelined by chunk (templates/sm90/DESIGN.md "Prep pipeline"): group A runs phases
 // 0-1 of chunk c while group B runs phases 2-5 of chunk c - 1, so the arrays A writes and B reads
 // (sG .. sXl; sb is already by parity) are doubled, by chunk parity, S_HALF bytes apart.
-#if KDA_K == 128 && (!defined(KDA_SM90_PREP_PIPE) || KDA_SM90_PREP_PIPE)
-#define KDA_SM90_PIPE_ON 1
-#else
-#define KDA_SM90_PIPE_ON 0
-#endif
 constexpr bool PREP_PIPE = KDA_SM90_PIPE_ON;
 // The CTA pair (K = 128, block_v 64, the default there; KDA_SM90_PAIR=0 turns it off): the two V
 // halves of a head are a cluster of two CTAs; each preps every other chunk (global chunk 2 j + rank is
 // its local chunk j) and forwards the record into the other's peer ring with one shared-to-shared
 // bulk copy, so a head's prep is split over two SMs instead of repeated on both (templates/sm90/
 // DESIGN.md "CTA pair"; H200 2026-12-01: T8192 H64 1.84 -> 0.99 ms, o bitwise equal).
-#if KDA_SM90_PIPE_ON && KDA_BV == 64 && KDA_V == 128 && (!defined(KDA_SM90_PAIR) || KDA_SM90_PAIR)
-#define KDA_SM90_PAIR_ON 1
-#else
-#define KDA_SM90_PAIR_ON 0
-#endif
 constexpr bool PAIR = KDA_SM90_PAIR_ON;
 // Who issues the bulk copies in the pipeline (KDA_SM90_PIPE_COPIES): 0 group A after its phase 1
 // (chunk c + NIN - 2); 1 group B at the end of its chunk c (chunk c + NIN, into the stage B's own
 // phase 2 has just released); 2 the consumer warps, chunk c + NIN once the record of chunk c is
 // complete, behind their U and o products. Default 2 with two consumer warpgroups, else 1 (H200
 // 2026-12-01, ncu: group B was the chain and 40% of it the copy loop; copies 2 at bv128: T8192 H64
-// 1.90 -> 1.72 ms, H96 +1%). The pair: 1 (its consumers copy their v; also q, k, g measured 28% slower).
+// 1.90 -> 1.72 ms, H96 +1%). The pair: its copy warpgroup (PAIR_CW), or (=0) group B q, k, g and group A v
+// (the consumers copying q, k, g measured 28% slower).
 #ifdef KDA_SM90_PIPE_COPIES
 constexpr int PIPE_COPIES = KDA_SM90_PIPE_COPIES;
 #else
@@ -114,7 +102,6 @@ constexpr int PIPE_COPIES = NCONS == 2 ? 2 : 1;
 #endif
 static_assert(PIPE_COPIES >= 0 && PIPE_COPIES <= 2, "KDA_SM90_PIPE_COPIES is 0, 1 or 2");
 static_assert(!PAIR || PIPE_COPIES == 1, "the pair: group B copies q, k, g");
-static_assert(NTX == 0 || PAIR, "KDA_SM90_PAIR_A2: the pair only");
 constexpr bool CONS_COPIES = PREP_PIPE && PIPE_COPIES == 2;
 // KDA_SM90_UKG (the prep pipeline; default 1, =0 for the W record): the record's W slot holds Kg = k^ Gamma
 // (bf16, the prep's L operand) instead of W = (I+L)^-1 diag(b) Kg, and the consumers form
@@ -193,13 +180,16 @@ constexpr int NIN = 5;
 #ifdef KDA_NREC
 constexpr int NREC = KDA_NREC;
 #else
-constexpr int NREC = PAIR ? 2 : 3;  // (the pair holds two rings of NREC: its own records and its peer's)
+// (the pair holds two rings of NREC: its own records and its peer's. With the copy warpgroup, 3 and a v ring of
+// 12: H200 2026-12-02, T8192 H64 -8..-11%, T16384 H48 -10..-16%, T8192 H96 -13% against 2 and 8 without it; the
+// copy warpgroup alone -4..-6%, the deeper rings alone 0..-2%.)
+constexpr int NREC = PAIR && !(PAIR_CW && UKG) ? 2 : 3;  // (the W record's scratch leaves no room for 3 there)
 #endif
 // The pair's consumers issue their v copies themselves, NV - 1 chunks ahead.
 #ifdef KDA_NV
 constexpr int NV = KDA_NV;
 #else
-constexpr int NV = PAIR ? 8 : NIN + NREC;
+constexpr int NV = PAIR ? (NREC == 3 ? 12 : 8) : NIN + NREC;
 #endif
 constexpr int NRSLOT = PAIR ? 2 * NREC : NREC;  // record slots: own ring, then the peer ring
 constexpr int REC_USED = R_GM + K * 4;          // bytes of a record the pair forwards

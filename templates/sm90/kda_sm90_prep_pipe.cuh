@@ -23,40 +23,30 @@ constexpr int PIPE_ROLL = KDA_SM90_PIPE_ROLL;
 constexpr int PIPE_ROLL = NCONS == 2 ? 1 : 0;
 #endif
 static_assert(PIPE_ROLL == 0 || PIPE_ROLL == 1, "KDA_SM90_PIPE_ROLL is 0 or 1");
-constexpr int BAR_PREP_A = 1, BAR_PREP_B = 2, BAR_PREP_A1 = 3;
+constexpr int BAR_PREP_A = 1, BAR_PREP_B = 2;
 static_assert(NTP == 2 * NTG && NMW == 4 && NIN >= 3, "prep pipeline: K = 128, NIN >= 3");
-// KDA_SM90_PAIR_QKG_A=1 (the pair): group A issues the q, k, g copies after its chunk instead of group B after
-// its forward (stamps, H200 2026-12-02: B's copies there took ~1600 of its ~4800-cycle chunk).
-#if defined(KDA_SM90_PAIR_QKG_A) && KDA_SM90_PAIR_QKG_A
-constexpr bool PAIR_QKG_A = PAIR;
-#else
-constexpr bool PAIR_QKG_A = false;
-#endif
-static_assert(!PAIR_QKG_A || NTX == 0, "KDA_SM90_PAIR_QKG_A: one group A");
-
 // PAIR_CW: the copy warpgroup (warps 8-11). Local chunk j's q, k, g go into stage j % NIN once group B's phase 2
-// of chunk j - NIN released it (in_empty); global chunks 2 j, 2 j + 1's v into their V stages once the consumers
-// loaded chunk 2 j - NV's (v_empty). Lookahead: NIN local chunks of q, k, g, NV global chunks of v.
-constexpr int CW_REGS = 56;
+// of chunk j - NIN released it (in_empty: B's phase 2 of a chunk follows group A's phases 0-1 of it, the stage's
+// other reader); global chunks 2 j, 2 j + 1's v into their V stages once the consumers loaded chunk 2 j - NV's
+// (v_empty). Lookahead: NIN local chunks of q, k, g, NV global chunks of v.
+constexpr int CW_REGS = 40;
 __device__ __forceinline__ void copy_role_pair(const KdaParams& p, const SeqInfo& si, char* base, uint64_t* bars) {
   const int w = (threadIdx.x - NTP) >> 5, lane = threadIdx.x & 31;
   const int nl = nlocal(si);
   for (int j = 0; j < nl || 2 * j < si.nc; ++j) {
-    if (CW_QKG && j < nl) {
+    if (j < nl) {
       sm90::mbar_wait(bars + B_IN_EMPTY + j % NIN, ((j / NIN) & 1) ^ 1);
       issue_qkg<4>(p, si, j, base, bars, w, lane);
     }
-    if (CW_V) {
-      issue_v<4>(p, si, 2 * j, base, bars, w, lane);
-      issue_v<4>(p, si, 2 * j + 1, base, bars, w, lane);
-    }
+    issue_v<4>(p, si, 2 * j, base, bars, w, lane);
+    issue_v<4>(p, si, 2 * j + 1, base, bars, w, lane);
   }
 }
 
-// Group A on local chunks c0, c0 + CSTEP, .. (tid: 0 .. 127 within the group; BAR its named barrier).
-template <int BAR, int CSTEP>
+// Group A (tid: 0 .. 127 within the group; BAR its named barrier).
+template <int BAR>
 __device__ __forceinline__ void prep_group_a(const KdaParams& p, const SeqInfo& si, char* base, uint64_t* bars,
-                                             int tid, int c0) {
+                                             int tid) {
   const int lane = tid & 31, warp = tid >> 5;
   constexpr int GPR = K / 8;
   const int ri = tid / GPR, d = (tid % GPR) * 8;  // pass pp: row ri + 8 pp
@@ -79,13 +69,13 @@ __device__ __forceinline__ void prep_group_a(const KdaParams& p, const SeqInfo& 
   // chunks 0-3 first; local chunk c then copies chunks 2 c + 4 and 2 c + 5 (their stages were last read
   // at chunks 2 c - 4, 2 c - 3: at most 4 global chunks behind this one's record, which never waits on
   // these copies)
-  if constexpr (PAIR && !CW_V) {
+  if constexpr (PAIR && !PAIR_CW) {
     for (int cc = 0; cc < 4; ++cc) issue_v<4>(p, si, cc, base, bars, warp, lane);
   }
   // (c: the local chunk, which indexes every ring and scratch set; KDA_GCHUNK(c) the data's chunk)
-  uint32_t rb_next0 = load_beta(p, si, KDA_GCHUNK(si, c0), ri), rb_next1 = load_beta(p, si, KDA_GCHUNK(si, c0), ri + 8);
+  uint32_t rb_next0 = load_beta(p, si, KDA_GCHUNK(si, 0), ri), rb_next1 = load_beta(p, si, KDA_GCHUNK(si, 0), ri + 8);
 
-  for (int c = c0; c < nlocal(si); c += CSTEP) {
+  for (int c = 0; c < nlocal(si); ++c) {
     const uint32_t rb0 = rb_next0, rb1 = rb_next1;
     const int rows = min(C, si.len - KDA_GCHUNK(si, c) * C);
     const int r = c % NREC, h = c & 1;
@@ -130,8 +120,8 @@ __device__ __forceinline__ void prep_group_a(const KdaParams& p, const SeqInfo& 
       prep_phase1(p, base, c, ri + 8, d, xq1, xk1, b1, G, GL);
     }
     // beta one chunk ahead, loaded here (not at the top) so that it is not live across phase 1
-    rb_next0 = load_beta(p, si, KDA_GCHUNK(si, c + CSTEP), ri);
-    rb_next1 = load_beta(p, si, KDA_GCHUNK(si, c + CSTEP), ri + 8);
+    rb_next0 = load_beta(p, si, KDA_GCHUNK(si, c + 1), ri);
+    rb_next1 = load_beta(p, si, KDA_GCHUNK(si, c + 1), ri + 8);
     // Qd, Kr, Gamma_C of the record: visible to the consumers' wgmma (async proxy).
     sm90::fence_proxy_async();
     KDA_STAMP(tid == 0, KDA_GCHUNK(si, c), ST_A_DONE);
@@ -139,10 +129,7 @@ __device__ __forceinline__ void prep_group_a(const KdaParams& p, const SeqInfo& 
     sm90::mbar_arrive(bars + B_SCR_FULL + h);
     // The stage of chunk c - 2 (B's phase 2 of it is done: A waited scr_empty of c - 2's set).
     if constexpr (PIPE_COPIES == 0) issue(c + NIN - 2);
-    if constexpr (PAIR && !CW_V) {
-      // PAIR_QKG_A: q, k, g of local chunk c + NIN - 2, into the stage of chunk c - 2 (B finished that chunk:
-      // this group waited scr_empty for chunk c)
-      if constexpr (PAIR_QKG_A) issue_qkg<4>(p, si, c + NIN - 2, base, bars, warp, lane);
+    if constexpr (PAIR && !PAIR_CW) {
       issue_v<4>(p, si, 2 * c + 4, base, bars, warp, lane);
       issue_v<4>(p, si, 2 * c + 5, base, bars, warp, lane);
     }
@@ -152,8 +139,8 @@ __device__ __forceinline__ void prep_group_a(const KdaParams& p, const SeqInfo& 
 __device__ __forceinline__ void prep_group_b(const KdaParams& p, const SeqInfo& si, char* base, uint64_t* bars) {
   const int tid = threadIdx.x, tb = tid - NTG, warp = tid >> 5;
   if constexpr (PAIR) {
-    if constexpr (!CW_QKG) {
-      for (int cc = 0; cc < (PAIR_QKG_A ? NIN - 2 : NIN); ++cc) issue_qkg<4>(p, si, cc, base, bars, warp - 4, tid & 31);
+    if constexpr (!PAIR_CW) {
+      for (int cc = 0; cc < NIN; ++cc) issue_qkg<4>(p, si, cc, base, bars, warp - 4, tid & 31);
     }
   } else if constexpr (PIPE_COPIES == 1) {
     for (int cc = 0; cc < NIN; ++cc) issue_chunk_spread<4>(p, si, cc, base, bars, warp - 4, tid & 31);
@@ -168,7 +155,7 @@ __device__ __forceinline__ void prep_group_b(const KdaParams& p, const SeqInfo& 
     prep_phase2<4>(base, c, rows, p.scale, bars + B_IN_FULL + st, (c / NIN) & 1);
     // the stage's last read (mode 1: B refills the stage itself, and an mbarrier whose phases
     // complete unwaited is an error to synccheck)
-    if constexpr (PIPE_COPIES == 0 || CW_QKG) sm90::mbar_arrive(bars + B_IN_EMPTY + st);
+    if constexpr (PIPE_COPIES == 0 || PAIR_CW) sm90::mbar_arrive(bars + B_IN_EMPTY + st);
     sm90::named_sync<BAR_PREP_B, NTG>();
     prep_phase3<NTG>(p, base, c, tb);
     sm90::named_sync<BAR_PREP_B, NTG>();
@@ -204,7 +191,7 @@ __device__ __forceinline__ void prep_group_b(const KdaParams& p, const SeqInfo& 
                           REC_USED, pbar);
         KDA_STAMP(true, KDA_GCHUNK(si, c), ST_B_FWD);
       }
-      if constexpr (!PAIR_QKG_A && !CW_QKG) issue_qkg<4>(p, si, c + NIN, base, bars, warp - 4, tid & 31);
+      if constexpr (!PAIR_CW) issue_qkg<4>(p, si, c + NIN, base, bars, warp - 4, tid & 31);
     } else if constexpr (PIPE_COPIES == 1) {
       issue_chunk_spread<4>(p, si, c + NIN, base, bars, warp - 4, tid & 31);
     }
@@ -213,28 +200,27 @@ __device__ __forceinline__ void prep_group_b(const KdaParams& p, const SeqInfo& 
 
 // Each group is a warpgroup, so each gets its own register limit: at 512 threads group A (the chain,
 // two passes of phase 0 in flight) takes 104 and B 88 (96 for both spills group A of the
-// softplus-gate build; 112 / 80 spills group B).
-constexpr int PREP_A_REGS = NT == 512 ? 104 : PREP_REGS;
-constexpr int PREP_B_REGS = NT == 512 ? 88 : PREP_REGS;
-static_assert(!REALLOC || NTG * (PREP_A_REGS + PREP_B_REGS) + NTX * (PAIR_CW ? CW_REGS : PREP_A_REGS) + 128 * NCONS * CONS_REGS <=
+// softplus-gate build; 112 / 80 spills group B). The pair with its copy warpgroup: A and B keep the launch's 128
+// (setmaxnreg.dec only lowers; B at 112 spilled the unbounded-gate build), copies 40, consumers 200.
+constexpr int PREP_A_REGS = NT == 512 ? (PAIR_CW ? 128 : 104) : PREP_REGS;
+constexpr int PREP_B_REGS = NT == 512 ? (PAIR_CW ? 128 : 88) : PREP_REGS;
+static_assert(PREP_A_REGS <= LAUNCH_REGS && PREP_B_REGS <= LAUNCH_REGS && CW_REGS <= LAUNCH_REGS,
+              "setmaxnreg.dec only lowers a warpgroup's registers (a raise is an illegal instruction)");
+static_assert(!REALLOC || NTG * (PREP_A_REGS + PREP_B_REGS) + NTX * CW_REGS + 128 * NCONS * CONS_REGS <=
                               NT * LAUNCH_REGS,
               "register budget");
 
 __device__ __forceinline__ void prep_role_pipe(const KdaParams& p, const SeqInfo& si, char* base, uint64_t* bars) {
-  // (NTX: the second group A takes the odd local chunks; both A groups use the scratch set of their
-  // chunks' parity, so the sets and barriers are those of one A group)
+  // (NTX: the pair's copy warpgroup, threads NTP .. NTP + 127)
   if (threadIdx.x < NTG) {
-    if constexpr (REALLOC) sm90::regs_dec<PREP_A_REGS>();
-    prep_group_a<BAR_PREP_A, NTX && !PAIR_CW ? 2 : 1>(p, si, base, bars, threadIdx.x, 0);
+    if constexpr (REALLOC && PREP_A_REGS < LAUNCH_REGS) sm90::regs_dec<PREP_A_REGS>();
+    prep_group_a<BAR_PREP_A>(p, si, base, bars, threadIdx.x);
   } else if (NTX == 0 || threadIdx.x < NTP) {
-    if constexpr (REALLOC) sm90::regs_dec<PREP_B_REGS>();
+    if constexpr (REALLOC && PREP_B_REGS < LAUNCH_REGS) sm90::regs_dec<PREP_B_REGS>();
     prep_group_b(p, si, base, bars);
-  } else if constexpr (PAIR_CW) {
+  } else {
     if constexpr (REALLOC) sm90::regs_dec<CW_REGS>();
     copy_role_pair(p, si, base, bars);
-  } else {
-    if constexpr (REALLOC) sm90::regs_dec<PREP_A_REGS>();
-    prep_group_a<BAR_PREP_A1, 2>(p, si, base, bars, threadIdx.x - NTP, 1);
   }
 }
 
