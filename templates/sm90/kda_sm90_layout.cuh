@@ -39,7 +39,7 @@ constexpr bool PAIR_CW = KDA_SM90_CW_ON;
 constexpr int NTX = PAIR_CW ? 128 : 0;  // threads of the copy warpgroup (after the prep, before the consumers)
 constexpr int NT = NTP + NTX + 128 * NCONS;
 static_assert(NWP % 4 == 0, "consumer warpgroups must start on a warpgroup boundary");
-// Registers after setmaxnreg (K = 128: 512 threads launched at 128 each, or 384 at 168): the
+// Registers after setmaxnreg (K = 128: 512 threads launched at 128 each; the pair without its copy warpgroup 384 at 168): the
 // prep needs few, the consumers hold the 64 x 128 fp32 state (64 per thread) plus its bf16 copy
 // (32). Without the reallocation ptxas spills the 384-thread kernel at 168 registers.
 constexpr bool REALLOC = NT > 256;
@@ -185,7 +185,7 @@ constexpr int NREC = KDA_NREC;
 // copy warpgroup alone -4..-6%, the deeper rings alone 0..-2%.)
 constexpr int NREC = PAIR && !(PAIR_CW && UKG) ? 2 : 3;  // (the W record's scratch leaves no room for 3 there)
 #endif
-// The pair's consumers issue their v copies themselves, NV - 1 chunks ahead.
+// The v ring (the pair's copy warpgroup issues v up to NV chunks ahead of the consumers).
 #ifdef KDA_NV
 constexpr int NV = KDA_NV;
 #else

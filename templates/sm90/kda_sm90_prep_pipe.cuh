@@ -174,10 +174,12 @@ __device__ __forceinline__ void prep_group_b(const KdaParams& p, const SeqInfo& 
     KDA_STAMP(tb == 32 || tb == 64 || tb == 96, KDA_GCHUNK(si, c), ST_B_DONE1 + tb / 32 - 1);
     sm90::mbar_arrive(bars + B_REC_FULL + r);
     // Stage c % NIN: A read it in phases 0-1 of chunk c (before scr_full), B's phase 2 is past the
-    // group barrier; so chunk c + NIN may land there (in_empty is not needed in this mode).
+    // group barrier; so chunk c + NIN may land there (B issues it itself here; the pair's copy warpgroup
+    // waits in_empty instead).
     if constexpr (PAIR) {
-      // Forward the record to the peer ring's slot r, then issue the copies. Group A's part is visible
-      // since scr_full (A fenced before arriving), group B's after this barrier (each thread fenced).
+      // Forward the record to the peer ring's slot r, then (without the copy warpgroup) issue the copies.
+      // Group A's part is visible since scr_full (A fenced before arriving), group B's after this barrier
+      // (each thread fenced).
       // Waiting rec_full here instead took ~2800 cycles after the last B warp had arrived (stamps, H200
       // 2026-12-02), and the copies first were slower. The peer's slot is free: its consumers released
       // it on this CTA's rec_empty, which A waited before this chunk.
