@@ -149,9 +149,16 @@ def test_sm90_stamp_segments_on_synthetic_stamps():
             "B works (phases 2-5)": 600, "A done -> B starts": 10, "record done -> consumers start (own)": 50,
             "consumers wait (record)": 160, "consumers work (products)": 400,
             "consumer step (start to start)": 2000, "consumers: slot release, o store": 1140,
-            "consumers: S to bf16, v wait": 220, "consumers: v fragments, v copies": 80}
+            "consumers: S to bf16, v wait": 220, "consumers: v fragments, v copies": 80,
+            "A: done -> next chunk's waits (copies)": 900, "A cycle (start to start)": 2000,
+            "B cycle (start to start)": 2000}
     assert {k: set(v) for k, v in segs.items()} == {k: {x} for k, x in want.items()}
     assert all(len(v) == 2 * 4 for v in segs.values())  # 2 CTAs x (8 - 4) chunks
+    # read as a pair (CTA 0 preps the even chunks, CTA 1 the odd ones), the record waits split by whose record
+    pseg = segments(st, pair=True)
+    assert set(pseg["consumers wait (own record)"]) == {160} and len(pseg["consumers wait (own record)"]) == 4
+    assert set(pseg["consumers wait (peer record)"]) == {160} and len(pseg["consumers wait (peer record)"]) == 4
+    assert set(pseg["A cycle (start to start)"]) == {4000}  # a CTA's own chunks are two apart
 
 
 def test_ab_build_refuses_serialized_wgmma():
