@@ -1,7 +1,7 @@
 """A/B timing of alternative builds of one sm80 or sm90 variant on the same inputs (GPU).
 
     python scripts/fatbin_ab.py --variant kda_fwd_sm80_c16_k128_v128_bf16_gb_sfp32_bv32 \
-        [--T 65536 --H 24] base=build/h800/V/V.fatbin ns4=/tmp/ab/ns4.fatbin ...
+        [--T 65536 --H 24 [--B 4]] base=build/h800/V/V.fatbin ns4=/tmp/ab/ns4.fatbin ...
 
 Builds are made on the CPU machine with `scripts/fatbin_ab.py --build LABEL -D...` (below), so a
 kernel experiment costs one GPU call. For each build: the median ms of the full call (the
@@ -24,6 +24,7 @@ def main() -> int:
     ap.add_argument("--variant", required=True)
     ap.add_argument("--T", type=int, default=65536)
     ap.add_argument("--H", type=int, default=24)
+    ap.add_argument("--B", type=int, default=1, help="batch (with --T; issue 16's B4 T4096 H32 row)")
     ap.add_argument("--iters", type=int, default=15)
     ap.add_argument("--lens", help="varlen: comma-separated sequence lengths (instead of --T)")
     ap.add_argument("--recur-only", type=int, default=0, help="run kda_recur this many times (for ncu)")
@@ -49,9 +50,11 @@ def main() -> int:
     var0 = entry(a.variant).variant
     lens = [int(x) for x in a.lens.split(",")] if a.lens else None
     T, H, D = (sum(lens) if lens else a.T), a.H, var0.k
-    inp = bench_case(None if lens else T, H, lens=lens, D=D)
+    if lens and a.B != 1:
+        raise SystemExit("--B is for --T; --lens is one packed batch")
+    inp = bench_case(None if lens else T, H, lens=lens, D=D, B=a.B)
     first = FirstResult()
-    shape = f"varlen {lens}" if lens else f"B1 T{T}"
+    shape = f"varlen {lens}" if lens else f"B{a.B} T{T}"
     print(f"{a.variant} {shape} H{H} D{D} on {torch.cuda.get_device_name()}", flush=True)
     for item in a.builds:
         label, _, path = item.partition("=")
