@@ -45,17 +45,18 @@ def segments(st: list, pair: bool, c0: int = 0) -> dict[str, list[float]]:
                     add("forward issued -> peer consumers start [ns]", ns(peer, c, "C_GO") - ns(cta, c, "B_FWD"))
                     add("B done -> forward issued", clk(cta, c, "B_FWD") - clk(cta, c, "B_DONE"))
                     add("  of which: group B's barrier", clk(cta, c, "B_FULL") - clk(cta, c, "B_DONE"))
-            if own and c + 2 < len(st[cta]) and clk(cta, c + 2, "A_WAIT"):
+            nxt = c + (2 if pair else 1)  # this CTA's next own chunk (within the loop's range)
+            if own and clk(cta, nxt, "A_WAIT"):
                 # what each group does between its chunks (the pair: its bulk copies), and its whole cycle
-                nxt = c + (2 if pair else 1)
                 add("A: done -> next chunk's waits (copies)", clk(cta, nxt, "A_WAIT") - clk(cta, c, "A_DONE"))
                 add("A cycle (start to start)", clk(cta, nxt, "A_GO") - clk(cta, c, "A_GO"))
                 add("B cycle (start to start)", clk(cta, nxt, "B_GO") - clk(cta, c, "B_GO"))
                 if pair:
                     add("B: forward -> next chunk's wait (copies)", clk(cta, nxt, "B_WAIT") - clk(cta, c, "B_FWD"))
-            add("consumers wait (record)", clk(cta, c, "C_GO") - clk(cta, c, "C_WAIT"))
+            wait = clk(cta, c, "C_GO") - clk(cta, c, "C_WAIT")
+            add("consumers wait (record)", wait)
             if pair:
-                add(f"consumers wait ({'own' if own else 'peer'} record)", clk(cta, c, "C_GO") - clk(cta, c, "C_WAIT"))
+                add(f"consumers wait ({'own' if own else 'peer'} record)", wait)
             add("consumers work (products)", clk(cta, c, "C_DONE") - clk(cta, c, "C_GO"))
             add("consumer step (start to start)", clk(cta, c + 1, "C_GO") - clk(cta, c, "C_GO"))
             if not clk(cta, c, "C_TOP"):  # (KDA_SM90_STAMPS=2 only)

@@ -152,7 +152,8 @@ def test_sm90_sass_structure(va):
     assert count("HMMA.16816") == 4 * (2 if var.k >= 128 else 1) + (0 if pipe else 6), ops
     threads = 2 * var.k + 128 * (var.block_v // 64)
     # setmaxnreg per role: the consumers and the prep, or the pipeline's two groups
-    assert count("USETMAXREG") == (0 if threads <= 256 else (2 if var.block_v == 64 else 3) if pipe else 2), ops  # (the pair: copy warpgroup and consumers)
+    # (the pair: its copy warpgroup and the consumers; A and B keep the launch's registers)
+    assert count("USETMAXREG") == (0 if threads <= 256 else (2 if var.block_v == 64 else 3) if pipe else 2), ops
     # The CTA pair (K = 128, block_v 64): one shared-to-shared bulk copy forwards each record, and
     # the only cluster-scope fences are the two cluster barriers (start, exit): a remote arrival or
     # wait with cluster scope would add MEMBAR.ALL.GPU / CCTL.IVALL in the loop (10-12% on the H200).

@@ -101,7 +101,7 @@ constexpr int PIPE_COPIES = KDA_SM90_PIPE_COPIES;
 constexpr int PIPE_COPIES = NCONS == 2 ? 2 : 1;
 #endif
 static_assert(PIPE_COPIES >= 0 && PIPE_COPIES <= 2, "KDA_SM90_PIPE_COPIES is 0, 1 or 2");
-static_assert(!PAIR || PIPE_COPIES == 1, "the pair: group B copies q, k, g");
+static_assert(!PAIR || PIPE_COPIES == 1, "the pair: its consumers issue no copies (PIPE_COPIES 1)");
 constexpr bool CONS_COPIES = PREP_PIPE && PIPE_COPIES == 2;
 // KDA_SM90_UKG (the prep pipeline; default 1, =0 for the W record): the record's W slot holds Kg = k^ Gamma
 // (bf16, the prep's L operand) instead of W = (I+L)^-1 diag(b) Kg, and the consumers form
