@@ -112,6 +112,14 @@ constexpr bool UKG = PREP_PIPE;  // (the one-group prep, K = 64, keeps W)
 #else
 constexpr bool UKG = false;
 #endif
+// KDA_SM90_DUAL (the pair with its copy warpgroup and the Kg record; default 1, =0 for groups A and B): warps 0-3
+// and 4-7 each run phases 0-5 of every other local chunk (kda_sm90_prep_pipe.cuh, prep_group_dual) instead of
+// phases 0-1 (A) and 2-5 (B) of every chunk. (The W record's scratch leaves no room for group B's second set.)
+#if KDA_SM90_CW_ON && (!defined(KDA_SM90_DUAL) || KDA_SM90_DUAL)
+constexpr bool DUAL = UKG;
+#else
+constexpr bool DUAL = false;
+#endif
 // KDA_SM90_YO (the Kg record; default 1, =0 for separate tiles): -Kg and Qd share one K-major 128B-swizzled
 // [2C][K] tile (rows 0 .. C-1 -Kg, C .. 2C-1 Qd; the W and Qd slots' bytes), so the consumers' Y^T = v^T - S Kg^T
 // and o^T = S Qd^T are one m64n32k16 wgmma per k-step (v^T added after the wait), instead of
@@ -164,7 +172,11 @@ constexpr int S_XH = S_BK + C * KB1 * 2;        // bf16 [C][KB1] b k e^G, high p
 constexpr int S_XL = S_XH + C * KB1 * 2;        //                       low part
 constexpr int S_INV = S_XL + C * KB1 * 2;       // f32 [16][IPF] (I+L)^-1
 #endif
-constexpr int SCR_BYTES = (S_INV + 16 * IPF * 4 + 15) / 16 * 16;
+constexpr int S_END = (S_INV + 16 * IPF * 4 + 15) / 16 * 16;
+// DUAL: each group runs phases 2-5 of its own chunks, so group B's arrays (S_PART .. the end) are doubled by chunk
+// parity too; parity 1's copy follows the end (S_B, already by parity, is read at parity 0's offset only).
+constexpr int S_OWN2 = DUAL ? S_END - S_PART : 0;
+constexpr int SCR_BYTES = S_END + S_OWN2;
 static_assert(C * (K / 8) == NTP && NMW <= NWP && K / 16 == NWP, "chunk 16 prep layout");
 
 // ---- ring depths ----
@@ -173,7 +185,9 @@ static_assert(C * (K / 8) == NTP && NMW <= NWP && K / 16 == NWP, "chunk 16 prep 
 #ifdef KDA_NIN
 constexpr int NIN = KDA_NIN;
 #elif KDA_SM90_PIPE_ON
-constexpr int NIN = 4;  // (the second scratch set takes a stage's room)
+// (the second scratch set takes a stage's room; DUAL's second set of group B's arrays another, with the v ring
+// of 12: H200 2026-12-02, NIN 3 with the v ring of 12 measured 3-7% faster than NIN 4 with 8)
+constexpr int NIN = DUAL ? 3 : 4;
 #else
 constexpr int NIN = 5;
 #endif

@@ -186,10 +186,11 @@ __device__ __forceinline__ int scr_set(int c) { return (c & 1) * S_HALF; }
   bf16* const sBK = reinterpret_cast<bf16*>(scs + S_BK);                                   \
   bf16* const sXh = reinterpret_cast<bf16*>(scs + S_XH);                                   \
   bf16* const sXl = reinterpret_cast<bf16*>(scs + S_XL);                                   \
-  float* const spart = reinterpret_cast<float*>(scr + S_PART);                             \
-  float* const sLT = reinterpret_cast<float*>(scr + S_LT);                                 \
+  char* const sown = scr + ((c) & 1) * S_OWN2; /* group B's arrays (by parity with DUAL) */ \
+  float* const spart = reinterpret_cast<float*>(sown + S_PART);                            \
+  float* const sLT = reinterpret_cast<float*>(sown + S_LT);                                \
   float* const sbc = reinterpret_cast<float*>(scr + S_B) + ((c) & 1) * C; /* by parity */  \
-  float* const sInv = reinterpret_cast<float*>(scr + S_INV);                               \
+  float* const sInv = reinterpret_cast<float*>(sown + S_INV);                              \
   const char* const in = (base) + SM_IN + ((c) % NIN) * IN_BYTES;                          \
   char* const rec = (base) + SM_REC + ((c) % NREC) * REC_BYTES;                            \
   (void)sG; (void)srq; (void)srk; (void)sdg; (void)sAK; (void)sAQ; (void)sBK; (void)sXh;  \

@@ -43,6 +43,47 @@ __device__ __forceinline__ void copy_role_pair(const KdaParams& p, const SeqInfo
   }
 }
 
+// Phases 0-1 of local chunk c by one 4-warp group (tid: 0 .. 127 within it; BAR its named barrier): two passes
+// over the rows (8 p .. 8 p + 7) and gate columns (col0 + 64 p). The caller waited for the slot and the inputs.
+template <int BAR>
+__device__ __forceinline__ void group_a_chunk(const KdaParams& p, char* base, int c, int rows, int ri, int d, int col0,
+                                              int half, uint32_t rb0, uint32_t rb1, float aexp, float bias0,
+                                              float bias1) {
+  const int col1 = col0 + 16 * 4;
+  float xq0[8], xk0[8], b0, xq1[8], xk1[8], b1;
+  {
+    const P0In ld0 = prep_phase0_load(p, base, c, ri, d, col0, half);
+    const P0In ld1 = prep_phase0_load(p, base, c, ri + 8, d, col1, half);
+    prep_phase0(p, base, c, rows, ri, d, col0, half, rb0, aexp, bias0, ld0, xq0, xk0, b0);
+    prep_phase0(p, base, c, rows, ri + 8, d, col1, half, rb1, aexp, bias1, ld1, xq1, xk1, b1);
+  }
+  sm90::named_sync<BAR, NTG>();
+  if constexpr (PIPE_ROLL) {
+    float GL[8];
+    prep_gate_row(base, c, C - 1, d, GL);
+#pragma unroll 1
+    for (int pp = 0; pp < 2; ++pp) {
+      float xq[8], xk[8], G[8];
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        xq[e] = pp ? xq1[e] : xq0[e];
+        xk[e] = pp ? xk1[e] : xk0[e];
+      }
+      prep_gate_row(base, c, ri + 8 * pp, d, G);
+      prep_phase1(p, base, c, ri + 8 * pp, d, xq, xk, pp ? b1 : b0, G, GL);
+    }
+  } else {
+    // (pass 1's row read after pass 0's stores: reading both first spilled at a 96-register limit
+    // and measured no faster)
+    float G[8], GL[8];
+    prep_gate_row(base, c, ri, d, G);
+    prep_gate_row(base, c, C - 1, d, GL);
+    prep_phase1(p, base, c, ri, d, xq0, xk0, b0, G, GL);
+    prep_gate_row(base, c, ri + 8, d, G);
+    prep_phase1(p, base, c, ri + 8, d, xq1, xk1, b1, G, GL);
+  }
+}
+
 // Group A (tid: 0 .. 127 within the group; BAR its named barrier).
 template <int BAR>
 __device__ __forceinline__ void prep_group_a(const KdaParams& p, const SeqInfo& si, char* base, uint64_t* bars,
@@ -87,38 +128,7 @@ __device__ __forceinline__ void prep_group_a(const KdaParams& p, const SeqInfo& 
     sm90::mbar_wait(bars + B_REC_EMPTY + r, ((c / NREC) & 1) ^ 1);
     sm90::mbar_wait(bars + B_IN_FULL + (c % NIN), (c / NIN) & 1);
     KDA_STAMP(tid == 0, KDA_GCHUNK(si, c), ST_A_GO);
-    float xq0[8], xk0[8], b0, xq1[8], xk1[8], b1;
-    {
-      const P0In ld0 = prep_phase0_load(p, base, c, ri, d, col0, half);
-      const P0In ld1 = prep_phase0_load(p, base, c, ri + 8, d, col1, half);
-      prep_phase0(p, base, c, rows, ri, d, col0, half, rb0, aexp, bias0, ld0, xq0, xk0, b0);
-      prep_phase0(p, base, c, rows, ri + 8, d, col1, half, rb1, aexp, bias1, ld1, xq1, xk1, b1);
-    }
-    sm90::named_sync<BAR, NTG>();
-    if constexpr (PIPE_ROLL) {
-      float GL[8];
-      prep_gate_row(base, c, C - 1, d, GL);
-#pragma unroll 1
-      for (int pp = 0; pp < 2; ++pp) {
-        float xq[8], xk[8], G[8];
-#pragma unroll
-        for (int e = 0; e < 8; ++e) {
-          xq[e] = pp ? xq1[e] : xq0[e];
-          xk[e] = pp ? xk1[e] : xk0[e];
-        }
-        prep_gate_row(base, c, ri + 8 * pp, d, G);
-        prep_phase1(p, base, c, ri + 8 * pp, d, xq, xk, pp ? b1 : b0, G, GL);
-      }
-    } else {
-      // (pass 1's row read after pass 0's stores: reading both first spilled at a 96-register limit
-      // and measured no faster)
-      float G[8], GL[8];
-      prep_gate_row(base, c, ri, d, G);
-      prep_gate_row(base, c, C - 1, d, GL);
-      prep_phase1(p, base, c, ri, d, xq0, xk0, b0, G, GL);
-      prep_gate_row(base, c, ri + 8, d, G);
-      prep_phase1(p, base, c, ri + 8, d, xq1, xk1, b1, G, GL);
-    }
+    group_a_chunk<BAR>(p, base, c, rows, ri, d, col0, half, rb0, rb1, aexp, bias0, bias1);
     // beta one chunk ahead, loaded here (not at the top) so that it is not live across phase 1
     rb_next0 = load_beta(p, si, KDA_GCHUNK(si, c + 1), ri);
     rb_next1 = load_beta(p, si, KDA_GCHUNK(si, c + 1), ri + 8);
@@ -136,6 +146,54 @@ __device__ __forceinline__ void prep_group_a(const KdaParams& p, const SeqInfo& 
   }
 }
 
+// Phases 2-5 of local chunk c by one 4-warp group (tb: 0 .. 127 within it, warps W0 .. W0 + 3; BAR its named
+// barrier), and in the pair the record's forwarding copy to the peer. SCR: release the scratch set to group A
+// (scr_empty). The caller saw phases 0-1 of chunk c done (scr_full, or its own named barrier).
+template <int BAR, int W0, bool SCR>
+__device__ __forceinline__ void group_b_chunk(const KdaParams& p, const SeqInfo& si, char* base, uint64_t* bars, int c,
+                                              int rows, int tb) {
+  const int warp = threadIdx.x >> 5, r = c % NREC, st = c % NIN;
+  // (the exact fallback reads the input stage: it waits for the stage's copies itself)
+  prep_phase2<W0>(base, c, rows, p.scale, bars + B_IN_FULL + st, (c / NIN) & 1);
+  // the stage's last read (mode 1: B refills the stage itself, and an mbarrier whose phases
+  // complete unwaited is an error to synccheck)
+  if constexpr (PIPE_COPIES == 0 || PAIR_CW) sm90::mbar_arrive(bars + B_IN_EMPTY + st);
+  sm90::named_sync<BAR, NTG>();
+  prep_phase3<NTG>(p, base, c, tb);
+  sm90::named_sync<BAR, NTG>();
+  if (tb < C) prep_phase4(base, c, tb);
+  sm90::named_sync<BAR, NTG>();
+  prep_phase5_ainv<NTG>(base, c, tb);
+  if constexpr (!UKG) {  // (UKG: the consumers apply (I+L)^-1 diag(b) to v^T - S Kg^T themselves)
+    uint32_t ah[4], al[4];
+    prep_inv_frags(base, c, threadIdx.x & 31, ah, al);
+    prep_w16(base, c, ah, al, 2 * (warp - W0));
+    prep_w16(base, c, ah, al, 2 * (warp - W0) + 1);
+  }
+  if constexpr (SCR) sm90::mbar_arrive(bars + B_SCR_EMPTY + (c & 1));  // the set's last read
+  sm90::fence_proxy_async();
+  KDA_STAMP(tb == 0, KDA_GCHUNK(si, c), ST_B_DONE);
+  KDA_STAMP(tb == 32 || tb == 64 || tb == 96, KDA_GCHUNK(si, c), ST_B_DONE1 + tb / 32 - 1);
+  sm90::mbar_arrive(bars + B_REC_FULL + r);
+  if constexpr (PAIR) {
+    // Forward the record to the peer ring's slot r. Phases 0-1's part is visible since scr_full (or the
+    // group's barrier; their threads fenced before arriving), phases 2-5's after this barrier (each thread fenced).
+    // Waiting rec_full here instead took ~2800 cycles after the last B warp had arrived (stamps, H200
+    // 2026-12-02), and the copies first were slower. The peer's slot is free: its consumers released
+    // it on this CTA's rec_empty, which phase 0 waited before this chunk.
+    sm90::named_sync<BAR, NTG>();
+    if (tb == 0) {
+      KDA_STAMP(true, KDA_GCHUNK(si, c), ST_B_FULL);
+      const uint32_t peer = pair_rank(si) ^ 1u;
+      const uint32_t pbar = sm90::peer_addr(bars + B_REC_PEER + r, peer);
+      sm90::mbar_arrive_expect_tx_remote(pbar, REC_USED);
+      sm90::bulk_s2peer(sm90::peer_addr(base + SM_REC + (NREC + r) * REC_BYTES, peer), base + SM_REC + r * REC_BYTES,
+                        REC_USED, pbar);
+      KDA_STAMP(true, KDA_GCHUNK(si, c), ST_B_FWD);
+    }
+  }
+}
+
 __device__ __forceinline__ void prep_group_b(const KdaParams& p, const SeqInfo& si, char* base, uint64_t* bars) {
   const int tid = threadIdx.x, tb = tid - NTG, warp = tid >> 5;
   if constexpr (PAIR) {
@@ -147,56 +205,53 @@ __device__ __forceinline__ void prep_group_b(const KdaParams& p, const SeqInfo& 
   }
   for (int c = 0; c < nlocal(si); ++c) {
     const int rows = min(C, si.len - KDA_GCHUNK(si, c) * C);
-    const int r = c % NREC, h = c & 1, st = c % NIN;
+    const int h = c & 1;
     KDA_STAMP(tb == 0, KDA_GCHUNK(si, c), ST_B_WAIT);
     sm90::mbar_wait(bars + B_SCR_FULL + h, (c >> 1) & 1);
     KDA_STAMP(tb == 0, KDA_GCHUNK(si, c), ST_B_GO);
-    // (the exact fallback reads the input stage: it waits for the stage's copies itself)
-    prep_phase2<4>(base, c, rows, p.scale, bars + B_IN_FULL + st, (c / NIN) & 1);
-    // the stage's last read (mode 1: B refills the stage itself, and an mbarrier whose phases
-    // complete unwaited is an error to synccheck)
-    if constexpr (PIPE_COPIES == 0 || PAIR_CW) sm90::mbar_arrive(bars + B_IN_EMPTY + st);
-    sm90::named_sync<BAR_PREP_B, NTG>();
-    prep_phase3<NTG>(p, base, c, tb);
-    sm90::named_sync<BAR_PREP_B, NTG>();
-    if (tb < C) prep_phase4(base, c, tb);
-    sm90::named_sync<BAR_PREP_B, NTG>();
-    prep_phase5_ainv<NTG>(base, c, tb);
-    if constexpr (!UKG) {  // (UKG: the consumers apply (I+L)^-1 diag(b) to v^T - S Kg^T themselves)
-      uint32_t ah[4], al[4];
-      prep_inv_frags(base, c, tid & 31, ah, al);
-      prep_w16(base, c, ah, al, 2 * (warp - 4));
-      prep_w16(base, c, ah, al, 2 * (warp - 4) + 1);
-    }
-    sm90::mbar_arrive(bars + B_SCR_EMPTY + h);  // the set's last read
-    sm90::fence_proxy_async();
-    KDA_STAMP(tb == 0, KDA_GCHUNK(si, c), ST_B_DONE);
-    KDA_STAMP(tb == 32 || tb == 64 || tb == 96, KDA_GCHUNK(si, c), ST_B_DONE1 + tb / 32 - 1);
-    sm90::mbar_arrive(bars + B_REC_FULL + r);
-    // Stage c % NIN: A read it in phases 0-1 of chunk c (before scr_full), B's phase 2 is past the
-    // group barrier; so chunk c + NIN may land there (B issues it itself here; the pair's copy warpgroup
-    // waits in_empty instead).
+    group_b_chunk<BAR_PREP_B, 4, true>(p, si, base, bars, c, rows, tb);
+    // Stage c % NIN: A read it in phases 0-1 of chunk c (before scr_full) and B's phase 2 is past the group
+    // barrier, so chunk c + NIN may land there (the pair's copy warpgroup waits in_empty instead).
     if constexpr (PAIR) {
-      // Forward the record to the peer ring's slot r, then (without the copy warpgroup) issue the copies.
-      // Group A's part is visible since scr_full (A fenced before arriving), group B's after this barrier
-      // (each thread fenced).
-      // Waiting rec_full here instead took ~2800 cycles after the last B warp had arrived (stamps, H200
-      // 2026-12-02), and the copies first were slower. The peer's slot is free: its consumers released
-      // it on this CTA's rec_empty, which A waited before this chunk.
-      sm90::named_sync<BAR_PREP_B, NTG>();
-      if (tb == 0) {
-        KDA_STAMP(true, KDA_GCHUNK(si, c), ST_B_FULL);
-        const uint32_t peer = pair_rank(si) ^ 1u;
-        const uint32_t pbar = sm90::peer_addr(bars + B_REC_PEER + r, peer);
-        sm90::mbar_arrive_expect_tx_remote(pbar, REC_USED);
-        sm90::bulk_s2peer(sm90::peer_addr(base + SM_REC + (NREC + r) * REC_BYTES, peer), base + SM_REC + r * REC_BYTES,
-                          REC_USED, pbar);
-        KDA_STAMP(true, KDA_GCHUNK(si, c), ST_B_FWD);
-      }
       if constexpr (!PAIR_CW) issue_qkg<4>(p, si, c + NIN, base, bars, warp - 4, tid & 31);
     } else if constexpr (PIPE_COPIES == 1) {
       issue_chunk_spread<4>(p, si, c + NIN, base, bars, warp - 4, tid & 31);
     }
+  }
+}
+
+// DUAL: group G (warps 4 G .. 4 G + 3, named barrier 1 + G) runs phases 0-5 of local chunks G, G + 2, .. (scratch
+// sets and group B's arrays by chunk parity). Each group's chunk is as long as A's and B's together, but the two
+// overlap, so a local chunk takes half of that where A's phases 0-1 alone had paced the pipeline (stamps, H200
+// 2026-12-02: A works ~3700 of a ~4400-cycle chunk, B waits ~1100 of it).
+template <int G>
+__device__ __forceinline__ void prep_group_dual(const KdaParams& p, const SeqInfo& si, char* base, uint64_t* bars) {
+  constexpr int BAR = 1 + G;
+  const int tid = threadIdx.x - G * NTG, lane = tid & 31, warp = tid >> 5;
+  constexpr int GPR = K / 8;
+  const int ri = tid / GPR, d = (tid % GPR) * 8;
+  const int half = lane >> 4;
+  const float aexp = gate_aexp(p, si);
+  const int col0 = (lane & 15) + 16 * warp;
+  const float bias0 = gate_bias(p, si, col0), bias1 = gate_bias(p, si, col0 + 16 * 4);
+  uint32_t rb_next0 = load_beta(p, si, KDA_GCHUNK(si, G), ri), rb_next1 = load_beta(p, si, KDA_GCHUNK(si, G), ri + 8);
+  for (int c = G; c < nlocal(si); c += 2) {
+    const uint32_t rb0 = rb_next0, rb1 = rb_next1;
+    const int rows = min(C, si.len - KDA_GCHUNK(si, c) * C);
+    KDA_STAMP(tid == 0, KDA_GCHUNK(si, c), ST_A_WAIT);
+    sm90::mbar_wait(bars + B_REC_EMPTY + c % NREC, ((c / NREC) & 1) ^ 1);
+    sm90::mbar_wait(bars + B_IN_FULL + (c % NIN), (c / NIN) & 1);
+    KDA_STAMP(tid == 0, KDA_GCHUNK(si, c), ST_A_GO);
+    group_a_chunk<BAR>(p, base, c, rows, ri, d, col0, half, rb0, rb1, aexp, bias0, bias1);
+    rb_next0 = load_beta(p, si, KDA_GCHUNK(si, c + 2), ri);
+    rb_next1 = load_beta(p, si, KDA_GCHUNK(si, c + 2), ri + 8);
+    sm90::fence_proxy_async();
+    KDA_STAMP(tid == 0, KDA_GCHUNK(si, c), ST_A_DONE);
+    sm90::mbar_arrive(bars + B_REC_FULL + c % NREC);
+    sm90::named_sync<BAR, NTG>();  // phase 1's scratch and record rows, read by other warps in phase 2
+    KDA_STAMP(tid == 0, KDA_GCHUNK(si, c), ST_B_WAIT);
+    KDA_STAMP(tid == 0, KDA_GCHUNK(si, c), ST_B_GO);
+    group_b_chunk<BAR, 4 * G, false>(p, si, base, bars, c, rows, tid);
   }
 }
 
@@ -212,9 +267,23 @@ static_assert(!REALLOC || NTG * (PREP_A_REGS + PREP_B_REGS) + NTX * CW_REGS + 12
                               NT * LAUNCH_REGS,
               "register budget");
 
+constexpr int DUAL_REGS = 136;
+static_assert(!DUAL || NTP * DUAL_REGS + NTX * CW_REGS + 128 * NCONS * CONS_REGS <= NT * LAUNCH_REGS, "register budget");
+
 __device__ __forceinline__ void prep_role_pipe(const KdaParams& p, const SeqInfo& si, char* base, uint64_t* bars) {
   // (NTX: the pair's copy warpgroup, threads NTP .. NTP + 127)
-  if (threadIdx.x < NTG) {
+  if constexpr (DUAL) {  // (each group holds phases 0-1's and 2-5's loop invariants: the 2048 spare registers)
+    if (threadIdx.x < NTG) {
+      sm90::regs_inc<DUAL_REGS>();
+      prep_group_dual<0>(p, si, base, bars);
+    } else if (threadIdx.x < NTP) {
+      sm90::regs_inc<DUAL_REGS>();
+      prep_group_dual<1>(p, si, base, bars);
+    } else {
+      sm90::regs_dec<CW_REGS>();
+      copy_role_pair(p, si, base, bars);
+    }
+  } else if (threadIdx.x < NTG) {
     if constexpr (REALLOC && PREP_A_REGS < LAUNCH_REGS) sm90::regs_dec<PREP_A_REGS>();
     prep_group_a<BAR_PREP_A>(p, si, base, bars, threadIdx.x);
   } else if (NTX == 0 || threadIdx.x < NTP) {
