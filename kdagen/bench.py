@@ -607,7 +607,7 @@ def _run(cases, opts, echo, progress, device, timers, partial) -> dict:
                            "top": opts.top, "graphs": opts.graphs, "budget_ms": opts.budget_ms, "rounds": opts.rounds,
                            **opts.extra},
                "warm_up": [{"call": lab, "s": round(sec, 2), "error": err} for lab, sec, err in warm],
-               "tuning_file": _tuning_file(device), "cases": rows}
+               **_tuning_file(device), "cases": rows}
     for case, plan in zip(cases, plans):
         rows.append(_measure_case(case, plan, opts, bw, timers, progress, device))
         echo(_summary_line(rows[-1]))
@@ -616,15 +616,17 @@ def _run(cases, opts, echo, progress, device, timers, partial) -> dict:
     return results
 
 
-def _tuning_file(device: str) -> Optional[str]:
+def _tuning_file(device: str) -> dict:
+    """The tuning file dispatch reads here and where it comes from (tuning.lookup); None for both
+    where there is none."""
     import torch
 
-    from .tuning import path_for
+    from .tuning import lookup
 
-    if device != "cuda":
-        return None
-    p = path_for(torch.cuda.get_device_name())
-    return str(p) if p is not None and p.exists() else None
+    found = lookup(torch.cuda.get_device_name()) if device == "cuda" else None
+    if found is None or not found[0].exists():
+        return {"tuning_file": None, "tuning_source": None}
+    return {"tuning_file": str(found[0]), "tuning_source": found[1]}
 
 
 def _plan_case(case: Case, opts: Options, device: str) -> dict:
@@ -839,7 +841,7 @@ def tune(cases: Sequence[Case], opts: Options, out: Optional[Path], echo: Callab
     rules = tuning.derive_rules(tune_measurements(results))
     t = tuning.Tuning(gpu=env.get("gpu") or "cpu", sm_count=env.get("sm_count") or 1, rules=tuple(rules),
                       meta={"made_by": "kdagen tune", "date": env["date"], "commit": env.get("commit")})
-    path = out or tuning.path_for(t.gpu) or tuning.default_path(t.gpu)
+    path = out or tuning.write_path(t.gpu)
     tuning.save(t, path)
     return path, results
 

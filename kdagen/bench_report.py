@@ -40,6 +40,15 @@ def _peer(row: dict, peer: str) -> str:
     return "n/a"
 
 
+def _tuning_line(results: dict) -> str:
+    from .tuning import describe_source
+
+    path, source = results.get("tuning_file"), results.get("tuning_source")
+    if not path:
+        return "none (the targets’ constants)"
+    return f"{path} ({describe_source(source)})" if source else path
+
+
 def markdown(results: dict, plot: Optional[str] = PLOT_NAME, command: Optional[str] = None) -> str:
     """The report: the run's environment, then one row per case, then every measured variant."""
     env = results["env"]
@@ -62,7 +71,7 @@ def markdown(results: dict, plot: Optional[str] = PLOT_NAME, command: Optional[s
                                  else "every variant that can serve the case")
         + (f" matching `{opts['variants']}`" if opts.get("variants") else "")
         + "; dispatch ok: the auto-selected variant within 5% of the fastest measured",
-        f"- tuning file: {results.get('tuning_file') or 'none (the targets’ constants)'}",
+        f"- tuning file: {_tuning_line(results)}",
         "",
     ]
     if plot:

@@ -315,8 +315,8 @@ def bench(cases: str, compare: str, compare_all: bool, variants: str | None, top
 @main.command()
 @_bench_common
 @click.option("--out", "out_file", type=click.Path(dir_okay=False), default=None,
-              help="the tuning file to write (default: the one dispatch reads for this GPU, "
-                   "KDAGEN_TUNING or <cache>/tuning/<GPU>.json)")
+              help="the tuning file to write (default: KDAGEN_TUNING's file, else <cache>/tuning/<GPU>.json, "
+                   "which dispatch then reads before the one shipped with kdagen)")
 def tune(cases: str, variants: str | None, top: int | None, warm_procs: int, budget_ms: float, rounds: int | None,
          out_file: str | None) -> None:
     """Measure the candidate variants per shape regime and write this GPU's tuning file (dispatch

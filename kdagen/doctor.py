@@ -49,6 +49,40 @@ def _launch_line() -> str:
     return f"launch: sm80 calls launch through {driver_binding()} (launch shim not used: {how})"
 
 
+def _tuning_line(device) -> str:
+    """The tuning file dispatch reads on a CUDA device, where it comes from (KDAGEN_TUNING, the
+    cache's, shipped with kdagen) and whether it applies there."""
+    from . import tuning
+    from .select import _sm_count
+
+    label = f"tuning {device}"
+    name = tuning._device_name(device.index if device.index is not None else 0)
+    if name is None:
+        return f"{label}: none (torch gives no device name)"
+    if tuning.disabled():
+        return f"{label}: off ({tuning.ENV}={os.environ.get(tuning.ENV)}): the targets' constants"
+    found = tuning.lookup(name)
+    if found is None:
+        return (f"{label}: none for {name!r}: the targets' constants (`kdagen tune` writes "
+                f"{tuning.default_path(name)})")
+    path, source = found
+    where = tuning.describe_source(source)
+    if not path.exists():
+        return f"{label}: {path} ({where}) does not exist: the targets' constants"
+    try:
+        t = tuning.load(path)
+    except tuning.TuningError as e:
+        return f"{label}: {e}"
+    if t.gpu != name:
+        return f"{label}: {path} ({where}) was made on {t.gpu!r}, the device is {name!r}: dispatch raises an error"
+    sms = _sm_count(device)
+    made = ", ".join(f"{k} {t.meta[k]}" for k in ("date", "commit") if t.meta.get(k))
+    if t.sm_count != sms:
+        return (f"{label}: {path} ({where}) ignored: made for {t.sm_count} SMs, the device has {sms}: "
+                "the targets' constants")
+    return f"{label}: {path} ({where}), {len(t.rules)} rule(s){' (' + made + ')' if made else ''}"
+
+
 def report() -> list[str]:
     from . import __version__, env
     from .build import compiler_reason, nvcc_path, nvcc_version
@@ -64,6 +98,7 @@ def report() -> list[str]:
                  f"cuda-bindings {_version('cuda-bindings')}")
     devices = _devices()
     lines += [f"device {d}" for _, d in devices]
+    lines += [_tuning_line(dev) for dev, _ in devices if dev is not None and dev.type == "cuda"]
     nvcc = nvcc_path()
     lines.append(f"nvcc: {nvcc} ({nvcc_version()})" if nvcc else "nvcc: not found (CUDA variants run only if prebuilt)")
     lines.append(f"ninja: {shutil.which('ninja') or 'from the ninja package'}")

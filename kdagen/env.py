@@ -18,10 +18,12 @@ VARIABLES = {
     "KDAGEN_DISABLE_JIT": "1: never compile during a call; a missing build is an error naming the command",
     "KDAGEN_FORCE_VARIANT": "a canonical variant name every call must use",
     "KDAGEN_FLA_BACKEND": "0: do not register kdagen as a backend of fla's chunk_kda (default 1; read at import)",
-    "KDAGEN_TUNING": "the tuning file dispatch reads (default <cache>/tuning/<GPU name>.json, from `kdagen tune`); off: none",
+    "KDAGEN_TUNING": "the tuning file dispatch reads (default <cache>/tuning/<GPU>.json from `kdagen tune`, else the "
+                     "one shipped with kdagen for the GPU); off: none",
     "KDAGEN_COMMIT": "the commit `kdagen bench` reports (default: git rev-parse of the source tree, when there is one)",
     "KDAGEN_LAUNCH_SHIM": "0: sm80 launches through cuda-bindings, not the C launch shim built on first use (default 1)",
-    "KDAGEN_LOGLEVEL": "0 warnings, 1 each choice and build (default), 2 also every rejected candidate",
+    "KDAGEN_LOGLEVEL": "0 warnings, 1 each choice and build (default), 2 also every rejected candidate and the "
+                       "tuning file read",
     "KDAGEN_LOCK_TIMEOUT": "seconds to wait for another process's build lock (default 600)",
     "MAX_JOBS": "parallel compile jobs (default: the core count)",
     "KDAGEN_ERRORS": "tests: append each numeric check's errors as a JSON line to this file (kdagen/cases.py)",

@@ -4,8 +4,12 @@ regime, written by `kdagen tune` from measurements and read by selection (kdagen
 Where no file exists (or no rule matches a call) the targets' constants apply
 (TargetInfo.preferred_chunk, preferred_block_v, vsplit_min_waves): they are the defaults.
 
-Location: KDAGEN_TUNING (a file; "off" ignores tuning files), else
-<cache dir>/tuning/<GPU name>.json. Format (JSON, versioned)::
+Which file dispatch reads for a GPU (path_for, lookup), first found:
+1. KDAGEN_TUNING: that file (absent: no tuning); "off", "0" or "none": no tuning file at all;
+2. <cache dir>/tuning/<slug(GPU name)>.json, where `kdagen tune` writes (default_path);
+3. kdagen/tuning_data/<slug(GPU name)>.json, shipped with kdagen for GPUs measured (shipped_path).
+Either way a file made on another GPU name is an error, one of another SM count is ignored.
+Format (JSON, versioned)::
 
     {"format": "kdagen-tuning", "version": 1, "gpu": "NVIDIA H200", "sm_count": 132,
      "made_by": "kdagen tune", "date": "...", "commit": "...",
@@ -24,6 +28,7 @@ targets' own order, and a ranked target over one the file does not rank there.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import re
@@ -34,9 +39,13 @@ from typing import Any, Iterable, Optional, Sequence
 
 from .errors import KdagenError
 
+log = logging.getLogger("kdagen")
+
 FORMAT = "kdagen-tuning"
 VERSION = 1
 ENV = "KDAGEN_TUNING"
+# The tuning files shipped inside the package, one per GPU measured: <slug(GPU name)>.json.
+SHIPPED_DIR = Path(__file__).resolve().parent / "tuning_data"
 # The regimes `kdagen tune` writes rules for: edges of tokens per sequence and of sequences x
 # value heads per SM (chunk size follows the serial chain's length; V-split the programs per SM).
 # 16384 and 0.5 split the cell of B1 T8192 H96 / H64 and T16384 H48, whose fastest targets and
@@ -105,17 +114,59 @@ def slug(gpu_name: str) -> str:
 
 
 def default_path(gpu_name: str) -> Path:
+    """The cache's tuning file for this GPU: where `kdagen tune` writes (it may not exist)."""
     from .paths import cache_dir
 
     return cache_dir() / "tuning" / f"{slug(gpu_name)}.json"
 
 
-def path_for(gpu_name: str) -> Optional[Path]:
-    """The tuning file dispatch reads for this GPU (KDAGEN_TUNING, else the cache's), None when
-    KDAGEN_TUNING=off."""
+def shipped_path(gpu_name: str) -> Optional[Path]:
+    """The tuning file shipped with kdagen for this GPU name, None where none ships."""
+    path = SHIPPED_DIR / f"{slug(gpu_name)}.json"
+    return path if path.is_file() else None
+
+
+def _env() -> Optional[str]:
+    """KDAGEN_TUNING: "" when unset, None when off."""
     env = os.environ.get(ENV, "").strip()
-    if env.lower() in ("off", "0", "none"):
+    return None if env.lower() in ("off", "0", "none") else env
+
+
+def disabled() -> bool:
+    """KDAGEN_TUNING=off (or 0, none): no tuning file is read, the shipped ones included."""
+    return _env() is None
+
+
+# where a tuning file comes from (lookup's second value)
+FROM_ENV, FROM_CACHE, FROM_SHIPPED = "KDAGEN_TUNING", "cache", "shipped"
+
+
+def lookup(gpu_name: str) -> Optional[tuple[Path, str]]:
+    """(the tuning file dispatch reads for this GPU, where it comes from: FROM_ENV, FROM_CACHE or
+    FROM_SHIPPED), None when there is none or KDAGEN_TUNING=off. KDAGEN_TUNING's file is returned
+    whether or not it exists (absent: no tuning); the cache's and the shipped one only if they do."""
+    env = _env()
+    if env is None:
         return None
+    if env:
+        return Path(env).expanduser(), FROM_ENV
+    cache = default_path(gpu_name)
+    if cache.is_file():
+        return cache, FROM_CACHE
+    shipped = shipped_path(gpu_name)
+    return (shipped, FROM_SHIPPED) if shipped is not None else None
+
+
+def path_for(gpu_name: str) -> Optional[Path]:
+    """The tuning file dispatch reads for this GPU (see lookup), None where there is none."""
+    found = lookup(gpu_name)
+    return found[0] if found is not None else None
+
+
+def write_path(gpu_name: str) -> Path:
+    """Where `kdagen tune` writes this GPU's file: KDAGEN_TUNING's file, else the cache's (never
+    the shipped one)."""
+    env = _env()
     return Path(env).expanduser() if env else default_path(gpu_name)
 
 
@@ -217,6 +268,7 @@ def save(tuning: Tuning, path: Path) -> Path:
 # ----------------------------------------------------------------------------- what dispatch reads
 
 _LOADED: dict[Path, tuple[int, Tuning]] = {}
+_LOGGED: set[Path] = set()  # the files whose use was logged (once each)
 
 
 def forget() -> None:
@@ -245,9 +297,10 @@ def for_device(device) -> Optional[Tuning]:
     name = _device_name(index)
     if name is None:
         return None
-    path = path_for(name)
-    if path is None:
+    found = lookup(name)
+    if found is None:
         return None
+    path, source = found
     try:
         mtime = path.stat().st_mtime_ns
     except OSError:
@@ -256,12 +309,26 @@ def for_device(device) -> Optional[Tuning]:
     if hit is None or hit[0] != mtime:
         t = load(path)
         if t.gpu != name:
+            fix = (f"unset {ENV}" if source == FROM_ENV else "remove it" if source == FROM_CACHE
+                   else f"set {ENV}=off")
             raise TuningError(f"{path}: gpu: this file was made on {t.gpu!r}, the device is {name!r} "
-                              f"(run `kdagen tune` here, or unset {ENV})")
+                              f"(run `kdagen tune` here, or {fix})")
         hit = _LOADED[path] = (mtime, t)
     from .select import _sm_count
 
-    return hit[1] if hit[1].sm_count == _sm_count(device) else None
+    sms = _sm_count(device)
+    if path not in _LOGGED:
+        _LOGGED.add(path)
+        log.debug("kdagen: tuning file for %s: %s (%s), %d rule(s)%s", name, path, describe_source(source),
+                  len(hit[1].rules), "" if hit[1].sm_count == sms else
+                  f"; ignored: made for {hit[1].sm_count} SMs, the device has {sms}")
+    return hit[1] if hit[1].sm_count == sms else None
+
+
+def describe_source(source: str) -> str:
+    """Words for where a tuning file comes from (lookup's second value)."""
+    return {FROM_ENV: f"from {ENV}", FROM_CACHE: "the cache's, from `kdagen tune`",
+            FROM_SHIPPED: "shipped with kdagen"}.get(source, source)
 
 
 def regime(T: int, B: int, N: int, HV: int, sms: int) -> tuple[float, float]:

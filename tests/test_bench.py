@@ -4,6 +4,7 @@ argument errors. The real measurement is scripts/gpu_check.sh bench on the H200.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import types
 
@@ -109,6 +110,16 @@ def test_engine_on_the_cpu_and_tune_from_its_results(tmp_path, monkeypatch):
     assert (r.target, r.dtype, r.head_dim, r.chunk, r.block_v) == ("triton", "fp32", 32, 64, 16)
     assert r.tokens_per_seq == (0, 512) and r.evidence["cases"] == ["tiny T37"]
 
+    # without --out: KDAGEN_TUNING's file, else the cache's, never the file shipped for the GPU
+    monkeypatch.setenv("KDAGEN_CACHE_DIR", str(tmp_path / "c"))
+    monkeypatch.delenv(tuning.ENV, raising=False)
+    monkeypatch.setattr(tuning, "SHIPPED_DIR", tmp_path / "shipped")
+    shipped = tuning.save(dataclasses.replace(t, rules=()), tmp_path / "shipped" / "cpu.json")
+    before = shipped.read_bytes()
+    path, _ = b.tune([TINY], opts, None, echo=lambda m: None, device="cpu", timers=fake_timers([1.0, 0.5]))
+    assert path == tmp_path / "c" / "tuning" / "cpu.json" and len(tuning.load(path).rules) == 1
+    assert shipped.read_bytes() == before
+
 
 def test_engine_adds_the_variants_a_jit_target_would_generate():
     """K = V = 16: no spec lists a variant (dispatch pads to the ci spec's K = 32 one); the Triton
@@ -180,6 +191,20 @@ def test_report_markdown_json_and_png_from_fake_timings(tmp_path):
     assert (again / "bench.md").read_text().replace("Command: `kdagen bench --out x`\n\n", "") == \
         md.replace("Command: `kdagen bench --out x`\n\n", "")
     assert (again / "bench.png").stat().st_size > 10_000
+
+
+def test_report_names_the_tuning_file_and_where_it_comes_from():
+    def said(**over) -> str:
+        line = next(ln for ln in markdown({**fake_results(), **over}, plot=None).splitlines()
+                    if ln.startswith("- tuning file: "))
+        return line[len("- tuning file: "):]
+
+    assert said() == "none (the targets’ constants)"
+    shipped = "/site/kdagen/tuning_data/NVIDIA_H200.json"
+    assert said(tuning_file=shipped) == shipped  # results of a kdagen before tuning_source
+    assert said(tuning_file=shipped, tuning_source=tuning.FROM_SHIPPED) == f"{shipped} (shipped with kdagen)"
+    assert said(tuning_file="/c/tuning/NVIDIA_H200.json", tuning_source=tuning.FROM_CACHE) == \
+        "/c/tuning/NVIDIA_H200.json (the cache's, from `kdagen tune`)"
 
 
 def test_report_without_matplotlib_says_how_to_make_the_plot(tmp_path, monkeypatch):

@@ -52,3 +52,21 @@ def test_every_python_subpackage_of_kdagen_ships():
     for init in sorted((ROOT / "kdagen").rglob("__init__.py")):
         pkg = ".".join(init.parent.relative_to(ROOT).parts)
         assert pkg in st["packages"], f"{pkg} is not shipped: add it to [tool.setuptools] packages in pyproject.toml"
+
+
+def test_shipped_tuning_files_are_package_data_and_valid():
+    """kdagen/tuning_data/*.json ships in the wheel; each file there is a valid tuning file named
+    by the slug of the GPU name it was made on (the name dispatch looks it up by)."""
+    from kdagen import tuning
+
+    st = _pyproject()["tool"]["setuptools"]
+    assert "kdagen.tuning_data" in st["packages"]
+    assert st["package-data"]["kdagen.tuning_data"] == ["*.json"]
+    assert tuning.SHIPPED_DIR == ROOT / "kdagen" / "tuning_data"
+    for f in sorted(tuning.SHIPPED_DIR.iterdir()):
+        if f.name in ("README.md", "__pycache__"):
+            continue
+        assert f.suffix == ".json", f"{f.relative_to(ROOT)} matches no package-data glob of kdagen.tuning_data"
+        t = tuning.load(f)
+        assert f.name == f"{tuning.slug(t.gpu)}.json", f"{f.relative_to(ROOT)} was made on {t.gpu!r}"
+        assert t.rules, f"{f.relative_to(ROOT)} has no rules"

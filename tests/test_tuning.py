@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -75,9 +77,144 @@ def test_round_trip(tmp_path):
 def test_default_location_is_per_gpu_in_the_cache(monkeypatch, tmp_path):
     monkeypatch.setenv("KDAGEN_CACHE_DIR", str(tmp_path / "c"))
     monkeypatch.delenv(tuning.ENV, raising=False)
-    assert tuning.path_for("NVIDIA H200") == tmp_path / "c" / "tuning" / "NVIDIA_H200.json"
+    monkeypatch.setattr(tuning, "SHIPPED_DIR", tmp_path / "shipped")
+    cache = tmp_path / "c" / "tuning" / "NVIDIA_H200.json"
+    # default_path is the cache's file, where `kdagen tune` writes, whether or not it exists
+    assert tuning.default_path("NVIDIA H200") == tuning.write_path("NVIDIA H200") == cache
+    assert tuning.path_for("NVIDIA H200") is None  # nothing written yet, nothing shipped
+    tuning.save(a_tuning(gpu="NVIDIA H200"), cache)
+    assert tuning.lookup("NVIDIA H200") == (cache, tuning.FROM_CACHE)
+    assert tuning.path_for("NVIDIA H200") == cache
     monkeypatch.setenv(tuning.ENV, "off")
-    assert tuning.path_for("NVIDIA H200") is None
+    assert tuning.path_for("NVIDIA H200") is None and tuning.disabled()
+    assert tuning.write_path("NVIDIA H200") == cache  # tune still writes the cache's
+    monkeypatch.setenv(tuning.ENV, str(tmp_path / "mine.json"))
+    assert tuning.write_path("NVIDIA H200") == tmp_path / "mine.json"
+
+
+def test_shipped_files_are_named_by_the_gpu_name_slug(monkeypatch, tmp_path):
+    monkeypatch.setattr(tuning, "SHIPPED_DIR", tmp_path)
+    assert tuning.shipped_path("NVIDIA H200") is None
+    tuning.save(a_tuning(gpu="NVIDIA H200"), tmp_path / "NVIDIA_H200.json")
+    assert tuning.shipped_path("NVIDIA H200") == tmp_path / "NVIDIA_H200.json"
+    assert tuning.shipped_path("NVIDIA H100 80GB HBM3") is None
+
+
+def test_the_package_folder_of_shipped_files():
+    assert tuning.SHIPPED_DIR == Path(tuning.__file__).resolve().parent / "tuning_data"
+    assert tuning.SHIPPED_DIR.is_dir()
+
+
+# distinct settings for T8192 H96, so a call's choice tells which file dispatch read
+# (the defaults there: chunk 16, block_v 32)
+SHIPPED, CACHED, FROM_ENV, DEFAULTS = (64, 16), (16, 64), (64, 32), (16, 32)
+
+
+def whole_range(chunk: int, bv: int, **over) -> Tuning:
+    """A file with one sm80 rule over every regime, setting (chunk, bv)."""
+    return a_tuning(rules=(Rule(target="sm80", tokens_per_seq=(0, math.inf), seq_heads_per_sm=(0, math.inf),
+                                chunk=chunk, block_v=bv),), **over)
+
+
+def choice() -> tuple[int, int]:
+    best = sel.select(SM80, info())
+    return best.chunk, best.block_v
+
+
+@pytest.fixture
+def layers(monkeypatch, tmp_path):
+    """A CUDA device named GPU with 132 SMs, KDAGEN_TUNING unset, the cache and the shipped folder
+    in tmp_path: (the env file, the cache's file, the shipped file of GPU), none written yet."""
+    monkeypatch.setattr(sel, "device_reason", lambda target, device: None)
+    monkeypatch.setattr(sel, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(tuning, "_device_name", lambda index: GPU)
+    monkeypatch.setattr(tuning, "SHIPPED_DIR", tmp_path / "shipped")
+    monkeypatch.setattr(tuning, "_LOGGED", set())
+    monkeypatch.setenv("KDAGEN_CACHE_DIR", str(tmp_path / "c"))
+    monkeypatch.delenv(tuning.ENV, raising=False)
+    tuning.forget()
+    yield (tmp_path / "env.json", tmp_path / "c" / "tuning" / "NVIDIA_Test_GPU.json",
+           tmp_path / "shipped" / "NVIDIA_Test_GPU.json")
+    tuning.forget()
+
+
+def test_lookup_order_env_file_then_cache_then_shipped(layers, monkeypatch):
+    env, cache, shipped = layers
+    assert choice() == DEFAULTS and tuning.lookup(GPU) is None
+    tuning.save(whole_range(*SHIPPED), shipped)
+    assert tuning.lookup(GPU) == (shipped, tuning.FROM_SHIPPED)
+    assert choice() == SHIPPED
+    tuning.save(whole_range(*CACHED), cache)  # the user's own file wins over the shipped one
+    assert tuning.lookup(GPU) == (cache, tuning.FROM_CACHE)
+    assert choice() == CACHED
+    tuning.save(whole_range(*FROM_ENV), env)
+    monkeypatch.setenv(tuning.ENV, str(env))
+    assert tuning.lookup(GPU) == (env, tuning.FROM_ENV)
+    assert choice() == FROM_ENV
+    # KDAGEN_TUNING names the file: one that does not exist means no tuning, not the next layer
+    monkeypatch.setenv(tuning.ENV, str(env.with_name("missing.json")))
+    assert choice() == DEFAULTS
+    monkeypatch.delenv(tuning.ENV)
+    cache.unlink()
+    assert choice() == SHIPPED
+
+
+@pytest.mark.parametrize("off", ["off", "0", "none", "OFF"])
+def test_off_ignores_the_shipped_file_too(layers, monkeypatch, off):
+    _, _, shipped = layers
+    tuning.save(whole_range(*SHIPPED), shipped)
+    assert choice() == SHIPPED
+    monkeypatch.setenv(tuning.ENV, off)
+    assert tuning.lookup(GPU) is None and tuning.for_device(torch.device("cuda", 0)) is None
+    assert choice() == DEFAULTS
+
+
+def test_a_shipped_file_of_another_gpu_name_is_not_read(layers):
+    _, _, shipped = layers
+    other = shipped.with_name("NVIDIA_Other_GPU.json")
+    tuning.save(whole_range(*SHIPPED, gpu="NVIDIA Other GPU"), other)
+    assert tuning.shipped_path(GPU) is None and tuning.lookup(GPU) is None
+    assert choice() == DEFAULTS
+
+
+def test_a_shipped_file_under_the_device_slug_made_on_another_gpu_is_an_error(layers):
+    _, _, shipped = layers
+    # "NVIDIA Test-GPU" would slug differently; "NVIDIA Test  GPU" (two spaces) slugs the same
+    tuning.save(whole_range(*SHIPPED, gpu="NVIDIA Test  GPU"), shipped)
+    with pytest.raises(TuningError, match=f"made on 'NVIDIA Test  GPU'.*{tuning.ENV}=off"):
+        choice()
+
+
+def test_a_shipped_file_of_another_sm_count_is_ignored(layers):
+    _, _, shipped = layers
+    tuning.save(whole_range(*SHIPPED, sm_count=66), shipped)  # e.g. a MIG slice of the GPU measured
+    assert tuning.lookup(GPU) == (shipped, tuning.FROM_SHIPPED)
+    assert tuning.for_device(torch.device("cuda", 0)) is None
+    assert choice() == DEFAULTS
+
+
+def test_debug_log_names_the_file_and_where_it_comes_from_once(layers, caplog, monkeypatch):
+    env, cache, shipped = layers
+    caplog.set_level(logging.DEBUG, logger="kdagen")
+    tuning.save(whole_range(*SHIPPED), shipped)
+    for _ in range(3):
+        assert choice() == SHIPPED
+    said = [r.getMessage() for r in caplog.records if "tuning file" in r.getMessage()]
+    assert said == [f"kdagen: tuning file for {GPU}: {shipped} (shipped with kdagen), 1 rule(s)"]
+    assert all(r.levelno == logging.DEBUG for r in caplog.records if "tuning file" in r.getMessage())
+    caplog.clear()
+    tuning.save(whole_range(*CACHED), cache)
+    choice()
+    choice()
+    said = [r.getMessage() for r in caplog.records if "tuning file" in r.getMessage()]
+    assert said == [f"kdagen: tuning file for {GPU}: {cache} (the cache's, from `kdagen tune`), 1 rule(s)"]
+    caplog.clear()
+    tuning.save(whole_range(*SHIPPED, sm_count=66), env)
+    monkeypatch.setenv(tuning.ENV, str(env))
+    choice()
+    said = [r.getMessage() for r in caplog.records if "tuning file" in r.getMessage()]
+    assert said == [f"kdagen: tuning file for {GPU}: {env} (from {tuning.ENV}), 1 rule(s); ignored: made for "
+                    "66 SMs, the device has 132"]
 
 
 @pytest.mark.parametrize("edit, message", [
