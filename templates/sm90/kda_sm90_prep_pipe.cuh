@@ -15,12 +15,12 @@ namespace kda {
 constexpr int NTG = 128;                 // threads per group
 // KDA_SM90_PIPE_ROLL=1: group A's two phase-1 passes as a loop instead of unrolled (ncu had a quarter
 // of the samples no_instruction). Default at bv128, not in the pair (H200 2026-12-01: bv128 T8192 H96
-// 1.84 -> 1.60 ms, -9..-13% on four rows; the pair +4-5%; phase 0 rolled too: +5% in the pair, and
-// it spilled at bv128).
+// 1.84 -> 1.60 ms, -9..-13% on four rows; the pair's groups A and B +4-5%; phase 0 rolled too: +5% in the pair,
+// and it spilled at bv128). Default with DUAL too (with CW_REGS 24 / DUAL_REGS 144: see CW_REGS).
 #ifdef KDA_SM90_PIPE_ROLL
 constexpr int PIPE_ROLL = KDA_SM90_PIPE_ROLL;
 #else
-constexpr int PIPE_ROLL = NCONS == 2 ? 1 : 0;
+constexpr int PIPE_ROLL = NCONS == 2 || DUAL ? 1 : 0;
 #endif
 static_assert(PIPE_ROLL == 0 || PIPE_ROLL == 1, "KDA_SM90_PIPE_ROLL is 0 or 1");
 constexpr int BAR_PREP_A = 1, BAR_PREP_B = 2;
@@ -29,7 +29,13 @@ static_assert(NTP == 2 * NTG && NMW == 4 && NIN >= 3, "prep pipeline: K = 128, N
 // of chunk j - NIN released it (in_empty: B's phase 2 of a chunk follows group A's phases 0-1 of it, the stage's
 // other reader); global chunks 2 j, 2 j + 1's v into their V stages once the consumers loaded chunk 2 j - NV's
 // (v_empty). Lookahead: NIN local chunks of q, k, g, NV global chunks of v.
-constexpr int CW_REGS = 40;
+#ifdef KDA_SM90_CW_REGS
+constexpr int CW_REGS = KDA_SM90_CW_REGS;
+#else
+// (DUAL: 24, so that each prep group gets 144; H200 2026-12-02, with phase 1 rolled: B4 T4096 H32 and varlen H96
+// -3..-5%, the other rows within noise)
+constexpr int CW_REGS = DUAL ? 24 : 40;
+#endif
 __device__ __forceinline__ void copy_role_pair(const KdaParams& p, const SeqInfo& si, char* base, uint64_t* bars) {
   const int w = (threadIdx.x - NTP) >> 5, lane = threadIdx.x & 31;
   const int nl = nlocal(si);
@@ -267,7 +273,11 @@ static_assert(!REALLOC || NTG * (PREP_A_REGS + PREP_B_REGS) + NTX * CW_REGS + 12
                               NT * LAUNCH_REGS,
               "register budget");
 
-constexpr int DUAL_REGS = 136;
+#ifdef KDA_SM90_DUAL_REGS
+constexpr int DUAL_REGS = KDA_SM90_DUAL_REGS;
+#else
+constexpr int DUAL_REGS = 144;
+#endif
 static_assert(!DUAL || NTP * DUAL_REGS + NTX * CW_REGS + 128 * NCONS * CONS_REGS <= NT * LAUNCH_REGS, "register budget");
 
 __device__ __forceinline__ void prep_role_pipe(const KdaParams& p, const SeqInfo& si, char* base, uint64_t* bars) {
