@@ -67,8 +67,8 @@ def choose_covering(cands: Iterable[Candidate], info: CallInfo) -> tuple[Optiona
             log.debug("kdagen: rejected %s: %s", c.variant.name, why)
         for _, c, _ in fits:
             if c is not best[1]:
-                log.debug("kdagen: passed over %s: %s is preferred (regime rank, target rank, padding, readiness, "
-                          "state, chunk, block_v)", c.variant.name, best[1].variant.name)
+                log.debug("kdagen: passed over %s: %s is preferred (regime rank, target rank, padding, tuned chunk and "
+                          "block_v, readiness, state, chunk, block_v)", c.variant.name, best[1].variant.name)
     if best is None:
         return None, info, rejected
     return best[1], best[2], rejected

@@ -2,9 +2,9 @@
 
 The targets describe themselves (kdagen.targets: device types, minimum compute capability,
 rank); nothing here names a target. Preference, in order: the targets measured fastest in the
-call's regime (the GPU's tuning file), the target's rank, what is ready (built) before what needs
-a build before what must first be generated, then state I/O, chunk size and V-split width (from
-the tuning file where it has a rule for the call's regime, else the targets' constants). Every
+call's regime (the GPU's tuning file), the target's rank, the chunk and V-split the tuning file
+measured fastest in the regime, what is ready (built) before what needs a build before what must
+first be generated, then state I/O, chunk size and V-split width (the targets' constants). Every
 rejection has a reason (logged at KDAGEN_LOGLEVEL=2); a miss raises NoVariantError with Supported
 vs Found and the command that builds a fitting variant.
 """
@@ -138,7 +138,11 @@ def preference(x: Union[Variant, Candidate], c: CallInfo, sms: int) -> tuple:
         bv_rank = (2, v.block_v)
     # kdagen tune ranks the targets it measured in a regime; unranked ones follow them.
     regime_rank = rule.rank if rule is not None and rule.rank is not None else 1 << 20
-    return (regime_rank, rank, _READINESS[cand.readiness], state_rank, chunk_rank, bv_rank, v.name)
+    # A rule's chunk and block_v were measured faster in the regime: they outrank what happens to be built,
+    # so that the choice does not depend on which calls came first (a build takes seconds, once).
+    tuned = (int(rule is not None and rule.chunk is not None and v.chunk != rule.chunk),
+             int(rule is not None and rule.block_v is not None and v.block_v != rule.block_v))
+    return (regime_rank, rank, tuned, _READINESS[cand.readiness], state_rank, chunk_rank, bv_rank, v.name)
 
 
 def rejection(cand: Candidate, c: CallInfo) -> Optional[str]:
@@ -170,8 +174,8 @@ def choose(cands: Iterable[Union[Variant, Candidate]], c: CallInfo) -> tuple[Opt
     if log.isEnabledFor(logging.DEBUG):
         for cand in fits:
             if cand is not best:
-                log.debug("kdagen: passed over %s: %s is preferred (regime rank, target rank, readiness, state, "
-                          "chunk, block_v)", cand.variant.name, best.variant.name)
+                log.debug("kdagen: passed over %s: %s is preferred (regime rank, target rank, tuned chunk and block_v, "
+                          "readiness, state, chunk, block_v)", cand.variant.name, best.variant.name)
     return best, rejected
 
 

@@ -370,6 +370,27 @@ def test_dispatch_prefers_the_target_ranked_first_in_the_regime(gpu):
     assert sel.select(cands, info()).target == "triton"
 
 
+def test_a_rules_setting_beats_a_built_variant_of_another_setting(gpu):
+    """The rule's chunk and block_v outrank readiness: dispatch builds the measured-fastest variant rather than
+    take whichever of the target's variants earlier calls happened to build (the H200 wheel run of session 19
+    kept a built block_v 64 where the shipped file said 128)."""
+    from kdagen.select import GENERATE, NEEDS_BUILD, READY, Candidate
+
+    tuning.save(a_tuning(), gpu)  # T8192 H96: chunk 64, block_v 16
+    built = Candidate(sm80(16, 32), READY)
+    for readiness in (NEEDS_BUILD, GENERATE):
+        cands = [built, Candidate(sm80(64, 16), readiness), Candidate(sm80(64, 32), READY)]
+        best, _ = sel.choose(cands, info())
+        assert (best.variant.chunk, best.variant.block_v, best.readiness) == (64, 16, readiness)
+    # one that cannot be built here is rejected, and the ready ones are ranked as before
+    blocked = Candidate(sm80(64, 16), NEEDS_BUILD, blocked="no nvcc")
+    best, rejected = sel.choose([built, blocked, Candidate(sm80(64, 32), READY)], info())
+    assert (best.variant.chunk, best.variant.block_v) == (64, 32) and rejected == [(blocked, "no nvcc")]
+    # without a rule for the regime, readiness still comes first
+    best, _ = sel.choose([built, Candidate(sm80(16, 64), GENERATE)], info(T=1024, max_len=1024))
+    assert best is built
+
+
 def test_issue16_rows_fall_in_their_own_regimes():
     """B1 T8192 H96, B1 T8192 H64 and B1 T16384 H48 on a 132-SM GPU (H200) get three regimes: their
     fastest targets and V-splits differ (sm80 block_v 32, sm90's CTA pair, sm80 block_v 16 in one process,
