@@ -45,7 +45,11 @@ static_assert(NWP % 4 == 0, "consumer warpgroups must start on a warpgroup bound
 constexpr bool REALLOC = NT > 256;
 constexpr int LAUNCH_REGS = NT == 512 ? 128 : 168;
 constexpr int PREP_REGS = NT == 512 ? 96 : 152;
+#ifdef KDA_SM90_CONS_REGS
+constexpr int CONS_REGS = KDA_SM90_CONS_REGS;
+#else
 constexpr int CONS_REGS = NT == 512 && !PAIR_CW ? 160 : 200;
+#endif
 static_assert(!REALLOC || ((NTP + NTX) * PREP_REGS + 128 * NCONS * CONS_REGS) <= NT * LAUNCH_REGS, "register budget");
 
 // ---- input stage (q, k, g rows of one chunk; bulk-copied) ----
