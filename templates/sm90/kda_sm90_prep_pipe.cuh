@@ -273,6 +273,8 @@ static_assert(!REALLOC || NTG * (PREP_A_REGS + PREP_B_REGS) + NTX * CW_REGS + 12
                               NT * LAUNCH_REGS,
               "register budget");
 
+// DUAL: each group holds the loop invariants of phases 0-1 and 2-5 (at the launch's 128 registers the first build
+// spilled 168 bytes); 144 with the copy warpgroup at 24 fills the register file (256 x 144 + 128 x 24 + 128 x 200).
 #ifdef KDA_SM90_DUAL_REGS
 constexpr int DUAL_REGS = KDA_SM90_DUAL_REGS;
 #else
@@ -282,7 +284,7 @@ static_assert(!DUAL || NTP * DUAL_REGS + NTX * CW_REGS + 128 * NCONS * CONS_REGS
 
 __device__ __forceinline__ void prep_role_pipe(const KdaParams& p, const SeqInfo& si, char* base, uint64_t* bars) {
   // (NTX: the pair's copy warpgroup, threads NTP .. NTP + 127)
-  if constexpr (DUAL) {  // (each group holds phases 0-1's and 2-5's loop invariants: the 2048 spare registers)
+  if constexpr (DUAL) {  // (the groups raise to DUAL_REGS, the copy warpgroup drops to CW_REGS)
     if (threadIdx.x < NTG) {
       sm90::regs_inc<DUAL_REGS>();
       prep_group_dual<0>(p, si, base, bars);
