@@ -90,17 +90,62 @@ __device__ __forceinline__ void group_a_chunk(const KdaParams& p, char* base, in
   }
 }
 
+// What a thread of a group running phases 0-1 keeps across chunks (tid: 0 .. 127 within the group): its row ri
+// (pass pp: ri + 8 pp), columns d .. d + 7, gate column col0 (pass pp: + 64 pp) and that column's gate constants, and
+// beta of its two rows for the group's next chunk.
+struct ARows {
+  int ri, d, half, col0;
+  float aexp, bias0, bias1;
+  uint32_t rb0, rb1;
+};
+__device__ __forceinline__ ARows a_rows(const KdaParams& p, const SeqInfo& si, int tid, int c0) {
+  constexpr int GPR = K / 8;
+  const int lane = tid & 31, warp = tid >> 5;
+  ARows a;
+  a.ri = tid / GPR;
+  a.d = (tid % GPR) * 8;
+  a.half = lane >> 4;
+  a.aexp = gate_aexp(p, si);
+  a.col0 = (lane & 15) + 16 * warp;
+  a.bias0 = gate_bias(p, si, a.col0);
+  a.bias1 = gate_bias(p, si, a.col0 + 16 * 4);
+  a.rb0 = load_beta(p, si, KDA_GCHUNK(si, c0), a.ri);
+  a.rb1 = load_beta(p, si, KDA_GCHUNK(si, c0), a.ri + 8);
+  return a;
+}
+
+// Phases 0-1 of local chunk c with their waits (the scratch set with SCR, the record slot, the inputs) and
+// arrivals (rec_full; scr_full with SCR); beta then loads for chunk c + STEP, the group's next.
+template <int BAR, int STEP, bool SCR>
+__device__ __forceinline__ void group_a_step(const KdaParams& p, const SeqInfo& si, char* base, uint64_t* bars,
+                                             int tid, ARows& a, int c, int rows) {
+  const uint32_t rb0 = a.rb0, rb1 = a.rb1;
+  const int r = c % NREC, h = c & 1;
+  KDA_STAMP(tid == 0, KDA_GCHUNK(si, c), ST_A_WAIT);
+  // The scratch set is free once B finished chunk c - 2 with it.
+  if constexpr (SCR) sm90::mbar_wait(bars + B_SCR_EMPTY + h, ((c >> 1) & 1) ^ 1);
+  // The record slot is free once the consumers finished chunk c - NREC with it; then the inputs.
+  // (in the pair also the peer's consumers, with remote arrivals)
+  sm90::mbar_wait(bars + B_REC_EMPTY + r, ((c / NREC) & 1) ^ 1);
+  sm90::mbar_wait(bars + B_IN_FULL + (c % NIN), (c / NIN) & 1);
+  KDA_STAMP(tid == 0, KDA_GCHUNK(si, c), ST_A_GO);
+  group_a_chunk<BAR>(p, base, c, rows, a.ri, a.d, a.col0, a.half, rb0, rb1, a.aexp, a.bias0, a.bias1);
+  // beta one chunk ahead, loaded here (not at the top) so that it is not live across phase 1
+  a.rb0 = load_beta(p, si, KDA_GCHUNK(si, c + STEP), a.ri);
+  a.rb1 = load_beta(p, si, KDA_GCHUNK(si, c + STEP), a.ri + 8);
+  // Qd, Kr, Gamma_C of the record: visible to the consumers' wgmma (async proxy).
+  sm90::fence_proxy_async();
+  KDA_STAMP(tid == 0, KDA_GCHUNK(si, c), ST_A_DONE);
+  sm90::mbar_arrive(bars + B_REC_FULL + r);
+  if constexpr (SCR) sm90::mbar_arrive(bars + B_SCR_FULL + h);
+}
+
 // Group A (tid: 0 .. 127 within the group; BAR its named barrier).
 template <int BAR>
 __device__ __forceinline__ void prep_group_a(const KdaParams& p, const SeqInfo& si, char* base, uint64_t* bars,
                                              int tid) {
   const int lane = tid & 31, warp = tid >> 5;
-  constexpr int GPR = K / 8;
-  const int ri = tid / GPR, d = (tid % GPR) * 8;  // pass pp: row ri + 8 pp
-  const int half = lane >> 4;
-  const float aexp = gate_aexp(p, si);
-  const int col0 = (lane & 15) + 16 * warp, col1 = col0 + 16 * 4;  // pass pp: warp + 4 pp
-  const float bias0 = gate_bias(p, si, col0), bias1 = gate_bias(p, si, col1);
+  ARows a = a_rows(p, si, tid, 0);
   // Copies: chunk cc needs its input stage released by B's phase 2 of chunk cc - NIN (in_empty)
   // and its V stage by the consumers (v_empty, in issue_chunk_spread).
   auto issue = [&](int cc) {
@@ -120,29 +165,8 @@ __device__ __forceinline__ void prep_group_a(const KdaParams& p, const SeqInfo& 
     for (int cc = 0; cc < 4; ++cc) issue_v<4>(p, si, cc, base, bars, warp, lane);
   }
   // (c: the local chunk, which indexes every ring and scratch set; KDA_GCHUNK(c) the data's chunk)
-  uint32_t rb_next0 = load_beta(p, si, KDA_GCHUNK(si, 0), ri), rb_next1 = load_beta(p, si, KDA_GCHUNK(si, 0), ri + 8);
-
   for (int c = 0; c < nlocal(si); ++c) {
-    const uint32_t rb0 = rb_next0, rb1 = rb_next1;
-    const int rows = min(C, si.len - KDA_GCHUNK(si, c) * C);
-    const int r = c % NREC, h = c & 1;
-    KDA_STAMP(tid == 0, KDA_GCHUNK(si, c), ST_A_WAIT);
-    // The scratch set is free once B finished chunk c - 2 with it.
-    sm90::mbar_wait(bars + B_SCR_EMPTY + h, ((c >> 1) & 1) ^ 1);
-    // The record slot is free once the consumers finished chunk c - NREC with it; then the inputs.
-    // (in the pair also the peer's consumers, with remote arrivals)
-    sm90::mbar_wait(bars + B_REC_EMPTY + r, ((c / NREC) & 1) ^ 1);
-    sm90::mbar_wait(bars + B_IN_FULL + (c % NIN), (c / NIN) & 1);
-    KDA_STAMP(tid == 0, KDA_GCHUNK(si, c), ST_A_GO);
-    group_a_chunk<BAR>(p, base, c, rows, ri, d, col0, half, rb0, rb1, aexp, bias0, bias1);
-    // beta one chunk ahead, loaded here (not at the top) so that it is not live across phase 1
-    rb_next0 = load_beta(p, si, KDA_GCHUNK(si, c + 1), ri);
-    rb_next1 = load_beta(p, si, KDA_GCHUNK(si, c + 1), ri + 8);
-    // Qd, Kr, Gamma_C of the record: visible to the consumers' wgmma (async proxy).
-    sm90::fence_proxy_async();
-    KDA_STAMP(tid == 0, KDA_GCHUNK(si, c), ST_A_DONE);
-    sm90::mbar_arrive(bars + B_REC_FULL + r);
-    sm90::mbar_arrive(bars + B_SCR_FULL + h);
+    group_a_step<BAR, 1, true>(p, si, base, bars, tid, a, c, min(C, si.len - KDA_GCHUNK(si, c) * C));
     // The stage of chunk c - 2 (B's phase 2 of it is done: A waited scr_empty of c - 2's set).
     if constexpr (PIPE_COPIES == 0) issue(c + NIN - 2);
     if constexpr (PAIR && !PAIR_CW) {
@@ -233,27 +257,11 @@ __device__ __forceinline__ void prep_group_b(const KdaParams& p, const SeqInfo& 
 template <int G>
 __device__ __forceinline__ void prep_group_dual(const KdaParams& p, const SeqInfo& si, char* base, uint64_t* bars) {
   constexpr int BAR = 1 + G;
-  const int tid = threadIdx.x - G * NTG, lane = tid & 31, warp = tid >> 5;
-  constexpr int GPR = K / 8;
-  const int ri = tid / GPR, d = (tid % GPR) * 8;
-  const int half = lane >> 4;
-  const float aexp = gate_aexp(p, si);
-  const int col0 = (lane & 15) + 16 * warp;
-  const float bias0 = gate_bias(p, si, col0), bias1 = gate_bias(p, si, col0 + 16 * 4);
-  uint32_t rb_next0 = load_beta(p, si, KDA_GCHUNK(si, G), ri), rb_next1 = load_beta(p, si, KDA_GCHUNK(si, G), ri + 8);
+  const int tid = threadIdx.x - G * NTG;
+  ARows a = a_rows(p, si, tid, G);
   for (int c = G; c < nlocal(si); c += 2) {
-    const uint32_t rb0 = rb_next0, rb1 = rb_next1;
     const int rows = min(C, si.len - KDA_GCHUNK(si, c) * C);
-    KDA_STAMP(tid == 0, KDA_GCHUNK(si, c), ST_A_WAIT);
-    sm90::mbar_wait(bars + B_REC_EMPTY + c % NREC, ((c / NREC) & 1) ^ 1);
-    sm90::mbar_wait(bars + B_IN_FULL + (c % NIN), (c / NIN) & 1);
-    KDA_STAMP(tid == 0, KDA_GCHUNK(si, c), ST_A_GO);
-    group_a_chunk<BAR>(p, base, c, rows, ri, d, col0, half, rb0, rb1, aexp, bias0, bias1);
-    rb_next0 = load_beta(p, si, KDA_GCHUNK(si, c + 2), ri);
-    rb_next1 = load_beta(p, si, KDA_GCHUNK(si, c + 2), ri + 8);
-    sm90::fence_proxy_async();
-    KDA_STAMP(tid == 0, KDA_GCHUNK(si, c), ST_A_DONE);
-    sm90::mbar_arrive(bars + B_REC_FULL + c % NREC);
+    group_a_step<BAR, 2, false>(p, si, base, bars, tid, a, c, rows);
     sm90::named_sync<BAR, NTG>();  // phase 1's scratch and record rows, read by other warps in phase 2
     KDA_STAMP(tid == 0, KDA_GCHUNK(si, c), ST_B_WAIT);
     KDA_STAMP(tid == 0, KDA_GCHUNK(si, c), ST_B_GO);
