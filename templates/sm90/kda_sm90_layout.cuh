@@ -137,13 +137,19 @@ static_assert(R_W == R_QD + C * K * 2 && R_KR == R_W + C * K * 2, "YO: the [2C][
 // OHL (K = 64, `KDA_SM90_OHL=0` turns it off): the o product takes S in hi + lo bf16 (K/16 more m64n16k16, off
 // the step's chain). K = 64 has half the terms per output to average bf16(S)'s rounding over: rel RMSE of o at
 // g = -8 4.02e-3 on the H200 (sm80 4.9e-3), over issue 16's 4e-3; 3.92e-3 -> 3.58e-3 in the emulation.
-// KDA_SM90_DEFER_O (default 0 while measured): the consumers leave chunk c's o products in flight, convert the
-// new S for chunk c + 1 at once, and release chunk c's record and store its o while chunk c + 1's first products
-// run, so the slot release and o store (~400 cycles of the pair's ~1900-cycle step, stamps) leave the S chain.
-#if defined(KDA_SM90_DEFER_O) && KDA_SM90_DEFER_O
-constexpr bool DEFER_O = true;
+// KDA_SM90_LATE_OST, KDA_SM90_LATE_DECAY (default 0 while measured): the consumers store chunk c's o (LATE_OST), and
+// apply Gamma_C to S (LATE_DECAY), behind chunk c + 1's first products instead of on the S chain. (Deferring chunk
+// c's o products and slot release as well, H200 2026-12-02: the pair +11%, its prep groups waiting ~3x longer for
+// slots.)
+#if defined(KDA_SM90_LATE_OST) && KDA_SM90_LATE_OST
+constexpr bool LATE_OST = true;
 #else
-constexpr bool DEFER_O = false;
+constexpr bool LATE_OST = false;
+#endif
+#if defined(KDA_SM90_LATE_DECAY) && KDA_SM90_LATE_DECAY
+constexpr bool LATE_DECAY = true;
+#else
+constexpr bool LATE_DECAY = false;
 #endif
 #if !defined(KDA_SM90_OHL) || KDA_SM90_OHL
 constexpr bool OHL = K == 64;

@@ -171,14 +171,13 @@ __device__ __forceinline__ void consumer_role(const KdaParams& p, const SeqInfo&
   };
   // o^T of chunk c (V rows vr0, vr0 + 8; time steps 8 nt + 2 t4 (+ 1)): matrix 2 nt + hv is V rows 8 hv .. of
   // time steps 8 nt ..; rows past the end are not stored. (The syncwarps order the tile's reuse.)
-  auto store_o = [&](const float (&ao)[8], int c, int rows) {
+  auto store_o = [&](const uint32_t (&op)[4], int c, int rows) {
     // (shared addresses from the record's: a generic tile pointer moved the wgmma descriptors out
     // of the uniform registers, 116 more instructions per step in the pair)
     const uint32_t ost = r0 - SM_REC + SM_OST + (4 * cw + w) * OST_BYTES;
     const int sm_t = 8 * (lane >> 4) + (lane & 7);  // stmatrix: row lane % 8 of matrix lane / 8
     __syncwarp();
-    sm90::stsm_x4_t(ost + sm_t * 32 + ((((lane >> 3) & 1) ^ ((sm_t >> 2) & 1)) * 16), pack_in(ao[0], ao[1]),
-                    pack_in(ao[2], ao[3]), pack_in(ao[4], ao[5]), pack_in(ao[6], ao[7]));
+    sm90::stsm_x4_t(ost + sm_t * 32 + ((((lane >> 3) & 1) ^ ((sm_t >> 2) & 1)) * 16), op[0], op[1], op[2], op[3]);
     __syncwarp();
     const uint4 ov = sm90::lds128(ost + ot * 32 + ((oh ^ ((ot >> 2) & 1)) * 16));
     if (ot < rows)
@@ -204,25 +203,11 @@ __device__ __forceinline__ void consumer_role(const KdaParams& p, const SeqInfo&
     }
   };
 
-  // o^T (m64n16: 8 per thread) and U^T as bf16 A fragments, high and low parts. DEFER_O: chunk c's last o
-  // products (o^T += U^T Mqk^T) are issued at the start of step c + 1, ahead of its first products, and chunk c's
-  // slot release and o store run while those are in flight; no wgmma group stays pending across steps.
-  float ao_d[8];
-  uint32_t ua_d[4], ul_d[4];
-  int pend_c = -1, pend_r = 0, pend_rows = 0;
-  bool pend_own = false;
-  uint64_t pend_so = 0;
-  auto o_tail = [&](float (&ao)[8], const uint32_t (&ua)[4], const uint32_t (&ul)[4], uint64_t so_) {  // o^T += U^T Mqk^T (hi hi + hi lo + lo hi) of the record at slot offset so_
-    sm90::wgmma_m64n16_rs<1>(ao, ua, dMq0 + so_, true);
-    sm90::wgmma_m64n16_rs<1>(ao, ua, dMl0 + so_, true);
-    sm90::wgmma_m64n16_rs<1>(ao, ul, dMq0 + so_, true);
-  };
-  // DEFER_O: after the wait that completes the pending chunk's o products (none before the first step)
+  // LATE_OST: chunk c's o^T (packed) is stored to global memory while chunk c + 1's first products run.
+  uint32_t op_d[4];
+  int pend_c = -1, pend_rows = 0;
   auto flush_o = [&]() {
-    if (pend_c >= 0) {
-      release(pend_own, pend_r);
-      store_o(ao_d, pend_c, pend_rows);
-    }
+    if (pend_c >= 0) store_o(op_d, pend_c, pend_rows);
   };
 
   // One chunk: its record in slot r (own ring, or the pair's peer ring), completed in phase ph & 1.
@@ -252,30 +237,22 @@ __device__ __forceinline__ void consumer_role(const KdaParams& p, const SeqInfo&
     KDA_STAMP(tid == 0 && cw == 0, c, ST_C_GO);
     const char* rec = base + SM_REC + slot * REC_BYTES;
     const uint64_t so = (uint64_t)(slot * (REC_BYTES >> 4));  // the slot, in descriptor units
-#if !KDA_SM90_LATE_DECAY
-    decay(rec);
-#endif
-    const uint64_t dAH = dAH0 + so, dAL = dAL0 + so, dKr = dKr0 + so;
-
-    // U^T accumulator (m64n16: 8 per thread; its first product overwrites it, as o^T's does: scale-d = 0)
-    float au[8];
-    // (the default keeps o^T and U^T local to the step)
-    float ao_l[8];
-    uint32_t ua_l[4], ul_l[4];
-    float (&ao)[8] = DEFER_O ? ao_d : ao_l;
-    uint32_t (&ua)[4] = DEFER_O ? ua_d : ua_l;
-    uint32_t (&ul)[4] = DEFER_O ? ul_d : ul_l;
-    if constexpr (DEFER_O) {
-      // The pending chunk's o products, as one group ahead of this step's. Before the first step they run on
-      // zero U fragments and this record (finite bf16), into an o^T the step overwrites: no branch around wgmma.
-      if (pend_c < 0) {
-#pragma unroll
-        for (int q = 0; q < 4; ++q) ua[q] = ul[q] = 0u;
-        pend_so = so;
+    // Behind the step's first products: LATE_OST's store of the previous chunk's o; LATE_DECAY's S *= Gamma_C, after
+    // a wait that returns at once (one group pending) but tells ptxas that no earlier group writes S (without it,
+    // ptxas injects a full wait before the decay: C7517).
+    auto late_work = [&]() {
+      if constexpr (LATE_OST) flush_o();
+      if constexpr (LATE_DECAY) {
+        sm90::wgmma_wait<1>();
+        decay(rec);
       }
-      sm90::reg_fence(ua);
-      sm90::reg_fence(ul);
-    }
+    };
+    if constexpr (!LATE_DECAY) decay(rec);
+    const uint64_t dAH = dAH0 + so, dAL = dAL0 + so, dMq = dMq0 + so, dMl = dMl0 + so, dKr = dKr0 + so;
+
+    // U^T and o^T accumulators (m64n16: 8 per thread), local to the step (the first product of
+    // each overwrites them: scale-d = 0).
+    float au[8], ao[8];
     sm90::reg_fence(s);
     sm90::reg_fence(sa);
     if constexpr (OHL) sm90::reg_fence(sl);
@@ -284,22 +261,11 @@ __device__ __forceinline__ void consumer_role(const KdaParams& p, const SeqInfo&
       // [Y^T | o^T] = [v^T | 0] + S [-Kg; Qd]^T
       float ay[16];
       sm90::wgmma_fence();
-      if constexpr (DEFER_O) {
-        o_tail(ao, ua, ul, pend_so);
-        sm90::wgmma_commit();
-      }
 #pragma unroll
       for (int ks = 0; ks < K / 16; ++ks) sm90::wgmma_m64n32_rs(ay, sa[ks], dQd0 + so + kstep2(ks), ks > 0);
       sm90::wgmma_commit();
       if constexpr (CONS_COPIES) issue_chunk_spread<4 * NCONS>(p, si, c + NIN, base, bars, wi, lane);
-      if constexpr (DEFER_O) {
-        sm90::wgmma_wait<1>();
-        sm90::reg_fence(ao);
-        flush_o();
-      }
-#if KDA_SM90_LATE_DECAY
-      decay(rec);
-#endif
+      late_work();
       sm90::wgmma_wait<0>();
       sm90::reg_fence(ay);
       // + v^T (its bf16 pairs in A-fragment order are the accumulator's). (v^T as the accumulator's start
@@ -314,10 +280,6 @@ __device__ __forceinline__ void consumer_role(const KdaParams& p, const SeqInfo&
       for (int e = 0; e < 8; ++e) ao[e] = ay[8 + e];
     } else {
       sm90::wgmma_fence();
-      if constexpr (DEFER_O) {
-        o_tail(ao, ua, ul, pend_so);
-        sm90::wgmma_commit();
-      }
       if constexpr (UKG) {
         // Y^T = v^T I - S Kg^T (the W slot holds Kg); U^T = Y^T A^T after the wait below
         sm90::wgmma_m64n16_rs<1>(au, va, dI, false);
@@ -329,12 +291,8 @@ __device__ __forceinline__ void consumer_role(const KdaParams& p, const SeqInfo&
 #pragma unroll
       for (int ks = 0; ks < K / 16; ++ks) sm90::wgmma_m64n16_rs<-1>(au, sa[ks], dW0 + so + kstep(ks), true);
       sm90::wgmma_commit();
-      if constexpr (DEFER_O) {  // the pending o products (committed before U) are done; o^T is free
-        sm90::wgmma_wait<1>();
-        sm90::reg_fence(ao);
-        flush_o();
-        sm90::wgmma_fence();
-      }
+      late_work();  // (one group pending: before the o products)
+      if constexpr (LATE_DECAY) sm90::wgmma_fence();
       // o^T = S Qd^T (off the chain: issued behind U, waited for at the end of the step)
 #pragma unroll
       for (int ks = 0; ks < K / 16; ++ks) sm90::wgmma_m64n16_rs<1>(ao, sa[ks], dQd0 + so + kstep(ks), ks > 0);
@@ -343,9 +301,6 @@ __device__ __forceinline__ void consumer_role(const KdaParams& p, const SeqInfo&
         for (int ks = 0; ks < K / 16; ++ks) sm90::wgmma_m64n16_rs<1>(ao, sl[ks], dQd0 + so + kstep(ks), true);
       }
       sm90::wgmma_commit();
-#if KDA_SM90_LATE_DECAY
-      decay(rec);
-#endif
       if constexpr (CONS_COPIES) issue_chunk_spread<4 * NCONS>(p, si, c + NIN, base, bars, wi, lane);
       sm90::wgmma_wait<1>();
       sm90::reg_fence(au);
@@ -365,30 +320,29 @@ __device__ __forceinline__ void consumer_role(const KdaParams& p, const SeqInfo&
     }
     // U^T as bf16 A fragments, high and low parts (the low part only feeds o: rel RMSE of o
     // 2.6e-3 -> 1.9e-3 in the emulation, for one m64n16k16).
+    uint32_t ua[4], ul[4];
     acc16_split(au, ua, ul);
     sm90::reg_fence(ua);
     sm90::reg_fence(ul);
     sm90::wgmma_fence();
     // S = S diag(Gamma_C) + U^T Kr;  o^T += U^T Mqk^T (hi hi + hi lo + lo hi)
     sm90::wgmma_m64nN_rs_tb<K>(s, ua, dKr);
-    if constexpr (DEFER_O) {
-      sm90::wgmma_commit();
-      sm90::wgmma_wait<0>();
-      sm90::reg_fence(s);
-      sm90::reg_fence(ao);
-      sm90::reg_fence(ua);
-      sm90::reg_fence(ul);
-      KDA_STAMP(tid == 0 && cw == 0, c, ST_C_DONE);
-      pend_c = c, pend_own = own, pend_r = r, pend_rows = rows, pend_so = so;
+    sm90::wgmma_m64n16_rs<1>(ao, ua, dMq, true);
+    sm90::wgmma_m64n16_rs<1>(ao, ua, dMl, true);
+    sm90::wgmma_m64n16_rs<1>(ao, ul, dMq, true);
+    sm90::wgmma_commit();
+    sm90::wgmma_wait<0>();
+    sm90::reg_fence(s);
+    sm90::reg_fence(ao);
+    KDA_STAMP(tid == 0 && cw == 0, c, ST_C_DONE);
+    release(own, r);
+    const uint32_t op[4] = {pack_in(ao[0], ao[1]), pack_in(ao[2], ao[3]), pack_in(ao[4], ao[5]), pack_in(ao[6], ao[7])};
+    if constexpr (LATE_OST) {
+#pragma unroll
+      for (int q = 0; q < 4; ++q) op_d[q] = op[q];
+      pend_c = c, pend_rows = rows;
     } else {
-      o_tail(ao, ua, ul, so);
-      sm90::wgmma_commit();
-      sm90::wgmma_wait<0>();
-      sm90::reg_fence(s);
-      sm90::reg_fence(ao);
-      KDA_STAMP(tid == 0 && cw == 0, c, ST_C_DONE);
-      release(own, r);
-      store_o(ao, c, rows);
+      store_o(op, c, rows);
     }
   };
 
@@ -398,16 +352,7 @@ __device__ __forceinline__ void consumer_role(const KdaParams& p, const SeqInfo&
     const int j = PAIR ? c >> 1 : c;
     step16(c, own, j % NREC, (j / NREC) & 1);
   }
-  if constexpr (DEFER_O) {
-    if (pend_c >= 0) {
-      sm90::wgmma_fence();
-      o_tail(ao_d, ua_d, ul_d, pend_so);
-      sm90::wgmma_commit();
-      sm90::wgmma_wait<0>();
-      sm90::reg_fence(ao_d);
-      flush_o();
-    }
-  }
+  if constexpr (LATE_OST) flush_o();
 #if KDA_STATE != 0
   if (p.ht) store_state((state_t*)p.ht + st_off, s, vr0, t4, kv);
 #endif
