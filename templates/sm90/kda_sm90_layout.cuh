@@ -45,12 +45,7 @@ static_assert(NWP % 4 == 0, "consumer warpgroups must start on a warpgroup bound
 constexpr bool REALLOC = NT > 256;
 constexpr int LAUNCH_REGS = NT == 512 ? 128 : 168;
 constexpr int PREP_REGS = NT == 512 ? 96 : 152;
-#ifdef KDA_SM90_CONS_REGS
-constexpr int CONS_REGS = KDA_SM90_CONS_REGS;
-#else
-constexpr int CONS_REGS = NT == 512 && !PAIR_CW ? 160 : 200;
-#endif
-static_assert(!REALLOC || ((NTP + NTX) * PREP_REGS + 128 * NCONS * CONS_REGS) <= NT * LAUNCH_REGS, "register budget");
+// (CONS_REGS, the consumers' registers, follows DUAL below)
 
 // ---- input stage (q, k, g rows of one chunk; bulk-copied) ----
 constexpr int QROW = K * 2;            // bytes of a q / k row
@@ -137,17 +132,20 @@ static_assert(R_W == R_QD + C * K * 2 && R_KR == R_W + C * K * 2, "YO: the [2C][
 // OHL (K = 64, `KDA_SM90_OHL=0` turns it off): the o product takes S in hi + lo bf16 (K/16 more m64n16k16, off
 // the step's chain). K = 64 has half the terms per output to average bf16(S)'s rounding over: rel RMSE of o at
 // g = -8 4.02e-3 on the H200 (sm80 4.9e-3), over issue 16's 4e-3; 3.92e-3 -> 3.58e-3 in the emulation.
-// KDA_SM90_LATE_OST, KDA_SM90_LATE_DECAY (default 0 while measured): the consumers store chunk c's o (LATE_OST), and
-// apply Gamma_C to S (LATE_DECAY), behind chunk c + 1's first products instead of on the S chain. (Deferring chunk
-// c's o products and slot release as well, H200 2026-12-02: the pair +11%, its prep groups waiting ~3x longer for
-// slots.)
-#if defined(KDA_SM90_LATE_OST) && KDA_SM90_LATE_OST
-constexpr bool LATE_OST = true;
+// The consumers' registers (setmaxnreg.inc). DUAL: 184, so that the prep groups get 152 (kda_sm90_prep_pipe.cuh);
+// H200 2026-12-02 with LATE_DECAY, same run: -2..-5% on the pair's rows against 200 / 144.
+#ifdef KDA_SM90_CONS_REGS
+constexpr int CONS_REGS = KDA_SM90_CONS_REGS;
 #else
-constexpr bool LATE_OST = false;
+constexpr int CONS_REGS = DUAL ? 184 : NT == 512 && !PAIR_CW ? 160 : 200;
 #endif
-#if defined(KDA_SM90_LATE_DECAY) && KDA_SM90_LATE_DECAY
-constexpr bool LATE_DECAY = true;
+static_assert(!REALLOC || ((NTP + NTX) * PREP_REGS + 128 * NCONS * CONS_REGS) <= NT * LAUNCH_REGS, "register budget");
+// KDA_SM90_LATE_DECAY (default with YO; =0 for the decay before the products): the consumers apply Gamma_C to S
+// while the step's first products run ([Y^T | o^T] reads bf16(S) of the chunk start), not ahead of them. bv128 and
+// K = 64 measured flat. (Storing o there too, or deferring a chunk's last o products and its slot release into the
+// next step, made the pair 3-12% slower, H200 2026-12-02: the prep groups waited longer for slots.)
+#if !defined(KDA_SM90_LATE_DECAY) || KDA_SM90_LATE_DECAY
+constexpr bool LATE_DECAY = YO;
 #else
 constexpr bool LATE_DECAY = false;
 #endif

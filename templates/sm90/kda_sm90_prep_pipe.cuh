@@ -282,11 +282,12 @@ static_assert(!REALLOC || NTG * (PREP_A_REGS + PREP_B_REGS) + NTX * CW_REGS + 12
               "register budget");
 
 // DUAL: each group holds the loop invariants of phases 0-1 and 2-5 (at the launch's 128 registers the first build
-// spilled 168 bytes); 144 with the copy warpgroup at 24 fills the register file (256 x 144 + 128 x 24 + 128 x 200).
+// spilled 168 bytes); 152 with the copy warpgroup at 24 and the consumers at 184 fills the register file
+// (256 x 152 + 128 x 24 + 128 x 184; 144 with consumers at 200 measured 2-5% slower).
 #ifdef KDA_SM90_DUAL_REGS
 constexpr int DUAL_REGS = KDA_SM90_DUAL_REGS;
 #else
-constexpr int DUAL_REGS = 144;
+constexpr int DUAL_REGS = CONS_REGS == 200 ? 144 : 152;
 #endif
 static_assert(!DUAL || NTP * DUAL_REGS + NTX * CW_REGS + 128 * NCONS * CONS_REGS <= NT * LAUNCH_REGS, "register budget");
 

@@ -171,13 +171,14 @@ __device__ __forceinline__ void consumer_role(const KdaParams& p, const SeqInfo&
   };
   // o^T of chunk c (V rows vr0, vr0 + 8; time steps 8 nt + 2 t4 (+ 1)): matrix 2 nt + hv is V rows 8 hv .. of
   // time steps 8 nt ..; rows past the end are not stored. (The syncwarps order the tile's reuse.)
-  auto store_o = [&](const uint32_t (&op)[4], int c, int rows) {
+  auto store_o = [&](const float (&ao)[8], int c, int rows) {
     // (shared addresses from the record's: a generic tile pointer moved the wgmma descriptors out
     // of the uniform registers, 116 more instructions per step in the pair)
     const uint32_t ost = r0 - SM_REC + SM_OST + (4 * cw + w) * OST_BYTES;
     const int sm_t = 8 * (lane >> 4) + (lane & 7);  // stmatrix: row lane % 8 of matrix lane / 8
     __syncwarp();
-    sm90::stsm_x4_t(ost + sm_t * 32 + ((((lane >> 3) & 1) ^ ((sm_t >> 2) & 1)) * 16), op[0], op[1], op[2], op[3]);
+    sm90::stsm_x4_t(ost + sm_t * 32 + ((((lane >> 3) & 1) ^ ((sm_t >> 2) & 1)) * 16), pack_in(ao[0], ao[1]),
+                    pack_in(ao[2], ao[3]), pack_in(ao[4], ao[5]), pack_in(ao[6], ao[7]));
     __syncwarp();
     const uint4 ov = sm90::lds128(ost + ot * 32 + ((oh ^ ((ot >> 2) & 1)) * 16));
     if (ot < rows)
@@ -201,13 +202,6 @@ __device__ __forceinline__ void consumer_role(const KdaParams& p, const SeqInfo&
       const float2 g = *reinterpret_cast<const float2*>(gm + 8 * nt + 2 * t4);
       s[nt][0] *= g.x; s[nt][1] *= g.y; s[nt][2] *= g.x; s[nt][3] *= g.y;
     }
-  };
-
-  // LATE_OST: chunk c's o^T (packed) is stored to global memory while chunk c + 1's first products run.
-  uint32_t op_d[4];
-  int pend_c = -1, pend_rows = 0;
-  auto flush_o = [&]() {
-    if (pend_c >= 0) store_o(op_d, pend_c, pend_rows);
   };
 
   // One chunk: its record in slot r (own ring, or the pair's peer ring), completed in phase ph & 1.
@@ -237,11 +231,9 @@ __device__ __forceinline__ void consumer_role(const KdaParams& p, const SeqInfo&
     KDA_STAMP(tid == 0 && cw == 0, c, ST_C_GO);
     const char* rec = base + SM_REC + slot * REC_BYTES;
     const uint64_t so = (uint64_t)(slot * (REC_BYTES >> 4));  // the slot, in descriptor units
-    // Behind the step's first products: LATE_OST's store of the previous chunk's o; LATE_DECAY's S *= Gamma_C, after
-    // a wait that returns at once (one group pending) but tells ptxas that no earlier group writes S (without it,
-    // ptxas injects a full wait before the decay: C7517).
-    auto late_work = [&]() {
-      if constexpr (LATE_OST) flush_o();
+    // LATE_DECAY, behind the step's first products: S *= Gamma_C after a wait that returns at once (one group
+    // pending) but tells ptxas that no earlier group writes S (without it ptxas injects a full wait there: C7517).
+    auto late_decay = [&]() {
       if constexpr (LATE_DECAY) {
         sm90::wgmma_wait<1>();
         decay(rec);
@@ -265,7 +257,7 @@ __device__ __forceinline__ void consumer_role(const KdaParams& p, const SeqInfo&
       for (int ks = 0; ks < K / 16; ++ks) sm90::wgmma_m64n32_rs(ay, sa[ks], dQd0 + so + kstep2(ks), ks > 0);
       sm90::wgmma_commit();
       if constexpr (CONS_COPIES) issue_chunk_spread<4 * NCONS>(p, si, c + NIN, base, bars, wi, lane);
-      late_work();
+      late_decay();
       sm90::wgmma_wait<0>();
       sm90::reg_fence(ay);
       // + v^T (its bf16 pairs in A-fragment order are the accumulator's). (v^T as the accumulator's start
@@ -291,8 +283,10 @@ __device__ __forceinline__ void consumer_role(const KdaParams& p, const SeqInfo&
 #pragma unroll
       for (int ks = 0; ks < K / 16; ++ks) sm90::wgmma_m64n16_rs<-1>(au, sa[ks], dW0 + so + kstep(ks), true);
       sm90::wgmma_commit();
-      late_work();  // (one group pending: before the o products)
-      if constexpr (LATE_DECAY) sm90::wgmma_fence();
+      if constexpr (LATE_DECAY) {  // (one group pending: before the o products)
+        late_decay();
+        sm90::wgmma_fence();
+      }
       // o^T = S Qd^T (off the chain: issued behind U, waited for at the end of the step)
 #pragma unroll
       for (int ks = 0; ks < K / 16; ++ks) sm90::wgmma_m64n16_rs<1>(ao, sa[ks], dQd0 + so + kstep(ks), ks > 0);
@@ -336,14 +330,7 @@ __device__ __forceinline__ void consumer_role(const KdaParams& p, const SeqInfo&
     sm90::reg_fence(ao);
     KDA_STAMP(tid == 0 && cw == 0, c, ST_C_DONE);
     release(own, r);
-    const uint32_t op[4] = {pack_in(ao[0], ao[1]), pack_in(ao[2], ao[3]), pack_in(ao[4], ao[5]), pack_in(ao[6], ao[7])};
-    if constexpr (LATE_OST) {
-#pragma unroll
-      for (int q = 0; q < 4; ++q) op_d[q] = op[q];
-      pend_c = c, pend_rows = rows;
-    } else {
-      store_o(op, c, rows);
-    }
+    store_o(ao, c, rows);
   };
 
   for (int c = 0; c < si.nc; ++c) {
@@ -352,7 +339,6 @@ __device__ __forceinline__ void consumer_role(const KdaParams& p, const SeqInfo&
     const int j = PAIR ? c >> 1 : c;
     step16(c, own, j % NREC, (j / NREC) & 1);
   }
-  if constexpr (LATE_OST) flush_o();
 #if KDA_STATE != 0
   if (p.ht) store_state((state_t*)p.ht + st_off, s, vr0, t4, kv);
 #endif
