@@ -149,6 +149,13 @@ constexpr bool LATE_DECAY = YO;
 #else
 constexpr bool LATE_DECAY = false;
 #endif
+// KDA_SM90_CW_SLEEP_NS (default 0 while measured): the pair's copy warpgroup waits for free stages with try_wait's
+// suspend-time hint (ns) instead of polling.
+#ifdef KDA_SM90_CW_SLEEP_NS
+constexpr uint32_t CW_SLEEP_NS = KDA_SM90_CW_SLEEP_NS;
+#else
+constexpr uint32_t CW_SLEEP_NS = 0;
+#endif
 #if !defined(KDA_SM90_OHL) || KDA_SM90_OHL
 constexpr bool OHL = K == 64;
 #else

@@ -143,14 +143,15 @@ __device__ __forceinline__ void issue_qkg(const KdaParams& p, const SeqInfo& si,
     sm90::bulk_g2s(rc.dst, rc.src, rc.bytes, in_full);
   }
 }
-template <int NW>
+template <int NW, bool SLEEP = false>
 __device__ __forceinline__ void issue_v(const KdaParams& p, const SeqInfo& si, int cc, char* base, uint64_t* bars,
                                         int w, int lane) {
   if (cc >= si.nc) return;
   const int vs = cc % NV;
   const int rows = min(C, si.len - cc * C);
   uint64_t* v_full = bars + B_V_FULL + vs;
-  sm90::mbar_wait(bars + B_V_EMPTY + vs, ((cc / NV) & 1) ^ 1);
+  if constexpr (SLEEP) sm90::mbar_wait_sleep(bars + B_V_EMPTY + vs, ((cc / NV) & 1) ^ 1, CW_SLEEP_NS);
+  else sm90::mbar_wait(bars + B_V_EMPTY + vs, ((cc / NV) & 1) ^ 1);
   if (w == 0 && lane == 0) sm90::mbar_arrive_expect_tx(v_full, (uint32_t)rows * (BV * 2));
   const int row = w + NW * lane;
   if (row < rows) {
@@ -324,7 +325,12 @@ __device__ __forceinline__ void prep_phase1(const KdaParams& p, char* base, int 
     *reinterpret_cast<uint4*>(sAK + ri * KB1 + d) = make_uint4(pk[0], pk[1], pk[2], pk[3]);
     *reinterpret_cast<uint4*>(sAQ + ri * KB1 + d) = make_uint4(pq[0], pq[1], pq[2], pq[3]);
   }
+#if KDA_SM90_STS_BK
+  // (as one STS.128: through a bf16 pointer the compiler split it into four 4-byte stores, each 4-way bank-conflicted)
+  sm90::sts128(sm90::saddr(sBK + ri * KB1 + d), make_uint4(pb[0], pb[1], pb[2], pb[3]));
+#else
   *reinterpret_cast<uint4*>(sBK + ri * KB1 + d) = make_uint4(pb[0], pb[1], pb[2], pb[3]);
+#endif
   if constexpr (YO) {  // -Kg (sign bits flipped) in rows 0 .. C-1 of the [2C][K] tile of -Kg and Qd
     constexpr uint32_t ng = 0x80008000u;
     *reinterpret_cast<uint4*>(rec + sm90::sw128_k<2 * C>(ri, d)) = make_uint4(pk[0] ^ ng, pk[1] ^ ng, pk[2] ^ ng, pk[3] ^ ng);
