@@ -129,11 +129,8 @@ constexpr bool YO = UKG && PAIR;
 constexpr bool YO = false;
 #endif
 static_assert(R_W == R_QD + C * K * 2 && R_KR == R_W + C * K * 2, "YO: the [2C][K] tile takes the Qd and W slots");
-// OHL (K = 64, `KDA_SM90_OHL=0` turns it off): the o product takes S in hi + lo bf16 (K/16 more m64n16k16, off
-// the step's chain). K = 64 has half the terms per output to average bf16(S)'s rounding over: rel RMSE of o at
-// g = -8 4.02e-3 on the H200 (sm80 4.9e-3), over issue 16's 4e-3; 3.92e-3 -> 3.58e-3 in the emulation.
 // The consumers' registers (setmaxnreg.inc). DUAL: 184, so that the prep groups get 152 (kda_sm90_prep_pipe.cuh);
-// H200 2026-12-02 with LATE_DECAY, same run: -2..-5% on the pair's rows against 200 / 144.
+// with LATE_DECAY, H200 2026-12-02: -2..-3% on every pair row against 200 / 144 without it (three interleaved passes).
 #ifdef KDA_SM90_CONS_REGS
 constexpr int CONS_REGS = KDA_SM90_CONS_REGS;
 #else
@@ -156,6 +153,9 @@ constexpr uint32_t CW_SLEEP_NS = KDA_SM90_CW_SLEEP_NS;
 #else
 constexpr uint32_t CW_SLEEP_NS = 0;
 #endif
+// OHL (K = 64, `KDA_SM90_OHL=0` turns it off): the o product takes S in hi + lo bf16 (K/16 more m64n16k16, off
+// the step's chain). K = 64 has half the terms per output to average bf16(S)'s rounding over: rel RMSE of o at
+// g = -8 4.02e-3 on the H200 (sm80 4.9e-3), over issue 16's 4e-3; 3.92e-3 -> 3.58e-3 in the emulation.
 #if !defined(KDA_SM90_OHL) || KDA_SM90_OHL
 constexpr bool OHL = K == 64;
 #else
