@@ -146,12 +146,13 @@ constexpr bool LATE_DECAY = YO;
 #else
 constexpr bool LATE_DECAY = false;
 #endif
-// KDA_SM90_CW_SLEEP_NS (default 0 while measured): the pair's copy warpgroup waits for free stages with try_wait's
-// suspend-time hint (ns) instead of polling.
+// KDA_SM90_CW_SLEEP_NS (the pair's copy warpgroup; default 500, 0 to poll): it waits for free stages with try_wait's
+// suspend-time hint (ns), so its ~24 polls per wait (ncu, H200 2026-12-02: ~5% of the kernel's instructions) leave the
+// schedulers to the prep and consumer warps.
 #ifdef KDA_SM90_CW_SLEEP_NS
 constexpr uint32_t CW_SLEEP_NS = KDA_SM90_CW_SLEEP_NS;
 #else
-constexpr uint32_t CW_SLEEP_NS = 0;
+constexpr uint32_t CW_SLEEP_NS = 500;
 #endif
 // OHL (K = 64, `KDA_SM90_OHL=0` turns it off): the o product takes S in hi + lo bf16 (K/16 more m64n16k16, off
 // the step's chain). K = 64 has half the terms per output to average bf16(S)'s rounding over: rel RMSE of o at

@@ -299,7 +299,7 @@ __device__ __forceinline__ void prep_phase0(const KdaParams& p, char* base, int 
 __device__ __forceinline__ void prep_gate_row(const char* base, int c, int r, int d, float (&G)[8]) {
   const float* sG = reinterpret_cast<const float*>(base + SM_SCR + scr_set(c) + S_G);
   const float4* gp = reinterpret_cast<const float4*>(sG + r * KP + d);
-#if KDA_SM90_GROW_XOR
+#if !defined(KDA_SM90_GROW_XOR) || KDA_SM90_GROW_XOR
   // Threads 4-7 of every 8 read their second 16 bytes first: each LDS.128's quarter-warp then covers all 32 banks once
   // (in d order the 32-byte stride hit each bank twice: ncu, 2x wavefronts on every gate-row read).
   // (asm loads: with plain ones the compiler folds the selects back into the d-order loads)
@@ -337,7 +337,7 @@ __device__ __forceinline__ void prep_phase1(const KdaParams& p, char* base, int 
     *reinterpret_cast<uint4*>(sAK + ri * KB1 + d) = make_uint4(pk[0], pk[1], pk[2], pk[3]);
     *reinterpret_cast<uint4*>(sAQ + ri * KB1 + d) = make_uint4(pq[0], pq[1], pq[2], pq[3]);
   }
-#if KDA_SM90_STS_BK
+#if !defined(KDA_SM90_STS_BK) || KDA_SM90_STS_BK
   // (as one STS.128: through a bf16 pointer the compiler split it into four 4-byte stores, each 4-way bank-conflicted)
   sm90::sts128(sm90::saddr(sBK + ri * KB1 + d), make_uint4(pb[0], pb[1], pb[2], pb[3]));
 #else
