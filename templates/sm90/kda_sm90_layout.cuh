@@ -146,6 +146,13 @@ constexpr bool LATE_DECAY = YO;
 #else
 constexpr bool LATE_DECAY = false;
 #endif
+// KDA_SM90_GROW_XOR (default with the Kg record; the W record's group A spilled with it at 104 registers): the gate-row
+// reads in a bank-conflict-free order (kda_sm90_prep.cuh, prep_gate_row).
+#ifdef KDA_SM90_GROW_XOR
+constexpr bool GROW_XOR = KDA_SM90_GROW_XOR;
+#else
+constexpr bool GROW_XOR = UKG;
+#endif
 // KDA_SM90_CW_SLEEP_NS (the pair's copy warpgroup; default 500, 0 to poll): it waits for free stages with try_wait's
 // suspend-time hint (ns), so its ~24 polls per wait (ncu, H200 2026-12-02: ~5% of the kernel's instructions) leave the
 // schedulers to the prep and consumer warps.

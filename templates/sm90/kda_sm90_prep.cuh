@@ -299,19 +299,21 @@ __device__ __forceinline__ void prep_phase0(const KdaParams& p, char* base, int 
 __device__ __forceinline__ void prep_gate_row(const char* base, int c, int r, int d, float (&G)[8]) {
   const float* sG = reinterpret_cast<const float*>(base + SM_SCR + scr_set(c) + S_G);
   const float4* gp = reinterpret_cast<const float4*>(sG + r * KP + d);
-#if !defined(KDA_SM90_GROW_XOR) || KDA_SM90_GROW_XOR
-  // Threads 4-7 of every 8 read their second 16 bytes first: each LDS.128's quarter-warp then covers all 32 banks once
-  // (in d order the 32-byte stride hit each bank twice: ncu, 2x wavefronts on every gate-row read).
-  // (asm loads: with plain ones the compiler folds the selects back into the d-order loads)
-  const int h = (d >> 5) & 1;
-  const uint32_t ga = sm90::saddr(gp);
-  const uint4 y0 = sm90::lds128(ga + 16 * h), y1 = sm90::lds128(ga + 16 * (h ^ 1));
-  const uint4 u0 = h ? y1 : y0, u1 = h ? y0 : y1;
-  const float4 x0 = make_float4(__uint_as_float(u0.x), __uint_as_float(u0.y), __uint_as_float(u0.z), __uint_as_float(u0.w));
-  const float4 x1 = make_float4(__uint_as_float(u1.x), __uint_as_float(u1.y), __uint_as_float(u1.z), __uint_as_float(u1.w));
-#else
-  const float4 x0 = gp[0], x1 = gp[1];
-#endif
+  float4 x0, x1;
+  if constexpr (GROW_XOR) {
+    // Threads 4-7 of every 8 read their second 16 bytes first: each LDS.128's quarter-warp then covers all 32 banks
+    // once (in d order the 32-byte stride hit each bank twice: ncu, 2x wavefronts on every gate-row read). (asm loads:
+    // with plain ones the compiler folds the selects back into the d-order loads)
+    const int h = (d >> 5) & 1;
+    const uint32_t ga = sm90::saddr(gp);
+    const uint4 y0 = sm90::lds128(ga + 16 * h), y1 = sm90::lds128(ga + 16 * (h ^ 1));
+    const uint4 u0 = h ? y1 : y0, u1 = h ? y0 : y1;
+    x0 = make_float4(__uint_as_float(u0.x), __uint_as_float(u0.y), __uint_as_float(u0.z), __uint_as_float(u0.w));
+    x1 = make_float4(__uint_as_float(u1.x), __uint_as_float(u1.y), __uint_as_float(u1.z), __uint_as_float(u1.w));
+  } else {
+    x0 = gp[0];
+    x1 = gp[1];
+  }
   G[0] = x0.x; G[1] = x0.y; G[2] = x0.z; G[3] = x0.w; G[4] = x1.x; G[5] = x1.y; G[6] = x1.z; G[7] = x1.w;
 }
 
