@@ -339,7 +339,7 @@ __device__ __forceinline__ void prep_phase1(const KdaParams& p, char* base, int 
     *reinterpret_cast<uint4*>(sAK + ri * KB1 + d) = make_uint4(pk[0], pk[1], pk[2], pk[3]);
     *reinterpret_cast<uint4*>(sAQ + ri * KB1 + d) = make_uint4(pq[0], pq[1], pq[2], pq[3]);
   }
-#if !defined(KDA_SM90_STS_BK) || KDA_SM90_STS_BK
+#if KDA_SM90_STS_BK
   // (as one STS.128: through a bf16 pointer the compiler split it into four 4-byte stores, each 4-way bank-conflicted)
   sm90::sts128(sm90::saddr(sBK + ri * KB1 + d), make_uint4(pb[0], pb[1], pb[2], pb[3]));
 #else
