@@ -26,28 +26,6 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
   asm volatile(KDA_MBAR_WAIT_PARITY_ASM("try_wait") ::"r"(saddr(bar)), "r"(parity) : "memory");
 }
 
-// mbar_wait with try_wait's suspend-time hint: the warp may sleep up to hint_ns until the phase completes instead of
-// re-polling, so a long wait off the critical path issues few instructions (the pair's copy warpgroup: its polling
-// loop was ~5% of the kernel's instructions, ncu H200 2026-12-02).
-__device__ __forceinline__ void mbar_wait_sleep(uint64_t* bar, uint32_t parity, uint32_t hint_ns) {
-  asm volatile(
-      "{\n"
-      ".reg .pred done, stuck;\n"
-      ".reg .u32 tries;\n"
-      "mov.u32 tries, 0;\n"
-      "WAIT_%=:\n"
-      "mbarrier.try_wait.parity.acquire.cta.shared::cta.b64 done, [%0], %1, %2;\n"
-      "@done bra DONE_%=;\n"
-      "add.u32 tries, tries, 1;\n"
-      "setp.eq.u32 stuck, tries, 16777216;\n"
-      "@stuck trap;\n"
-      "bra WAIT_%=;\n"
-      "DONE_%=:\n"
-      "}\n" ::"r"(saddr(bar)),
-      "r"(parity), "r"(hint_ns)
-      : "memory");
-}
-
 // ---- thread-block clusters (the sm90 CTA pair) ----
 __device__ __forceinline__ uint32_t cluster_rank() {
   uint32_t r;
@@ -108,11 +86,6 @@ __device__ __forceinline__ uint4 lds128(uint32_t a) {
   uint4 v;
   asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(a) : "memory");
   return v;
-}
-
-// 16 bytes to shared address a (one STS.128 where the compiler cannot prove a pointer's 16-byte alignment).
-__device__ __forceinline__ void sts128(uint32_t a, uint4 v) {
-  asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(a), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
 }
 
 // Generic-proxy shared-memory writes made visible to the async proxy (wgmma operand reads).

@@ -146,21 +146,6 @@ constexpr bool LATE_DECAY = YO;
 #else
 constexpr bool LATE_DECAY = false;
 #endif
-// KDA_SM90_GROW_XOR (default off: not measured on the GPU; with it and KDA_SM90_STS_BK the W record's group A spilled
-// at 104 registers): the gate-row reads in a bank-conflict-free order (kda_sm90_prep.cuh, prep_gate_row).
-#ifdef KDA_SM90_GROW_XOR
-constexpr bool GROW_XOR = KDA_SM90_GROW_XOR;
-#else
-constexpr bool GROW_XOR = false;
-#endif
-// KDA_SM90_CW_SLEEP_NS (the pair's copy warpgroup; default 0 = poll, not measured on the GPU): it waits for free stages
-// with try_wait's suspend-time hint (ns), so that its ~24 polls per wait (ncu, H200 2026-12-02: ~5% of the kernel's
-// instructions) would leave the schedulers to the prep and consumer warps.
-#ifdef KDA_SM90_CW_SLEEP_NS
-constexpr uint32_t CW_SLEEP_NS = KDA_SM90_CW_SLEEP_NS;
-#else
-constexpr uint32_t CW_SLEEP_NS = 0;
-#endif
 // OHL (K = 64, `KDA_SM90_OHL=0` turns it off): the o product takes S in hi + lo bf16 (K/16 more m64n16k16, off
 // the step's chain). K = 64 has half the terms per output to average bf16(S)'s rounding over: rel RMSE of o at
 // g = -8 4.02e-3 on the H200 (sm80 4.9e-3), over issue 16's 4e-3; 3.92e-3 -> 3.58e-3 in the emulation.

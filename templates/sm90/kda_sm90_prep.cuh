@@ -143,15 +143,14 @@ __device__ __forceinline__ void issue_qkg(const KdaParams& p, const SeqInfo& si,
     sm90::bulk_g2s(rc.dst, rc.src, rc.bytes, in_full);
   }
 }
-template <int NW, bool SLEEP = false>
+template <int NW>
 __device__ __forceinline__ void issue_v(const KdaParams& p, const SeqInfo& si, int cc, char* base, uint64_t* bars,
                                         int w, int lane) {
   if (cc >= si.nc) return;
   const int vs = cc % NV;
   const int rows = min(C, si.len - cc * C);
   uint64_t* v_full = bars + B_V_FULL + vs;
-  if constexpr (SLEEP) sm90::mbar_wait_sleep(bars + B_V_EMPTY + vs, ((cc / NV) & 1) ^ 1, CW_SLEEP_NS);
-  else sm90::mbar_wait(bars + B_V_EMPTY + vs, ((cc / NV) & 1) ^ 1);
+  sm90::mbar_wait(bars + B_V_EMPTY + vs, ((cc / NV) & 1) ^ 1);
   if (w == 0 && lane == 0) sm90::mbar_arrive_expect_tx(v_full, (uint32_t)rows * (BV * 2));
   const int row = w + NW * lane;
   if (row < rows) {
@@ -299,21 +298,7 @@ __device__ __forceinline__ void prep_phase0(const KdaParams& p, char* base, int 
 __device__ __forceinline__ void prep_gate_row(const char* base, int c, int r, int d, float (&G)[8]) {
   const float* sG = reinterpret_cast<const float*>(base + SM_SCR + scr_set(c) + S_G);
   const float4* gp = reinterpret_cast<const float4*>(sG + r * KP + d);
-  float4 x0, x1;
-  if constexpr (GROW_XOR) {
-    // Threads 4-7 of every 8 read their second 16 bytes first: each LDS.128's quarter-warp then covers all 32 banks
-    // once (in d order the 32-byte stride hit each bank twice: ncu, 2x wavefronts on every gate-row read). (asm loads:
-    // with plain ones the compiler folds the selects back into the d-order loads)
-    const int h = (d >> 5) & 1;
-    const uint32_t ga = sm90::saddr(gp);
-    const uint4 y0 = sm90::lds128(ga + 16 * h), y1 = sm90::lds128(ga + 16 * (h ^ 1));
-    const uint4 u0 = h ? y1 : y0, u1 = h ? y0 : y1;
-    x0 = make_float4(__uint_as_float(u0.x), __uint_as_float(u0.y), __uint_as_float(u0.z), __uint_as_float(u0.w));
-    x1 = make_float4(__uint_as_float(u1.x), __uint_as_float(u1.y), __uint_as_float(u1.z), __uint_as_float(u1.w));
-  } else {
-    x0 = gp[0];
-    x1 = gp[1];
-  }
+  const float4 x0 = gp[0], x1 = gp[1];
   G[0] = x0.x; G[1] = x0.y; G[2] = x0.z; G[3] = x0.w; G[4] = x1.x; G[5] = x1.y; G[6] = x1.z; G[7] = x1.w;
 }
 
@@ -339,12 +324,7 @@ __device__ __forceinline__ void prep_phase1(const KdaParams& p, char* base, int 
     *reinterpret_cast<uint4*>(sAK + ri * KB1 + d) = make_uint4(pk[0], pk[1], pk[2], pk[3]);
     *reinterpret_cast<uint4*>(sAQ + ri * KB1 + d) = make_uint4(pq[0], pq[1], pq[2], pq[3]);
   }
-#if KDA_SM90_STS_BK
-  // (as one STS.128: through a bf16 pointer the compiler split it into four 4-byte stores, each 4-way bank-conflicted)
-  sm90::sts128(sm90::saddr(sBK + ri * KB1 + d), make_uint4(pb[0], pb[1], pb[2], pb[3]));
-#else
   *reinterpret_cast<uint4*>(sBK + ri * KB1 + d) = make_uint4(pb[0], pb[1], pb[2], pb[3]);
-#endif
   if constexpr (YO) {  // -Kg (sign bits flipped) in rows 0 .. C-1 of the [2C][K] tile of -Kg and Qd
     constexpr uint32_t ng = 0x80008000u;
     *reinterpret_cast<uint4*>(rec + sm90::sw128_k<2 * C>(ri, d)) = make_uint4(pk[0] ^ ng, pk[1] ^ ng, pk[2] ^ ng, pk[3] ^ ng);

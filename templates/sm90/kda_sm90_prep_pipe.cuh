@@ -41,12 +41,11 @@ __device__ __forceinline__ void copy_role_pair(const KdaParams& p, const SeqInfo
   const int nl = nlocal(si);
   for (int j = 0; j < nl || 2 * j < si.nc; ++j) {
     if (j < nl) {
-      if constexpr (CW_SLEEP_NS > 0) sm90::mbar_wait_sleep(bars + B_IN_EMPTY + j % NIN, ((j / NIN) & 1) ^ 1, CW_SLEEP_NS);
-      else sm90::mbar_wait(bars + B_IN_EMPTY + j % NIN, ((j / NIN) & 1) ^ 1);
+      sm90::mbar_wait(bars + B_IN_EMPTY + j % NIN, ((j / NIN) & 1) ^ 1);
       issue_qkg<4>(p, si, j, base, bars, w, lane);
     }
-    issue_v<4, (CW_SLEEP_NS > 0)>(p, si, 2 * j, base, bars, w, lane);
-    issue_v<4, (CW_SLEEP_NS > 0)>(p, si, 2 * j + 1, base, bars, w, lane);
+    issue_v<4>(p, si, 2 * j, base, bars, w, lane);
+    issue_v<4>(p, si, 2 * j + 1, base, bars, w, lane);
   }
 }
 
