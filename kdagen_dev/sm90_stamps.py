@@ -6,7 +6,7 @@ from __future__ import annotations
 
 # (the order of StampEvent in kda_sm90_layout.cuh)
 EVENTS = ["A_WAIT", "A_GO", "A_DONE", "B_WAIT", "B_GO", "B_DONE", "B_FWD", "C_WAIT", "C_GO", "C_DONE",
-          "C_TOP", "C_VGO", "B_FULL", "B_DONE1", "B_DONE2", "B_DONE3"]
+          "C_TOP", "C_VGO", "B_FULL", "B_DONE1", "B_DONE2", "B_DONE3", "A_P0", "B_P2", "B_P3", "B_P4"]
 
 
 def segments(st: list, pair: bool, c0: int = 0) -> dict[str, list[float]]:
@@ -35,6 +35,13 @@ def segments(st: list, pair: bool, c0: int = 0) -> dict[str, list[float]]:
                 add("B waits (scr_full)", clk(cta, c, "B_GO") - clk(cta, c, "B_WAIT"))
                 add("B works (phases 2-5)", clk(cta, c, "B_DONE") - clk(cta, c, "B_GO"))
                 add("A done -> B starts", clk(cta, c, "B_GO") - clk(cta, c, "A_DONE"))
+                if clk(cta, c, "A_P0") and clk(cta, c, "B_P4"):  # (the phase stamps)
+                    add("  A: phase 0 (to its barrier)", clk(cta, c, "A_P0") - clk(cta, c, "A_GO"))
+                    add("  A: phase 1", clk(cta, c, "A_DONE") - clk(cta, c, "A_P0"))
+                    add("  B: phase 2 (to its barrier)", clk(cta, c, "B_P2") - clk(cta, c, "B_GO"))
+                    add("  B: phase 3", clk(cta, c, "B_P3") - clk(cta, c, "B_P2"))
+                    add("  B: phase 4", clk(cta, c, "B_P4") - clk(cta, c, "B_P3"))
+                    add("  B: phase 5", clk(cta, c, "B_DONE") - clk(cta, c, "B_P4"))
                 ready = max(clk(cta, c, "A_DONE"), clk(cta, c, "B_DONE"))
                 if clk(cta, c, "B_DONE1"):
                     add("B's last warp done - B warp 0 done", max(clk(cta, c, f"B_DONE{w}") for w in (1, 2, 3))

@@ -296,6 +296,10 @@ enum StampEvent {
   ST_B_DONE1,     // group B: ST_B_DONE of lane 0 of its warps 1, 2, 3
   ST_B_DONE2,
   ST_B_DONE3,
+  ST_A_P0,        // group A (DUAL: the group's phase-0 part): past the barrier after phase 0
+  ST_B_P2,        // group B (DUAL: the group's phase 2-5 part): past the barrier after phase 2
+  ST_B_P3,        // .. after phase 3
+  ST_B_P4,        // .. after phase 4
   ST_NEV
 };
 __device__ __forceinline__ void stamp(const KdaParams& p, int gc, int ev) {

@@ -52,9 +52,9 @@ __device__ __forceinline__ void copy_role_pair(const KdaParams& p, const SeqInfo
 // Phases 0-1 of local chunk c by one 4-warp group (tid: 0 .. 127 within it; BAR its named barrier): two passes
 // over the rows (8 p .. 8 p + 7) and gate columns (col0 + 64 p). The caller waited for the slot and the inputs.
 template <int BAR>
-__device__ __forceinline__ void group_a_chunk(const KdaParams& p, char* base, int c, int rows, int ri, int d, int col0,
-                                              int half, uint32_t rb0, uint32_t rb1, float aexp, float bias0,
-                                              float bias1) {
+__device__ __forceinline__ void group_a_chunk(const KdaParams& p, const SeqInfo& si, char* base, int c, int rows, int ri,
+                                              int d, int col0, int half, uint32_t rb0, uint32_t rb1, float aexp,
+                                              float bias0, float bias1) {
   const int col1 = col0 + 16 * 4;
   float xq0[8], xk0[8], b0, xq1[8], xk1[8], b1;
   {
@@ -64,6 +64,7 @@ __device__ __forceinline__ void group_a_chunk(const KdaParams& p, char* base, in
     prep_phase0(p, base, c, rows, ri + 8, d, col1, half, rb1, aexp, bias1, ld1, xq1, xk1, b1);
   }
   sm90::named_sync<BAR, NTG>();
+  KDA_STAMP(threadIdx.x % NTG == 0, KDA_GCHUNK(si, c), ST_A_P0);
   if constexpr (PIPE_ROLL) {
     float GL[8];
     prep_gate_row(base, c, C - 1, d, GL);
@@ -129,7 +130,7 @@ __device__ __forceinline__ void group_a_step(const KdaParams& p, const SeqInfo& 
   sm90::mbar_wait(bars + B_REC_EMPTY + r, ((c / NREC) & 1) ^ 1);
   sm90::mbar_wait(bars + B_IN_FULL + (c % NIN), (c / NIN) & 1);
   KDA_STAMP(tid == 0, KDA_GCHUNK(si, c), ST_A_GO);
-  group_a_chunk<BAR>(p, base, c, rows, a.ri, a.d, a.col0, a.half, rb0, rb1, a.aexp, a.bias0, a.bias1);
+  group_a_chunk<BAR>(p, si, base, c, rows, a.ri, a.d, a.col0, a.half, rb0, rb1, a.aexp, a.bias0, a.bias1);
   // beta one chunk ahead, loaded here (not at the top) so that it is not live across phase 1
   a.rb0 = load_beta(p, si, KDA_GCHUNK(si, c + STEP), a.ri);
   a.rb1 = load_beta(p, si, KDA_GCHUNK(si, c + STEP), a.ri + 8);
@@ -189,10 +190,13 @@ __device__ __forceinline__ void group_b_chunk(const KdaParams& p, const SeqInfo&
   // complete unwaited is an error to synccheck)
   if constexpr (PIPE_COPIES == 0 || PAIR_CW) sm90::mbar_arrive(bars + B_IN_EMPTY + st);
   sm90::named_sync<BAR, NTG>();
+  KDA_STAMP(tb == 0, KDA_GCHUNK(si, c), ST_B_P2);
   prep_phase3<NTG>(p, base, c, tb);
   sm90::named_sync<BAR, NTG>();
+  KDA_STAMP(tb == 0, KDA_GCHUNK(si, c), ST_B_P3);
   if (tb < C) prep_phase4(base, c, tb);
   sm90::named_sync<BAR, NTG>();
+  KDA_STAMP(tb == 0, KDA_GCHUNK(si, c), ST_B_P4);
   prep_phase5_ainv<NTG>(base, c, tb);
   if constexpr (!UKG) {  // (UKG: the consumers apply (I+L)^-1 diag(b) to v^T - S Kg^T themselves)
     uint32_t ah[4], al[4];
