@@ -49,6 +49,15 @@ __device__ __forceinline__ void copy_role_pair(const KdaParams& p, const SeqInfo
   }
 }
 
+// KDA_SM90_MQK_LATE (DUAL; default 1, =0 for Mqk in phase 3): phase 3 sums only L's partials (the substitution's
+// input) and warps 1-3 write Mqk's record tiles while warp 0 substitutes, so Mqk is off the chain to the inverse
+// (stamps, H200 2026-12-02: phase 3 873 and phase 4 719 cycles of the group's ~8000-cycle chunk, phase 4 on 16 lanes).
+#if !defined(KDA_SM90_MQK_LATE) || KDA_SM90_MQK_LATE
+constexpr bool MQK_LATE = DUAL;
+#else
+constexpr bool MQK_LATE = false;
+#endif
+
 // Phases 0-1 of local chunk c by one 4-warp group (tid: 0 .. 127 within it; BAR its named barrier): two passes
 // over the rows (8 p .. 8 p + 7) and gate columns (col0 + 64 p). The caller waited for the slot and the inputs.
 template <int BAR>
@@ -191,10 +200,17 @@ __device__ __forceinline__ void group_b_chunk(const KdaParams& p, const SeqInfo&
   if constexpr (PIPE_COPIES == 0 || PAIR_CW) sm90::mbar_arrive(bars + B_IN_EMPTY + st);
   sm90::named_sync<BAR, NTG>();
   KDA_STAMP(tb == 0, KDA_GCHUNK(si, c), ST_B_P2);
-  prep_phase3<NTG>(p, base, c, tb);
+  if constexpr (MQK_LATE) {
+    prep_phase3<NTG, 1>(p, base, c, tb);
+  } else {
+    prep_phase3<NTG>(p, base, c, tb);
+  }
   sm90::named_sync<BAR, NTG>();
   KDA_STAMP(tb == 0, KDA_GCHUNK(si, c), ST_B_P3);
   if (tb < C) prep_phase4(base, c, tb);
+  if constexpr (MQK_LATE) {  // (warps 1-3: warp 0's other lanes would serialise behind the substitution)
+    if (tb >= 32) prep_phase3<NTG - 32, 2>(p, base, c, tb - 32);
+  }
   sm90::named_sync<BAR, NTG>();
   KDA_STAMP(tb == 0, KDA_GCHUNK(si, c), ST_B_P4);
   prep_phase5_ainv<NTG>(base, c, tb);
@@ -286,12 +302,12 @@ static_assert(!REALLOC || NTG * (PREP_A_REGS + PREP_B_REGS) + NTX * CW_REGS + 12
               "register budget");
 
 // DUAL: each group holds the loop invariants of phases 0-1 and 2-5 (at the launch's 128 registers the first build
-// spilled 168 bytes); 152 with the copy warpgroup at 24 and the consumers at 184 fills the register file
-// (256 x 152 + 128 x 24 + 128 x 184; 144 with consumers at 200 measured 2-5% slower).
+// spilled 168 bytes); with the copy warpgroup at 24 the groups take what the consumers leave: 160 beside 168
+// (256 x 160 + 128 x 24 + 128 x 168 = 65536; 152 / 184 measured 0.4-1.9% slower, 144 / 200 2-5% slower than that).
 #ifdef KDA_SM90_DUAL_REGS
 constexpr int DUAL_REGS = KDA_SM90_DUAL_REGS;
 #else
-constexpr int DUAL_REGS = CONS_REGS == 200 ? 144 : 152;
+constexpr int DUAL_REGS = (244 - CONS_REGS / 2) / 8 * 8;  // (the rest of the register file)
 #endif
 static_assert(!DUAL || NTP * DUAL_REGS + NTX * CW_REGS + 128 * NCONS * CONS_REGS <= NT * LAUNCH_REGS, "register budget");
 
