@@ -426,28 +426,19 @@ __device__ __forceinline__ void prep_phase2(char* base, int c, int rows, float s
   }
 }
 
-// ---- 3. sum the partials in warp order; Mqk (hi + lo bf16) into the record (u = u0, u0 + STEP ..). PART 1: L^T only
-// (phase 4's input), PART 2: Mqk only (MQK_LATE: beside phase 4, off the chain to the inverse).
-template <int STEP, int PART = 0>
+// ---- 3. sum the partials in warp order; Mqk (hi + lo bf16) into the record (u = u0, u0 + STEP ..)
+template <int STEP>
 __device__ __forceinline__ void prep_phase3(const KdaParams& p, char* base, int c, int u0) {
   KDA_PREP_SCRATCH(base, c);
   for (int u = u0; u < 256; u += STEP) {
     const int i = u >> 4, j = u & 15;
-    if constexpr (PART == 1) {
-      if (i <= j) continue;
-      float l = 0.f;
-#pragma unroll
-      for (int w = 0; w < NMW; ++w) l += spart[w * 512 + u];
-      sLT[j * CP + i] = sbc[i] * (YO ? -l : l);
-      continue;
-    }
     float l = 0.f, m = 0.f;
 #pragma unroll
     for (int w = 0; w < NMW; ++w) {
-      if constexpr (PART == 0) l += spart[w * 512 + u];
+      l += spart[w * 512 + u];
       m += spart[w * 512 + 256 + u];
     }
-    if (PART == 0 && i > j) sLT[j * CP + i] = sbc[i] * (YO ? -l : l);  // (YO: the partials are of -Kg)
+    if (i > j) sLT[j * CP + i] = sbc[i] * (YO ? -l : l);  // (YO: the partials are of -Kg)
     const float mq = i > j ? (UKG ? m : p.scale * m) : i == j ? p.scale * sdg[i] : 0.f;  // (UKG: Qd has the scale)
     const bf16 mh = __float2bfloat16_rn(mq);
     *reinterpret_cast<bf16*>(rec + R_MQ + sm90::il16_k(i, j)) = mh;

@@ -49,15 +49,6 @@ __device__ __forceinline__ void copy_role_pair(const KdaParams& p, const SeqInfo
   }
 }
 
-// KDA_SM90_MQK_LATE (DUAL; default 1, =0 for Mqk in phase 3): phase 3 sums only L's partials (the substitution's
-// input) and warps 1-3 write Mqk's record tiles while warp 0 substitutes, so Mqk is off the chain to the inverse
-// (stamps, H200 2026-12-02: phase 3 873 and phase 4 719 cycles of the group's ~8000-cycle chunk, phase 4 on 16 lanes).
-#if !defined(KDA_SM90_MQK_LATE) || KDA_SM90_MQK_LATE
-constexpr bool MQK_LATE = DUAL;
-#else
-constexpr bool MQK_LATE = false;
-#endif
-
 // Phases 0-1 of local chunk c by one 4-warp group (tid: 0 .. 127 within it; BAR its named barrier): two passes
 // over the rows (8 p .. 8 p + 7) and gate columns (col0 + 64 p). The caller waited for the slot and the inputs.
 template <int BAR>
@@ -200,17 +191,10 @@ __device__ __forceinline__ void group_b_chunk(const KdaParams& p, const SeqInfo&
   if constexpr (PIPE_COPIES == 0 || PAIR_CW) sm90::mbar_arrive(bars + B_IN_EMPTY + st);
   sm90::named_sync<BAR, NTG>();
   KDA_STAMP(tb == 0, KDA_GCHUNK(si, c), ST_B_P2);
-  if constexpr (MQK_LATE) {
-    prep_phase3<NTG, 1>(p, base, c, tb);
-  } else {
-    prep_phase3<NTG>(p, base, c, tb);
-  }
+  prep_phase3<NTG>(p, base, c, tb);
   sm90::named_sync<BAR, NTG>();
   KDA_STAMP(tb == 0, KDA_GCHUNK(si, c), ST_B_P3);
   if (tb < C) prep_phase4(base, c, tb);
-  if constexpr (MQK_LATE) {  // (warps 1-3: warp 0's other lanes would serialise behind the substitution)
-    if (tb >= 32) prep_phase3<NTG - 32, 2>(p, base, c, tb - 32);
-  }
   sm90::named_sync<BAR, NTG>();
   KDA_STAMP(tb == 0, KDA_GCHUNK(si, c), ST_B_P4);
   prep_phase5_ainv<NTG>(base, c, tb);
