@@ -147,6 +147,21 @@ constexpr bool LATE_DECAY = YO;
 #else
 constexpr bool LATE_DECAY = false;
 #endif
+// KDA_SM90_P3U (DUAL; =0 turns it off): phase 3 and 5a with every entry's loads first, unrolled and without branches
+// (stamps, H200 2026-12-02: phase 3 took ~870 cycles of a pair group's ~8000-cycle chunk).
+#if defined(KDA_SM90_P3U)
+constexpr bool P3U = KDA_SM90_P3U;
+#else
+constexpr bool P3U = DUAL;
+#endif
+// KDA_SM90_KRGC (DUAL; =0 turns it off): phase 1 forms Kr = k (e^-G Gamma_C) from its own e^-G and the record's
+// Gamma_C, one exp per element fewer (phase 1 took ~1670 cycles of a pair group's chunk; 24 of its ~175 instructions
+// per pass were that exp's).
+#if defined(KDA_SM90_KRGC)
+constexpr bool KRGC = KDA_SM90_KRGC;
+#else
+constexpr bool KRGC = DUAL;
+#endif
 // OHL (K = 64, `KDA_SM90_OHL=0` turns it off): the o product takes S in hi + lo bf16 (K/16 more m64n16k16, off
 // the step's chain). K = 64 has half the terms per output to average bf16(S)'s rounding over: rel RMSE of o at
 // g = -8 4.02e-3 on the H200 (sm80 4.9e-3), over issue 16's 4e-3; 3.92e-3 -> 3.58e-3 in the emulation.
