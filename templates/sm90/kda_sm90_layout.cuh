@@ -162,6 +162,13 @@ constexpr bool KRGC = KDA_SM90_KRGC;
 #else
 constexpr bool KRGC = DUAL;
 #endif
+// KDA_SM90_SPAN_VOTE (DUAL; =0 turns it off): phase 2 decides a slice's exact fallback with one warp vote instead of a
+// max over five shuffles.
+#if defined(KDA_SM90_SPAN_VOTE)
+constexpr bool SPAN_VOTE = KDA_SM90_SPAN_VOTE;
+#else
+constexpr bool SPAN_VOTE = DUAL;
+#endif
 // OHL (K = 64, `KDA_SM90_OHL=0` turns it off): the o product takes S in hi + lo bf16 (K/16 more m64n16k16, off
 // the step's chain). K = 64 has half the terms per output to average bf16(S)'s rounding over: rel RMSE of o at
 // g = -8 4.02e-3 on the H200 (sm80 4.9e-3), over issue 16's 4e-3; 3.92e-3 -> 3.58e-3 in the emulation.

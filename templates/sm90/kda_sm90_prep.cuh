@@ -393,10 +393,16 @@ __device__ __forceinline__ void prep_phase2(char* base, int c, int rows, float s
 #pragma unroll
   for (int sl = 0; sl < SPW; ++sl) {
     const int c0 = 16 * (w * SPW + sl);
-    float span = lane < 16 ? -sG[(C - 1) * KP + c0 + lane] : 0.f;
+    bool near;
+    if constexpr (SPAN_VOTE) {  // (one vote instead of a five-shuffle max chain; the same decision)
+      near = !__any_sync(0xffffffffu, lane < 16 && -sG[(C - 1) * KP + c0 + lane] > 80.f);
+    } else {
+      float span = lane < 16 ? -sG[(C - 1) * KP + c0 + lane] : 0.f;
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) span = fmaxf(span, __shfl_xor_sync(0xffffffffu, span, o));
-    if (span <= 80.f) {
+      for (int o = 16; o > 0; o >>= 1) span = fmaxf(span, __shfl_xor_sync(0xffffffffu, span, o));
+      near = span <= 80.f;
+    }
+    if (near) {
       uint32_t ak[4], aq[4], bk[4];
       const int ar = lr + 8 * (lm & 1), ac = c0 + 8 * (lm >> 1);  // A fragment: row, 8 columns
       if constexpr (YO) {  // -Kg and Qd (scale included) in the record's [2C][K] tile
