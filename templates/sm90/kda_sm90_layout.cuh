@@ -148,22 +148,15 @@ constexpr bool LATE_DECAY = YO;
 constexpr bool LATE_DECAY = false;
 #endif
 // KDA_SM90_P3U (DUAL; =0 turns it off): phase 3 and 5a with every entry's loads first, unrolled and without branches
-// (stamps, H200 2026-12-02: phase 3 took ~870 cycles of a pair group's ~8000-cycle chunk).
+// (stamps, H200 2026-12-02: phase 3 took ~870 cycles of a pair group's ~8000-cycle chunk, 341 after; the pair -2..-9%,
+// o bitwise equal). bv128 and K = 64 not measured.
 #if defined(KDA_SM90_P3U)
 constexpr bool P3U = KDA_SM90_P3U;
 #else
 constexpr bool P3U = DUAL;
 #endif
-// KDA_SM90_KRGC (DUAL; =0 turns it off): phase 1 forms Kr = k (e^-G Gamma_C) from its own e^-G and the record's
-// Gamma_C, one exp per element fewer (phase 1 took ~1670 cycles of a pair group's chunk; 24 of its ~175 instructions
-// per pass were that exp's).
-#if defined(KDA_SM90_KRGC)
-constexpr bool KRGC = KDA_SM90_KRGC;
-#else
-constexpr bool KRGC = DUAL;
-#endif
 // KDA_SM90_SPAN_VOTE (DUAL; =0 turns it off): phase 2 decides a slice's exact fallback with one warp vote instead of a
-// max over five shuffles.
+// max over five shuffles (H200 2026-12-02: the pair -1..-6% alone, o bitwise equal). bv128 and K = 64 not measured.
 #if defined(KDA_SM90_SPAN_VOTE)
 constexpr bool SPAN_VOTE = KDA_SM90_SPAN_VOTE;
 #else

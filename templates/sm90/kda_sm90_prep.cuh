@@ -302,23 +302,8 @@ __device__ __forceinline__ void prep_gate_row(const char* base, int c, int r, in
   G[0] = x0.x; G[1] = x0.y; G[2] = x0.z; G[3] = x0.w; G[4] = x1.x; G[5] = x1.y; G[6] = x1.z; G[7] = x1.w;
 }
 
-// KRGC: Gamma_C of columns d .. d + 7 from the record of chunk c (phase 0 wrote it), in place of GL.
-__device__ __forceinline__ void prep_gamma_c(const char* base, int c, int d, float (&GC)[8]) {
-  const float4* gp = reinterpret_cast<const float4*>(base + SM_REC + (c % NREC) * REC_BYTES + R_GM + d * 4);
-  const float4 x0 = gp[0], x1 = gp[1];
-  GC[0] = x0.x; GC[1] = x0.y; GC[2] = x0.z; GC[3] = x0.w; GC[4] = x1.x; GC[5] = x1.y; GC[6] = x1.z; GC[7] = x1.w;
-}
-// The last row's factor phase 1 takes: GL (the cumulative gate), or with KRGC Gamma_C.
-__device__ __forceinline__ void prep_last_row(const char* base, int c, int d, float (&GL)[8]) {
-  if constexpr (KRGC) prep_gamma_c(base, c, d, GL);
-  else prep_gate_row(base, c, C - 1, d, GL);
-}
-
 // G: the cumulative gate of row ri, GL of the chunk's last row (columns d .. d + 7), read by the
 // caller before any phase-1 store (see P0In).
-// KRGC: GL holds Gamma_C = e^GL (the record's, written in phase 0) instead, and Kr = k (e^-G Gamma_C) reuses phase 1's
-// e^-G; where a column of the thread decays past e^-80 within the chunk (e^-G might overflow) it takes the exact
-// e^(GL - G) from the gate row.
 __device__ __forceinline__ void prep_phase1(const KdaParams& p, char* base, int c, int ri, int d, const float (&xq)[8],
                                             const float (&xk)[8], float b, const float (&G)[8], const float (&GL)[8]) {
   KDA_PREP_SCRATCH(base, c);
@@ -332,24 +317,8 @@ __device__ __forceinline__ void prep_phase1(const KdaParams& p, char* base, int 
     pq[e / 2] = pack_bf16(q0, q1);
     pqd[e / 2] = pack_bf16(p.scale * q0, p.scale * q1);
     pb[e / 2] = pack_bf16(xk[e] * i0, xk[e + 1] * i1);
-    if constexpr (KRGC) {
-      pkr[e / 2] = pack_bf16(xk[e] * (i0 * GL[e]), xk[e + 1] * (i1 * GL[e + 1]));
-    } else {
-      pkr[e / 2] = pack_bf16(xk[e] * __expf(GL[e] - G[e]), xk[e + 1] * __expf(GL[e + 1] - G[e + 1]));
-    }
+    pkr[e / 2] = pack_bf16(xk[e] * __expf(GL[e] - G[e]), xk[e + 1] * __expf(GL[e + 1] - G[e + 1]));
     if constexpr (!UKG) split_bf16(b * k0, b * k1, xkh[e / 2], xkl[e / 2]);
-  }
-  if constexpr (KRGC) {
-    bool far = false;
-#pragma unroll
-    for (int e = 0; e < 8; ++e) far |= GL[e] < 1.8e-35f;  // (e^-80)
-    if (far) {
-      float gl[8];
-      prep_gate_row(base, c, C - 1, d, gl);
-#pragma unroll
-      for (int e = 0; e < 8; e += 2)
-        pkr[e / 2] = pack_bf16(xk[e] * __expf(gl[e] - G[e]), xk[e + 1] * __expf(gl[e + 1] - G[e + 1]));
-    }
   }
   if constexpr (!UKG) {  // (the Kg record: phase 2 reads the record's Kg and Qd instead)
     *reinterpret_cast<uint4*>(sAK + ri * KB1 + d) = make_uint4(pk[0], pk[1], pk[2], pk[3]);
@@ -620,7 +589,7 @@ __device__ __forceinline__ void prep_role(const KdaParams& p, const SeqInfo& si,
     {
       float G[8], GL[8];
       prep_gate_row(base, c, ri, d, G);
-      prep_last_row(base, c, d, GL);
+      prep_gate_row(base, c, C - 1, d, GL);
       prep_phase1(p, base, c, ri, d, xq, xk, b, G, GL);
     }
     sm90::named_sync<BAR_PREP, NTP>();

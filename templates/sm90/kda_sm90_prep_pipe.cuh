@@ -67,7 +67,7 @@ __device__ __forceinline__ void group_a_chunk(const KdaParams& p, const SeqInfo&
   KDA_STAMP(threadIdx.x % NTG == 0, KDA_GCHUNK(si, c), ST_A_P0);
   if constexpr (PIPE_ROLL) {
     float GL[8];
-    prep_last_row(base, c, d, GL);
+    prep_gate_row(base, c, C - 1, d, GL);
 #pragma unroll 1
     for (int pp = 0; pp < 2; ++pp) {
       float xq[8], xk[8], G[8];
@@ -84,7 +84,7 @@ __device__ __forceinline__ void group_a_chunk(const KdaParams& p, const SeqInfo&
     // and measured no faster)
     float G[8], GL[8];
     prep_gate_row(base, c, ri, d, G);
-    prep_last_row(base, c, d, GL);
+    prep_gate_row(base, c, C - 1, d, GL);
     prep_phase1(p, base, c, ri, d, xq0, xk0, b0, G, GL);
     prep_gate_row(base, c, ri + 8, d, G);
     prep_phase1(p, base, c, ri + 8, d, xq1, xk1, b1, G, GL);
