@@ -432,6 +432,13 @@ __device__ __forceinline__ void prep_phase2(char* base, int c, int rows, float s
   }
 }
 
+// Entry (i, j) of a 16 x 16 record tile pair (interleaved K-major at offsets hi, lo): x as bf16 and what it rounded off.
+__device__ __forceinline__ void put_hl(char* rec, int hi, int lo, int i, int j, float x) {
+  const bf16 xh = __float2bfloat16_rn(x);
+  *reinterpret_cast<bf16*>(rec + hi + sm90::il16_k(i, j)) = xh;
+  *reinterpret_cast<bf16*>(rec + lo + sm90::il16_k(i, j)) = __float2bfloat16_rn(x - __bfloat162float(xh));
+}
+
 // ---- 3. sum the partials in warp order; Mqk (hi + lo bf16) into the record (u = u0, u0 + STEP ..)
 template <int STEP>
 __device__ __forceinline__ void prep_phase3(const KdaParams& p, char* base, int c, int u0) {
@@ -459,9 +466,7 @@ __device__ __forceinline__ void prep_phase3(const KdaParams& p, char* base, int 
       const int u = u0 + it * STEP, i = u >> 4, j = u & 15;
       if (i > j) sLT[j * CP + i] = bi[it] * (YO ? -l[it] : l[it]);  // (YO: the partials are of -Kg)
       const float mq = i > j ? (UKG ? m[it] : p.scale * m[it]) : i == j ? p.scale * dg[it] : 0.f;
-      const bf16 mh = __float2bfloat16_rn(mq);
-      *reinterpret_cast<bf16*>(rec + R_MQ + sm90::il16_k(i, j)) = mh;
-      *reinterpret_cast<bf16*>(rec + R_ML + sm90::il16_k(i, j)) = __float2bfloat16_rn(mq - __bfloat162float(mh));
+      put_hl(rec, R_MQ, R_ML, i, j, mq);
     }
     return;
   }
@@ -475,9 +480,7 @@ __device__ __forceinline__ void prep_phase3(const KdaParams& p, char* base, int 
     }
     if (i > j) sLT[j * CP + i] = sbc[i] * (YO ? -l : l);  // (YO: the partials are of -Kg)
     const float mq = i > j ? (UKG ? m : p.scale * m) : i == j ? p.scale * sdg[i] : 0.f;  // (UKG: Qd has the scale)
-    const bf16 mh = __float2bfloat16_rn(mq);
-    *reinterpret_cast<bf16*>(rec + R_MQ + sm90::il16_k(i, j)) = mh;
-    *reinterpret_cast<bf16*>(rec + R_ML + sm90::il16_k(i, j)) = __float2bfloat16_rn(mq - __bfloat162float(mh));
+    put_hl(rec, R_MQ, R_ML, i, j, mq);
   }
 }
 
@@ -501,9 +504,7 @@ __device__ __forceinline__ void prep_phase5_ainv(char* base, int c, int u0) {
   for (int u = u0; u < (P3U ? u0 + 256 : 256); u += STEP) {  // (P3U: unrolled, 256 / STEP entries per thread)
     const int i = u >> 4, j = u & 15;
     const float y = sInv[i * IPF + j] * sbc[j];
-    const bf16 yh = __float2bfloat16_rn(y);
-    *reinterpret_cast<bf16*>(rec + R_AH + sm90::il16_k(i, j)) = yh;
-    *reinterpret_cast<bf16*>(rec + R_AL + sm90::il16_k(i, j)) = __float2bfloat16_rn(y - __bfloat162float(yh));
+    put_hl(rec, R_AH, R_AL, i, j, y);
   }
 }
 // ---- 5b. A fragments of (I + L)^-1 (rows g8, g8 + 8; columns 2 t4 (+ 8)), split hi + lo

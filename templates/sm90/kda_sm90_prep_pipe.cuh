@@ -291,7 +291,7 @@ static_assert(!REALLOC || NTG * (PREP_A_REGS + PREP_B_REGS) + NTX * CW_REGS + 12
 #ifdef KDA_SM90_DUAL_REGS
 constexpr int DUAL_REGS = KDA_SM90_DUAL_REGS;
 #else
-constexpr int DUAL_REGS = (244 - CONS_REGS / 2) / 8 * 8;  // (the rest of the register file)
+constexpr int DUAL_REGS = (NT * LAUNCH_REGS - NTX * CW_REGS - 128 * NCONS * CONS_REGS) / NTP / 8 * 8;  // (the rest)
 #endif
 static_assert(!DUAL || NTP * DUAL_REGS + NTX * CW_REGS + 128 * NCONS * CONS_REGS <= NT * LAUNCH_REGS, "register budget");
 
