@@ -290,37 +290,21 @@ __device__ __forceinline__ void prep_phase0(const KdaParams& p, char* base, int 
     if (half) reinterpret_cast<float*>(rec + R_GM)[col] = __expf(a[7]);
   }
   {
-    float aq = 1.f, ak = 1.f;
-    if (DQK1 && p.use_l2norm) {
-      float dr = 0.f;
-      aq = ak = 0.f;
-#pragma unroll
-      for (int e = 0; e < 8; ++e) { aq += xq[e] * xq[e]; ak += xk[e] * xk[e]; dr += xq[e] * xk[e]; }
-#pragma unroll
-      for (int o = GPR / 2; o > 0; o >>= 1) {
-        aq += __shfl_xor_sync(0xffffffffu, aq, o);
-        ak += __shfl_xor_sync(0xffffffffu, ak, o);
-        dr += __shfl_xor_sync(0xffffffffu, dr, o);
-      }
-      aq = rsqrtf(aq + 1e-6f);
-      ak = rsqrtf(ak + 1e-6f);
-#pragma unroll
-      for (int e = 0; e < 8; ++e) { xq[e] *= aq; xk[e] *= ak; }
-      if (d == 0) {
-        sbc[ri] = b;
-        srq[ri] = aq;
-        srk[ri] = ak;
-        sdg[ri] = dr * aq * ak;
-      }
-    } else {
+    float aq = 1.f, ak = 1.f, dqk = 0.f;
+    const bool one_tree = DQK1 && p.use_l2norm;  // (<q, k> reduced beside the norms, then scaled by both)
     if (p.use_l2norm) {
       aq = ak = 0.f;
 #pragma unroll
-      for (int e = 0; e < 8; ++e) { aq += xq[e] * xq[e]; ak += xk[e] * xk[e]; }
+      for (int e = 0; e < 8; ++e) {
+        aq += xq[e] * xq[e];
+        ak += xk[e] * xk[e];
+        if (one_tree) dqk += xq[e] * xk[e];
+      }
 #pragma unroll
       for (int o = GPR / 2; o > 0; o >>= 1) {
         aq += __shfl_xor_sync(0xffffffffu, aq, o);
         ak += __shfl_xor_sync(0xffffffffu, ak, o);
+        if (one_tree) dqk += __shfl_xor_sync(0xffffffffu, dqk, o);
       }
       aq = rsqrtf(aq + 1e-6f);
       ak = rsqrtf(ak + 1e-6f);
@@ -329,17 +313,19 @@ __device__ __forceinline__ void prep_phase0(const KdaParams& p, char* base, int 
     }
     // Mqk's diagonal is <q^_i, k^_i> (the decays cancel): in fp32 here, not from bf16 operands
     // (the largest single error of o otherwise: rel RMSE 4.0e-3 -> 3.1e-3 in the emulation).
-    float dqk = 0.f;
+    if (one_tree) {
+      dqk *= aq * ak;
+    } else {
 #pragma unroll
-    for (int e = 0; e < 8; ++e) dqk += xq[e] * xk[e];
+      for (int e = 0; e < 8; ++e) dqk += xq[e] * xk[e];
 #pragma unroll
-    for (int o = GPR / 2; o > 0; o >>= 1) dqk += __shfl_xor_sync(0xffffffffu, dqk, o);
+      for (int o = GPR / 2; o > 0; o >>= 1) dqk += __shfl_xor_sync(0xffffffffu, dqk, o);
+    }
     if (d == 0) {
       sbc[ri] = b;
       srq[ri] = aq;
       srk[ri] = ak;
       sdg[ri] = dqk;
-    }
     }
   }
 }
