@@ -254,6 +254,7 @@ __device__ __forceinline__ P0In prep_phase0_load(const KdaParams& p, const char*
 // ---- 0. inputs of row ri, columns d .. d + 7 (read into ld; rows past the end are stale shared
 // memory: selected away, never multiplied), and the gate cumsum of column col, rows 8 half ..
 // 8 half + 7. The caller has waited for the record slot and the input stage.
+template <bool GATE = true>  // (false: the caller runs the gate by columns, prep_gate_col)
 __device__ __forceinline__ void prep_phase0(const KdaParams& p, char* base, int c, int rows, int ri, int d, int col,
                                             int half, uint32_t rb, float aexp, float bias, const P0In& ld,
                                             float (&xq)[8], float (&xk)[8], float& b) {
@@ -271,7 +272,7 @@ __device__ __forceinline__ void prep_phase0(const KdaParams& p, char* base, int 
     const float x = p.beta_fp32 ? __uint_as_float(rb) : to_f(bits_as<in_t>(rb));
     b = sigmoidf_(x) * (p.neg_eigval ? 2.f : 1.f);
   }
-  {
+  if constexpr (GATE) {
     float a[8];
     float run = 0.f;
 #pragma unroll
@@ -333,6 +334,30 @@ __device__ __forceinline__ void prep_phase0(const KdaParams& p, char* base, int 
       sdg[ri] = dqk;
     }
   }
+}
+
+// GCOL: the gate of column col, all C rows, by one thread (the group's thread col; K = 128 threads): activation,
+// cumsum in row order, the C cumulative values into sG (a warp stores 32 consecutive columns of a row: no bank
+// conflict) and Gamma_C. Replaces phase 0's two half-columns per thread joined by a shuffle. gx: loaded first.
+__device__ __forceinline__ void prep_gate_col_load(const KdaParams& p, const char* base, int c, int col, float (&gx)[C]) {
+  const char* const gp = base + SM_IN + (c % NIN) * IN_BYTES + IN_G;
+#pragma unroll
+  for (int j = 0; j < C; ++j)
+    gx[j] = (KDA_SM90_G16_ONLY ? false : (bool)p.g_fp32) ? reinterpret_cast<const float*>(gp + j * GROW)[col]
+                                                          : to_f(reinterpret_cast<const in_t*>(gp + j * GROW16)[col]);
+}
+__device__ __forceinline__ void prep_gate_col(const KdaParams& p, char* base, int c, int rows, int col, float aexp,
+                                              float bias, const float (&gx)[C]) {
+  KDA_PREP_SCRATCH(base, c);
+  float run = 0.f;
+#pragma unroll
+  for (int j = 0; j < C; ++j) {
+    // activated unconditionally, then selected: rows past the end do not decay
+    const float act = gate_act(gx[j] + bias, aexp, p.lower_bound);
+    run += j < rows ? act : 0.f;
+    sG[j * KP + col] = run;
+  }
+  reinterpret_cast<float*>(rec + R_GM)[col] = __expf(run);
 }
 
 // ---- 1. decays of row ri, columns d .. d + 7, once per element; Qd and Kr into the record
