@@ -122,8 +122,8 @@ def _sass_checkable() -> list[tuple[Variant, Path]]:
 @pytest.mark.parametrize("va", _sass_checkable(), ids=lambda va: va[0].name)
 def test_sm90_sass_structure(va):
     """The machine code is the design: HGMMA for the consumer's products (m64n16: 1 + 2 K/16 + 6 with
-    the Kg record, 2 + 2 K/16 + 3 with W; one m64nK with transposed B per chunk), bulk copies (the pair:
-    tensor-map copies) completing on mbarriers (UBLKCP or UTMALDG, SYNCS), setmaxnreg where the roles' register needs differ, and
+    the Kg record, 2 + 2 K/16 + 3 with W; one m64nK with transposed B per chunk), bulk copies
+    completing on mbarriers (UBLKCP, SYNCS), setmaxnreg where the roles' register needs differ, and
     the prep's mma.sync (HMMA)."""
     from kdagen_dev.sass import disassemble
 
@@ -144,11 +144,7 @@ def test_sm90_sass_structure(va):
         assert count("HGMMA.64x16x16.F32.BF16") == ((1 + 3 if pipe else 2) + 2 * (var.k // 16) + 3
                                                     + (var.k // 16 if var.k == 64 else 0)), ops
     assert count(f"HGMMA.64x{var.k}x16.F32.BF16") == 1 and ".tnspB" in text, ops
-    pair = pipe and var.block_v == 64
-    if pair:  # the copy warpgroup's tensor-map boxes: q, k, g of a local chunk, v of its two global chunks
-        assert count("UTMALDG.4D") == 5 and count("UBLKCP.S.G") == 0, ops
-    else:
-        assert count("UBLKCP.S.G") >= 4 and count("UTMALDG") == 0, ops  # q, k, g, v rows (prologue and loop)
+    assert count("UBLKCP") >= 4, ops  # q, k, g, v rows (prologue and loop copies)
     assert count("SYNCS.PHASECHK") >= 4 and count("SYNCS.ARRIVE") >= 4, ops
     rounds = 3 if pipe else 2  # wgmma round trips per step
     # (the pair's LATE_DECAY adds a wait_group 1 ahead of the decay: it returns at once, and without it ptxas injects
@@ -157,6 +153,7 @@ def test_sm90_sass_structure(va):
     assert count("WARPGROUP.DEPBAR") == rounds + (1 if yo else 0), ops
     # L/Mqk per K slice; W only in the one-group prep (3 x 2 per 16-column tile). The pair's two prep groups
     # each run phases 0-5 of their own chunks (KDA_SM90_DUAL), so each has its copy of phase 2 and the forward.
+    pair = pipe and var.block_v == 64
     groups = 2 if pair else 1
     assert count("HMMA.16816") == groups * 4 * (2 if var.k >= 128 else 1) + (0 if pipe else 6), ops
     threads = 2 * var.k + 128 * (var.block_v // 64)
@@ -235,61 +232,10 @@ def test_sm90_launch_grid(heads_x: bool, monkeypatch):
             launches.append((tuple(grid), tuple(block)))
 
     la = Sm90Launcher(var, Path("unused.fatbin"))
-    monkeypatch.setattr(la, "_module", lambda dev: (Mod(), "kda_fused", 1000, 384, heads_x, 0, 0))
+    monkeypatch.setattr(la, "_module", lambda dev: (Mod(), "kda_fused", 1000, 384, heads_x))
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: type("S", (), {"cuda_stream": 7})())
     la.launch(call, p)
     assert launches == [((HV, N, 2) if heads_x else (N, HV, 2), (384, 1, 1))]
-
-
-def test_sm90_launch_tensor_maps(monkeypatch):
-    """An image with tensor-map copies (kda_param_meta) gets one argument: the KdaParams bytes, then the four
-    maps at the kernel's offset, built from the filled parameters (q, k: H heads, g, v: HV heads; boxes of one
-    chunk; v in 64-column swizzled boxes). No GPU: the encoder and the module are recorded."""
-    from kdagen.targets import sm90 as t90
-    from kdagen.targets import tma
-    from kdagen.targets.cuda_launch import KdaParams
-
-    var = Variant("sm90", 16, 128, 128, "bf16", "bounded", "fp32", 64)
-    T, H, HV = 40, 2, 4
-    call = _cpu_call(T, H, HV, 128)
-    p, _, _ = t90.build_params(call, var, var.name)
-    encoded, args = [], []
-
-    def fake_encode(addr, dtype, dims, strides, box, swizzle, who):
-        encoded.append((addr, dtype, dims, strides, box, swizzle))
-        return bytes([len(encoded)]) * tma.TMAP_BYTES
-
-    class Mod:
-        def launch(self, f, grid, block, smem, stream, params, what):
-            args.append(bytes(params))
-
-    size = ctypes.sizeof(KdaParams)
-    off = (size + 63) // 64 * 64
-    la = t90.Sm90Launcher(var, Path("unused.fatbin"))
-    monkeypatch.setattr(tma, "encode", fake_encode)
-    monkeypatch.setattr(la, "_module", lambda dev: (Mod(), "kda_fused", 1000, 384, True, off + 4 * 128, off))
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: type("S", (), {"cuda_stream": 7})())
-    la.launch(call, p)
-    (arg,) = args
-    assert len(arg) == off + 512 and arg[:size] == bytes(p)
-    assert [arg[off + 128 * i] for i in range(4)] == [1, 2, 3, 4]
-    # (K or V, time, heads, batch); BSND bf16 q: time stride H K elements, head stride K; g is fp32 here
-    q, k, g, v = encoded
-    assert q[1:] == (1, (128, T, H, 1), (H * 128 * 2, 128 * 2, T * H * 128 * 2), (128, 16, 1, 1), 0)
-    assert q[0] == p.q and k[0] == p.k and g[0] == p.g and v[0] == p.v
-    g_st = tuple(int(x) * 4 for x in (p.g_s[1], p.g_s[2]))
-    assert g[1] == (7 if p.g_fp32 else 1) and g[2] == (128, T, HV, 1) and g[3][:2] == g_st
-    assert v[2] == (128, T, HV, 1) and v[4] == (64, 16, 1, 1) and v[5] == 3
-
-
-def test_tma_map_strides():
-    """A size-1 dimension's stride is never stepped: any torch reports there becomes one past the dimensions
-    before it, so that the driver's 16-byte rule holds; other strides pass through."""
-    from kdagen.targets.tma import map_strides
-
-    assert map_strides((128, 100, 4, 3), (1024, 256, 102400), 2) == (1024, 256, 102400)
-    assert map_strides((128, 100, 1, 1), (256, 2, 2), 2) == (256, 25600, 25600)
-    assert map_strides((128, 1, 8, 1), (7, 256, 3), 4) == (512, 256, 2048)
 
 
 # ----------------------------------------------------------------------------- GPU

@@ -180,7 +180,7 @@ class LoadedModule:
         return bytes(buf)
 
     def launch(self, func, grid: tuple[int, int, int], block: tuple[int, int, int], smem: int, stream: int,
-               params: ctypes.Structure | ctypes.Array, what: str) -> None:
+               params: ctypes.Structure, what: str) -> None:
         """Launch `func` with one by-value struct argument on the CUstream handle `stream`."""
         drv = driver()
         argv = (ctypes.c_void_p * 1)(ctypes.addressof(params))

@@ -9,7 +9,6 @@ constants are read from the module's `kda_meta` global (single source of truth: 
 
 from __future__ import annotations
 
-import ctypes
 import struct
 from pathlib import Path
 
@@ -22,7 +21,6 @@ from .cuda_driver import load_module
 from .cuda_launch import KdaParams, check_call, check_shared_memory
 from .cuda_launch import aligned_btH, aligned_inputs
 from .cuda_launch import ptr as _ptr
-from .tma import params90, tensor_maps
 
 
 
@@ -95,31 +93,18 @@ class Sm90Launcher:
                 heads_x = struct.unpack("<i", mod.read_global("kda_grid_heads_x", 4))[0] == 1
             except RuntimeError:
                 heads_x = False
-            try:  # an image with tensor-map copies takes KdaParams90: the parameters, then the maps
-                size90, tm_off, size = struct.unpack("<3i", mod.read_global("kda_param_meta", 12))
-            except RuntimeError:
-                size90, tm_off, size = 0, 0, ctypes.sizeof(KdaParams)
-            if size != ctypes.sizeof(KdaParams):
-                raise RuntimeError(f"{v.name}: artifact {self.artifact} has a {size}-byte KdaParams, this kdagen "
-                                   f"{ctypes.sizeof(KdaParams)} (rebuild it: kdagen build)")
-            meta = (mod, mod.function("kda_fused", smem), smem, nt, heads_x, size90, tm_off)
+            meta = (mod, mod.function("kda_fused", smem), smem, nt, heads_x)
             self._meta[idx] = meta
         return meta
 
     def launch(self, call: KdaCall, p: KdaParams) -> None:
-        """Queue kda_fused on the current stream with parameters `p` (from build_params) for `call`; an image
-        with tensor-map copies gets the maps encoded from `p` (kdagen/targets/tma.py) after it."""
-        mod, f, smem, nt, heads_x, size90, tm_off = self._module(call.q.device)
-        v = self.variant
-        arg = p
-        if size90:
-            maps = tensor_maps(p, v.k, v.v, v.chunk, 2, v.name)  # (q, k, v: bf16 or fp16)
-            arg = params90(KdaParams, p, maps, tm_off, size90)
+        """Queue kda_fused on the current stream with parameters `p` (from build_params) for `call`."""
+        mod, f, smem, nt, heads_x = self._module(call.q.device)
         stream = torch.cuda.current_stream(call.q.device).cuda_stream
         # grid: heads along x, sequences along y (the kernel maps row y to sequences longest first)
-        nv = v.v // v.block_v
+        nv = self.variant.v // self.variant.block_v
         grid = (call.HV, call.N, nv) if heads_x else (call.N, call.HV, nv)
-        mod.launch(f, grid, (nt, 1, 1), smem, stream, arg, "kda_fused")
+        mod.launch(f, grid, (nt, 1, 1), smem, stream, p, "kda_fused")
 
     def __call__(self, call: KdaCall) -> None:
         v = self.variant

@@ -45,17 +45,7 @@ __device__ __forceinline__ int longest_first(const KdaParams& p, int r, char* sc
 }
 }  // namespace kda
 
-#if KDA_SM90_TMA_ON
-// Read by the launcher: sizeof(KdaParams90), the maps' offset in it, sizeof(KdaParams) (images without it take
-// KdaParams alone).
-extern "C" __device__ int kda_param_meta[3] = {(int)sizeof(KdaParams90), (int)offsetof(KdaParams90, tm),
-                                               (int)sizeof(KdaParams)};
-extern "C" __global__ void KDA_CLUSTER_DIMS __launch_bounds__(kda::NT, 1)
-    kda_fused(const __grid_constant__ KdaParams90 pp) {
-  const KdaParams& p = pp.p;  // (a reference into parameter space: tmaps(p) finds the maps after it)
-#else
 extern "C" __global__ void KDA_CLUSTER_DIMS __launch_bounds__(kda::NT, 1) kda_fused(const KdaParams p) {
-#endif
   using namespace kda;
   extern __shared__ __align__(16) char smem_raw[];
   // Swizzled record tiles need 1024-byte aligned atoms: align the dynamic base (SMEM_BYTES

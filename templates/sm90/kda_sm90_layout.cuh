@@ -4,7 +4,6 @@
 #pragma once
 #include "kda_variant.cuh"
 #include "kda_sm90_ptx.cuh"
-#include "kda_sm90_tma.cuh"
 
 namespace kda {
 
@@ -37,14 +36,6 @@ constexpr int NCONS = BV / 64;      // consumer warpgroups, 64 rows of V (wgmma 
 #define KDA_SM90_CW_ON 0
 #endif
 constexpr bool PAIR_CW = KDA_SM90_CW_ON;
-// The copy warpgroup's copies by tensor map (default; KDA_SM90_TMA=0 for a bulk copy per row): one box per tensor
-// and chunk from one thread (kda_sm90_tma.cuh); the kernel then takes KdaParams90 (the parameters and four maps).
-#if KDA_SM90_CW_ON && (!defined(KDA_SM90_TMA) || KDA_SM90_TMA)
-#define KDA_SM90_TMA_ON 1
-#else
-#define KDA_SM90_TMA_ON 0
-#endif
-constexpr bool TMA = KDA_SM90_TMA_ON;
 constexpr int NTX = PAIR_CW ? 128 : 0;  // threads of the copy warpgroup (after the prep, before the consumers)
 constexpr int NT = NTP + NTX + 128 * NCONS;
 static_assert(NWP % 4 == 0, "consumer warpgroups must start on a warpgroup boundary");
@@ -56,27 +47,16 @@ constexpr int LAUNCH_REGS = NT == 512 ? 128 : 168;
 constexpr int PREP_REGS = NT == 512 ? 96 : 152;
 // (CONS_REGS, the consumers' registers, follows DUAL below)
 
-// ---- input stage (q, k, g rows of one chunk; bulk-copied, or dense boxes with TMA) ----
-constexpr int QROW = K * 2;                  // bytes of a q / k row
-constexpr int GROW = K * 4 + (TMA ? 0 : 16);  // fp32 g row pitch (row copies: +16 spreads the banks)
-constexpr int GROW16 = TMA ? K * 2 : GROW;    // 16-bit g row pitch
+// ---- input stage (q, k, g rows of one chunk; bulk-copied) ----
+constexpr int QROW = K * 2;            // bytes of a q / k row
+constexpr int GROW = K * 4 + 16;       // g row pitch (room for fp32; +16 spreads the banks)
 constexpr int IN_Q = 0;
 constexpr int IN_K = C * QROW;
 constexpr int IN_G = 2 * C * QROW;
 constexpr int IN_BYTES = 2 * C * QROW + C * GROW;
-// ---- v stage (this CTA's BV columns). Row copies: rows padded by 16 bytes; TMA: 64-column boxes of C rows,
-// each 128-byte swizzled. Both make the consumers' ldmatrix.trans conflict-free. ----
+// ---- v stage (this CTA's BV columns; rows padded by 16 bytes: conflict-free ldmatrix.trans) ----
 constexpr int VROW = BV * 2 + 16;
-constexpr int V_BOX = C * 128;
-constexpr int V_BYTES = TMA ? (BV / 64) * V_BOX : C * VROW;
-// Byte offset of v (row, col) in a stage.
-__device__ __forceinline__ uint32_t v_off(int row, int col) {
-  if constexpr (TMA) {
-    return (uint32_t)((col >> 6) * V_BOX + row * 128 + ((((col & 63) >> 3) ^ (row & 7)) << 4) + (col & 7) * 2);
-  } else {
-    return (uint32_t)(row * VROW + col * 2);
-  }
-}
+constexpr int V_BYTES = C * VROW;
 
 // ---- chunk record (written by the prep, read by the consumers' wgmma) ----
 constexpr int R_QD = 0;                 // bf16 [C][K] Qd, K-major 128B-swizzled
@@ -167,13 +147,13 @@ constexpr bool LATE_DECAY = YO;
 #else
 constexpr bool LATE_DECAY = false;
 #endif
-// KDA_SM90_P3U (DUAL; =0 turns it off): phase 3 and 5a with every entry's loads first, unrolled and without branches
+// KDA_SM90_P3U (=0 turns it off): phase 3 and 5a with every entry's loads first, unrolled and without branches
 // (stamps, H200 2026-12-02: phase 3 took ~870 cycles of a pair group's ~8000-cycle chunk, 341 after; the pair -2..-9%,
-// o bitwise equal). bv128 and K = 64 not measured.
+// o bitwise equal). With SPAN_VOTE, H200 2026-12-03: K = 64 -15..-16%, bv128 -0.3..-1.3%, o bitwise equal.
 #if defined(KDA_SM90_P3U)
 constexpr bool P3U = KDA_SM90_P3U;
 #else
-constexpr bool P3U = DUAL;
+constexpr bool P3U = true;
 #endif
 // KDA_SM90_GCOL (experimental, DUAL; default 0): phase 0's gate by columns, one thread per column and all C rows
 // (prep_gate_col), instead of two 8-row halves per column joined by a shuffle (o not bitwise equal: the cumsum's
@@ -191,12 +171,12 @@ constexpr bool DQK1 = KDA_SM90_DQK1;
 #else
 constexpr bool DQK1 = false;
 #endif
-// KDA_SM90_SPAN_VOTE (DUAL; =0 turns it off): phase 2 decides a slice's exact fallback with one warp vote instead of a
-// max over five shuffles (H200 2026-12-02: the pair -1..-6% alone, o bitwise equal). bv128 and K = 64 not measured.
+// KDA_SM90_SPAN_VOTE (=0 turns it off): phase 2 decides a slice's exact fallback with one warp vote instead of a
+// max over five shuffles (H200 2026-12-02: the pair -1..-6% alone, o bitwise equal; bv128 and K = 64: see P3U).
 #if defined(KDA_SM90_SPAN_VOTE)
 constexpr bool SPAN_VOTE = KDA_SM90_SPAN_VOTE;
 #else
-constexpr bool SPAN_VOTE = DUAL;
+constexpr bool SPAN_VOTE = true;
 #endif
 // OHL (K = 64, `KDA_SM90_OHL=0` turns it off): the o product takes S in hi + lo bf16 (K/16 more m64n16k16, off
 // the step's chain). K = 64 has half the terms per output to average bf16(S)'s rounding over: rel RMSE of o at
@@ -324,8 +304,6 @@ constexpr int SMEM_BYTES = SMEM_USED + 1024;  // slack to align the dynamic base
 constexpr int SMEM_MAX = 227 * 1024;          // H100 / H200 opt-in maximum per block
 static_assert(IN_BYTES % 16 == 0 && V_BYTES % 16 == 0 && SCR_BYTES % 16 == 0, "16-byte aligned stages");
 static_assert(SMEM_BYTES <= SMEM_MAX, "sm90 shared memory");
-static_assert(!TMA || ((SM_IN | IN_BYTES | SM_V | V_BYTES) % 1024 == 0 && (IN_K | IN_G) % 128 == 0),
-              "TMA boxes: 128-byte aligned, the swizzled v boxes 1024-byte aligned");
 
 // KDA_SM90_STAMPS=1 (diagnostic builds only; scripts/sm90_stamps.py): one thread of each role writes
 // clock64() and %globaltimer at the ring's handoffs of chunks STAMP_C0 .. STAMP_C0 + STAMP_N - 1 of the

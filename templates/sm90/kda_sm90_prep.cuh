@@ -159,33 +159,6 @@ __device__ __forceinline__ void issue_v(const KdaParams& p, const SeqInfo& si, i
   }
 }
 
-#if KDA_SM90_TMA_ON
-// TMA (the pair's copy warpgroup): q, k, g of local chunk j (global KDA_GCHUNK(j)) into input stage j % NIN, and
-// v of global chunk cc into V stage cc % NV, each one box of C rows of this CTA's head from token si.tb + C cc, from
-// one thread. Rows past the tensor's end are zero-filled and rows past the sequence's end are the next sequence's:
-// the prep selects zeros for both and the consumers mask v^T in a short chunk. The boxes' bytes always arrive whole.
-__device__ __forceinline__ void tma_qkg(const KdaParams& p, const SeqInfo& si, int j, char* base, uint64_t* bars) {
-  const KdaTmap* tm = tmaps(p);
-  const int cc = KDA_GCHUNK(si, j), st = j % NIN;
-  const int t = (int)si.tb + cc * C, b = (int)si.bidx;
-  char* const in = base + SM_IN + st * IN_BYTES;
-  uint64_t* full = bars + B_IN_FULL + st;
-  sm90::mbar_arrive_expect_tx(full, (uint32_t)(C * (2 * QROW + K * (p.g_fp32 ? 4 : 2))));
-  sm90::tma_load_4d(in + IN_Q, tm + TM_Q, 0, t, si.h / p.group, b, full);
-  sm90::tma_load_4d(in + IN_K, tm + TM_K, 0, t, si.h / p.group, b, full);
-  sm90::tma_load_4d(in + IN_G, tm + TM_G, 0, t, si.h, b, full);
-}
-__device__ __forceinline__ void tma_v(const KdaParams& p, const SeqInfo& si, int cc, char* base, uint64_t* bars) {
-  const KdaTmap* tm = tmaps(p);
-  const int vs = cc % NV, t = (int)si.tb + cc * C, b = (int)si.bidx;
-  uint64_t* full = bars + B_V_FULL + vs;
-  sm90::mbar_arrive_expect_tx(full, (uint32_t)V_BYTES);
-#pragma unroll
-  for (int hb = 0; hb < BV / 64; ++hb)
-    sm90::tma_load_4d(base + SM_V + vs * V_BYTES + hb * V_BOX, tm + TM_V, si.vb * BV + 64 * hb, t, si.h, b, full);
-}
-#endif
-
 // beta of row ri of chunk cc (raw bits: fp32, or the input type in the low 16 bits).
 __device__ __forceinline__ uint32_t load_beta(const KdaParams& p, const SeqInfo& si, int cc, int ri) {
   if (cc >= si.nc) return 0u;
@@ -243,11 +216,10 @@ __device__ __forceinline__ P0In prep_phase0_load(const KdaParams& p, const char*
   x.rq = *reinterpret_cast<const uint4*>(in + IN_Q + ri * QROW + d * 2);
   x.rk = *reinterpret_cast<const uint4*>(in + IN_K + ri * QROW + d * 2);
   const char* gp = in + IN_G + (8 * half) * GROW;
-  const char* gp16 = in + IN_G + (8 * half) * GROW16;
 #pragma unroll
   for (int j = 0; j < 8; ++j)
     x.gx[j] = (KDA_SM90_G16_ONLY ? false : (bool)p.g_fp32) ? reinterpret_cast<const float*>(gp + j * GROW)[col]
-                       : to_f(reinterpret_cast<const in_t*>(gp16 + j * GROW16)[col]);
+                       : to_f(reinterpret_cast<const in_t*>(gp + j * GROW)[col]);
   return x;
 }
 
@@ -344,7 +316,7 @@ __device__ __forceinline__ void prep_gate_col_load(const KdaParams& p, const cha
 #pragma unroll
   for (int j = 0; j < C; ++j)
     gx[j] = (KDA_SM90_G16_ONLY ? false : (bool)p.g_fp32) ? reinterpret_cast<const float*>(gp + j * GROW)[col]
-                                                          : to_f(reinterpret_cast<const in_t*>(gp + j * GROW16)[col]);
+                                                          : to_f(reinterpret_cast<const in_t*>(gp + j * GROW)[col]);
 }
 __device__ __forceinline__ void prep_gate_col(const KdaParams& p, char* base, int c, int rows, int col, float aexp,
                                               float bias, const float (&gx)[C]) {

@@ -40,25 +40,6 @@ constexpr int CW_REGS = DUAL ? 24 : 40;
 __device__ __forceinline__ void copy_role_pair(const KdaParams& p, const SeqInfo& si, char* base, uint64_t* bars) {
   const int w = (threadIdx.x - NTP) >> 5, lane = threadIdx.x & 31;
   const int nl = nlocal(si);
-#if KDA_SM90_TMA_ON
-  // One thread issues every box; the warp waits with it (warps 1-3 have nothing to do: they wait at the exit).
-  if (w != 0) return;
-  for (int j = 0; j < nl || 2 * j < si.nc; ++j) {
-    if (j < nl) {
-      sm90::mbar_wait(bars + B_IN_EMPTY + j % NIN, ((j / NIN) & 1) ^ 1);
-      if (lane == 0) tma_qkg(p, si, j, base, bars);
-    }
-#pragma unroll
-    for (int u = 0; u < 2; ++u) {
-      const int cc = 2 * j + u;
-      if (cc < si.nc) {
-        sm90::mbar_wait(bars + B_V_EMPTY + cc % NV, ((cc / NV) & 1) ^ 1);
-        if (lane == 0) tma_v(p, si, cc, base, bars);
-      }
-    }
-  }
-  return;
-#endif
   for (int j = 0; j < nl || 2 * j < si.nc; ++j) {
     if (j < nl) {
       sm90::mbar_wait(bars + B_IN_EMPTY + j % NIN, ((j / NIN) & 1) ^ 1);

@@ -149,7 +149,7 @@ __device__ __forceinline__ void consumer_role(const KdaParams& p, const SeqInfo&
     const int vs = c % NV;
     sm90::mbar_wait(bars + B_V_FULL + vs, (c / NV) & 1);
     KDA_STAMP2(tid == 0 && cw == 0, c, ST_C_VGO);
-    ldsm_x4_t(va, base + SM_V + vs * V_BYTES + v_off(vt_row, vt_col));
+    ldsm_x4_t(va, base + SM_V + vs * V_BYTES + vt_row * VROW + vt_col * 2);
 #pragma unroll
     for (int q = 0; q < 4; ++q) va[q] = to_bf16x2(va[q]);
     // Only a short chunk needs the mask (a branch: as a select it kept its cost, H200 2026-12-02: bv128
