@@ -153,7 +153,7 @@ constexpr bool LATE_DECAY = false;
 #if defined(KDA_SM90_P3U)
 constexpr bool P3U = KDA_SM90_P3U;
 #else
-constexpr bool P3U = true;
+constexpr bool P3U = UKG || !PREP_PIPE;  // (the pipeline's W-record A/B baseline spills 4 bytes with it)
 #endif
 // KDA_SM90_GCOL (experimental, DUAL; default 0): phase 0's gate by columns, one thread per column and all C rows
 // (prep_gate_col), instead of two 8-row halves per column joined by a shuffle (o not bitwise equal: the cumsum's
