@@ -40,7 +40,7 @@ class FakeFunc(str):
         return FUNC_HANDLES[self]
 
 
-FUNC_HANDLES = {"kda_prep": 0x1000, "kda_recur": 0x2000}
+FUNC_HANDLES = {"kda_prep": 0x1000, "kda_recur": 0x2000, "kda_fused": 0x3000}
 FUNCS = {n: FakeFunc(n) for n in FUNC_HANDLES}
 _BY_HANDLE = {h: FUNCS[n] for n, h in FUNC_HANDLES.items()}
 _CALLBACK = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, *[ctypes.c_uint] * 7, ctypes.c_void_p, ctypes.c_void_p,
@@ -165,6 +165,22 @@ def sm80_on_cpu(variant: Optional[Variant] = None, record: bool = True,
         if drv.clib is not None:
             drv.clib.fake_set_callback(_CALLBACK())  # no callback into a driver that is gone
         sm80.Sm80Bound.drop_arenas()
+
+
+@contextmanager
+def sm90_on_cpu(variant: Variant, shim: bool = False) -> Iterator[tuple[object, RecordingDriver]]:
+    """An Sm90Launcher of `variant` over the fake module and driver (the sm80 pieces its bound launch shares,
+    patched as sm80_on_cpu patches them): kda_fused with SMEM90 bytes and NT90 threads, heads along x."""
+    import kdagen.targets.sm90 as sm90
+
+    with sm80_on_cpu(shim=shim) as (_la80, drv):
+        la = sm90.Sm90Launcher(variant, Path("unused.fatbin"))
+        mod = RecordingModule(drv)
+        la._module = lambda dev: (mod, FUNCS["kda_fused"], SMEM90, NT90, True)
+        yield la, drv
+
+
+SMEM90, NT90 = 200000, 512
 
 
 @contextmanager

@@ -254,6 +254,71 @@ def _bound_against_general(la, drv, varlen):
     assert drv.launches == []
 
 
+@pytest.mark.parametrize("varlen", [False, True], ids=["batch", "varlen"])
+@pytest.mark.parametrize("shim", [False, True], ids=["bindings", "shim"])
+def test_sm90_bound_launch_passes_the_general_paths_struct(varlen, shim):
+    """The sm90 launcher's bound launch (kda_fused alone; through the launch shim, whose second launch it uses,
+    or cuda-bindings): the general path's launch byte for byte, for other tensors of the same signature
+    (chunk states too); it declines unaligned data, a realigned signature is not bound, and a refused launch
+    sends the call back to the general path, named."""
+    from kdagen.targets.cuda_launch import KdaParams
+    from kdagen.variant import Variant
+
+    var = Variant("sm90", 16, 64, 64, "bf16", "bounded", "fp32", 64)
+    T, H, HV, K = 48, 2, 4, 64
+    lens = [5, 0, 43] if varlen else None
+    N, B = (len(lens), 1) if varlen else (2, 2)
+
+    def call_of(seed, max_len=None, q=None):
+        gen = torch.Generator().manual_seed(seed)
+        r = lambda *sh: torch.randn(*sh, generator=gen)  # noqa: E731
+        qq = r(B, T, H, K).bfloat16() if q is None else q
+        kk, vv, gg = r(B, T, H, K).bfloat16(), r(B, T, HV, K).bfloat16(), r(B, T, HV, K)
+        beta, h0 = r(B, T, HV), r(N, HV, K, K)
+        o, fs = torch.empty_like(vv), torch.empty_like(h0)
+        cs = torch.empty(12, HV, K, K)
+        co = torch.tensor([0, 1, 1, 4] if varlen else [0, 3, 6], dtype=torch.int32)
+        st = lambda t: (t.stride(0), t.stride(1), t.stride(2))  # noqa: E731
+        return rt.KdaCall(q=qq, k=kk, v=vv, g=gg, beta=beta, o=o, q_strides=st(qq), k_strides=st(kk),
+                          v_strides=st(vv), g_strides=st(gg), beta_strides=st(beta.unsqueeze(-1)), o_strides=st(o),
+                          B=B, T=T, N=N, H=H, HV=HV, K=K, V=K,
+                          cu_seqlens=torch.tensor([0, 5, 5, 48], dtype=torch.int32) if varlen else None,
+                          A_log=r(HV), dt_bias=r(HV, K), scale=0.125, lower_bound=-5.0, use_qk_l2norm=True,
+                          allow_neg_eigval=False, initial_state=h0, final_state=fs, state_kv=False, chunk_states=cs,
+                          chunk_offsets=co, max_len=(max_len or 43) if varlen else T, workspace=None)
+
+    def args(c):
+        return (c.q, c.k, c.v, c.g, c.beta, c.o, c.A_log, c.dt_bias, c.cu_seqlens, c.initial_state, c.final_state,
+                c.chunk_states, c.chunk_offsets, None, c.max_len)
+
+    with fake_cuda.sm90_on_cpu(var, shim=shim) as (la, drv):
+        bound = la.bind(call_of(0))
+        assert bound is not None and ("through the launch shim" in bound.launch_path) == shim, bound.launch_path
+        c2 = call_of(1, max_len=40)
+        la(c2)
+        general = drv.launches[:]
+        drv.launches.clear()
+        assert bound.launch(*args(c2)) and drv.launches == general
+        (f, grid, block, smem, stream, raw), = general
+        assert (f, grid, block, smem, stream) == ("kda_fused", (HV, N, 1), (fake_cuda.NT90, 1, 1), fake_cuda.SMEM90,
+                                                 fake_cuda.STREAM)
+        p = KdaParams.from_buffer_copy(raw)
+        assert (p.q, p.o, p.hc, p.chunk_offsets, p.ws) == (c2.q.data_ptr(), c2.o.data_ptr(),
+                                                           c2.chunk_states.data_ptr(), c2.chunk_offsets.data_ptr(), 0)
+        assert p.max_len == (40 if varlen else T)
+        # unaligned q: declined, nothing launched (the general path realigns it)
+        drv.launches.clear()
+        q_off = torch.empty(c2.q.numel() + 8, dtype=c2.q.dtype)[1:1 + c2.q.numel()].view(c2.q.shape)
+        assert not bound.launch(*args(call_of(2, q=q_off))) and drv.launches == []
+        # a signature whose q the general path realigns has no bound launch
+        assert la.bind(call_of(3, q=q_off)) is None
+        # a refused launch: False, named, and the next call launches again
+        drv.fail("kda_fused", 1, 700)
+        assert not bound.launch(*args(c2)) and "kda_fused" in bound.last_failure
+        drv.launches.clear()
+        assert bound.launch(*args(c2)) and drv.launches == general
+
+
 @pytest.mark.parametrize("shim", [False, True], ids=["bindings", "shim"])
 def test_sm80_bound_launch_of_no_tokens_launches_only_the_recurrence(shim):
     """T = 0 (B sequences of no tokens): no prep chunks, so only kda_recur runs (it writes the
@@ -526,14 +591,23 @@ def _gpu_case(lens, chunk=False):
     return make_case(v, "cuda", lens=lens, H=2, HV=4, chunk_states=chunk)
 
 
+SM90_PAIR = "kda_fwd_sm90_c16_k128_v128_bf16_gb_sfp32_bv64"
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("target", ["sm80", "sm90"])
 @pytest.mark.parametrize("how", ["batch", "varlen_host_offsets", "varlen_assume_valid", "chunk_states",
                                  "owned_buffers"])
-def test_gpu_bound_launch_equals_the_general_path(how):
+def test_gpu_bound_launch_equals_the_general_path(how, target):
     from kdagen.targets.sm80 import Sm80Bound
+    from kdagen.targets.sm90 import Sm90Bound
 
+    if target == "sm90" and torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("sm90 variants need an sm_90 GPU")
     lens = [64] if how in ("batch", "owned_buffers") else [300, 0, 17, 700]
     kw = _gpu_case(lens, chunk=how == "chunk_states")
+    if target == "sm90":
+        kw["variant"] = SM90_PAIR
     if how == "varlen_host_offsets":
         kw["cu_seqlens_cpu"] = kw["cu_seqlens"].cpu()
     if how == "varlen_assume_valid":
@@ -543,12 +617,13 @@ def test_gpu_bound_launch_equals_the_general_path(how):
         kw.update(out=torch.empty_like(kw["v"]), final_state=torch.empty_like(kw["initial_state"]), workspace=ws)
     first = [t.clone() for t in kdagen.kda_prefill(**kw)]  # the general path (and bind)
     plan = next(iter(rt._PLANS.values()))
-    assert plan.entry.variant.target == "sm80" and isinstance(plan.fast, Sm80Bound), (plan.entry.name, plan.fast)
+    bound_type = Sm80Bound if target == "sm80" else Sm90Bound
+    assert plan.entry.variant.target == target and isinstance(plan.fast, bound_type), (plan.entry.name, plan.fast)
     second = kdagen.kda_prefill(**kw)  # the bound launch
     assert all(torch.equal(a, b) for a, b in zip(first, second)), how
     ref = kda_reference(**{n: (t.cpu() if isinstance(t, torch.Tensor) else t) for n, t in kw.items()
                            if n not in ("out", "final_state", "workspace", "assume_valid", "cu_seqlens_cpu",
-                                        "return_chunk_states", "chunk_size", "state_dtype")},
+                                        "return_chunk_states", "chunk_size", "state_dtype", "variant")},
                         chunk_states_size=16 if how == "chunk_states" else None)
     for got, want in zip(second, ref):
         if want is not None:

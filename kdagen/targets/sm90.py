@@ -9,6 +9,8 @@ constants are read from the module's `kda_meta` global (single source of truth: 
 
 from __future__ import annotations
 
+import ctypes
+import logging
 import struct
 from pathlib import Path
 
@@ -21,6 +23,9 @@ from .cuda_driver import load_module
 from .cuda_launch import KdaParams, check_call, check_shared_memory
 from .cuda_launch import aligned_btH, aligned_inputs
 from .cuda_launch import ptr as _ptr
+from . import launch_shim, sm80  # (the bound launch's shared pieces are sm80's, looked up there at call time)
+
+log = logging.getLogger("kdagen")
 
 
 
@@ -115,3 +120,116 @@ class Sm90Launcher:
         if o_run is not None:
             call.o.copy_(o_run)
         del keep  # realigned copies were made on this stream: the allocator keeps them for its work
+
+    def bind(self, call: KdaCall) -> "Sm90Bound | None":
+        """A launch for every later call of `call`'s signature (the runtime reuses it only for the same shapes,
+        strides, dtypes, devices and flags) that skips the per-call checks and struct building, as the sm80
+        launcher's; None where the signature needs the general path (realigned or converted copies)."""
+        v = self.variant
+        if call.N == 0:
+            return None
+        p, keep, o_run = build_params(call, v, v.name)
+        if o_run is not None:
+            return None  # o written through an aligned copy
+        for nm in ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "cu_seqlens", "chunk_offsets"):
+            t = getattr(call, nm)
+            if t is not None and getattr(p, nm) != t.data_ptr():
+                return None  # a realigned or converted copy: every call needs its own
+        del keep
+        dev = call.q.device
+        idx = dev.index if dev.index is not None else torch.cuda.current_device() if dev.type == "cuda" else 0
+        mod, f, smem, nt, heads_x = self._module(dev)
+        nv = v.v // v.block_v
+        grid = (call.HV, call.N, nv) if heads_x else (call.N, call.HV, nv)
+        return Sm90Bound(self, idx, p, f, grid, nt, smem, varlen=call.cu_seqlens is not None)
+
+
+class Sm90Bound:
+    """One call signature's launch of kda_fused, prepared once (the runtime's host fast path, as sm80's
+    Sm80Bound, whose pieces it shares: the pointer packing, the device lock, the launch shim and the driver
+    binding): the parameter struct with strides and scalars filled, the grid. A call writes its 14 pointers
+    into the struct and launches on torch's current stream, with no checks (the signature was checked);
+    False sends it to the general path (unaligned data, a concurrent call, a refused launch)."""
+
+    def __init__(self, launcher: Sm90Launcher, idx: int, params: KdaParams, f, grid: tuple[int, int, int], nt: int,
+                 smem: int, varlen: bool) -> None:
+        self.launcher, self.idx = launcher, idx
+        self.params = params
+        self.argv = (ctypes.c_void_p * 1)(ctypes.addressof(params))
+        self.argv_addr = ctypes.addressof(self.argv)
+        self.ptr_offset = KdaParams.q.offset
+        # (the kernel does not read max_len; written as the general path writes it, so both structs are equal)
+        self.max_len_offset = KdaParams.max_len.offset if varlen else None
+        self.f, self.grid, self.nt, self.smem = f, grid, nt, smem
+        self.lock = sm80._device_lock(idx)
+        self.launch_kernel = sm80.driver().cuLaunchKernel
+        self.raw_stream = sm80.raw_stream_query()
+        self.use_shim(True)
+        self.streams: dict[int, tuple] = {}  # raw handle -> the driver call's arguments
+
+    def use_shim(self, on: bool) -> None:
+        """Launch through the launch shim (its Pair with the second launch alone) or cuda-bindings."""
+        shim, how = sm80.shim_state() if on else (None, "switched off")
+        self.shim = shim
+        self.shim_call = shim.launch_pair if shim is not None else None
+        self.shim_args: dict[int, tuple] | None = {} if shim is not None else None  # raw -> (Pair address, Pair)
+        self.launch_path = f"kda_fused through {how}" if shim is not None else \
+            f"cuLaunchKernel through {sm80.driver_binding()} (launch shim not used: {how})"
+        self.last_failure = ""
+
+    def _shim_args_for(self, raw: int) -> tuple:
+        pair = launch_shim.Pair()  # k[0] (a prep kernel) unused: launched only with a nonzero grid x
+        k = pair.k[1]
+        k.func, k.stream, k.args = int(self.f), raw, self.argv_addr
+        k.grid[:], k.block[:], k.smem = self.grid, (self.nt, 1, 1), self.smem
+        pair.failed = -1
+        args = self.shim_args[raw] = (ctypes.c_void_p(ctypes.addressof(pair)), pair)
+        return args
+
+    def launch(self, q, k, v, g, beta, o, A_log, dt_bias, cu_seqlens, h0, ht, hc, chunk_offsets, ws,
+               max_len: int) -> bool:
+        """Launch one call of the bound signature (the tensors of a KdaCall, positionally; ws and max_len are
+        not the fused kernel's); False when it must take the general path instead (nothing was launched)."""
+        qp, kp, vp, gp, op = q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), o.data_ptr()
+        if (qp | kp | vp | gp | op) & 15:
+            return False
+        lock = self.lock
+        if not lock.acquire(False):  # not blocking
+            return False
+        try:
+            raw = self.raw_stream(self.idx)
+            sm80._PACK_PTRS(self.params, self.ptr_offset, qp, kp, vp, gp, beta.data_ptr(), op,
+                            0 if A_log is None else A_log.data_ptr(), 0 if dt_bias is None else dt_bias.data_ptr(),
+                            0 if cu_seqlens is None else cu_seqlens.data_ptr(), 0 if h0 is None else h0.data_ptr(),
+                            0 if ht is None else ht.data_ptr(), 0 if hc is None else hc.data_ptr(),
+                            0 if hc is None else chunk_offsets.data_ptr(), 0)
+            if self.max_len_offset is not None:
+                sm80._PACK_INT(self.params, self.max_len_offset, max_len)
+            if self.shim_args is not None:
+                addr, pair = self.shim_args.get(raw) or self._shim_args_for(raw)
+                if err := self.shim_call(addr, 0):
+                    pair.failed = -1
+                    return self._declined(err)
+                return True
+            args = self.streams.get(raw)
+            if args is None:
+                gx, gy, gz = self.grid
+                args = self.streams[raw] = (self.f, gx, gy, gz, self.nt, 1, 1, self.smem, sm80.driver().CUstream(raw),
+                                            self.argv_addr, 0)
+            if err := self.launch_kernel(*args)[0]:
+                return self._declined(err)
+            return True
+        finally:
+            lock.release()
+
+    def _declined(self, err) -> bool:
+        what = getattr(err, "name", None)
+        if what is None:
+            try:
+                what = sm80.driver().CUresult(int(err)).name
+            except Exception:
+                what = f"CUresult {int(err)}"
+        self.last_failure = (f"cuLaunchKernel(kda_fused, grid={self.grid}, block={(self.nt, 1, 1)}, smem={self.smem}) "
+                             f"failed: {what} ({self.launch_path})")
+        log.debug("kdagen: %s: the bound launch declined: %s", self.launcher.variant.name, self.last_failure)
+        return False
