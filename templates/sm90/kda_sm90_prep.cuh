@@ -196,11 +196,6 @@ __device__ __forceinline__ int scr_set(int c) { return (c & 1) * S_HALF; }
   (void)sG; (void)srq; (void)srk; (void)sdg; (void)sAK; (void)sAQ; (void)sBK; (void)sXh;  \
   (void)sXl; (void)spart; (void)sLT; (void)sbc; (void)sInv; (void)in; (void)rec
 
-// (A/B only: KDA_SM90_G16_ONLY=1 takes g as 16-bit whatever p.g_fp32 says, to time the runtime dtype's two load
-// paths; never a shipped build)
-#ifndef KDA_SM90_G16_ONLY
-#define KDA_SM90_G16_ONLY 0
-#endif
 // Phase 0's shared-memory reads of one pass (row ri, columns d .. d + 7; gate column col, rows
 // 8 half .. 8 half + 7). Group A reads both passes before either writes: the compiler cannot move a
 // shared load above a possibly aliasing shared store, so loads inside each pass would serialise
@@ -218,7 +213,7 @@ __device__ __forceinline__ P0In prep_phase0_load(const KdaParams& p, const char*
   const char* gp = in + IN_G + (8 * half) * GROW;
 #pragma unroll
   for (int j = 0; j < 8; ++j)
-    x.gx[j] = (KDA_SM90_G16_ONLY ? false : (bool)p.g_fp32) ? reinterpret_cast<const float*>(gp + j * GROW)[col]
+    x.gx[j] = p.g_fp32 ? reinterpret_cast<const float*>(gp + j * GROW)[col]
                        : to_f(reinterpret_cast<const in_t*>(gp + j * GROW)[col]);
   return x;
 }
@@ -315,8 +310,8 @@ __device__ __forceinline__ void prep_gate_col_load(const KdaParams& p, const cha
   const char* const gp = base + SM_IN + (c % NIN) * IN_BYTES + IN_G;
 #pragma unroll
   for (int j = 0; j < C; ++j)
-    gx[j] = (KDA_SM90_G16_ONLY ? false : (bool)p.g_fp32) ? reinterpret_cast<const float*>(gp + j * GROW)[col]
-                                                          : to_f(reinterpret_cast<const in_t*>(gp + j * GROW)[col]);
+    gx[j] = p.g_fp32 ? reinterpret_cast<const float*>(gp + j * GROW)[col]
+                     : to_f(reinterpret_cast<const in_t*>(gp + j * GROW)[col]);
 }
 __device__ __forceinline__ void prep_gate_col(const KdaParams& p, char* base, int c, int rows, int col, float aexp,
                                               float bias, const float (&gx)[C]) {
