@@ -155,22 +155,6 @@ constexpr bool P3U = KDA_SM90_P3U;
 #else
 constexpr bool P3U = UKG || !PREP_PIPE;  // (the pipeline's W-record A/B baseline spills 4 bytes with it)
 #endif
-// KDA_SM90_GCOL (experimental, DUAL; default 0): phase 0's gate by columns, one thread per column and all C rows
-// (prep_gate_col), instead of two 8-row halves per column joined by a shuffle (o not bitwise equal: the cumsum's
-// order differs).
-#if defined(KDA_SM90_GCOL)
-constexpr bool GCOL = KDA_SM90_GCOL;
-#else
-constexpr bool GCOL = false;
-#endif
-// KDA_SM90_DQK1 (experimental, default 0): with the L2 norm, phase 0 reduces <q, k> of the raw rows in the same
-// shuffle tree as the two squared norms and scales it by both reciprocal norms, instead of a second tree over the
-// normalised rows behind the first (four dependent shuffle levels less per pass; o not bitwise equal).
-#if defined(KDA_SM90_DQK1)
-constexpr bool DQK1 = KDA_SM90_DQK1;
-#else
-constexpr bool DQK1 = false;
-#endif
 // KDA_SM90_SPAN_VOTE (=0 turns it off): phase 2 decides a slice's exact fallback with one warp vote instead of a
 // max over five shuffles (H200 2026-12-02: the pair -1..-6% alone, o bitwise equal; bv128 and K = 64: see P3U).
 #if defined(KDA_SM90_SPAN_VOTE)

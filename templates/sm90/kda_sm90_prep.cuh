@@ -221,7 +221,6 @@ __device__ __forceinline__ P0In prep_phase0_load(const KdaParams& p, const char*
 // ---- 0. inputs of row ri, columns d .. d + 7 (read into ld; rows past the end are stale shared
 // memory: selected away, never multiplied), and the gate cumsum of column col, rows 8 half ..
 // 8 half + 7. The caller has waited for the record slot and the input stage.
-template <bool GATE = true>  // (false: the caller runs the gate by columns, prep_gate_col)
 __device__ __forceinline__ void prep_phase0(const KdaParams& p, char* base, int c, int rows, int ri, int d, int col,
                                             int half, uint32_t rb, float aexp, float bias, const P0In& ld,
                                             float (&xq)[8], float (&xk)[8], float& b) {
@@ -239,7 +238,7 @@ __device__ __forceinline__ void prep_phase0(const KdaParams& p, char* base, int 
     const float x = p.beta_fp32 ? __uint_as_float(rb) : to_f(bits_as<in_t>(rb));
     b = sigmoidf_(x) * (p.neg_eigval ? 2.f : 1.f);
   }
-  if constexpr (GATE) {
+  {
     float a[8];
     float run = 0.f;
 #pragma unroll
@@ -263,21 +262,15 @@ __device__ __forceinline__ void prep_phase0(const KdaParams& p, char* base, int 
     if (half) reinterpret_cast<float*>(rec + R_GM)[col] = __expf(a[7]);
   }
   {
-    float aq = 1.f, ak = 1.f, dqk = 0.f;
-    const bool one_tree = DQK1 && p.use_l2norm;  // (<q, k> reduced beside the norms, then scaled by both)
+    float aq = 1.f, ak = 1.f;
     if (p.use_l2norm) {
       aq = ak = 0.f;
 #pragma unroll
-      for (int e = 0; e < 8; ++e) {
-        aq += xq[e] * xq[e];
-        ak += xk[e] * xk[e];
-        if (one_tree) dqk += xq[e] * xk[e];
-      }
+      for (int e = 0; e < 8; ++e) { aq += xq[e] * xq[e]; ak += xk[e] * xk[e]; }
 #pragma unroll
       for (int o = GPR / 2; o > 0; o >>= 1) {
         aq += __shfl_xor_sync(0xffffffffu, aq, o);
         ak += __shfl_xor_sync(0xffffffffu, ak, o);
-        if (one_tree) dqk += __shfl_xor_sync(0xffffffffu, dqk, o);
       }
       aq = rsqrtf(aq + 1e-6f);
       ak = rsqrtf(ak + 1e-6f);
@@ -286,14 +279,11 @@ __device__ __forceinline__ void prep_phase0(const KdaParams& p, char* base, int 
     }
     // Mqk's diagonal is <q^_i, k^_i> (the decays cancel): in fp32 here, not from bf16 operands
     // (the largest single error of o otherwise: rel RMSE 4.0e-3 -> 3.1e-3 in the emulation).
-    if (one_tree) {
-      dqk *= aq * ak;
-    } else {
+    float dqk = 0.f;
 #pragma unroll
-      for (int e = 0; e < 8; ++e) dqk += xq[e] * xk[e];
+    for (int e = 0; e < 8; ++e) dqk += xq[e] * xk[e];
 #pragma unroll
-      for (int o = GPR / 2; o > 0; o >>= 1) dqk += __shfl_xor_sync(0xffffffffu, dqk, o);
-    }
+    for (int o = GPR / 2; o > 0; o >>= 1) dqk += __shfl_xor_sync(0xffffffffu, dqk, o);
     if (d == 0) {
       sbc[ri] = b;
       srq[ri] = aq;
@@ -301,30 +291,6 @@ __device__ __forceinline__ void prep_phase0(const KdaParams& p, char* base, int 
       sdg[ri] = dqk;
     }
   }
-}
-
-// GCOL: the gate of column col, all C rows, by one thread (the group's thread col; K = 128 threads): activation,
-// cumsum in row order, the C cumulative values into sG (a warp stores 32 consecutive columns of a row: no bank
-// conflict) and Gamma_C. Replaces phase 0's two half-columns per thread joined by a shuffle. gx: loaded first.
-__device__ __forceinline__ void prep_gate_col_load(const KdaParams& p, const char* base, int c, int col, float (&gx)[C]) {
-  const char* const gp = base + SM_IN + (c % NIN) * IN_BYTES + IN_G;
-#pragma unroll
-  for (int j = 0; j < C; ++j)
-    gx[j] = p.g_fp32 ? reinterpret_cast<const float*>(gp + j * GROW)[col]
-                     : to_f(reinterpret_cast<const in_t*>(gp + j * GROW)[col]);
-}
-__device__ __forceinline__ void prep_gate_col(const KdaParams& p, char* base, int c, int rows, int col, float aexp,
-                                              float bias, const float (&gx)[C]) {
-  KDA_PREP_SCRATCH(base, c);
-  float run = 0.f;
-#pragma unroll
-  for (int j = 0; j < C; ++j) {
-    // activated unconditionally, then selected: rows past the end do not decay
-    const float act = gate_act(gx[j] + bias, aexp, p.lower_bound);
-    run += j < rows ? act : 0.f;
-    sG[j * KP + col] = run;
-  }
-  reinterpret_cast<float*>(rec + R_GM)[col] = __expf(run);
 }
 
 // ---- 1. decays of row ri, columns d .. d + 7, once per element; Qd and Kr into the record

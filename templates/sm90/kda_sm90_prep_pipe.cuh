@@ -25,7 +25,6 @@ constexpr int PIPE_ROLL = NCONS == 2 || DUAL ? 1 : 0;
 static_assert(PIPE_ROLL == 0 || PIPE_ROLL == 1, "KDA_SM90_PIPE_ROLL is 0 or 1");
 constexpr int BAR_PREP_A = 1, BAR_PREP_B = 2;
 static_assert(NTP == 2 * NTG && NMW == 4 && NIN >= 3, "prep pipeline: K = 128, NIN >= 3");
-static_assert(!GCOL || NTG == K, "GCOL: a thread per gate column");
 // PAIR_CW: the copy warpgroup (warps 8-11). Local chunk j's q, k, g go into stage j % NIN once group B's phase 2
 // of chunk j - NIN released it (in_empty: B's phase 2 of a chunk follows group A's phases 0-1 of it, the stage's
 // other reader); global chunks 2 j, 2 j + 1's v into their V stages once the consumers loaded chunk 2 j - NV's
@@ -58,16 +57,7 @@ __device__ __forceinline__ void group_a_chunk(const KdaParams& p, const SeqInfo&
                                               float bias0, float bias1) {
   const int col1 = col0 + 16 * 4;
   float xq0[8], xk0[8], b0, xq1[8], xk1[8], b1;
-  if constexpr (GCOL) {  // (bias0: column tid's; the gate loads first, as the rows')
-    const int tid = threadIdx.x % NTG;
-    float gx[C];
-    prep_gate_col_load(p, base, c, tid, gx);
-    const P0In ld0 = prep_phase0_load(p, base, c, ri, d, col0, half);
-    const P0In ld1 = prep_phase0_load(p, base, c, ri + 8, d, col1, half);
-    prep_gate_col(p, base, c, rows, tid, aexp, bias0, gx);
-    prep_phase0<false>(p, base, c, rows, ri, d, col0, half, rb0, aexp, bias0, ld0, xq0, xk0, b0);
-    prep_phase0<false>(p, base, c, rows, ri + 8, d, col1, half, rb1, aexp, bias1, ld1, xq1, xk1, b1);
-  } else {
+  {
     const P0In ld0 = prep_phase0_load(p, base, c, ri, d, col0, half);
     const P0In ld1 = prep_phase0_load(p, base, c, ri + 8, d, col1, half);
     prep_phase0(p, base, c, rows, ri, d, col0, half, rb0, aexp, bias0, ld0, xq0, xk0, b0);
@@ -118,7 +108,7 @@ __device__ __forceinline__ ARows a_rows(const KdaParams& p, const SeqInfo& si, i
   a.half = lane >> 4;
   a.aexp = gate_aexp(p, si);
   a.col0 = (lane & 15) + 16 * warp;
-  a.bias0 = gate_bias(p, si, GCOL ? tid : a.col0);  // (GCOL: the bias of column tid, the thread's gate column)
+  a.bias0 = gate_bias(p, si, a.col0);
   a.bias1 = gate_bias(p, si, a.col0 + 16 * 4);
   a.rb0 = load_beta(p, si, KDA_GCHUNK(si, c0), a.ri);
   a.rb1 = load_beta(p, si, KDA_GCHUNK(si, c0), a.ri + 8);
