@@ -129,13 +129,14 @@ constexpr bool YO = UKG && PAIR;
 constexpr bool YO = false;
 #endif
 static_assert(R_W == R_QD + C * K * 2 && R_KR == R_W + C * K * 2, "YO: the [2C][K] tile takes the Qd and W slots");
-// The consumers' registers (setmaxnreg.inc). DUAL: 168, so that the prep groups get 160 (kda_sm90_prep_pipe.cuh);
+// The consumers' registers (setmaxnreg.inc). DUAL: 160, so that the prep groups get 168 (kda_sm90_prep_pipe.cuh);
 // H200 2026-12-02: 184 / 152 with LATE_DECAY was -2..-3% on every pair row against 200 / 144 (three interleaved
-// passes), and 168 / 160 another -0.4..-1.9% (session 21: the prep paces the pair).
+// passes), and 168 / 160 another -0.4..-1.9% (session 21: the prep paces the pair); 2026-12-03: 160 / 168 with phase 1
+// unrolled another -2..-5% (152 / 176 the same within 1%).
 #ifdef KDA_SM90_CONS_REGS
 constexpr int CONS_REGS = KDA_SM90_CONS_REGS;
 #else
-constexpr int CONS_REGS = DUAL ? 168 : NT == 512 && !PAIR_CW ? 160 : 200;
+constexpr int CONS_REGS = DUAL ? 160 : NT == 512 && !PAIR_CW ? 160 : 200;
 #endif
 static_assert(!REALLOC || ((NTP + NTX) * PREP_REGS + 128 * NCONS * CONS_REGS) <= NT * LAUNCH_REGS, "register budget");
 // KDA_SM90_LATE_DECAY (default with YO; =0 for the decay before the products): the consumers apply Gamma_C to S

@@ -16,11 +16,12 @@ constexpr int NTG = 128;                 // threads per group
 // KDA_SM90_PIPE_ROLL=1: group A's two phase-1 passes as a loop instead of unrolled (ncu had a quarter
 // of the samples no_instruction). Default at bv128, not in the pair (H200 2026-12-01: bv128 T8192 H96
 // 1.84 -> 1.60 ms, -9..-13% on four rows; the pair's groups A and B +4-5%; phase 0 rolled too: +5% in the pair,
-// and it spilled at bv128). Default with DUAL too (with CW_REGS 24 / DUAL_REGS 144: see CW_REGS).
+// and it spilled at bv128). DUAL: unrolled again since its groups have 168 registers (H200 2026-12-03, with the
+// consumers at 160: the pair -2..-5% on three of four rows, varlen H96 flat; rolled, it had paid at 144 registers).
 #ifdef KDA_SM90_PIPE_ROLL
 constexpr int PIPE_ROLL = KDA_SM90_PIPE_ROLL;
 #else
-constexpr int PIPE_ROLL = NCONS == 2 || DUAL ? 1 : 0;
+constexpr int PIPE_ROLL = NCONS == 2 ? 1 : 0;
 #endif
 static_assert(PIPE_ROLL == 0 || PIPE_ROLL == 1, "KDA_SM90_PIPE_ROLL is 0 or 1");
 constexpr int BAR_PREP_A = 1, BAR_PREP_B = 2;
@@ -286,8 +287,8 @@ static_assert(!REALLOC || NTG * (PREP_A_REGS + PREP_B_REGS) + NTX * CW_REGS + 12
               "register budget");
 
 // DUAL: each group holds the loop invariants of phases 0-1 and 2-5 (at the launch's 128 registers the first build
-// spilled 168 bytes); with the copy warpgroup at 24 the groups take what the consumers leave: 160 beside 168
-// (256 x 160 + 128 x 24 + 128 x 168 = 65536; 152 / 184 measured 0.4-1.9% slower, 144 / 200 2-5% slower than that).
+// spilled 168 bytes); with the copy warpgroup at 24 the groups take what the consumers leave: 168 beside 160
+// (256 x 168 + 128 x 24 + 128 x 160 = 65536; see CONS_REGS).
 #ifdef KDA_SM90_DUAL_REGS
 constexpr int DUAL_REGS = KDA_SM90_DUAL_REGS;
 #else
