@@ -167,6 +167,9 @@ def sm80_on_cpu(variant: Optional[Variant] = None, record: bool = True,
         sm80.Sm80Bound.drop_arenas()
 
 
+SMEM90, NT90 = 200000, 512  # what sm90's kda_meta would say
+
+
 @contextmanager
 def sm90_on_cpu(variant: Variant, shim: bool = False) -> Iterator[tuple[object, RecordingDriver]]:
     """An Sm90Launcher of `variant` over the fake module and driver (the sm80 pieces its bound launch shares,
@@ -178,9 +181,6 @@ def sm90_on_cpu(variant: Variant, shim: bool = False) -> Iterator[tuple[object, 
         mod = RecordingModule(drv)
         la._module = lambda dev: (mod, FUNCS["kda_fused"], SMEM90, NT90, True)
         yield la, drv
-
-
-SMEM90, NT90 = 200000, 512
 
 
 @contextmanager

@@ -307,6 +307,17 @@ def shim_state() -> tuple:
     return launch_shim.active()
 
 
+def cu_result_name(err) -> str:
+    """The name of a CUresult a launch returned (an enum member, or an int from the launch shim)."""
+    what = getattr(err, "name", None)
+    if what is None:
+        try:
+            what = driver().CUresult(int(err)).name
+        except Exception:
+            what = f"CUresult {int(err)}"
+    return what
+
+
 _PACK_PTRS = struct.Struct("<14Q").pack_into
 _PACK_INT = struct.Struct("<i").pack_into
 
@@ -468,14 +479,8 @@ class Sm80Bound:
         name, nt, smem_ = ("kda_prep", self.nt1, self.smem1) if which == 0 else ("kda_recur", self.nt2, self.smem2)
         block = block or (nt, 1, 1)
         smem = smem_ if smem is None else smem
-        what = getattr(err, "name", None)
-        if what is None:
-            try:
-                what = driver().CUresult(int(err)).name
-            except Exception:
-                what = f"CUresult {int(err)}"
         self.last_failure = (f"cuLaunchKernel({name}, grid={tuple(int(x) for x in grid)}, block={block}, "
-                             f"smem={smem}) failed: {what} ({self.launch_path})")
+                             f"smem={smem}) failed: {cu_result_name(err)} ({self.launch_path})")
         log.debug("kdagen: %s: the bound launch declined: %s", self.launcher.variant.name, self.last_failure)
         return False
 

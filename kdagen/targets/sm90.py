@@ -223,13 +223,7 @@ class Sm90Bound:
             lock.release()
 
     def _declined(self, err) -> bool:
-        what = getattr(err, "name", None)
-        if what is None:
-            try:
-                what = sm80.driver().CUresult(int(err)).name
-            except Exception:
-                what = f"CUresult {int(err)}"
         self.last_failure = (f"cuLaunchKernel(kda_fused, grid={self.grid}, block={(self.nt, 1, 1)}, smem={self.smem}) "
-                             f"failed: {what} ({self.launch_path})")
+                             f"failed: {sm80.cu_result_name(err)} ({self.launch_path})")
         log.debug("kdagen: %s: the bound launch declined: %s", self.launcher.variant.name, self.last_failure)
         return False
