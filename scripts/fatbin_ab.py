@@ -8,7 +8,8 @@ kernel experiment costs one GPU call. For each build: the median ms of the full 
 launcher's default segmentation), of kda_prep alone and of kda_recur alone, and the relative
 difference of o and the final state from the first build's (a changed kernel must not change
 the result beyond rounding). --recur-only N runs the recurrence N times after one prep, for ncu.
-sm90 variants (one fused kernel) report the full call only.
+sm90 variants (one fused kernel) report the full call only, launched as the runtime launches it (the bound
+launch where the signature has one).
 """
 
 from __future__ import annotations
@@ -65,9 +66,10 @@ def main() -> int:
         call.final_state.fill_(float("nan"))
         if var.target == "sm90":  # one fused kernel: the full call only
             la = Sm90Launcher(var, Path(path))
-            t = timeit(lambda: la(call), warmup=3, iters=a.iters)
+            run, how = _sm90_run(la, call)
+            t = timeit(run, warmup=3, iters=a.iters)
             diff, ok = _vs_first(first, call)
-            print(f"{label:10s} full {t:7.3f} ms ({t * 1e3 / -(-T // var.chunk):.3f} us/chunk){diff}"
+            print(f"{label:10s} full {t:7.3f} ms ({t * 1e3 / -(-T // var.chunk):.3f} us/chunk, {how}){diff}"
                   f"{'' if ok else '  NON-FINITE'}", flush=True)
             continue
         la = Sm80Launcher(var, Path(path))
@@ -93,6 +95,22 @@ def main() -> int:
         print(f"{label:10s} full {t:7.3f} ms [{nseg} seg]{tn}  prep {t1:.3f}  recur {t2:.3f} "
               f"({t2 * 1e3 / -(-T // var.chunk):.3f} us/step){diff}{'' if ok else '  NON-FINITE'}", flush=True)
     return 0
+
+
+def _sm90_run(la, call):
+    """The call as the runtime makes it: the bound launch where the signature has one (the general path's ~115 us
+    of Python per call would otherwise sit inside every timed call), else the general path."""
+    bound = la.bind(call)
+    if bound is None:
+        return (lambda: la(call)), "general path"
+    args = (call.q, call.k, call.v, call.g, call.beta, call.o, call.A_log, call.dt_bias, call.cu_seqlens,
+            call.initial_state, call.final_state, call.chunk_states, call.chunk_offsets, call.workspace, call.max_len)
+
+    def run() -> None:
+        if not bound.launch(*args):
+            raise RuntimeError(f"the bound launch declined: {bound.last_failure or 'a concurrent call'}")
+
+    return run, "bound"
 
 
 def _vs_first(first: FirstResult, call) -> tuple[str, bool]:

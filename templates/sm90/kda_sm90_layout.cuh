@@ -123,16 +123,26 @@ constexpr bool DUAL = false;
 // [2C][K] tile (rows 0 .. C-1 -Kg, C .. 2C-1 Qd; the W and Qd slots' bytes), so the consumers' Y^T = v^T - S Kg^T
 // and o^T = S Qd^T are one m64n32k16 wgmma per k-step (v^T added after the wait), instead of
 // 1 + 2 K / 16 m64n16k16 (the identity product among them). The pair only: at bv128 it spilled.
+// KDA_SM90_CWG (DUAL; =1 to turn it on): the copy warpgroup turns each landed g stage into the chunk's cumulative gate
+// in place (fp32 rows at the g pitch), so the prep groups' phase 0 keeps only the L2 norms and its barrier goes; phases
+// 1-2 read G from the input stage, which lives until phase 2 releases it, and the scratch sets lose their G arrays.
+#if defined(KDA_SM90_CWG)
+constexpr bool CWG = DUAL && KDA_SM90_CWG;
+#else
+constexpr bool CWG = false;
+#endif
+static_assert(GROW == KP * 4, "CWG: the cumulative gate keeps the scratch array's row pitch in the g stage");
 #if !defined(KDA_SM90_YO) || KDA_SM90_YO
 constexpr bool YO = UKG && PAIR;
 #else
 constexpr bool YO = false;
 #endif
 static_assert(R_W == R_QD + C * K * 2 && R_KR == R_W + C * K * 2, "YO: the [2C][K] tile takes the Qd and W slots");
-// The consumers' registers (setmaxnreg.inc). DUAL: 160, so that the prep groups get 168 (kda_sm90_prep_pipe.cuh);
-// H200 2026-12-02: 184 / 152 with LATE_DECAY was -2..-3% on every pair row against 200 / 144 (three interleaved
-// passes), and 168 / 160 another -0.4..-1.9% (session 21: the prep paces the pair); 2026-12-03: 160 / 168 with phase 1
-// unrolled another -2..-5% (152 / 176 the same within 1%).
+// The consumers' registers (setmaxnreg.inc). DUAL: 160; the prep groups keep 160 (kda_sm90_prep_pipe.cuh: DUAL_REGS
+// rounds the rest down to a multiple of 8, so 1024 registers stay unused). H200 2026-12-02: consumers / groups 184 / 152
+// with LATE_DECAY was -2..-3% on every pair row against 200 / 144 (three interleaved passes), and 168 / 160 another
+// -0.4..-1.9% (session 21: the prep paces the pair); 2026-12-03: 160 / 160 with phase 1 unrolled another -2..-5%
+// (152 / 168 the same within 1%).
 #ifdef KDA_SM90_CONS_REGS
 constexpr int CONS_REGS = KDA_SM90_CONS_REGS;
 #else
@@ -173,7 +183,7 @@ constexpr bool OHL = false;
 #endif
 #if KDA_SM90_PIPE_ON
 constexpr int S_G = 0;                          // f32 [C][KP] cumulative gate            (set)
-constexpr int S_RQ = S_G + C * KP * 4;          // f32 [C] L2-norm factors of q, k         (set)
+constexpr int S_RQ = S_G + (CWG ? 0 : C * KP * 4);  // f32 [C] L2-norm factors of q, k    (set)
 constexpr int S_RK = S_RQ + C * 4;
 constexpr int S_DG = S_RK + C * 4;              // f32 [C] <q^_i, k^_i>                    (set)
 // (the Kg record: L's and Mqk's row operands are the record's Kg and Qd tiles, so no AK / AQ: 17 KB less)
@@ -279,7 +289,8 @@ constexpr int B_IN_FULL = 0, B_V_FULL = NIN, B_V_EMPTY = NIN + NV, B_REC_FULL = 
 #if KDA_SM90_PIPE_ON
 // (+ the pair's rec_peer[NREC]: its peer ring's slots, full once the peer's forwarding copy landed)
 constexpr int B_SCR_FULL = NIN + 2 * NV + 2 * NREC, B_SCR_EMPTY = B_SCR_FULL + 2, B_IN_EMPTY = B_SCR_FULL + 4,
-              B_REC_PEER = B_IN_EMPTY + NIN, NBAR = B_REC_PEER + (PAIR ? NREC : 0);
+              B_REC_PEER = B_IN_EMPTY + NIN, B_GATE_FULL = B_REC_PEER + (PAIR ? NREC : 0),
+              NBAR = B_GATE_FULL + (CWG ? NIN : 0);  // (CWG: gate_full[NIN], the cumulative gate in stage i)
 #else
 constexpr int NBAR = NIN + 2 * NV + 2 * NREC;
 constexpr int B_REC_PEER = NBAR;  // (the pair only)
@@ -349,6 +360,8 @@ __device__ __forceinline__ void stamp(const KdaParams& p, int gc, int ev) {
 constexpr int BAR_PREP = 1;
 // Named barrier of the consumer warpgroups (UKG: the identity tile written before the first step).
 constexpr int BAR_CONS = 4;
+// Named barrier of the pair's copy warpgroup (CWG: the g rows are read before the gate overwrites them).
+constexpr int BAR_CW = 5;
 
 }  // namespace kda
 
