@@ -126,10 +126,13 @@ constexpr bool DUAL = false;
 // KDA_SM90_CWG (DUAL; =1 to turn it on): the copy warpgroup turns each landed g stage into the chunk's cumulative gate
 // in place (fp32 rows at the g pitch), so the prep groups' phase 0 keeps only the L2 norms and its barrier goes; phases
 // 1-2 read G from the input stage, which lives until phase 2 releases it, and the scratch sets lose their G arrays.
+// (=2: the gate after chunk j's copies instead of before them)
 #if defined(KDA_SM90_CWG)
 constexpr bool CWG = DUAL && KDA_SM90_CWG;
+constexpr int CWG_AFTER = KDA_SM90_CWG == 2;
 #else
 constexpr bool CWG = false;
+constexpr int CWG_AFTER = 0;
 #endif
 static_assert(GROW == KP * 4, "CWG: the cumulative gate keeps the scratch array's row pitch in the g stage");
 #if !defined(KDA_SM90_YO) || KDA_SM90_YO

@@ -77,12 +77,15 @@ __device__ __forceinline__ void copy_role_pair(const KdaParams& p, const SeqInfo
   const float aexp = CWG ? gate_aexp(p, si) : 0.f, bias = CWG ? gate_bias(p, si, col) : 0.f;
   int j = 0;
   for (; j < nl || 2 * j < si.nc; ++j) {
-    if constexpr (CWG) {
+    if constexpr (CWG && CWG_AFTER == 0) {
       if (j >= 1 && j - 1 < nl) cw_gate(p, si, base, bars, j - 1, col, aexp, bias);
     }
     if (j < nl) {
       sm90::mbar_wait(bars + B_IN_EMPTY + j % NIN, ((j / NIN) & 1) ^ 1);
       issue_qkg<4>(p, si, j, base, bars, w, lane);
+    }
+    if constexpr (CWG && CWG_AFTER == 1) {
+      if (j >= 1 && j - 1 < nl) cw_gate(p, si, base, bars, j - 1, col, aexp, bias);
     }
     issue_v<4>(p, si, 2 * j, base, bars, w, lane);
     issue_v<4>(p, si, 2 * j + 1, base, bars, w, lane);
