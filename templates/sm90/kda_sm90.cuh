@@ -87,9 +87,6 @@ extern "C" __global__ void KDA_CLUSTER_DIMS __launch_bounds__(kda::NT, 1) kda_fu
     if constexpr (PAIR) {
       for (int i = 0; i < NREC; ++i) sm90::mbar_init(bars + B_REC_PEER + i, 1);  // the peer's expect_tx
     }
-    if constexpr (CWG) {
-      for (int i = 0; i < NIN; ++i) sm90::mbar_init(bars + B_GATE_FULL + i, NTX);  // the copy warpgroup's threads
-    }
 #endif
     // barrier initialisation visible to the async proxy (the bulk copies' complete_tx)
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");

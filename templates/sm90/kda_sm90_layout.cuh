@@ -123,18 +123,6 @@ constexpr bool DUAL = false;
 // [2C][K] tile (rows 0 .. C-1 -Kg, C .. 2C-1 Qd; the W and Qd slots' bytes), so the consumers' Y^T = v^T - S Kg^T
 // and o^T = S Qd^T are one m64n32k16 wgmma per k-step (v^T added after the wait), instead of
 // 1 + 2 K / 16 m64n16k16 (the identity product among them). The pair only: at bv128 it spilled.
-// KDA_SM90_CWG (DUAL; =1 to turn it on): the copy warpgroup turns each landed g stage into the chunk's cumulative gate
-// in place (fp32 rows at the g pitch), so the prep groups' phase 0 keeps only the L2 norms and its barrier goes; phases
-// 1-2 read G from the input stage, which lives until phase 2 releases it, and the scratch sets lose their G arrays.
-// (=2: the gate after chunk j's copies instead of before them)
-#if defined(KDA_SM90_CWG)
-constexpr bool CWG = DUAL && KDA_SM90_CWG;
-constexpr int CWG_AFTER = KDA_SM90_CWG == 2;
-#else
-constexpr bool CWG = false;
-constexpr int CWG_AFTER = 0;
-#endif
-static_assert(GROW == KP * 4, "CWG: the cumulative gate keeps the scratch array's row pitch in the g stage");
 #if !defined(KDA_SM90_YO) || KDA_SM90_YO
 constexpr bool YO = UKG && PAIR;
 #else
@@ -186,7 +174,7 @@ constexpr bool OHL = false;
 #endif
 #if KDA_SM90_PIPE_ON
 constexpr int S_G = 0;                          // f32 [C][KP] cumulative gate            (set)
-constexpr int S_RQ = S_G + (CWG ? 0 : C * KP * 4);  // f32 [C] L2-norm factors of q, k    (set)
+constexpr int S_RQ = S_G + C * KP * 4;          // f32 [C] L2-norm factors of q, k         (set)
 constexpr int S_RK = S_RQ + C * 4;
 constexpr int S_DG = S_RK + C * 4;              // f32 [C] <q^_i, k^_i>                    (set)
 // (the Kg record: L's and Mqk's row operands are the record's Kg and Qd tiles, so no AK / AQ: 17 KB less)
@@ -292,8 +280,7 @@ constexpr int B_IN_FULL = 0, B_V_FULL = NIN, B_V_EMPTY = NIN + NV, B_REC_FULL = 
 #if KDA_SM90_PIPE_ON
 // (+ the pair's rec_peer[NREC]: its peer ring's slots, full once the peer's forwarding copy landed)
 constexpr int B_SCR_FULL = NIN + 2 * NV + 2 * NREC, B_SCR_EMPTY = B_SCR_FULL + 2, B_IN_EMPTY = B_SCR_FULL + 4,
-              B_REC_PEER = B_IN_EMPTY + NIN, B_GATE_FULL = B_REC_PEER + (PAIR ? NREC : 0),
-              NBAR = B_GATE_FULL + (CWG ? NIN : 0);  // (CWG: gate_full[NIN], the cumulative gate in stage i)
+              B_REC_PEER = B_IN_EMPTY + NIN, NBAR = B_REC_PEER + (PAIR ? NREC : 0);
 #else
 constexpr int NBAR = NIN + 2 * NV + 2 * NREC;
 constexpr int B_REC_PEER = NBAR;  // (the pair only)
@@ -363,8 +350,6 @@ __device__ __forceinline__ void stamp(const KdaParams& p, int gc, int ev) {
 constexpr int BAR_PREP = 1;
 // Named barrier of the consumer warpgroups (UKG: the identity tile written before the first step).
 constexpr int BAR_CONS = 4;
-// Named barrier of the pair's copy warpgroup (CWG: the g rows are read before the gate overwrites them).
-constexpr int BAR_CW = 5;
 
 }  // namespace kda
 

@@ -174,15 +174,10 @@ __device__ __forceinline__ uint32_t load_beta(const KdaParams& p, const SeqInfo&
 // scratch set of chunk parity c & 1 and phases 2-5 (group B) read it (S_HALF = 0 without the
 // pipeline: one set); spart, sLT, sInv are B's own. Each function names its arrays with this macro.
 __device__ __forceinline__ int scr_set(int c) { return (c & 1) * S_HALF; }
-// The cumulative gate of chunk c, [C][KP] fp32: the scratch set's array, or (CWG) the input stage's g rows, which the
-// copy warpgroup overwrote with it.
-__device__ __forceinline__ float* gate_rows(char* base, int c) {
-  return reinterpret_cast<float*>(CWG ? base + SM_IN + (c % NIN) * IN_BYTES + IN_G : base + SM_SCR + scr_set(c) + S_G);
-}
 #define KDA_PREP_SCRATCH(base, c)                                                         \
   char* const scr = (base) + SM_SCR;                                                       \
   char* const scs = scr + scr_set(c);                                                      \
-  float* const sG = gate_rows(base, c);                                                    \
+  float* const sG = reinterpret_cast<float*>(scs + S_G);                                   \
   float* const srq = reinterpret_cast<float*>(scs + S_RQ);                                 \
   float* const srk = reinterpret_cast<float*>(scs + S_RK);                                 \
   float* const sdg = reinterpret_cast<float*>(scs + S_DG);                                 \
@@ -216,7 +211,6 @@ __device__ __forceinline__ P0In prep_phase0_load(const KdaParams& p, const char*
   x.rq = *reinterpret_cast<const uint4*>(in + IN_Q + ri * QROW + d * 2);
   x.rk = *reinterpret_cast<const uint4*>(in + IN_K + ri * QROW + d * 2);
   const char* gp = in + IN_G + (8 * half) * GROW;
-  if constexpr (!CWG)  // (CWG: the copy warpgroup made the gate)
 #pragma unroll
   for (int j = 0; j < 8; ++j)
     x.gx[j] = p.g_fp32 ? reinterpret_cast<const float*>(gp + j * GROW)[col]
@@ -244,9 +238,7 @@ __device__ __forceinline__ void prep_phase0(const KdaParams& p, char* base, int 
     const float x = p.beta_fp32 ? __uint_as_float(rb) : to_f(bits_as<in_t>(rb));
     b = sigmoidf_(x) * (p.neg_eigval ? 2.f : 1.f);
   }
-  if constexpr (CWG) {
-    if (half) reinterpret_cast<float*>(rec + R_GM)[col] = __expf(sG[(C - 1) * KP + col]);
-  } else {
+  {
     float a[8];
     float run = 0.f;
 #pragma unroll
@@ -303,8 +295,8 @@ __device__ __forceinline__ void prep_phase0(const KdaParams& p, char* base, int 
 
 // ---- 1. decays of row ri, columns d .. d + 7, once per element; Qd and Kr into the record
 // Eight consecutive fp32 of the cumulative gate (row r, columns d .. d + 7).
-__device__ __forceinline__ void prep_gate_row(char* base, int c, int r, int d, float (&G)[8]) {
-  const float* sG = gate_rows(base, c);
+__device__ __forceinline__ void prep_gate_row(const char* base, int c, int r, int d, float (&G)[8]) {
+  const float* sG = reinterpret_cast<const float*>(base + SM_SCR + scr_set(c) + S_G);
   const float4* gp = reinterpret_cast<const float4*>(sG + r * KP + d);
   const float4 x0 = gp[0], x1 = gp[1];
   G[0] = x0.x; G[1] = x0.y; G[2] = x0.z; G[3] = x0.w; G[4] = x1.x; G[5] = x1.y; G[6] = x1.z; G[7] = x1.w;

@@ -35,63 +35,18 @@ constexpr int CW_REGS = KDA_SM90_CW_REGS;
 #else
 // (DUAL: 24, so that each prep group gets 144; H200 2026-12-02, with phase 1 rolled: B4 T4096 H32 and varlen H96
 // -3..-5%, the other rows within noise)
-constexpr int CW_REGS = CWG ? 32 : DUAL ? 24 : 40;
+constexpr int CW_REGS = DUAL ? 24 : 40;
 #endif
-// CWG: chunk j's cumulative gate by the copy warpgroup, one thread per column (col), in place over the landed g rows
-// (fp32 at the g pitch: a bf16 row's bytes are overwritten, so every row is read first). The running sums are
-// phase 0's, half by half, so G is bitwise the same; rows past the end are activated and selected away.
-__device__ __forceinline__ void cw_gate(const KdaParams& p, const SeqInfo& si, char* base, uint64_t* bars, int j,
-                                        int col, float aexp, float bias) {
-  const int rows = min(C, si.len - KDA_GCHUNK(si, j) * C);
-  sm90::mbar_wait(bars + B_IN_FULL + j % NIN, (j / NIN) & 1);
-  char* const g = base + SM_IN + (j % NIN) * IN_BYTES + IN_G;
-  float x[C];
-#pragma unroll
-  for (int r = 0; r < C; ++r)
-    x[r] = p.g_fp32 ? reinterpret_cast<const float*>(g + r * GROW)[col]
-                    : to_f(reinterpret_cast<const in_t*>(g + r * GROW)[col]);
-  sm90::named_sync<BAR_CW, NTX>();
-  float first = 0.f;
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    float run = 0.f;
-#pragma unroll
-    for (int r = 8 * h; r < 8 * h + 8; ++r) {
-      const float act = gate_act(x[r] + bias, aexp, p.lower_bound);
-      run += r < rows ? act : 0.f;
-      x[r] = h ? run + first : run;
-    }
-    first = run;
-  }
-#pragma unroll
-  for (int r = 0; r < C; ++r) reinterpret_cast<float*>(g + r * GROW)[col] = x[r];
-  sm90::fence_proxy_async();  // (the stage's next fill is a bulk copy: async proxy)
-  sm90::mbar_arrive(bars + B_GATE_FULL + j % NIN);
-}
 __device__ __forceinline__ void copy_role_pair(const KdaParams& p, const SeqInfo& si, char* base, uint64_t* bars) {
   const int w = (threadIdx.x - NTP) >> 5, lane = threadIdx.x & 31;
   const int nl = nlocal(si);
-  // CWG: chunk j - 1's gate before chunk j's copies (its rows landed about a local chunk ago; the prep group of that
-  // parity needs it once it finished chunk j - 3, whose phase 2 releases stage j)
-  const int col = threadIdx.x - NTP;
-  const float aexp = CWG ? gate_aexp(p, si) : 0.f, bias = CWG ? gate_bias(p, si, col) : 0.f;
-  int j = 0;
-  for (; j < nl || 2 * j < si.nc; ++j) {
-    if constexpr (CWG && CWG_AFTER == 0) {
-      if (j >= 1 && j - 1 < nl) cw_gate(p, si, base, bars, j - 1, col, aexp, bias);
-    }
+  for (int j = 0; j < nl || 2 * j < si.nc; ++j) {
     if (j < nl) {
       sm90::mbar_wait(bars + B_IN_EMPTY + j % NIN, ((j / NIN) & 1) ^ 1);
       issue_qkg<4>(p, si, j, base, bars, w, lane);
     }
-    if constexpr (CWG && CWG_AFTER == 1) {
-      if (j >= 1 && j - 1 < nl) cw_gate(p, si, base, bars, j - 1, col, aexp, bias);
-    }
     issue_v<4>(p, si, 2 * j, base, bars, w, lane);
     issue_v<4>(p, si, 2 * j + 1, base, bars, w, lane);
-  }
-  if constexpr (CWG) {
-    if (j == nl && nl > 0) cw_gate(p, si, base, bars, nl - 1, col, aexp, bias);  // (the loop stopped at nl)
   }
 }
 
@@ -109,8 +64,7 @@ __device__ __forceinline__ void group_a_chunk(const KdaParams& p, const SeqInfo&
     prep_phase0(p, base, c, rows, ri, d, col0, half, rb0, aexp, bias0, ld0, xq0, xk0, b0);
     prep_phase0(p, base, c, rows, ri + 8, d, col1, half, rb1, aexp, bias1, ld1, xq1, xk1, b1);
   }
-  // (CWG: phase 1 reads only this thread's registers and the gate the copy warpgroup made: no barrier)
-  if constexpr (!CWG) sm90::named_sync<BAR, NTG>();
+  sm90::named_sync<BAR, NTG>();
   KDA_STAMP(threadIdx.x % NTG == 0, KDA_GCHUNK(si, c), ST_A_P0);
   if constexpr (PIPE_ROLL) {
     float GL[8];
@@ -176,7 +130,6 @@ __device__ __forceinline__ void group_a_step(const KdaParams& p, const SeqInfo& 
   // (in the pair also the peer's consumers, with remote arrivals)
   sm90::mbar_wait(bars + B_REC_EMPTY + r, ((c / NREC) & 1) ^ 1);
   sm90::mbar_wait(bars + B_IN_FULL + (c % NIN), (c / NIN) & 1);
-  if constexpr (CWG) sm90::mbar_wait(bars + B_GATE_FULL + (c % NIN), (c / NIN) & 1);
   KDA_STAMP(tid == 0, KDA_GCHUNK(si, c), ST_A_GO);
   group_a_chunk<BAR>(p, si, base, c, rows, a.ri, a.d, a.col0, a.half, rb0, rb1, a.aexp, a.bias0, a.bias1);
   // beta one chunk ahead, loaded here (not at the top) so that it is not live across phase 1
