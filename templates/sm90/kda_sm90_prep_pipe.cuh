@@ -42,7 +42,7 @@ constexpr int VAHEAD = KDA_SM90_VAHEAD;
 #else
 constexpr int VAHEAD = 0;
 #endif
-static_assert(VAHEAD >= 0 && 2 * VAHEAD + 2 <= NV, "KDA_SM90_VAHEAD: v copies within the v ring");
+static_assert(!PAIR_CW || (VAHEAD >= 0 && 2 * VAHEAD + 2 <= NV), "KDA_SM90_VAHEAD: v copies within the v ring");
 __device__ __forceinline__ void copy_role_pair(const KdaParams& p, const SeqInfo& si, char* base, uint64_t* bars) {
   const int w = (threadIdx.x - NTP) >> 5, lane = threadIdx.x & 31;
   const int nl = nlocal(si);
