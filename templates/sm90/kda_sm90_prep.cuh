@@ -244,7 +244,8 @@ __device__ __forceinline__ void prep_phase0(const KdaParams& p, char* base, int 
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
       // activated unconditionally, then selected: rows past the end do not decay
-      const float act = gate_act(ld.gx[j] + bias, aexp, p.lower_bound);
+      const float act = GFOLD ? p.lower_bound * (1.f / (1.f + exp2f(fmaf(ld.gx[j], aexp, bias))))
+                              : gate_act(ld.gx[j] + bias, aexp, p.lower_bound);
       run += 8 * half + j < rows ? act : 0.f;
       a[j] = run;
     }
@@ -541,17 +542,20 @@ __device__ __forceinline__ void prep_w16(char* base, int c, const uint32_t (&ah)
   }
 }
 
-// Gate constants of column col (A_log's exponent; dt_bias or 0).
+// Gate constants of column col (A_log's exponent; dt_bias or 0). GFOLD: the bounded gate's affine part folded for
+// phase 0's one FFMA, act = lb / (1 + 2^(x m + a)) with m = -e^A_log log2(e), a = m dt_bias.
 __device__ __forceinline__ float gate_aexp(const KdaParams& p, const SeqInfo& si) {
 #if KDA_GATE != 2
-  return __expf(__ldg(p.A_log + si.h));
+  const float e = __expf(__ldg(p.A_log + si.h));
+  return GFOLD ? -e * 1.4426950408889634f : e;
 #else
   return 0.f;
 #endif
 }
 __device__ __forceinline__ float gate_bias(const KdaParams& p, const SeqInfo& si, int col) {
 #if KDA_GATE != 2
-  return p.dt_bias ? __ldg(p.dt_bias + si.h * K + col) : 0.f;
+  const float b = p.dt_bias ? __ldg(p.dt_bias + si.h * K + col) : 0.f;
+  return GFOLD ? gate_aexp(p, si) * b : b;
 #else
   return 0.f;
 #endif
