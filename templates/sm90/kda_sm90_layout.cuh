@@ -157,8 +157,6 @@ constexpr bool P3U = KDA_SM90_P3U;
 #else
 constexpr bool P3U = UKG || !PREP_PIPE;  // (the pipeline's W-record A/B baseline spills 4 bytes with it)
 #endif
-// KDA_SM90_SPAN_VOTE (=0 turns it off): phase 2 decides a slice's exact fallback with one warp vote instead of a
-// max over five shuffles (H200 2026-12-02: the pair -1..-6% alone, o bitwise equal; bv128 and K = 64: see P3U).
 // KDA_SM90_GFOLD (the bounded gate; =0 turns it off): phase 0's gate activation with its affine part folded into one
 // FFMA, lb / (1 + 2^(x m + a)), two instructions fewer per gate element (H200 2026-12-03, the pair: -0.2..-3%, geomean
 // -1.4% over four rows and three passes; o within 4e-5 of the unfolded gate's).
@@ -167,6 +165,8 @@ constexpr bool GFOLD = KDA_GATE == 0;
 #else
 constexpr bool GFOLD = false;
 #endif
+// KDA_SM90_SPAN_VOTE (=0 turns it off): phase 2 decides a slice's exact fallback with one warp vote instead of a
+// max over five shuffles (H200 2026-12-02: the pair -1..-6% alone, o bitwise equal; bv128 and K = 64: see P3U).
 #if defined(KDA_SM90_SPAN_VOTE)
 constexpr bool SPAN_VOTE = KDA_SM90_SPAN_VOTE;
 #else
