@@ -157,11 +157,12 @@ constexpr bool P3U = KDA_SM90_P3U;
 #else
 constexpr bool P3U = UKG || !PREP_PIPE;  // (the pipeline's W-record A/B baseline spills 4 bytes with it)
 #endif
-// KDA_SM90_GFOLD (the bounded gate; =0 turns it off): phase 0's gate activation with its affine part folded into one
-// FFMA, lb / (1 + 2^(x m + a)), two instructions fewer per gate element (H200 2026-12-03, the pair: -0.2..-3%, geomean
-// -1.4% over four rows and three passes; o within 4e-5 of the unfolded gate's).
+// KDA_SM90_GFOLD (the bounded gate, K = 128; =0 turns it off): phase 0's gate activation with its affine part folded
+// into one FFMA, lb / (1 + 2^(x m + a)), two instructions fewer per gate element (H200 2026-12-03: the pair -0.2..-3%,
+// geomean -1.4% over four rows and three passes; bv128 -1.3..-2.6%; o within 4e-5 of the unfolded gate's). K = 64's
+// one-group prep measured +1..+3% with it: off there.
 #if !defined(KDA_SM90_GFOLD) || KDA_SM90_GFOLD
-constexpr bool GFOLD = KDA_GATE == 0;
+constexpr bool GFOLD = KDA_GATE == 0 && PREP_PIPE;
 #else
 constexpr bool GFOLD = false;
 #endif
