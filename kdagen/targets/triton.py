@@ -58,9 +58,10 @@ class TritonLauncher:
         d = self._dummies.get(key)
         if d is None:
             # Stand-ins for absent optional tensors, one dtype each, so that every call of a
-            # variant hits the same compiled kernel.
+            # variant hits the same compiled kernel. The fp32 one (absent A_log / dt_bias) is NaN:
+            # a kernel that reads it by mistake poisons o instead of reading zeros that look right.
             d = {"i32": torch.zeros(16, dtype=torch.int32, device=dev),
-                 "f32": torch.zeros(16, dtype=torch.float32, device=dev),
+                 "f32": torch.full((16,), float("nan"), dtype=torch.float32, device=dev),
                  "state": torch.zeros(16, dtype=_STATE_DTYPES[self.variant.state], device=dev)}
             self._dummies[key] = d
             self._tuned[key] = tuned_config(self.variant, dev)
