@@ -73,3 +73,9 @@ def capture_call(kw: dict, variant: str):
     with launcher_swapped(variant, f"{dev.type}:{dev.index}", captured.append):
         rt.kda_prefill(**kw, variant=variant)
     return captured[0]
+
+
+def bound_args(call) -> tuple:
+    """A KdaCall's tensors in the positional order of a bound launch's `launch` (Sm80Bound, Sm90Bound)."""
+    return (call.q, call.k, call.v, call.g, call.beta, call.o, call.A_log, call.dt_bias, call.cu_seqlens,
+            call.initial_state, call.final_state, call.chunk_states, call.chunk_offsets, call.workspace, call.max_len)

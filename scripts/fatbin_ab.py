@@ -18,6 +18,7 @@ import argparse
 from pathlib import Path
 
 from kdagen_dev.ab import FirstResult, build, entry
+from kdagen_dev.launch import bound_args
 
 
 def main() -> int:
@@ -103,8 +104,7 @@ def _sm90_run(la, call):
     bound = la.bind(call)
     if bound is None:
         return (lambda: la(call)), "general path"
-    args = (call.q, call.k, call.v, call.g, call.beta, call.o, call.A_log, call.dt_bias, call.cu_seqlens,
-            call.initial_state, call.final_state, call.chunk_states, call.chunk_offsets, call.workspace, call.max_len)
+    args = bound_args(call)
 
     def run() -> None:
         if not bound.launch(*args):

@@ -12,6 +12,7 @@ import torch
 import kdagen
 import kdagen.runtime as rt
 from kdagen.reference import kda_reference, rel_rmse
+from kdagen_dev.launch import bound_args
 
 from .runtime_env import fresh_runtime  # noqa: F401
 from . import fake_cuda
@@ -287,10 +288,6 @@ def test_sm90_bound_launch_passes_the_general_paths_struct(varlen, shim):
                           allow_neg_eigval=False, initial_state=h0, final_state=fs, state_kv=False, chunk_states=cs,
                           chunk_offsets=co, max_len=(max_len or 43) if varlen else T, workspace=None)
 
-    def args(c):
-        return (c.q, c.k, c.v, c.g, c.beta, c.o, c.A_log, c.dt_bias, c.cu_seqlens, c.initial_state, c.final_state,
-                c.chunk_states, c.chunk_offsets, None, c.max_len)
-
     with fake_cuda.sm90_on_cpu(var, shim=shim) as (la, drv):
         bound = la.bind(call_of(0))
         assert bound is not None and ("through the launch shim" in bound.launch_path) == shim, bound.launch_path
@@ -298,7 +295,7 @@ def test_sm90_bound_launch_passes_the_general_paths_struct(varlen, shim):
         la(c2)
         general = drv.launches[:]
         drv.launches.clear()
-        assert bound.launch(*args(c2)) and drv.launches == general
+        assert bound.launch(*bound_args(c2)) and drv.launches == general
         (f, grid, block, smem, stream, raw), = general
         assert (f, grid, block, smem, stream) == ("kda_fused", (HV, N, 1), (fake_cuda.NT90, 1, 1), fake_cuda.SMEM90,
                                                  fake_cuda.STREAM)
@@ -309,14 +306,14 @@ def test_sm90_bound_launch_passes_the_general_paths_struct(varlen, shim):
         # unaligned q: declined, nothing launched (the general path realigns it)
         drv.launches.clear()
         q_off = torch.empty(c2.q.numel() + 8, dtype=c2.q.dtype)[1:1 + c2.q.numel()].view(c2.q.shape)
-        assert not bound.launch(*args(call_of(2, q=q_off))) and drv.launches == []
+        assert not bound.launch(*bound_args(call_of(2, q=q_off))) and drv.launches == []
         # a signature whose q the general path realigns has no bound launch
         assert la.bind(call_of(3, q=q_off)) is None
         # a refused launch: False, named, and the next call launches again
         drv.fail("kda_fused", 1, 700)
-        assert not bound.launch(*args(c2)) and "kda_fused" in bound.last_failure
+        assert not bound.launch(*bound_args(c2)) and "kda_fused" in bound.last_failure
         drv.launches.clear()
-        assert bound.launch(*args(c2)) and drv.launches == general
+        assert bound.launch(*bound_args(c2)) and drv.launches == general
 
 
 @pytest.mark.parametrize("shim", [False, True], ids=["bindings", "shim"])
