@@ -174,6 +174,18 @@ __device__ __forceinline__ uint32_t load_beta(const KdaParams& p, const SeqInfo&
 // scratch set of chunk parity c & 1 and phases 2-5 (group B) read it (S_HALF = 0 without the
 // pipeline: one set); spart, sLT, sInv are B's own. Each function names its arrays with this macro.
 __device__ __forceinline__ int scr_set(int c) { return (c & 1) * S_HALF; }
+// e^x of a cumulative-gate value x (G2: 2^x, x in log2 units, one MUFU.EX2 without the multiply by log2(e)), and the
+// gate span (natural units: 80) past which a 16-column slice of L / Mqk takes the exact fallback.
+__device__ __forceinline__ float gexp(float x) {
+  if constexpr (G2) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+  } else {
+    return __expf(x);
+  }
+}
+constexpr float SPAN_MAX = G2 ? 80.f * 1.4426950408889634f : 80.f;
 #define KDA_PREP_SCRATCH(base, c)                                                         \
   char* const scr = (base) + SM_SCR;                                                       \
   char* const scs = scr + scr_set(c);                                                      \
@@ -223,7 +235,7 @@ __device__ __forceinline__ P0In prep_phase0_load(const KdaParams& p, const char*
 // 8 half + 7. The caller has waited for the record slot and the input stage.
 __device__ __forceinline__ void prep_phase0(const KdaParams& p, char* base, int c, int rows, int ri, int d, int col,
                                             int half, uint32_t rb, float aexp, float bias, const P0In& ld,
-                                            float (&xq)[8], float (&xk)[8], float& b) {
+                                            float (&xq)[8], float (&xk)[8], float& b, int gmi = -1) {
   constexpr int GPR = K / 8;
   KDA_PREP_SCRATCH(base, c);
   const bool live = ri < rows;
@@ -239,12 +251,13 @@ __device__ __forceinline__ void prep_phase0(const KdaParams& p, char* base, int 
     b = sigmoidf_(x) * (p.neg_eigval ? 2.f : 1.f);
   }
   {
+    const float lbg = G2 ? p.lower_bound * 1.4426950408889634f : p.lower_bound;  // (G2: log2 units)
     float a[8];
     float run = 0.f;
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
       // activated unconditionally, then selected: rows past the end do not decay
-      const float act = GFOLD ? p.lower_bound * (1.f / (1.f + exp2f(fmaf(ld.gx[j], aexp, bias))))
+      const float act = GFOLD ? lbg * (1.f / (1.f + exp2f(fmaf(ld.gx[j], aexp, bias))))
                               : gate_act(ld.gx[j] + bias, aexp, p.lower_bound);
       run += 8 * half + j < rows ? act : 0.f;
       a[j] = run;
@@ -260,10 +273,10 @@ __device__ __forceinline__ void prep_phase0(const KdaParams& p, char* base, int 
       const int jr = half ? ((j + 4) & 7) : j;
       sG[(8 * half + jr) * KP + col] = half ? a[(j + 4) & 7] : a[j];
     }
-    if (half) reinterpret_cast<float*>(rec + R_GM)[col] = __expf(a[7]);
+    if (half) reinterpret_cast<float*>(rec + R_GM)[gmi < 0 ? gm_index(col) : gmi] = gexp(a[7]);
   }
   {
-    float aq = 1.f, ak = 1.f;
+    float aq = QFOLD ? p.scale : 1.f, ak = 1.f;
     if (p.use_l2norm) {
       aq = ak = 0.f;
 #pragma unroll
@@ -273,10 +286,13 @@ __device__ __forceinline__ void prep_phase0(const KdaParams& p, char* base, int 
         aq += __shfl_xor_sync(0xffffffffu, aq, o);
         ak += __shfl_xor_sync(0xffffffffu, ak, o);
       }
-      aq = rsqrtf(aq + 1e-6f);
+      aq = QFOLD ? p.scale * rsqrtf(aq + 1e-6f) : rsqrtf(aq + 1e-6f);
       ak = rsqrtf(ak + 1e-6f);
 #pragma unroll
       for (int e = 0; e < 8; ++e) { xq[e] *= aq; xk[e] *= ak; }
+    } else if constexpr (QFOLD) {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) xq[e] *= aq;
     }
     // Mqk's diagonal is <q^_i, k^_i> (the decays cancel): in fp32 here, not from bf16 operands
     // (the largest single error of o otherwise: rel RMSE 4.0e-3 -> 3.1e-3 in the emulation).
@@ -311,14 +327,14 @@ __device__ __forceinline__ void prep_phase1(const KdaParams& p, char* base, int 
   uint32_t pk[4], pq[4], pb[4], pqd[4], pkr[4], xkh[4], xkl[4];
 #pragma unroll
   for (int e = 0; e < 8; e += 2) {
-    const float e0 = __expf(G[e]), e1 = __expf(G[e + 1]);
-    const float i0 = __expf(-G[e]), i1 = __expf(-G[e + 1]);
+    const float e0 = gexp(G[e]), e1 = gexp(G[e + 1]);
+    const float i0 = gexp(-G[e]), i1 = gexp(-G[e + 1]);
     const float k0 = xk[e] * e0, k1 = xk[e + 1] * e1, q0 = xq[e] * e0, q1 = xq[e + 1] * e1;
     pk[e / 2] = pack_bf16(k0, k1);
     pq[e / 2] = pack_bf16(q0, q1);
-    pqd[e / 2] = pack_bf16(p.scale * q0, p.scale * q1);
+    pqd[e / 2] = QFOLD ? pack_bf16(q0, q1) : pack_bf16(p.scale * q0, p.scale * q1);  // (QFOLD: xq has the scale)
     pb[e / 2] = pack_bf16(xk[e] * i0, xk[e + 1] * i1);
-    pkr[e / 2] = pack_bf16(xk[e] * __expf(GL[e] - G[e]), xk[e + 1] * __expf(GL[e + 1] - G[e + 1]));
+    pkr[e / 2] = pack_bf16(xk[e] * gexp(GL[e] - G[e]), xk[e + 1] * gexp(GL[e + 1] - G[e + 1]));
     if constexpr (!UKG) split_bf16(b * k0, b * k1, xkh[e / 2], xkl[e / 2]);
   }
   if constexpr (!UKG) {  // (the Kg record: phase 2 reads the record's Kg and Qd instead)
@@ -365,12 +381,12 @@ __device__ __forceinline__ void prep_phase2(char* base, int c, int rows, float s
     const int c0 = 16 * (w * SPW + sl);
     bool near;
     if constexpr (SPAN_VOTE) {  // (one vote instead of a five-shuffle max chain; the same decision)
-      near = !__any_sync(0xffffffffu, lane < 16 && -sG[(C - 1) * KP + c0 + lane] > 80.f);
+      near = !__any_sync(0xffffffffu, lane < 16 && -sG[(C - 1) * KP + c0 + lane] > SPAN_MAX);
     } else {
       float span = lane < 16 ? -sG[(C - 1) * KP + c0 + lane] : 0.f;
 #pragma unroll
       for (int o = 16; o > 0; o >>= 1) span = fmaxf(span, __shfl_xor_sync(0xffffffffu, span, o));
-      near = span <= 80.f;
+      near = span <= SPAN_MAX;
     }
     if (near) {
       uint32_t ak[4], aq[4], bk[4];
@@ -421,13 +437,13 @@ __device__ __forceinline__ void prep_phase2(char* base, int c, int rows, float s
         const in_t* kj = reinterpret_cast<const in_t*>(in + IN_K + j * QROW);
         float l = 0.f, m = 0.f;
         for (int dd = c0; dd < c0 + 16; ++dd) {
-          const float wv = __expf(sG[i * KP + dd] - sG[j * KP + dd]) * to_f(kj[dd]);
+          const float wv = gexp(sG[i * KP + dd] - sG[j * KP + dd]) * to_f(kj[dd]);
           l += to_f(ki[dd]) * wv;
           m += to_f(qi[dd]) * wv;
         }
         // (the Kg record's MMA partials are of -L with YO, and of Mqk with the scale included)
         pL[i * 16 + j] += (YO ? -l : l) * srk[i] * srk[j];
-        pM[i * 16 + j] += (UKG ? scale * m : m) * srq[i] * srk[j];
+        pM[i * 16 + j] += (UKG && !QFOLD ? scale * m : m) * srq[i] * srk[j];  // (QFOLD: srq has the scale)
       }
     }
   }
@@ -466,7 +482,7 @@ __device__ __forceinline__ void prep_phase3(const KdaParams& p, char* base, int 
     for (int it = 0; it < NU; ++it) {
       const int u = u0 + it * STEP, i = u >> 4, j = u & 15;
       if (i > j) sLT[j * CP + i] = bi[it] * (YO ? -l[it] : l[it]);  // (YO: the partials are of -Kg)
-      const float mq = i > j ? (UKG ? m[it] : p.scale * m[it]) : i == j ? p.scale * dg[it] : 0.f;
+      const float mq = i > j ? (UKG ? m[it] : p.scale * m[it]) : i == j ? (QFOLD ? dg[it] : p.scale * dg[it]) : 0.f;
       put_hl(rec, R_MQ, R_ML, i, j, mq);
     }
     return;
@@ -480,7 +496,7 @@ __device__ __forceinline__ void prep_phase3(const KdaParams& p, char* base, int 
       m += spart[w * 512 + 256 + u];
     }
     if (i > j) sLT[j * CP + i] = sbc[i] * (YO ? -l : l);  // (YO: the partials are of -Kg)
-    const float mq = i > j ? (UKG ? m : p.scale * m) : i == j ? p.scale * sdg[i] : 0.f;  // (UKG: Qd has the scale)
+    const float mq = i > j ? (UKG ? m : p.scale * m) : i == j ? (QFOLD ? sdg[i] : p.scale * sdg[i]) : 0.f;  // (UKG: Qd has the scale)
     put_hl(rec, R_MQ, R_ML, i, j, mq);
   }
 }
