@@ -59,19 +59,6 @@ constexpr int VROW = BV * 2 + 16;
 constexpr int V_BYTES = C * VROW;
 
 // ---- chunk record (written by the prep, read by the consumers' wgmma) ----
-// KDA_SM90_GM4 (=1 turns it on): Gamma_C stored in the consumers' fragment order, so the decay reads it with K / 16
-// 16-byte loads at immediate offsets instead of K / 8 8-byte ones: thread t4's columns 16 q + 8 h + 2 t4 + e at float
-// GM_T4 t4 + 4 q + 2 h + e (a 16-byte pad per t4 puts the four t4 of a load in distinct banks).
-#if defined(KDA_SM90_GM4)
-constexpr bool GM4 = KDA_SM90_GM4;
-#else
-constexpr bool GM4 = false;
-#endif
-constexpr int GM_T4 = 4 * (K / 16 + 1);             // floats per t4 (GM4)
-constexpr int GM_BYTES = GM4 ? 4 * GM_T4 * 4 : K * 4;
-__host__ __device__ constexpr int gm_index(int col) {  // the float of Gamma_C's column col in R_GM
-  return GM4 ? GM_T4 * ((col & 7) >> 1) + 4 * (col >> 4) + 2 * ((col >> 3) & 1) + (col & 1) : col;
-}
 constexpr int R_QD = 0;                 // bf16 [C][K] Qd, K-major 128B-swizzled
 constexpr int R_W = C * K * 2;          // bf16 [C][K] W, K-major 128B-swizzled
 constexpr int R_KR = 2 * C * K * 2;     // bf16 [C][K] Kr, MN-major 128B-swizzled
@@ -80,7 +67,7 @@ constexpr int R_ML = R_MQ + 512;        //                                      
 constexpr int R_AH = R_ML + 512;        // bf16 [16][16] (I+L)^-1 diag(b), high part
 constexpr int R_AL = R_AH + 512;        //                                 low part
 constexpr int R_GM = R_AL + 512;        // fp32 [K] Gamma_C
-constexpr int REC_BYTES = (R_GM + GM_BYTES + 1023) / 1024 * 1024;  // stages stay 1024-aligned
+constexpr int REC_BYTES = (R_GM + K * 4 + 1023) / 1024 * 1024;  // stages stay 1024-aligned
 
 // ---- prep scratch (the sm80 chunk-16 prep's shared arrays) ----
 constexpr int KP = K + 4;    // fp32 row pitch
@@ -276,7 +263,7 @@ constexpr int NV = KDA_NV;
 constexpr int NV = PAIR ? (NREC == 3 ? 12 : 8) : NIN + NREC;
 #endif
 constexpr int NRSLOT = PAIR ? 2 * NREC : NREC;  // record slots: own ring, then the peer ring
-constexpr int REC_USED = R_GM + GM_BYTES;         // bytes of a record the pair forwards
+constexpr int REC_USED = R_GM + K * 4;         // bytes of a record the pair forwards
 static_assert(NIN >= 2 && NREC >= 1, "ring depths");
 
 // Who issues the bulk copies (templates/sm90/DESIGN.md "measured from SASS"; default 2: on the

@@ -235,7 +235,7 @@ __device__ __forceinline__ P0In prep_phase0_load(const KdaParams& p, const char*
 // 8 half + 7. The caller has waited for the record slot and the input stage.
 __device__ __forceinline__ void prep_phase0(const KdaParams& p, char* base, int c, int rows, int ri, int d, int col,
                                             int half, uint32_t rb, float aexp, float bias, const P0In& ld,
-                                            float (&xq)[8], float (&xk)[8], float& b, int gmi = -1) {
+                                            float (&xq)[8], float (&xk)[8], float& b) {
   constexpr int GPR = K / 8;
   KDA_PREP_SCRATCH(base, c);
   const bool live = ri < rows;
@@ -273,7 +273,7 @@ __device__ __forceinline__ void prep_phase0(const KdaParams& p, char* base, int 
       const int jr = half ? ((j + 4) & 7) : j;
       sG[(8 * half + jr) * KP + col] = half ? a[(j + 4) & 7] : a[j];
     }
-    if (half) reinterpret_cast<float*>(rec + R_GM)[gmi < 0 ? gm_index(col) : gmi] = gexp(a[7]);
+    if (half) reinterpret_cast<float*>(rec + R_GM)[col] = gexp(a[7]);
   }
   {
     float aq = QFOLD ? p.scale : 1.f, ak = 1.f;

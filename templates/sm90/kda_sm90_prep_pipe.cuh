@@ -56,14 +56,14 @@ __device__ __forceinline__ void copy_role_pair(const KdaParams& p, const SeqInfo
 template <int BAR>
 __device__ __forceinline__ void group_a_chunk(const KdaParams& p, const SeqInfo& si, char* base, int c, int rows, int ri,
                                               int d, int col0, int half, uint32_t rb0, uint32_t rb1, float aexp,
-                                              float bias0, float bias1, int gmi0) {
+                                              float bias0, float bias1) {
   const int col1 = col0 + 16 * 4;
   float xq0[8], xk0[8], b0, xq1[8], xk1[8], b1;
   {
     const P0In ld0 = prep_phase0_load(p, base, c, ri, d, col0, half);
     const P0In ld1 = prep_phase0_load(p, base, c, ri + 8, d, col1, half);
-    prep_phase0(p, base, c, rows, ri, d, col0, half, rb0, aexp, bias0, ld0, xq0, xk0, b0, gmi0);
-    prep_phase0(p, base, c, rows, ri + 8, d, col1, half, rb1, aexp, bias1, ld1, xq1, xk1, b1, gmi0 + gm_index(64));
+    prep_phase0(p, base, c, rows, ri, d, col0, half, rb0, aexp, bias0, ld0, xq0, xk0, b0);
+    prep_phase0(p, base, c, rows, ri + 8, d, col1, half, rb1, aexp, bias1, ld1, xq1, xk1, b1);
   }
   sm90::named_sync<BAR, NTG>();
   KDA_STAMP(threadIdx.x % NTG == 0, KDA_GCHUNK(si, c), ST_A_P0);
@@ -97,7 +97,7 @@ __device__ __forceinline__ void group_a_chunk(const KdaParams& p, const SeqInfo&
 // (pass pp: ri + 8 pp), columns d .. d + 7, gate column col0 (pass pp: + 64 pp) and that column's gate constants, and
 // beta of its two rows for the group's next chunk.
 struct ARows {
-  int ri, d, half, col0, gmi0;  // gmi0: Gamma_C's index of col0 in the record (gm_index)
+  int ri, d, half, col0;
   float aexp, bias0, bias1;
   uint32_t rb0, rb1;
 };
@@ -110,7 +110,6 @@ __device__ __forceinline__ ARows a_rows(const KdaParams& p, const SeqInfo& si, i
   a.half = lane >> 4;
   a.aexp = gate_aexp(p, si);
   a.col0 = (lane & 15) + 16 * warp;
-  a.gmi0 = gm_index(a.col0);
   a.bias0 = gate_bias(p, si, a.col0);
   a.bias1 = gate_bias(p, si, a.col0 + 16 * 4);
   a.rb0 = load_beta(p, si, KDA_GCHUNK(si, c0), a.ri);
@@ -133,7 +132,7 @@ __device__ __forceinline__ void group_a_step(const KdaParams& p, const SeqInfo& 
   sm90::mbar_wait(bars + B_REC_EMPTY + r, ((c / NREC) & 1) ^ 1);
   sm90::mbar_wait(bars + B_IN_FULL + (c % NIN), (c / NIN) & 1);
   KDA_STAMP(tid == 0, KDA_GCHUNK(si, c), ST_A_GO);
-  group_a_chunk<BAR>(p, si, base, c, rows, a.ri, a.d, a.col0, a.half, rb0, rb1, a.aexp, a.bias0, a.bias1, a.gmi0);
+  group_a_chunk<BAR>(p, si, base, c, rows, a.ri, a.d, a.col0, a.half, rb0, rb1, a.aexp, a.bias0, a.bias1);
   // beta one chunk ahead, loaded here (not at the top) so that it is not live across phase 1
   a.rb0 = load_beta(p, si, KDA_GCHUNK(si, c + STEP), a.ri);
   a.rb1 = load_beta(p, si, KDA_GCHUNK(si, c + STEP), a.ri + 8);

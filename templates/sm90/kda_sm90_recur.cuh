@@ -197,19 +197,10 @@ __device__ __forceinline__ void consumer_role(const KdaParams& p, const SeqInfo&
   // S *= Gamma_C of the record at rec
   auto decay = [&](const char* rec) {
     const float* gm = reinterpret_cast<const float*>(rec + R_GM);
-    if constexpr (GM4) {
 #pragma unroll
-      for (int q = 0; q < K / 16; ++q) {
-        const float4 g = *reinterpret_cast<const float4*>(gm + GM_T4 * t4 + 4 * q);
-        s[2 * q][0] *= g.x; s[2 * q][1] *= g.y; s[2 * q][2] *= g.x; s[2 * q][3] *= g.y;
-        s[2 * q + 1][0] *= g.z; s[2 * q + 1][1] *= g.w; s[2 * q + 1][2] *= g.z; s[2 * q + 1][3] *= g.w;
-      }
-    } else {
-#pragma unroll
-      for (int nt = 0; nt < K / 8; ++nt) {
-        const float2 g = *reinterpret_cast<const float2*>(gm + 8 * nt + 2 * t4);
-        s[nt][0] *= g.x; s[nt][1] *= g.y; s[nt][2] *= g.x; s[nt][3] *= g.y;
-      }
+    for (int nt = 0; nt < K / 8; ++nt) {
+      const float2 g = *reinterpret_cast<const float2*>(gm + 8 * nt + 2 * t4);
+      s[nt][0] *= g.x; s[nt][1] *= g.y; s[nt][2] *= g.x; s[nt][3] *= g.y;
     }
   };
 
