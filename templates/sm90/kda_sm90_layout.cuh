@@ -166,17 +166,20 @@ constexpr bool GFOLD = KDA_GATE == 0 && PREP_PIPE;
 #else
 constexpr bool GFOLD = false;
 #endif
-// KDA_SM90_G2 (GFOLD only; =1 turns it on): the cumulative gate in log2 units (lb log2(e) in phase 0's FFMA), so phase
+// KDA_SM90_G2 (GFOLD only; =0 turns it off): the cumulative gate in log2 units (lb log2(e) in phase 0's FFMA), so phase
 // 1's three exponentials per element are bare ex2 (no multiply by log2(e)); phase 2's span bar scales with it.
-#if defined(KDA_SM90_G2)
-constexpr bool G2 = GFOLD && KDA_SM90_G2;
+// KDA_SM90_QFOLD (the Kg record with GFOLD; =0 turns it off): the attention scale folded into q's norm factor in phase 0, so phase 1
+// stores Qd without a multiply per element and phase 3 takes the fp32 diagonal as it is.
+// Both together (H200 2026-12-03, session 24 call 2, three passes): the pair -0.75% geomean over issue 16's six rows
+// (varlen 8x1024 and B4 T4096 -2%, T8192 H96 and varlen H96 -1%, T16384 H48 flat, T8192 H64 +2%); bv128 -2.2%; o within
+// 7e-5 of the unfolded prep's. About 70 fewer fp32 instructions per prep group and chunk.
+#if !defined(KDA_SM90_G2) || KDA_SM90_G2
+constexpr bool G2 = GFOLD;
 #else
 constexpr bool G2 = false;
 #endif
-// KDA_SM90_QFOLD (the Kg record; =1 turns it on): the attention scale folded into q's norm factor in phase 0, so phase 1
-// stores Qd without a multiply per element and phase 3 takes the fp32 diagonal as it is.
-#if defined(KDA_SM90_QFOLD)
-constexpr bool QFOLD = UKG && KDA_SM90_QFOLD;
+#if !defined(KDA_SM90_QFOLD) || KDA_SM90_QFOLD
+constexpr bool QFOLD = UKG && GFOLD;  // (where it was measured; bv128's softplus-gate build spilled 4 bytes with it)
 #else
 constexpr bool QFOLD = false;
 #endif
