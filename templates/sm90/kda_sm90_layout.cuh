@@ -183,12 +183,6 @@ constexpr bool QFOLD = UKG && GFOLD;  // (where it was measured; bv128's softplu
 #else
 constexpr bool QFOLD = false;
 #endif
-// KDA_SM90_FULLC (=1 turns it on): phase 0 of a full chunk without the selects for rows past the sequence's end.
-#if defined(KDA_SM90_FULLC)
-constexpr bool FULLC = KDA_SM90_FULLC;
-#else
-constexpr bool FULLC = false;
-#endif
 // KDA_SM90_SPAN_VOTE (=0 turns it off): phase 2 decides a slice's exact fallback with one warp vote instead of a
 // max over five shuffles (H200 2026-12-02: the pair -1..-6% alone, o bitwise equal; bv128 and K = 64: see P3U).
 #if defined(KDA_SM90_SPAN_VOTE)

@@ -239,11 +239,9 @@ __device__ __forceinline__ void prep_phase0(const KdaParams& p, char* base, int 
   constexpr int GPR = K / 8;
   KDA_PREP_SCRATCH(base, c);
   const bool live = ri < rows;
-  // FULLC: a full chunk (every chunk but a sequence's last) skips the selects of rows past the end (a uniform branch)
-  const bool full = FULLC && rows == C;
   unpack8<in_t>(ld.rq, xq);
   unpack8<in_t>(ld.rk, xk);
-  if (!full && !live) {
+  if (!live) {
 #pragma unroll
     for (int e = 0; e < 8; ++e) xq[e] = xk[e] = 0.f;
   }
@@ -256,23 +254,13 @@ __device__ __forceinline__ void prep_phase0(const KdaParams& p, char* base, int 
     const float lbg = G2 ? p.lower_bound * 1.4426950408889634f : p.lower_bound;  // (G2: log2 units)
     float a[8];
     float run = 0.f;
-    auto act = [&](int j) {
-      return GFOLD ? lbg * (1.f / (1.f + exp2f(fmaf(ld.gx[j], aexp, bias)))) : gate_act(ld.gx[j] + bias, aexp, p.lower_bound);
-    };
-    if (full) {
 #pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        run += act(j);
-        a[j] = run;
-      }
-    } else {
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        // activated unconditionally, then selected: rows past the end do not decay
-        const float aj = act(j);
-        run += 8 * half + j < rows ? aj : 0.f;
-        a[j] = run;
-      }
+    for (int j = 0; j < 8; ++j) {
+      // activated unconditionally, then selected: rows past the end do not decay
+      const float act = GFOLD ? lbg * (1.f / (1.f + exp2f(fmaf(ld.gx[j], aexp, bias))))
+                              : gate_act(ld.gx[j] + bias, aexp, p.lower_bound);
+      run += 8 * half + j < rows ? act : 0.f;
+      a[j] = run;
     }
     const float first = __shfl_up_sync(0xffffffffu, run, 16);
 #pragma unroll
