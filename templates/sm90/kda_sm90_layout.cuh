@@ -266,7 +266,7 @@ constexpr int NV = KDA_NV;
 constexpr int NV = PAIR ? (NREC == 3 ? 12 : 8) : NIN + NREC;
 #endif
 constexpr int NRSLOT = PAIR ? 2 * NREC : NREC;  // record slots: own ring, then the peer ring
-constexpr int REC_USED = R_GM + K * 4;         // bytes of a record the pair forwards
+constexpr int REC_USED = R_GM + K * 4;          // bytes of a record the pair forwards
 static_assert(NIN >= 2 && NREC >= 1, "ring depths");
 
 // Who issues the bulk copies (templates/sm90/DESIGN.md "measured from SASS"; default 2: on the

@@ -174,6 +174,7 @@ __device__ __forceinline__ uint32_t load_beta(const KdaParams& p, const SeqInfo&
 // scratch set of chunk parity c & 1 and phases 2-5 (group B) read it (S_HALF = 0 without the
 // pipeline: one set); spart, sLT, sInv are B's own. Each function names its arrays with this macro.
 __device__ __forceinline__ int scr_set(int c) { return (c & 1) * S_HALF; }
+constexpr float LOG2E = 1.4426950408889634f;  // log2(e): natural units to log2 units (GFOLD, G2)
 // e^x of a cumulative-gate value x (G2: 2^x, x in log2 units, one MUFU.EX2 without the multiply by log2(e)), and the
 // gate span (natural units: 80) past which a 16-column slice of L / Mqk takes the exact fallback.
 __device__ __forceinline__ float gexp(float x) {
@@ -185,7 +186,7 @@ __device__ __forceinline__ float gexp(float x) {
     return __expf(x);
   }
 }
-constexpr float SPAN_MAX = G2 ? 80.f * 1.4426950408889634f : 80.f;
+constexpr float SPAN_MAX = G2 ? 80.f * LOG2E : 80.f;
 #define KDA_PREP_SCRATCH(base, c)                                                         \
   char* const scr = (base) + SM_SCR;                                                       \
   char* const scs = scr + scr_set(c);                                                      \
@@ -251,7 +252,7 @@ __device__ __forceinline__ void prep_phase0(const KdaParams& p, char* base, int 
     b = sigmoidf_(x) * (p.neg_eigval ? 2.f : 1.f);
   }
   {
-    const float lbg = G2 ? p.lower_bound * 1.4426950408889634f : p.lower_bound;  // (G2: log2 units)
+    const float lbg = G2 ? p.lower_bound * LOG2E : p.lower_bound;  // (G2: log2 units)
     float a[8];
     float run = 0.f;
 #pragma unroll
@@ -563,7 +564,7 @@ __device__ __forceinline__ void prep_w16(char* base, int c, const uint32_t (&ah)
 __device__ __forceinline__ float gate_aexp(const KdaParams& p, const SeqInfo& si) {
 #if KDA_GATE != 2
   const float e = __expf(__ldg(p.A_log + si.h));
-  return GFOLD ? -e * 1.4426950408889634f : e;
+  return GFOLD ? -e * LOG2E : e;
 #else
   return 0.f;
 #endif
