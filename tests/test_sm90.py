@@ -152,17 +152,18 @@ def test_sm90_sass_structure(va):
     assert count("WARPGROUP.ARRIVE") == rounds + (1 if yo else 0), ops
     assert count("WARPGROUP.DEPBAR") == rounds + (1 if yo else 0), ops
     # L/Mqk per K slice; W only in the one-group prep (3 x 2 per 16-column tile). The pair's two prep groups
-    # each run phases 0-5 of their own chunks (KDA_SM90_DUAL), from one copy of the code (KDA_SM90_ONECOPY).
+    # each run phases 0-5 of their own chunks (KDA_SM90_DUAL), so each has its copy of phase 2 and the forward.
     pair = pipe and var.block_v == 64
-    assert count("HMMA.16816") == 4 * (2 if var.k >= 128 else 1) + (0 if pipe else 6), ops
+    groups = 2 if pair else 1
+    assert count("HMMA.16816") == groups * 4 * (2 if var.k >= 128 else 1) + (0 if pipe else 6), ops
     threads = 2 * var.k + 128 * (var.block_v // 64)
     # setmaxnreg per role: the consumers and the prep, or the pipeline's two groups
-    # (the pair: its copy warpgroup, the consumers and both prep groups at one site)
-    assert count("USETMAXREG") == (0 if threads <= 256 else 3 if pipe else 2), ops
-    # The CTA pair (K = 128, block_v 64): one shared-to-shared bulk copy forwards each record,
+    # (the pair: its copy warpgroup, the consumers and each prep group)
+    assert count("USETMAXREG") == (0 if threads <= 256 else (4 if var.block_v == 64 else 3) if pipe else 2), ops
+    # The CTA pair (K = 128, block_v 64): one shared-to-shared bulk copy (per prep group) forwards each record,
     # and the only cluster-scope fences are the two cluster barriers (start, exit): a remote arrival or
     # wait with cluster scope would add MEMBAR.ALL.GPU / CCTL.IVALL in the loop (10-12% on the H200).
-    assert count("UBLKCP.S.S") == (1 if pair else 0), ops
+    assert count("UBLKCP.S.S") == (groups if pair else 0), ops
     assert count("UCGABAR_ARV") == (2 if pair else 0), ops
     assert count("MEMBAR.ALL.GPU") == (2 if pair else 0) and count("CCTL.IVALL") == (2 if pair else 0), ops
 
