@@ -100,14 +100,6 @@ __device__ __forceinline__ void named_sync() {
   asm volatile("bar.sync %0, %1;\n" ::"n"(ID), "n"(COUNT) : "memory");
 }
 
-// The same with the barrier id a run-time value: warp groups that differ only in their barrier then share one copy
-// of their code (the pair's dual prep groups: two template copies were ~2000 instructions of a ~5600-instruction kernel).
-template <int COUNT>
-__device__ __forceinline__ void named_sync_r(int id) {
-  static_assert(COUNT % 32 == 0, "named barrier");
-  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "n"(COUNT) : "memory");
-}
-
 // ---- register reallocation between warpgroups ----
 template <int N>
 __device__ __forceinline__ void regs_dec() {

@@ -363,14 +363,15 @@ __device__ __forceinline__ void prep_phase1(const KdaParams& p, char* base, int 
 }
 
 // ---- 2. L (b, strictly lower) and Mqk (scale, lower incl. diagonal) partials of the K slices of
-// L/Mqk warp w = warp - w0 (< NMW). The anchor is G = 0 before the chunk: <q_i e^{G_i}, k_j e^{-G_j}> with
+// L/Mqk warp w = warp - W0 (< NMW). The anchor is G = 0 before the chunk: <q_i e^{G_i}, k_j e^{-G_j}> with
 // e^{-G_j} <= e^{span}; a slice with span > 80 (beyond fp32/bf16 range) uses exact pairwise
 // exp(G_i - G_j) on CUDA cores, reading q and k again from the input stage (rare: only for extreme
 // gates). in_full (or nullptr): the input stage's barrier, waited before that read where the
 // stage's own wait was another warp's.
-__device__ __forceinline__ void prep_phase2(int w0, char* base, int c, int rows, float scale, uint64_t* in_full = nullptr,
+template <int W0>
+__device__ __forceinline__ void prep_phase2(char* base, int c, int rows, float scale, uint64_t* in_full = nullptr,
                                             uint32_t in_parity = 0) {
-  const int tid = threadIdx.x, lane = tid & 31, w = (tid >> 5) - w0;
+  const int tid = threadIdx.x, lane = tid & 31, w = (tid >> 5) - W0;
   KDA_PREP_SCRATCH(base, c);
   const int g8 = lane >> 2, t4 = lane & 3, lm = lane >> 3, lr = lane & 7;
   if (w >= NMW) return;
@@ -619,7 +620,7 @@ __device__ __forceinline__ void prep_role(const KdaParams& p, const SeqInfo& si,
     if constexpr (COPY_MODE == 2) {
       if (warp >= COPY_W0) issue_chunk_spread(p, si, c + NIN - 1, base, bars, warp - COPY_W0, lane);
     }
-    prep_phase2(0, base, c, rows, p.scale);
+    prep_phase2<0>(base, c, rows, p.scale);
     sm90::named_sync<BAR_PREP, NTP>();
     prep_phase3<NTP>(p, base, c, tid);
     sm90::named_sync<BAR_PREP, NTP>();

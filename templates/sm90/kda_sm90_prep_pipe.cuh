@@ -51,10 +51,10 @@ __device__ __forceinline__ void copy_role_pair(const KdaParams& p, const SeqInfo
   }
 }
 
-// Phases 0-1 of local chunk c by one 4-warp group (tid: 0 .. 127 within it; bar its named barrier): two passes
+// Phases 0-1 of local chunk c by one 4-warp group (tid: 0 .. 127 within it; BAR its named barrier): two passes
 // over the rows (8 p .. 8 p + 7) and gate columns (col0 + 64 p). The caller waited for the slot and the inputs.
-// (bar: a run-time value, so that DUAL's two groups run one copy of the code)
-__device__ __forceinline__ void group_a_chunk(int bar, const KdaParams& p, const SeqInfo& si, char* base, int c, int rows, int ri,
+template <int BAR>
+__device__ __forceinline__ void group_a_chunk(const KdaParams& p, const SeqInfo& si, char* base, int c, int rows, int ri,
                                               int d, int col0, int half, uint32_t rb0, uint32_t rb1, float aexp,
                                               float bias0, float bias1) {
   const int col1 = col0 + 16 * 4;
@@ -65,7 +65,7 @@ __device__ __forceinline__ void group_a_chunk(int bar, const KdaParams& p, const
     prep_phase0(p, base, c, rows, ri, d, col0, half, rb0, aexp, bias0, ld0, xq0, xk0, b0);
     prep_phase0(p, base, c, rows, ri + 8, d, col1, half, rb1, aexp, bias1, ld1, xq1, xk1, b1);
   }
-  sm90::named_sync_r<NTG>(bar);
+  sm90::named_sync<BAR, NTG>();
   KDA_STAMP(threadIdx.x % NTG == 0, KDA_GCHUNK(si, c), ST_A_P0);
   if constexpr (PIPE_ROLL) {
     float GL[8];
@@ -119,8 +119,8 @@ __device__ __forceinline__ ARows a_rows(const KdaParams& p, const SeqInfo& si, i
 
 // Phases 0-1 of local chunk c with their waits (the scratch set with SCR, the record slot, the inputs) and
 // arrivals (rec_full; scr_full with SCR); beta then loads for chunk c + STEP, the group's next.
-template <int STEP, bool SCR>
-__device__ __forceinline__ void group_a_step(int bar, const KdaParams& p, const SeqInfo& si, char* base, uint64_t* bars,
+template <int BAR, int STEP, bool SCR>
+__device__ __forceinline__ void group_a_step(const KdaParams& p, const SeqInfo& si, char* base, uint64_t* bars,
                                              int tid, ARows& a, int c, int rows) {
   const uint32_t rb0 = a.rb0, rb1 = a.rb1;
   const int r = c % NREC, h = c & 1;
@@ -132,7 +132,7 @@ __device__ __forceinline__ void group_a_step(int bar, const KdaParams& p, const 
   sm90::mbar_wait(bars + B_REC_EMPTY + r, ((c / NREC) & 1) ^ 1);
   sm90::mbar_wait(bars + B_IN_FULL + (c % NIN), (c / NIN) & 1);
   KDA_STAMP(tid == 0, KDA_GCHUNK(si, c), ST_A_GO);
-  group_a_chunk(bar, p, si, base, c, rows, a.ri, a.d, a.col0, a.half, rb0, rb1, a.aexp, a.bias0, a.bias1);
+  group_a_chunk<BAR>(p, si, base, c, rows, a.ri, a.d, a.col0, a.half, rb0, rb1, a.aexp, a.bias0, a.bias1);
   // beta one chunk ahead, loaded here (not at the top) so that it is not live across phase 1
   a.rb0 = load_beta(p, si, KDA_GCHUNK(si, c + STEP), a.ri);
   a.rb1 = load_beta(p, si, KDA_GCHUNK(si, c + STEP), a.ri + 8);
@@ -169,7 +169,7 @@ __device__ __forceinline__ void prep_group_a(const KdaParams& p, const SeqInfo& 
   }
   // (c: the local chunk, which indexes every ring and scratch set; KDA_GCHUNK(c) the data's chunk)
   for (int c = 0; c < nlocal(si); ++c) {
-    group_a_step<1, true>(BAR, p, si, base, bars, tid, a, c, min(C, si.len - KDA_GCHUNK(si, c) * C));
+    group_a_step<BAR, 1, true>(p, si, base, bars, tid, a, c, min(C, si.len - KDA_GCHUNK(si, c) * C));
     // The stage of chunk c - 2 (B's phase 2 of it is done: A waited scr_empty of c - 2's set).
     if constexpr (PIPE_COPIES == 0) issue(c + NIN - 2);
     if constexpr (PAIR && !PAIR_CW) {
@@ -179,32 +179,32 @@ __device__ __forceinline__ void prep_group_a(const KdaParams& p, const SeqInfo& 
   }
 }
 
-// Phases 2-5 of local chunk c by one 4-warp group (tb: 0 .. 127 within it, warps w0 .. w0 + 3; bar its named
+// Phases 2-5 of local chunk c by one 4-warp group (tb: 0 .. 127 within it, warps W0 .. W0 + 3; BAR its named
 // barrier), and in the pair the record's forwarding copy to the peer. SCR: release the scratch set to group A
 // (scr_empty). The caller saw phases 0-1 of chunk c done (scr_full, or its own named barrier).
-template <bool SCR>
-__device__ __forceinline__ void group_b_chunk(int bar, int w0, const KdaParams& p, const SeqInfo& si, char* base, uint64_t* bars, int c,
+template <int BAR, int W0, bool SCR>
+__device__ __forceinline__ void group_b_chunk(const KdaParams& p, const SeqInfo& si, char* base, uint64_t* bars, int c,
                                               int rows, int tb) {
   const int warp = threadIdx.x >> 5, r = c % NREC, st = c % NIN;
   // (the exact fallback reads the input stage: it waits for the stage's copies itself)
-  prep_phase2(w0, base, c, rows, p.scale, bars + B_IN_FULL + st, (c / NIN) & 1);
+  prep_phase2<W0>(base, c, rows, p.scale, bars + B_IN_FULL + st, (c / NIN) & 1);
   // the stage's last read (mode 1: B refills the stage itself, and an mbarrier whose phases
   // complete unwaited is an error to synccheck)
   if constexpr (PIPE_COPIES == 0 || PAIR_CW) sm90::mbar_arrive(bars + B_IN_EMPTY + st);
-  sm90::named_sync_r<NTG>(bar);
+  sm90::named_sync<BAR, NTG>();
   KDA_STAMP(tb == 0, KDA_GCHUNK(si, c), ST_B_P2);
   prep_phase3<NTG>(p, base, c, tb);
-  sm90::named_sync_r<NTG>(bar);
+  sm90::named_sync<BAR, NTG>();
   KDA_STAMP(tb == 0, KDA_GCHUNK(si, c), ST_B_P3);
   if (tb < C) prep_phase4(base, c, tb);
-  sm90::named_sync_r<NTG>(bar);
+  sm90::named_sync<BAR, NTG>();
   KDA_STAMP(tb == 0, KDA_GCHUNK(si, c), ST_B_P4);
   prep_phase5_ainv<NTG>(base, c, tb);
   if constexpr (!UKG) {  // (UKG: the consumers apply (I+L)^-1 diag(b) to v^T - S Kg^T themselves)
     uint32_t ah[4], al[4];
     prep_inv_frags(base, c, threadIdx.x & 31, ah, al);
-    prep_w16(base, c, ah, al, 2 * (warp - w0));
-    prep_w16(base, c, ah, al, 2 * (warp - w0) + 1);
+    prep_w16(base, c, ah, al, 2 * (warp - W0));
+    prep_w16(base, c, ah, al, 2 * (warp - W0) + 1);
   }
   if constexpr (SCR) sm90::mbar_arrive(bars + B_SCR_EMPTY + (c & 1));  // the set's last read
   sm90::fence_proxy_async();
@@ -217,7 +217,7 @@ __device__ __forceinline__ void group_b_chunk(int bar, int w0, const KdaParams& 
     // Waiting rec_full here instead took ~2800 cycles after the last B warp had arrived (stamps, H200
     // 2026-12-02), and the copies first were slower. The peer's slot is free: its consumers released
     // it on this CTA's rec_empty, which phase 0 waited before this chunk.
-    sm90::named_sync_r<NTG>(bar);
+    sm90::named_sync<BAR, NTG>();
     if (tb == 0) {
       KDA_STAMP(true, KDA_GCHUNK(si, c), ST_B_FULL);
       const uint32_t peer = pair_rank(si) ^ 1u;
@@ -245,7 +245,7 @@ __device__ __forceinline__ void prep_group_b(const KdaParams& p, const SeqInfo& 
     KDA_STAMP(tb == 0, KDA_GCHUNK(si, c), ST_B_WAIT);
     sm90::mbar_wait(bars + B_SCR_FULL + h, (c >> 1) & 1);
     KDA_STAMP(tb == 0, KDA_GCHUNK(si, c), ST_B_GO);
-    group_b_chunk<true>(BAR_PREP_B, 4, p, si, base, bars, c, rows, tb);
+    group_b_chunk<BAR_PREP_B, 4, true>(p, si, base, bars, c, rows, tb);
     // Stage c % NIN: A read it in phases 0-1 of chunk c (before scr_full) and B's phase 2 is past the group
     // barrier, so chunk c + NIN may land there (the pair's copy warpgroup waits in_empty instead).
     if constexpr (PAIR) {
@@ -260,18 +260,18 @@ __device__ __forceinline__ void prep_group_b(const KdaParams& p, const SeqInfo& 
 // sets and group B's arrays by chunk parity). Each group's chunk is as long as A's and B's together, but the two
 // overlap, so a local chunk takes half of that where A's phases 0-1 alone had paced the pipeline (stamps, H200
 // 2026-12-02: A works ~3700 of a ~4400-cycle chunk, B waits ~1100 of it).
-// g: the group, a run-time value (ONECOPY) or a constant at each of two call sites.
-__device__ __forceinline__ void prep_group_dual(int g, const KdaParams& p, const SeqInfo& si, char* base, uint64_t* bars) {
-  const int bar = 1 + g;
-  const int tid = threadIdx.x - g * NTG;
-  ARows a = a_rows(p, si, tid, g);
-  for (int c = g; c < nlocal(si); c += 2) {
+template <int G>
+__device__ __forceinline__ void prep_group_dual(const KdaParams& p, const SeqInfo& si, char* base, uint64_t* bars) {
+  constexpr int BAR = 1 + G;
+  const int tid = threadIdx.x - G * NTG;
+  ARows a = a_rows(p, si, tid, G);
+  for (int c = G; c < nlocal(si); c += 2) {
     const int rows = min(C, si.len - KDA_GCHUNK(si, c) * C);
-    group_a_step<2, false>(bar, p, si, base, bars, tid, a, c, rows);
-    sm90::named_sync_r<NTG>(bar);  // phase 1's scratch and record rows, read by other warps in phase 2
+    group_a_step<BAR, 2, false>(p, si, base, bars, tid, a, c, rows);
+    sm90::named_sync<BAR, NTG>();  // phase 1's scratch and record rows, read by other warps in phase 2
     KDA_STAMP(tid == 0, KDA_GCHUNK(si, c), ST_B_WAIT);
     KDA_STAMP(tid == 0, KDA_GCHUNK(si, c), ST_B_GO);
-    group_b_chunk<false>(bar, 4 * g, p, si, base, bars, c, rows, tid);
+    group_b_chunk<BAR, 4 * G, false>(p, si, base, bars, c, rows, tid);
   }
 }
 
@@ -295,27 +295,17 @@ constexpr int DUAL_REGS = KDA_SM90_DUAL_REGS;
 #else
 constexpr int DUAL_REGS = (NT * LAUNCH_REGS - NTX * CW_REGS - 128 * NCONS * CONS_REGS) / NTP / 8 * 8;  // (the rest)
 #endif
-// KDA_SM90_ONECOPY (DUAL): both groups run one inlined copy of prep_group_dual, the group a run-time value, instead of
-// a copy each (~2000 instructions of the pair's ~5600; the kernel's code is ~90 KB, an instruction-cache suspect).
-#ifdef KDA_SM90_ONECOPY
-constexpr bool ONECOPY = KDA_SM90_ONECOPY;
-#else
-constexpr bool ONECOPY = true;
-#endif
 static_assert(!DUAL || NTP * DUAL_REGS + NTX * CW_REGS + 128 * NCONS * CONS_REGS <= NT * LAUNCH_REGS, "register budget");
 
 __device__ __forceinline__ void prep_role_pipe(const KdaParams& p, const SeqInfo& si, char* base, uint64_t* bars) {
   // (NTX: the pair's copy warpgroup, threads NTP .. NTP + 127)
   if constexpr (DUAL) {  // (the groups raise to DUAL_REGS, the copy warpgroup drops to CW_REGS)
-    if (ONECOPY && threadIdx.x < NTP) {
+    if (threadIdx.x < NTG) {
       sm90::regs_inc<DUAL_REGS>();
-      prep_group_dual(threadIdx.x >= NTG, p, si, base, bars);
-    } else if (!ONECOPY && threadIdx.x < NTG) {
+      prep_group_dual<0>(p, si, base, bars);
+    } else if (threadIdx.x < NTP) {
       sm90::regs_inc<DUAL_REGS>();
-      prep_group_dual(0, p, si, base, bars);
-    } else if (!ONECOPY && threadIdx.x < NTP) {
-      sm90::regs_inc<DUAL_REGS>();
-      prep_group_dual(1, p, si, base, bars);
+      prep_group_dual<1>(p, si, base, bars);
     } else {
       sm90::regs_dec<CW_REGS>();
       copy_role_pair(p, si, base, bars);
