@@ -367,9 +367,7 @@ __device__ __forceinline__ void prep_group_x0(const KdaParams& p, const SeqInfo&
     }
     const unsigned fb = prep_phase2_mma<4 * G, true>(base, c);
     p0_front(n, ld0, ld1, ga0, ga1);
-#if !defined(KDA_SM90_X0_LATE) || !KDA_SM90_X0_LATE
     if (hn) sm90::mbar_arrive(bars + B_IN_EMPTY + n % NIN);
-#endif
     prep_phase2_exact<4 * G>(base, c, rows, p.scale, fb, nullptr, 0, &p, &si);
     sm90::named_sync<BAR, NTG>();
     // ---- phase 3 of c beside n's norms
@@ -389,9 +387,6 @@ __device__ __forceinline__ void prep_group_x0(const KdaParams& p, const SeqInfo&
       sm90::named_sync<BAR, NTG>();
       if (tid == 0) forward_record(si, base, bars, r);
     }
-#if defined(KDA_SM90_X0_LATE) && KDA_SM90_X0_LATE  // (diagnostic: the stage released where the copies' lead was)
-    if (hn) sm90::mbar_arrive(bars + B_IN_EMPTY + n % NIN);
-#endif
   }
 }
 
