@@ -236,15 +236,7 @@ constexpr int S_END = (S_INV + 16 * IPF * 4 + 15) / 16 * 16;
 // DUAL: each group runs phases 2-5 of its own chunks, so group B's arrays (S_PART .. the end) are doubled by chunk
 // parity too; parity 1's copy follows the end (S_B, already by parity, is read at parity 0's offset only).
 constexpr int S_OWN2 = DUAL ? S_END - S_PART : 0;
-// X0 (the dual groups with the next chunk's phase 0 inside this chunk's phases 2-4, kda_sm90_prep_pipe.cuh): a group
-// holds two chunks' beta, norm factors and diagonal (local chunks c and c + 2), so these live apart, by c & 3.
-#if !defined(KDA_SM90_X0) || KDA_SM90_X0
-constexpr bool X0 = DUAL;
-#else
-constexpr bool X0 = false;
-#endif
-constexpr int S_X0 = S_END + S_OWN2;            // f32 [4][4][C]: beta, rq, rk, dg of local chunk c at set c & 3 (X0)
-constexpr int SCR_BYTES = S_X0 + (X0 ? 16 * C * 4 : 0);
+constexpr int SCR_BYTES = S_END + S_OWN2;
 static_assert(C * (K / 8) == NTP && NMW <= NWP && K / 16 == NWP, "chunk 16 prep layout");
 
 // ---- ring depths ----

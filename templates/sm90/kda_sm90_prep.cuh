@@ -191,10 +191,9 @@ constexpr float SPAN_MAX = G2 ? 80.f * LOG2E : 80.f;
   char* const scr = (base) + SM_SCR;                                                       \
   char* const scs = scr + scr_set(c);                                                      \
   float* const sG = reinterpret_cast<float*>(scs + S_G);                                   \
-  float* const sx0 = reinterpret_cast<float*>(scr + S_X0) + ((c) & 3) * 4 * C; /* (X0) */       \
-  float* const srq = X0 ? sx0 + C : reinterpret_cast<float*>(scs + S_RQ);                  \
-  float* const srk = X0 ? sx0 + 2 * C : reinterpret_cast<float*>(scs + S_RK);              \
-  float* const sdg = X0 ? sx0 + 3 * C : reinterpret_cast<float*>(scs + S_DG);              \
+  float* const srq = reinterpret_cast<float*>(scs + S_RQ);                                 \
+  float* const srk = reinterpret_cast<float*>(scs + S_RK);                                 \
+  float* const sdg = reinterpret_cast<float*>(scs + S_DG);                                 \
   bf16* const sAK = reinterpret_cast<bf16*>(scs + S_AK);                                   \
   bf16* const sAQ = reinterpret_cast<bf16*>(scs + S_AQ);                                   \
   bf16* const sBK = reinterpret_cast<bf16*>(scs + S_BK);                                   \
@@ -203,11 +202,11 @@ constexpr float SPAN_MAX = G2 ? 80.f * LOG2E : 80.f;
   char* const sown = scr + ((c) & 1) * S_OWN2; /* group B's arrays (by parity with DUAL) */ \
   float* const spart = reinterpret_cast<float*>(sown + S_PART);                            \
   float* const sLT = reinterpret_cast<float*>(sown + S_LT);                                \
-  float* const sbc = X0 ? sx0 : reinterpret_cast<float*>(scr + S_B) + ((c) & 1) * C; /* by parity */ \
+  float* const sbc = reinterpret_cast<float*>(scr + S_B) + ((c) & 1) * C; /* by parity */  \
   float* const sInv = reinterpret_cast<float*>(sown + S_INV);                              \
   const char* const in = (base) + SM_IN + ((c) % NIN) * IN_BYTES;                          \
   char* const rec = (base) + SM_REC + ((c) % NREC) * REC_BYTES;                            \
-  (void)sx0; (void)sG; (void)srq; (void)srk; (void)sdg; (void)sAK; (void)sAQ; (void)sBK; (void)sXh;  \
+  (void)sG; (void)srq; (void)srk; (void)sdg; (void)sAK; (void)sAQ; (void)sBK; (void)sXh;  \
   (void)sXl; (void)spart; (void)sLT; (void)sbc; (void)sInv; (void)in; (void)rec
 
 // Phase 0's shared-memory reads of one pass (row ri, columns d .. d + 7; gate column col, rows
@@ -234,113 +233,7 @@ __device__ __forceinline__ P0In prep_phase0_load(const KdaParams& p, const char*
 
 // ---- 0. inputs of row ri, columns d .. d + 7 (read into ld; rows past the end are stale shared
 // memory: selected away, never multiplied), and the gate cumsum of column col, rows 8 half ..
-// 8 half + 7. The caller has waited for the record slot and the input stage. In pieces, so that the
-// interleaved dual groups (X0, kda_sm90_prep_pipe.cuh) can run them beside the current chunk's phases 2-4.
-// q, k of row ri (zeros past the end) and beta.
-__device__ __forceinline__ void p0_rows(const KdaParams& p, int rows, int ri, uint32_t rb, const P0In& ld, float (&xq)[8],
-                                        float (&xk)[8], float& b) {
-  const bool live = ri < rows;
-  unpack8<in_t>(ld.rq, xq);
-  unpack8<in_t>(ld.rk, xk);
-  if (!live) {
-#pragma unroll
-    for (int e = 0; e < 8; ++e) xq[e] = xk[e] = 0.f;
-  }
-  b = 0.f;
-  if (live) {
-    const float x = p.beta_fp32 ? __uint_as_float(rb) : to_f(bits_as<in_t>(rb));
-    b = sigmoidf_(x) * (p.neg_eigval ? 2.f : 1.f);
-  }
-}
-// The cumulative gate of column col, rows 8 half .. 8 half + 7 (both lanes of the column: a shuffle).
-__device__ __forceinline__ void p0_gate(const KdaParams& p, int rows, int half, float aexp, float bias, const P0In& ld,
-                                        float (&a)[8]) {
-  const float lbg = G2 ? p.lower_bound * LOG2E : p.lower_bound;  // (G2: log2 units)
-  float run = 0.f;
-#pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    // activated unconditionally, then selected: rows past the end do not decay
-    const float act = GFOLD ? lbg * (1.f / (1.f + exp2f(fmaf(ld.gx[j], aexp, bias))))
-                            : gate_act(ld.gx[j] + bias, aexp, p.lower_bound);
-    run += 8 * half + j < rows ? act : 0.f;
-    a[j] = run;
-  }
-  const float first = __shfl_up_sync(0xffffffffu, run, 16);
-#pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    if (half) a[j] += first;
-  }
-}
-// The gate column into sG (and Gamma_C into the record with GM: the caller holds the record slot).
-template <bool GM>
-__device__ __forceinline__ void p0_gate_store(char* base, int c, int col, int half, const float (&a)[8]) {
-  KDA_PREP_SCRATCH(base, c);
-  // Rows 8 apart share banks at pitch KP; the second half writes rotated by 4 rows.
-#pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    const int jr = half ? ((j + 4) & 7) : j;
-    sG[(8 * half + jr) * KP + col] = half ? a[(j + 4) & 7] : a[j];
-  }
-  if (GM && half) reinterpret_cast<float*>(rec + R_GM)[col] = gexp(a[7]);
-}
-// L2 norms (factors aq, ak; QFOLD: aq has the scale) applied to xq, xk, and <q^_i, k^_i>. BF (X0): without a branch
-// on use_l2norm (the sums are made either way and the factors selected; a factor of 1 multiplies exactly), so that
-// the caller's other work can be scheduled into the same block.
-template <bool BF = false>
-__device__ __forceinline__ void p0_norm(const KdaParams& p, float (&xq)[8], float (&xk)[8], float& aq, float& ak,
-                                        float& dqk) {
-  constexpr int GPR = K / 8;
-  aq = QFOLD ? p.scale : 1.f;
-  ak = 1.f;
-  if constexpr (BF) {
-    float sq = 0.f, sk = 0.f;
-#pragma unroll
-    for (int e = 0; e < 8; ++e) { sq += xq[e] * xq[e]; sk += xk[e] * xk[e]; }
-#pragma unroll
-    for (int o = GPR / 2; o > 0; o >>= 1) {
-      sq += __shfl_xor_sync(0xffffffffu, sq, o);
-      sk += __shfl_xor_sync(0xffffffffu, sk, o);
-    }
-    const bool l2 = p.use_l2norm;
-    aq = l2 ? (QFOLD ? p.scale * rsqrtf(sq + 1e-6f) : rsqrtf(sq + 1e-6f)) : aq;
-    ak = l2 ? rsqrtf(sk + 1e-6f) : ak;
-#pragma unroll
-    for (int e = 0; e < 8; ++e) { xq[e] *= aq; xk[e] *= ak; }
-  } else if (p.use_l2norm) {
-    aq = ak = 0.f;
-#pragma unroll
-    for (int e = 0; e < 8; ++e) { aq += xq[e] * xq[e]; ak += xk[e] * xk[e]; }
-#pragma unroll
-    for (int o = GPR / 2; o > 0; o >>= 1) {
-      aq += __shfl_xor_sync(0xffffffffu, aq, o);
-      ak += __shfl_xor_sync(0xffffffffu, ak, o);
-    }
-    aq = QFOLD ? p.scale * rsqrtf(aq + 1e-6f) : rsqrtf(aq + 1e-6f);
-    ak = rsqrtf(ak + 1e-6f);
-#pragma unroll
-    for (int e = 0; e < 8; ++e) { xq[e] *= aq; xk[e] *= ak; }
-  } else if constexpr (QFOLD) {
-#pragma unroll
-    for (int e = 0; e < 8; ++e) xq[e] *= aq;
-  }
-  // Mqk's diagonal is <q^_i, k^_i> (the decays cancel): in fp32 here, not from bf16 operands
-  // (the largest single error of o otherwise: rel RMSE 4.0e-3 -> 3.1e-3 in the emulation).
-  dqk = 0.f;
-#pragma unroll
-  for (int e = 0; e < 8; ++e) dqk += xq[e] * xk[e];
-#pragma unroll
-  for (int o = GPR / 2; o > 0; o >>= 1) dqk += __shfl_xor_sync(0xffffffffu, dqk, o);
-}
-// Row ri's beta, norm factors and diagonal into the scratch set (one thread per row).
-__device__ __forceinline__ void p0_row_store(char* base, int c, int ri, int d, float b, float aq, float ak, float dqk) {
-  KDA_PREP_SCRATCH(base, c);
-  if (d == 0) {
-    sbc[ri] = b;
-    srq[ri] = aq;
-    srk[ri] = ak;
-    sdg[ri] = dqk;
-  }
-}
+// 8 half + 7. The caller has waited for the record slot and the input stage.
 __device__ __forceinline__ void prep_phase0(const KdaParams& p, char* base, int c, int rows, int ri, int d, int col,
                                             int half, uint32_t rb, float aexp, float bias, const P0In& ld,
                                             float (&xq)[8], float (&xk)[8], float& b) {
@@ -474,112 +367,7 @@ __device__ __forceinline__ void prep_phase1(const KdaParams& p, char* base, int 
 // e^{-G_j} <= e^{span}; a slice with span > 80 (beyond fp32/bf16 range) uses exact pairwise
 // exp(G_i - G_j) on CUDA cores, reading q and k again from the input stage (rare: only for extreme
 // gates). in_full (or nullptr): the input stage's barrier, waited before that read where the
-// stage's own wait was another warp's. gp, gsi (X0, whose input stage is released after phase 0): read q and k
-// from global memory instead.
-// The MMA part: partials of the slices within the span into spart; returns the mask of slices for the exact
-// fallback. PRED (X0): no branch on the span, the far slices' B fragments zeroed instead (their k e^-G may be
-// infinite; -Kg and Qd are bounded by 1), so the caller's next work can be scheduled into this block.
-template <int W0, bool PRED = false>
-__device__ __forceinline__ unsigned prep_phase2_mma(char* base, int c) {
-  const int tid = threadIdx.x, lane = tid & 31, w = (tid >> 5) - W0;
-  KDA_PREP_SCRATCH(base, c);
-  const int g8 = lane >> 2, t4 = lane & 3, lm = lane >> 3, lr = lane & 7;
-  if (w >= NMW) return 0u;
-  float accL[2][4] = {}, accM[2][4] = {};
-  unsigned fallback = 0;
-#pragma unroll
-  for (int sl = 0; sl < SPW; ++sl) {
-    const int c0 = 16 * (w * SPW + sl);
-    bool near;
-    if constexpr (SPAN_VOTE) {  // (one vote instead of a five-shuffle max chain; the same decision)
-      near = !__any_sync(0xffffffffu, lane < 16 && -sG[(C - 1) * KP + c0 + lane] > SPAN_MAX);
-    } else {
-      float span = lane < 16 ? -sG[(C - 1) * KP + c0 + lane] : 0.f;
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) span = fmaxf(span, __shfl_xor_sync(0xffffffffu, span, o));
-      near = span <= SPAN_MAX;
-    }
-    if (PRED || near) {
-      uint32_t ak[4], aq[4], bk[4];
-      const int ar = lr + 8 * (lm & 1), ac = c0 + 8 * (lm >> 1);  // A fragment: row, 8 columns
-      if constexpr (YO) {  // -Kg and Qd (scale included) in the record's [2C][K] tile
-        ldsm_x4(ak, rec + sm90::sw128_k<2 * C>(ar, ac));
-        ldsm_x4(aq, rec + sm90::sw128_k<2 * C>(C + ar, ac));
-      } else if constexpr (UKG) {  // Kg and Qd (scale included) in the record's tiles
-        ldsm_x4(ak, rec + R_W + sm90::sw128_k<C>(ar, ac));
-        ldsm_x4(aq, rec + R_QD + sm90::sw128_k<C>(ar, ac));
-      } else {
-        ldsm_x4(ak, sAK + ar * KB1 + ac);
-        ldsm_x4(aq, sAQ + ar * KB1 + ac);
-      }
-      ldsm_x4(bk, sBK + (lr + 8 * (lm >> 1)) * KB1 + c0 + 8 * (lm & 1));
-      if constexpr (PRED) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) bk[e] = near ? bk[e] : 0u;
-      }
-      mma_bf16(accL[0], ak, bk[0], bk[1]);
-      mma_bf16(accL[1], ak, bk[2], bk[3]);
-      mma_bf16(accM[0], aq, bk[0], bk[1]);
-      mma_bf16(accM[1], aq, bk[2], bk[3]);
-    }
-    if (!near) fallback |= 1u << sl;
-  }
-  float* pL = spart + w * 512;
-  float* pM = pL + 256;
-#pragma unroll
-  for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      const int i = g8 + 8 * hh, j = 8 * nt + 2 * t4;
-      *reinterpret_cast<float2*>(pL + i * 16 + j) = make_float2(accL[nt][2 * hh], accL[nt][2 * hh + 1]);
-      *reinterpret_cast<float2*>(pM + i * 16 + j) = make_float2(accM[nt][2 * hh], accM[nt][2 * hh + 1]);
-    }
-  return fallback;
-}
-// The exact fallback of the slices in `fallback` (a warp's own partials, stored by prep_phase2_mma).
-template <int W0>
-__device__ __forceinline__ void prep_phase2_exact(char* base, int c, int rows, float scale, unsigned fallback,
-                                                  uint64_t* in_full, uint32_t in_parity, const KdaParams* gp,
-                                                  const SeqInfo* gsi) {
-  const int tid = threadIdx.x, lane = tid & 31, w = (tid >> 5) - W0;
-  KDA_PREP_SCRATCH(base, c);
-  float* pL = spart + w * 512;
-  float* pM = pL + 256;
-  if (fallback) {
-    __syncwarp();
-    if (in_full) sm90::mbar_wait(in_full, in_parity);
-    for (int sl = 0; sl < SPW; ++sl) {
-      if (!(fallback >> sl & 1u)) continue;
-      const int c0 = 16 * (w * SPW + sl);
-      for (int pi = lane; pi < 136; pi += 32) {
-        int i = (int)((sqrtf(8.f * pi + 1.f) - 1.f) * 0.5f);
-        while ((i + 1) * (i + 2) / 2 <= pi) ++i;
-        while (i * (i + 1) / 2 > pi) --i;
-        const int j = pi - i * (i + 1) / 2;
-        if (i >= rows) continue;  // q_i = k_i = 0 (and j <= i)
-        const in_t* qi = reinterpret_cast<const in_t*>(in + IN_Q + i * QROW);
-        const in_t* ki = reinterpret_cast<const in_t*>(in + IN_K + i * QROW);
-        const in_t* kj = reinterpret_cast<const in_t*>(in + IN_K + j * QROW);
-        if (gp) {
-          const int cc = KDA_GCHUNK(*gsi, c);
-          qi = reinterpret_cast<const in_t*>(row_copy(*gp, *gsi, cc, 0, i, base, 0, 0).src);
-          ki = reinterpret_cast<const in_t*>(row_copy(*gp, *gsi, cc, 1, i, base, 0, 0).src);
-          kj = reinterpret_cast<const in_t*>(row_copy(*gp, *gsi, cc, 1, j, base, 0, 0).src);
-        }
-        float l = 0.f, m = 0.f;
-        for (int dd = c0; dd < c0 + 16; ++dd) {
-          const float wv = gexp(sG[i * KP + dd] - sG[j * KP + dd]) * to_f(kj[dd]);
-          l += to_f(ki[dd]) * wv;
-          m += to_f(qi[dd]) * wv;
-        }
-        // (the Kg record's MMA partials are of -L with YO, and of Mqk with the scale included)
-        pL[i * 16 + j] += (YO ? -l : l) * srk[i] * srk[j];
-        pM[i * 16 + j] += (UKG && !QFOLD ? scale * m : m) * srq[i] * srk[j];  // (QFOLD: srq has the scale)
-      }
-    }
-  }
-}
-
+// stage's own wait was another warp's.
 template <int W0>
 __device__ __forceinline__ void prep_phase2(char* base, int c, int rows, float scale, uint64_t* in_full = nullptr,
                                             uint32_t in_parity = 0) {

@@ -179,16 +179,6 @@ __device__ __forceinline__ void prep_group_a(const KdaParams& p, const SeqInfo& 
   }
 }
 
-// The pair: own record slot r into the peer ring's slot r (one thread, once the group's threads have fenced
-// their record writes and passed the group's barrier).
-__device__ __forceinline__ void forward_record(const SeqInfo& si, char* base, uint64_t* bars, int r) {
-  const uint32_t peer = pair_rank(si) ^ 1u;
-  const uint32_t pbar = sm90::peer_addr(bars + B_REC_PEER + r, peer);
-  sm90::mbar_arrive_expect_tx_remote(pbar, REC_USED);
-  sm90::bulk_s2peer(sm90::peer_addr(base + SM_REC + (NREC + r) * REC_BYTES, peer), base + SM_REC + r * REC_BYTES,
-                    REC_USED, pbar);
-}
-
 // Phases 2-5 of local chunk c by one 4-warp group (tb: 0 .. 127 within it, warps W0 .. W0 + 3; BAR its named
 // barrier), and in the pair the record's forwarding copy to the peer. SCR: release the scratch set to group A
 // (scr_empty). The caller saw phases 0-1 of chunk c done (scr_full, or its own named barrier).
@@ -230,7 +220,11 @@ __device__ __forceinline__ void group_b_chunk(const KdaParams& p, const SeqInfo&
     sm90::named_sync<BAR, NTG>();
     if (tb == 0) {
       KDA_STAMP(true, KDA_GCHUNK(si, c), ST_B_FULL);
-      forward_record(si, base, bars, r);
+      const uint32_t peer = pair_rank(si) ^ 1u;
+      const uint32_t pbar = sm90::peer_addr(bars + B_REC_PEER + r, peer);
+      sm90::mbar_arrive_expect_tx_remote(pbar, REC_USED);
+      sm90::bulk_s2peer(sm90::peer_addr(base + SM_REC + (NREC + r) * REC_BYTES, peer), base + SM_REC + r * REC_BYTES,
+                        REC_USED, pbar);
       KDA_STAMP(true, KDA_GCHUNK(si, c), ST_B_FWD);
     }
   }
@@ -281,115 +275,6 @@ __device__ __forceinline__ void prep_group_dual(const KdaParams& p, const SeqInf
   }
 }
 
-// X0: a dual group with its next chunk's phase 0 inside this chunk's phases 2-4 (each of those phases is a short
-// chain on a few warps between named barriers; phase 0 is the group's longest chain, ~2700 of ~7400 cycles: stamps,
-// session 21). Phase 0 of local chunk n = c + 2 loads its inputs and makes the gate beside phase 2 of c, the norms
-// beside phase 3, and stores sG and the row arrays beside phase 4 (sG's last reader, phase 2 of c, is behind a
-// barrier then); q, k, beta and Gamma_C of n stay in registers until phase 1 of n opens the next iteration. The input
-// stage is released after phase 0's loads (phase 2's exact fallback reads q, k from global memory instead), so the
-// copies keep their lead; the row arrays of c and n live apart (S_X0, by c & 3). o is bitwise the dual groups'.
-struct X0Next {
-  float xq0[8], xk0[8], xq1[8], xk1[8];  // rows ri, ri + 8: normalized q (QFOLD: scaled), k
-  float b0, b1;                          // their beta
-  float gm0, gm1;                        // Gamma_C of gate columns col0, col0 + 64 (lanes of the second half)
-};
-template <int G>
-__device__ __forceinline__ void prep_group_x0(const KdaParams& p, const SeqInfo& si, char* base, uint64_t* bars) {
-  constexpr int BAR = 1 + G;
-  const int tid = threadIdx.x - G * NTG;
-  const int nl = nlocal(si);
-  ARows a = a_rows(p, si, tid, G);
-  const int col1 = a.col0 + 16 * 4;
-  X0Next nx;
-  // Phase 0 of local chunk c in pieces: the gate and q, k from the loaded rows (nx, ga0, ga1); the norms; the stores.
-  auto p0_front = [&](int c, const P0In& ld0, const P0In& ld1, float (&ga0)[8], float (&ga1)[8]) {
-    const int rows = min(C, si.len - KDA_GCHUNK(si, c) * C);
-    p0_gate(p, rows, a.half, a.aexp, a.bias0, ld0, ga0);
-    p0_gate(p, rows, a.half, a.aexp, a.bias1, ld1, ga1);
-    p0_rows(p, rows, a.ri, a.rb0, ld0, nx.xq0, nx.xk0, nx.b0);
-    p0_rows(p, rows, a.ri + 8, a.rb1, ld1, nx.xq1, nx.xk1, nx.b1);
-  };
-  auto p0_back = [&](int c, const float (&ga0)[8], const float (&ga1)[8], float aq0, float ak0, float dq0, float aq1,
-                     float ak1, float dq1) {
-    p0_gate_store<false>(base, c, a.col0, a.half, ga0);
-    p0_gate_store<false>(base, c, col1, a.half, ga1);
-    nx.gm0 = gexp(ga0[7]);
-    nx.gm1 = gexp(ga1[7]);
-    p0_row_store(base, c, a.ri, a.d, nx.b0, aq0, ak0, dq0);
-    p0_row_store(base, c, a.ri + 8, a.d, nx.b1, aq1, ak1, dq1);
-    // beta of the group's chunk after c
-    a.rb0 = load_beta(p, si, KDA_GCHUNK(si, c + 2), a.ri);
-    a.rb1 = load_beta(p, si, KDA_GCHUNK(si, c + 2), a.ri + 8);
-  };
-  if (G < nl) {  // phase 0 of the group's first chunk, alone
-    float ga0[8], ga1[8], aq0, ak0, dq0, aq1, ak1, dq1;
-    sm90::mbar_wait(bars + B_IN_FULL + G % NIN, (G / NIN) & 1);
-    {
-      const P0In ld0 = prep_phase0_load(p, base, G, a.ri, a.d, a.col0, a.half);
-      const P0In ld1 = prep_phase0_load(p, base, G, a.ri + 8, a.d, col1, a.half);
-      p0_front(G, ld0, ld1, ga0, ga1);
-    }
-    sm90::mbar_arrive(bars + B_IN_EMPTY + G % NIN);
-    p0_norm<true>(p, nx.xq0, nx.xk0, aq0, ak0, dq0);
-    p0_norm<true>(p, nx.xq1, nx.xk1, aq1, ak1, dq1);
-    p0_back(G, ga0, ga1, aq0, ak0, dq0, aq1, ak1, dq1);
-    sm90::named_sync<BAR, NTG>();  // sG, read across the group in phase 1
-  }
-  for (int c = G; c < nl; c += 2) {
-    const int rows = min(C, si.len - KDA_GCHUNK(si, c) * C), r = c % NREC, n = c + 2;
-    const bool hn = n < nl;
-    // ---- phase 1 of c, once the consumers released its record slot
-    sm90::mbar_wait(bars + B_REC_EMPTY + r, ((c / NREC) & 1) ^ 1);
-    {
-      float* const gm = reinterpret_cast<float*>(base + SM_REC + r * REC_BYTES + R_GM);
-      if (a.half) {
-        gm[a.col0] = nx.gm0;
-        gm[col1] = nx.gm1;
-      }
-      float G8[8], GL[8];
-      prep_gate_row(base, c, a.ri, a.d, G8);
-      prep_gate_row(base, c, C - 1, a.d, GL);
-      prep_phase1(p, base, c, a.ri, a.d, nx.xq0, nx.xk0, nx.b0, G8, GL);
-      prep_gate_row(base, c, a.ri + 8, a.d, G8);
-      prep_phase1(p, base, c, a.ri + 8, a.d, nx.xq1, nx.xk1, nx.b1, G8, GL);
-    }
-    sm90::fence_proxy_async();
-    sm90::mbar_arrive(bars + B_REC_FULL + r);
-    sm90::named_sync<BAR, NTG>();
-    // ---- phase 2 of c beside n's loads and gate (without branches between them: one block to schedule; past the
-    // group's last chunk phase 0 runs on zeros and its results are dropped)
-    float ga0[8], ga1[8], aq0, ak0, dq0, aq1, ak1, dq1;
-    P0In ld0 = {}, ld1 = {};
-    if (hn) {
-      sm90::mbar_wait(bars + B_IN_FULL + n % NIN, (n / NIN) & 1);
-      ld0 = prep_phase0_load(p, base, n, a.ri, a.d, a.col0, a.half);
-      ld1 = prep_phase0_load(p, base, n, a.ri + 8, a.d, col1, a.half);
-    }
-    const unsigned fb = prep_phase2_mma<4 * G, true>(base, c);
-    p0_front(n, ld0, ld1, ga0, ga1);
-    if (hn) sm90::mbar_arrive(bars + B_IN_EMPTY + n % NIN);
-    prep_phase2_exact<4 * G>(base, c, rows, p.scale, fb, nullptr, 0, &p, &si);
-    sm90::named_sync<BAR, NTG>();
-    // ---- phase 3 of c beside n's norms
-    prep_phase3<NTG>(p, base, c, tid);
-    p0_norm<true>(p, nx.xq0, nx.xk0, aq0, ak0, dq0);
-    p0_norm<true>(p, nx.xq1, nx.xk1, aq1, ak1, dq1);
-    sm90::named_sync<BAR, NTG>();
-    // ---- phase 4 of c beside n's stores (sG's last reader, phase 2 of c, is behind the barrier)
-    if (tid < C) prep_phase4(base, c, tid);
-    if (hn) p0_back(n, ga0, ga1, aq0, ak0, dq0, aq1, ak1, dq1);
-    sm90::named_sync<BAR, NTG>();
-    // ---- phase 5 of c, the record complete; the pair forwards it
-    prep_phase5_ainv<NTG>(base, c, tid);
-    sm90::fence_proxy_async();
-    sm90::mbar_arrive(bars + B_REC_FULL + r);
-    if constexpr (PAIR) {
-      sm90::named_sync<BAR, NTG>();
-      if (tid == 0) forward_record(si, base, bars, r);
-    }
-  }
-}
-
 // Each group is a warpgroup, so each gets its own register limit: at 512 threads group A (the chain,
 // two passes of phase 0 in flight) takes 104 and B 88 (96 for both spills group A of the
 // softplus-gate build; 112 / 80 spills group B). The pair with its copy warpgroup: A and B keep the launch's 128
@@ -417,12 +302,10 @@ __device__ __forceinline__ void prep_role_pipe(const KdaParams& p, const SeqInfo
   if constexpr (DUAL) {  // (the groups raise to DUAL_REGS, the copy warpgroup drops to CW_REGS)
     if (threadIdx.x < NTG) {
       sm90::regs_inc<DUAL_REGS>();
-      if constexpr (X0) prep_group_x0<0>(p, si, base, bars);
-      else prep_group_dual<0>(p, si, base, bars);
+      prep_group_dual<0>(p, si, base, bars);
     } else if (threadIdx.x < NTP) {
       sm90::regs_inc<DUAL_REGS>();
-      if constexpr (X0) prep_group_x0<1>(p, si, base, bars);
-      else prep_group_dual<1>(p, si, base, bars);
+      prep_group_dual<1>(p, si, base, bars);
     } else {
       sm90::regs_dec<CW_REGS>();
       copy_role_pair(p, si, base, bars);
