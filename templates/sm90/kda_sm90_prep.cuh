@@ -281,11 +281,7 @@ __device__ __forceinline__ void prep_phase0(const KdaParams& p, char* base, int 
       // activated unconditionally, then selected: rows past the end do not decay
       const float act = GFOLD ? lbg * (1.f / (1.f + exp2f(fmaf(ld.gx[j], aexp, bias))))
                               : gate_act(ld.gx[j] + bias, aexp, p.lower_bound);
-#if defined(KDA_SM90_ZFILL_NOFMA) && KDA_SM90_ZFILL_NOFMA  // (diagnostic: the add kept apart from act's multiply)
-      run = __fadd_rn(run, ZFILL || 8 * half + j < rows ? act : 0.f);
-#else
       run += ZFILL || 8 * half + j < rows ? act : 0.f;  // (ZFILL: act is 0 past the end)
-#endif
       a[j] = run;
     }
     const float first = __shfl_up_sync(0xffffffffu, run, 16);
