@@ -185,19 +185,6 @@ constexpr bool QFOLD = false;
 #endif
 // KDA_SM90_SPAN_VOTE (=0 turns it off): phase 2 decides a slice's exact fallback with one warp vote instead of a
 // max over five shuffles (H200 2026-12-02: the pair -1..-6% alone, o bitwise equal; bv128 and K = 64: see P3U).
-// ZFILL: the pair's copy warpgroup fills the rows past a sequence's end of an input stage (q, k zero, g -inf, whose
-// bounded activation is exactly 0), so phase 0 selects nothing per element (the selects and row compares were ~50 of
-// its ~540 instructions per chunk; only a sequence's last chunk has such rows).
-#if !defined(KDA_SM90_ZFILL) || KDA_SM90_ZFILL
-constexpr bool ZFILL = PAIR_CW && GFOLD;
-#else
-constexpr bool ZFILL = false;
-#endif
-#if defined(KDA_SM90_GROT)
-constexpr bool GROT = KDA_SM90_GROT;
-#else
-constexpr bool GROT = true;
-#endif
 #if defined(KDA_SM90_SPAN_VOTE)
 constexpr bool SPAN_VOTE = KDA_SM90_SPAN_VOTE;
 #else

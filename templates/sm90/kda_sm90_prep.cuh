@@ -125,24 +125,6 @@ __device__ __forceinline__ void issue_chunk_spread(const KdaParams& p, const Seq
   }
 }
 
-// ZFILL: rows rows .. C - 1 of input stage `in` (its readers have released it): q and k zero, g -inf (the bounded
-// gate's activation of -inf is exactly 0 where A_log's exponent is nonzero, which gate_aexp ensures), by the 32 lanes
-// of one warp; ordered before the stage's in_full arrival by the warp barrier, and before later bulk copies into the
-// stage by the proxy fence.
-__device__ __forceinline__ void fill_dead_rows(const KdaParams& p, char* in, int rows, int lane) {
-  const int nb = (C - rows) * QROW;  // (q and k rows are contiguous at pitch QROW)
-  for (int o = 16 * lane; o < nb; o += 16 * 32) {
-    *reinterpret_cast<uint4*>(in + IN_Q + rows * QROW + o) = make_uint4(0u, 0u, 0u, 0u);
-    *reinterpret_cast<uint4*>(in + IN_K + rows * QROW + o) = make_uint4(0u, 0u, 0u, 0u);
-  }
-  const uint32_t ninf = p.g_fp32 ? 0xff800000u : std::is_same<in_t, __half>::value ? 0xfc00fc00u : 0xff80ff80u;
-  const int gb = K * (p.g_fp32 ? 4 : 2);
-  for (int r = rows; r < C; ++r)
-    for (int o = 4 * lane; o < gb; o += 4 * 32) *reinterpret_cast<uint32_t*>(in + IN_G + r * GROW + o) = ninf;
-  __syncwarp();
-  sm90::fence_proxy_async();
-}
-
 // The pair's copies. issue_qkg: q, k, g rows of local chunk j (global KDA_GCHUNK(j)) into input stage
 // j % NIN, from NW warps (copy pi = w + NW lane: tensor pi / C, row pi % C). issue_v: the v rows of
 // global chunk cc into V stage cc % NV, one row per lane of the NW consumer warps.
@@ -154,9 +136,6 @@ __device__ __forceinline__ void issue_qkg(const KdaParams& p, const SeqInfo& si,
   const int rows = min(C, si.len - cc * C);
   const int gsz = p.g_fp32 ? 4 : 2;
   uint64_t* in_full = bars + B_IN_FULL + st;
-  if constexpr (ZFILL) {
-    if (w == 0 && rows < C) fill_dead_rows(p, base + SM_IN + st * IN_BYTES, rows, lane);
-  }
   if (w == 0 && lane == 0) sm90::mbar_arrive_expect_tx(in_full, (uint32_t)rows * (2 * QROW + K * gsz));
   const int pi = w + NW * lane, ten = pi / C, row = pi % C;
   if (ten < 3 && row < rows) {
@@ -263,7 +242,7 @@ __device__ __forceinline__ void prep_phase0(const KdaParams& p, char* base, int 
   const bool live = ri < rows;
   unpack8<in_t>(ld.rq, xq);
   unpack8<in_t>(ld.rk, xk);
-  if (!ZFILL && !live) {  // (ZFILL: the copies made these rows zero)
+  if (!live) {
 #pragma unroll
     for (int e = 0; e < 8; ++e) xq[e] = xk[e] = 0.f;
   }
@@ -281,7 +260,7 @@ __device__ __forceinline__ void prep_phase0(const KdaParams& p, char* base, int 
       // activated unconditionally, then selected: rows past the end do not decay
       const float act = GFOLD ? lbg * (1.f / (1.f + exp2f(fmaf(ld.gx[j], aexp, bias))))
                               : gate_act(ld.gx[j] + bias, aexp, p.lower_bound);
-      run += ZFILL || 8 * half + j < rows ? act : 0.f;  // (ZFILL: act is 0 past the end)
+      run += 8 * half + j < rows ? act : 0.f;
       a[j] = run;
     }
     const float first = __shfl_up_sync(0xffffffffu, run, 16);
@@ -289,12 +268,11 @@ __device__ __forceinline__ void prep_phase0(const KdaParams& p, char* base, int 
     for (int j = 0; j < 8; ++j) {
       if (half) a[j] += first;
     }
-    // Rows 8 apart share banks at pitch KP; the second half writes rotated by 4 rows (KDA_SM90_GROT=0: not rotated,
-    // 2-way conflicts instead of a select per element).
+    // Rows 8 apart share banks at pitch KP; the second half writes rotated by 4 rows.
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
-      const int jr = GROT && half ? ((j + 4) & 7) : j;
-      sG[(8 * half + jr) * KP + col] = GROT && half ? a[(j + 4) & 7] : a[j];
+      const int jr = half ? ((j + 4) & 7) : j;
+      sG[(8 * half + jr) * KP + col] = half ? a[(j + 4) & 7] : a[j];
     }
     if (half) reinterpret_cast<float*>(rec + R_GM)[col] = gexp(a[7]);
   }
@@ -586,8 +564,7 @@ __device__ __forceinline__ void prep_w16(char* base, int c, const uint32_t (&ah)
 __device__ __forceinline__ float gate_aexp(const KdaParams& p, const SeqInfo& si) {
 #if KDA_GATE != 2
   const float e = __expf(__ldg(p.A_log + si.h));
-  // (ZFILL: never -0, so that -inf g activates to exactly 0; -1e-30 moves no fp32 result of a finite g)
-  return GFOLD ? (ZFILL ? fminf(-e * LOG2E, -1e-30f) : -e * LOG2E) : e;
+  return GFOLD ? -e * LOG2E : e;
 #else
   return 0.f;
 #endif

@@ -35,8 +35,7 @@ constexpr int CW_REGS = KDA_SM90_CW_REGS;
 #else
 // (DUAL: 24, so that each prep group gets 144; H200 2026-12-02, with phase 1 rolled: B4 T4096 H32 and varlen H96
 // -3..-5%, the other rows within noise)
-// (ZFILL: 32, the dead-row fill spilled at 24; the groups keep 160: the budget's rest is rounded down to 8 either way)
-constexpr int CW_REGS = DUAL ? (ZFILL ? 32 : 24) : 40;
+constexpr int CW_REGS = DUAL ? 24 : 40;
 #endif
 __device__ __forceinline__ void copy_role_pair(const KdaParams& p, const SeqInfo& si, char* base, uint64_t* bars) {
   const int w = (threadIdx.x - NTP) >> 5, lane = threadIdx.x & 31;
