@@ -15,6 +15,7 @@ the timing process finds it. Results: bench.json, then the report and the plot f
 from __future__ import annotations
 
 import fnmatch
+import importlib.metadata
 import json
 import math
 import os
@@ -493,12 +494,19 @@ def environment() -> dict:
         env["triton"] = triton.__version__
     except Exception:  # noqa: BLE001
         env["triton"] = None
-    for mod, key in (("fla", "fla"), ("flash_kda", "flashkda")):
+    for mod, key, dist in (("fla", "fla", "fla-core"), ("flash_kda", "flashkda", "flash_kda")):
         try:
             m = __import__(mod)
-            env[key] = getattr(m, "__version__", "installed")
         except Exception:  # noqa: BLE001
             env[key] = None
+            continue
+        version = getattr(m, "__version__", None)
+        if version is None:  # FlashKDA has no __version__; its pip metadata names the commit (0.0.1+rev)
+            try:
+                version = importlib.metadata.version(dist)
+            except importlib.metadata.PackageNotFoundError:
+                version = "installed"
+        env[key] = version
     if torch.cuda.is_available():
         p = torch.cuda.get_device_properties(torch.cuda.current_device())
         env.update(gpu=p.name, sm_count=p.multi_processor_count, capability=f"{p.major}.{p.minor}",

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 import types
 
 import pytest
@@ -308,3 +309,19 @@ def test_candidates_are_timed_in_interleaved_rounds():
     assert a["timing"]["n"] == 60 and a["timing"]["p90"] == pytest.approx(1.2 * 1.3)
     assert budgets == [30.0] * 6 and res["options"]["rounds"] == 3
     assert res["cases"][0]["best"] == c["variant"]
+
+
+def test_environment_names_a_peer_by_its_metadata(tmp_path, monkeypatch):
+    # scripts/flashkda_peer.py's build: a flash_kda package without __version__ beside pip metadata naming the commit
+    (tmp_path / "flash_kda").mkdir()
+    (tmp_path / "flash_kda" / "__init__.py").write_text("")
+    meta = tmp_path / "flash_kda-0.0.1+1ce47ea.dist-info"
+    meta.mkdir()
+    (meta / "METADATA").write_text("Metadata-Version: 2.1\nName: flash_kda\nVersion: 0.0.1+1ce47ea\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "flash_kda", raising=False)
+    assert b.environment()["flashkda"] == "0.0.1+1ce47ea"
+    (meta / "METADATA").unlink()
+    meta.rmdir()
+    monkeypatch.delitem(sys.modules, "flash_kda", raising=False)
+    assert b.environment()["flashkda"] == "installed"
