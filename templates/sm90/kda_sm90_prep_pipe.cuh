@@ -25,6 +25,16 @@ constexpr int PIPE_ROLL = NCONS == 2 ? 1 : 0;
 #endif
 static_assert(PIPE_ROLL == 0 || PIPE_ROLL == 1, "KDA_SM90_PIPE_ROLL is 0 or 1");
 constexpr int BAR_PREP_A = 1, BAR_PREP_B = 2;
+// KDA_SM90_NOPREP=1 (diagnostic, wrong results): the prep groups skip phases 0-5 and keep every wait, barrier, arrival,
+// fence and the record's forward, so the kernel runs at the pace of its consumers, copies and protocol alone: what a
+// free prep would leave.
+#ifdef KDA_SM90_NOPREP
+constexpr int NOPREP_MODE = KDA_SM90_NOPREP;
+#else
+constexpr int NOPREP_MODE = 0;
+#endif
+constexpr bool NOPREP_A = NOPREP_MODE & 1, NOPREP_P2 = NOPREP_MODE & 2, NOPREP_P3 = NOPREP_MODE & 4,
+               NOPREP_P4 = NOPREP_MODE & 8, NOPREP_P5 = NOPREP_MODE & 16;
 static_assert(NTP == 2 * NTG && NMW == 4 && NIN >= 3, "prep pipeline: K = 128, NIN >= 3");
 // PAIR_CW: the copy warpgroup (warps 8-11). Local chunk j's q, k, g go into stage j % NIN once group B's phase 2
 // of chunk j - NIN released it (in_empty: B's phase 2 of a chunk follows group A's phases 0-1 of it, the stage's
@@ -132,7 +142,8 @@ __device__ __forceinline__ void group_a_step(const KdaParams& p, const SeqInfo& 
   sm90::mbar_wait(bars + B_REC_EMPTY + r, ((c / NREC) & 1) ^ 1);
   sm90::mbar_wait(bars + B_IN_FULL + (c % NIN), (c / NIN) & 1);
   KDA_STAMP(tid == 0, KDA_GCHUNK(si, c), ST_A_GO);
-  group_a_chunk<BAR>(p, si, base, c, rows, a.ri, a.d, a.col0, a.half, rb0, rb1, a.aexp, a.bias0, a.bias1);
+  if constexpr (!NOPREP_A)
+    group_a_chunk<BAR>(p, si, base, c, rows, a.ri, a.d, a.col0, a.half, rb0, rb1, a.aexp, a.bias0, a.bias1);
   // beta one chunk ahead, loaded here (not at the top) so that it is not live across phase 1
   a.rb0 = load_beta(p, si, KDA_GCHUNK(si, c + STEP), a.ri);
   a.rb1 = load_beta(p, si, KDA_GCHUNK(si, c + STEP), a.ri + 8);
@@ -187,19 +198,19 @@ __device__ __forceinline__ void group_b_chunk(const KdaParams& p, const SeqInfo&
                                               int rows, int tb) {
   const int warp = threadIdx.x >> 5, r = c % NREC, st = c % NIN;
   // (the exact fallback reads the input stage: it waits for the stage's copies itself)
-  prep_phase2<W0>(base, c, rows, p.scale, bars + B_IN_FULL + st, (c / NIN) & 1);
+  if constexpr (!NOPREP_P2) prep_phase2<W0>(base, c, rows, p.scale, bars + B_IN_FULL + st, (c / NIN) & 1);
   // the stage's last read (mode 1: B refills the stage itself, and an mbarrier whose phases
   // complete unwaited is an error to synccheck)
   if constexpr (PIPE_COPIES == 0 || PAIR_CW) sm90::mbar_arrive(bars + B_IN_EMPTY + st);
   sm90::named_sync<BAR, NTG>();
   KDA_STAMP(tb == 0, KDA_GCHUNK(si, c), ST_B_P2);
-  prep_phase3<NTG>(p, base, c, tb);
+  if constexpr (!NOPREP_P3) prep_phase3<NTG>(p, base, c, tb);
   sm90::named_sync<BAR, NTG>();
   KDA_STAMP(tb == 0, KDA_GCHUNK(si, c), ST_B_P3);
-  if (tb < C) prep_phase4(base, c, tb);
+  if (!NOPREP_P4 && tb < C) prep_phase4(base, c, tb);
   sm90::named_sync<BAR, NTG>();
   KDA_STAMP(tb == 0, KDA_GCHUNK(si, c), ST_B_P4);
-  prep_phase5_ainv<NTG>(base, c, tb);
+  if constexpr (!NOPREP_P5) prep_phase5_ainv<NTG>(base, c, tb);
   if constexpr (!UKG) {  // (UKG: the consumers apply (I+L)^-1 diag(b) to v^T - S Kg^T themselves)
     uint32_t ah[4], al[4];
     prep_inv_frags(base, c, threadIdx.x & 31, ah, al);
