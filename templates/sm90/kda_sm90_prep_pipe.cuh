@@ -25,9 +25,10 @@ constexpr int PIPE_ROLL = NCONS == 2 ? 1 : 0;
 #endif
 static_assert(PIPE_ROLL == 0 || PIPE_ROLL == 1, "KDA_SM90_PIPE_ROLL is 0 or 1");
 constexpr int BAR_PREP_A = 1, BAR_PREP_B = 2;
-// KDA_SM90_NOPREP=1 (diagnostic, wrong results): the prep groups skip phases 0-5 and keep every wait, barrier, arrival,
-// fence and the record's forward, so the kernel runs at the pace of its consumers, copies and protocol alone: what a
-// free prep would leave.
+// KDA_SM90_NOPREP=bits (diagnostic, wrong results; 1: phases 0-1, 2: phase 2, 4: 3, 8: 4, 16: 5): the prep groups skip
+// those phases and keep every wait, barrier, arrival, fence and the record's forward, so 23 runs at the pace of the
+// consumers, copies and protocol: what a free prep would leave (H200 2026-12-03: -21% on every row). Bit 8 made ptxas
+// serialize the consumers' wgmma (C7511) in every combination tried.
 #ifdef KDA_SM90_NOPREP
 constexpr int NOPREP_MODE = KDA_SM90_NOPREP;
 #else
