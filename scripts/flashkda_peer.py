@@ -17,7 +17,6 @@ CUTLASS headers come from the nvidia-cutlass wheel instead of FlashKDA's pinned 
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import subprocess
 import sys
@@ -27,7 +26,6 @@ import zipfile
 from pathlib import Path
 
 CUTLASS_WHEEL = "nvidia-cutlass==4.2.0.0"
-PACK_ROOT = "flashkda"  # the folder inside the tarball
 NVCC_FLAGS = ["-O3", "-std=c++17", "-Xcompiler", "-fPIC", "-U__CUDA_NO_HALF_OPERATORS__",
               "-U__CUDA_NO_HALF_CONVERSIONS__", "-U__CUDA_NO_HALF2_OPERATORS__",
               "-U__CUDA_NO_BFLOAT16_CONVERSIONS__", "--expt-relaxed-constexpr", "--expt-extended-lambda",
@@ -59,7 +57,7 @@ def prepare(src: Path, out: Path, arch: str, cutlass_include: str | None) -> Non
     rev = subprocess.run(["git", "-C", str(src), "rev-parse", "--short", "HEAD"], capture_output=True,
                          text=True).stdout.strip() or "unknown"
     with tempfile.TemporaryDirectory() as tmp:
-        stage = Path(tmp) / PACK_ROOT
+        stage = Path(tmp)
         shutil.copytree(src / "csrc", stage / "csrc")
         shutil.copytree(src / "flash_kda", stage / "flash_kda")
         print(f"CUTLASS headers ({cutlass_include or CUTLASS_WHEEL}) ...", flush=True)
@@ -78,25 +76,16 @@ def prepare(src: Path, out: Path, arch: str, cutlass_include: str | None) -> Non
         (meta / "METADATA").write_text(f"Metadata-Version: 2.1\nName: flash_kda\nVersion: 0.0.1+{rev}\n")
         out.parent.mkdir(parents=True, exist_ok=True)
         with tarfile.open(out, "w:xz") as t:
-            t.add(stage, arcname=PACK_ROOT)
+            t.add(stage, arcname=".")
     print(f"packed FlashKDA {rev} (sm_{arch}) into {out} ({out.stat().st_size / 2**20:.1f} MiB)")
 
 
 def bind(pack: Path, dest: Path) -> None:
     from torch.utils.cpp_extension import load  # the GPU machine's torch
 
-    if not os.environ.get("CUDA_HOME") and shutil.which("nvcc"):
-        os.environ["CUDA_HOME"] = str(Path(shutil.which("nvcc")).resolve().parent.parent)
     dest.mkdir(parents=True, exist_ok=True)
-    with tarfile.open(pack) as t:
+    with tarfile.open(pack) as t:  # the package, its metadata and the binding side by side on one path entry
         t.extractall(dest, filter="data")
-    root = dest / PACK_ROOT
-    for item in root.iterdir():  # the package, its metadata and the binding side by side on one path entry
-        target = dest / item.name
-        if target.exists():
-            shutil.rmtree(target) if target.is_dir() else target.unlink()
-        item.rename(target)
-    root.rmdir()
     print("compiling FlashKDA's torch binding (about 30 s) ...", flush=True)
     load(name="flash_kda_C", sources=[str(dest / "csrc/flash_kda.cpp")],
          extra_include_paths=[str(dest / "cutlass_include"), str(dest / "csrc")],
