@@ -2,17 +2,25 @@
 
     NCCL_NVLS_ENABLE=0 PYTHONPATH=$PWD torchrun --nproc_per_node 2 scripts/cp_bench.py \
         [--T 1048576 --H 8] [--segments auto,4,8,16] [--modes rerun,correct] [--iters 5]
-        [--out benchmarks/results/DATE_cp_h200.md]
+        [--lower-bound -5] [--out benchmarks/results/DATE_cp_h200.md]
+
+Two runs for a host with fewer GPUs than ranks (neither is a measured speedup; both say so):
+- `--backend gloo` with more ranks than GPUs: the ranks share GPUs and exchange over gloo, which
+  checks the real collective path and the results at full size;
+- `--emulate W` (no torchrun): one process runs the W ranks' calls one after another on one GPU,
+  the all_gather replaced by the maps of the ranks already run. Results are exact, and each rank's
+  time alone gives the W-GPU time as max over ranks (a projection: the all_gather of
+  2 HV K K fp32 per rank is not in it).
 
 A smoke run on CPU (gloo, the Triton interpreter): TRITON_INTERPRET=1 torchrun --nproc_per_node 2
 scripts/cp_bench.py --device cpu --T 256 --H 1 --D 32 --segments auto,2 --iters 1
 
-Every rank builds the same inputs (kdagen.cases.bench_inputs: bf16, D=128, fp32 state, one sequence
-of T tokens) and keeps its even slice. Rank 0 first times the single-GPU calls alone (kdagen's
-one piece, and the one-GPU scan at the planner's segments); then all ranks time
+Every rank builds the same inputs (kdagen.cases.bench_inputs: bf16, fp32 state, one sequence of T
+tokens) and keeps its even slice. Rank 0 first times the single-GPU calls alone (kdagen's one
+piece, and the one-GPU scan at the planner's segments and at 16); then all ranks time
 kdagen.kda_prefill(..., cp_context=ctx) for each --segments value and mode ("rerun": step 3
 reruns the segments; "correct": o corrected from step 1's outputs) (wall time between barriers,
-median), gather o and the final state on rank 0 and compare them with the single-GPU call.
+median), gather o and the final state on rank 0 and compare them with the one-piece call.
 Done when (issue 19): on 2 GPUs at least 1.7x faster than one GPU, o and final state within
 5e-3; on 4 GPUs at least 3x.
 """
@@ -20,11 +28,13 @@ Done when (issue 19): on 2 GPUs at least 1.7x faster than one GPU, o and final s
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Callable, Iterator
 
 os.environ["NCCL_NVLS_ENABLE"] = "0"  # NVLink multicast off, before NCCL starts
 
@@ -32,10 +42,13 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import kdagen  # noqa: E402
+import kdagen.cp as cp  # noqa: E402
 from kdagen.cases import bench_inputs as make_inputs  # noqa: E402
-from kdagen.cp import build_cp_context  # noqa: E402
+from kdagen.cp import build_cp_context, kda_prefill_cp  # noqa: E402
 from kdagen.reference import rel_rmse  # noqa: E402
 from kdagen.scan.engine import scan_prefill  # noqa: E402
+
+NAMES = ("q", "k", "v", "g", "beta")
 
 
 def _sync() -> None:
@@ -43,7 +56,7 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def wall_ms(fn, iters: int, group_sync: bool) -> float:
+def wall_ms(fn: Callable[[], object], iters: int, group_sync: bool) -> float:
     """Median wall time of fn() between device syncs (and barriers when group_sync)."""
     times = []
     for _ in range(iters):
@@ -59,6 +72,24 @@ def wall_ms(fn, iters: int, group_sync: bool) -> float:
     return statistics.median(times)
 
 
+@contextlib.contextmanager
+def emulated_exchange(world: int, rank: int, maps: dict) -> Iterator[None]:
+    """kdagen.cp's all_gather for rank `rank` of an emulated group: the maps recorded from the
+    ranks run before it, its own (recorded), zeros for the later ranks (a rank chains only the
+    ranks before it, so those are never read)."""
+    real = cp._all_gather
+
+    def gather(x: torch.Tensor, ctx) -> list[torch.Tensor]:
+        maps[rank] = x.clone()
+        return [maps.get(r, torch.zeros_like(x)) for r in range(world)]
+
+    cp._all_gather = gather
+    try:
+        yield
+    finally:
+        cp._all_gather = real
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--T", type=int, default=1 << 20)
@@ -67,18 +98,35 @@ def main() -> int:
     ap.add_argument("--modes", default="rerun,correct")
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--D", type=int, default=128)
-    ap.add_argument("--device", default="cuda", help="cuda (NCCL) or cpu (gloo: a smoke run)")
+    ap.add_argument("--lower-bound", type=float, default=-5.0,
+                    help="the gate's lower bound; near 0 (-1e-3) the state carries across ranks (a hard check)")
+    ap.add_argument("--device", default="cuda", help="cuda or cpu (gloo, the Triton interpreter: a smoke run)")
+    ap.add_argument("--backend", default=None, help="nccl (default on cuda) or gloo (default on cpu; on cuda "
+                    "it lets ranks share a GPU)")
+    ap.add_argument("--emulate", type=int, default=0, metavar="W",
+                    help="no torch.distributed: run W ranks one after another in this process (a projection)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    local = int(os.environ.get("LOCAL_RANK", rank))
-    if a.device == "cuda":
-        torch.cuda.set_device(local)
-        dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+    if a.emulate:
+        rank, world, local = 0, a.emulate, 0
     else:
-        dist.init_process_group("gloo")
+        rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+        local = int(os.environ.get("LOCAL_RANK", rank))
+    backend = a.backend or ("nccl" if a.device == "cuda" else "gloo")
+    gpus = torch.cuda.device_count() if a.device == "cuda" else 0
+    shared = a.device == "cuda" and not a.emulate and world > gpus
+    if a.device == "cuda":
+        if shared and backend == "nccl":
+            print(f"--backend nccl: {world} ranks on {gpus} GPU(s); NCCL needs a GPU per rank (use --backend gloo "
+                  "to share, or --emulate)", file=sys.stderr)
+            return 2
+        local %= gpus
+        torch.cuda.set_device(local)
+    if not a.emulate:
+        opts = dict(device_id=torch.device("cuda", local)) if backend == "nccl" else {}
+        dist.init_process_group(backend, **opts)
     kw, _ = make_inputs(T=a.T, H=a.H, D=a.D, seed=0, dev=a.device)
-    call = dict(A_log=kw["A_log"], dt_bias=kw["dt_bias"], lower_bound=-5.0, output_final_state=True)
+    call = dict(A_log=kw["A_log"], dt_bias=kw["dt_bias"], lower_bound=a.lower_bound, output_final_state=True)
     lines = []
 
     def say(s: str) -> None:
@@ -86,13 +134,16 @@ def main() -> int:
             print(s, flush=True)
             lines.append(s)
 
-    dev_name = torch.cuda.get_device_name(0) if a.device == "cuda" else "CPU (smoke run)"
-    say(f"# Context-parallel prefill: B1 T{a.T} H{a.H} D{a.D} bf16 on {world} x {dev_name}")
+    dev_name = torch.cuda.get_device_name(local) if a.device == "cuda" else "CPU (smoke run)"
+    how = (f"{world} ranks emulated one after another on 1 x {dev_name} (a projection, see below)" if a.emulate
+           else f"{world} ranks on {max(gpus, 1) if shared else world} x {dev_name} over {backend}"
+           + (" (ranks share GPUs: times are not a speedup)" if shared else ""))
+    say(f"# Context-parallel prefill: B1 T{a.T} H{a.H} D{a.D} bf16, lower_bound {a.lower_bound:g}; {how}")
     say("")
     ref = None
     single = {}
     if rank == 0:
-        t = (kw["q"], kw["k"], kw["v"], kw["g"], kw["beta"])
+        t = tuple(kw[n] for n in NAMES)
         ref = kdagen.kda_prefill(*t, **call, initial_state=kw["initial_state"])
         single["one GPU, one piece"] = wall_ms(lambda: kdagen.kda_prefill(*t, **call, initial_state=kw["initial_state"]),
                                                a.iters, False)
@@ -102,19 +153,47 @@ def main() -> int:
             lambda: scan_prefill(*t, **call, initial_state=kw["initial_state"], segments=16), a.iters, False)
         for k, v in single.items():
             say(f"- {k}: {v:.2f} ms")
+    base = min(single.values()) if single else None
+    runs = [(s, m) for m in a.modes.split(",") if m for s in a.segments.split(",") if s]
+    if a.emulate:
+        ctxs = [build_cp_context([0, a.T], rank=r, world=world) for r in range(world)]
+        locs = [{n: kw[n][:, c.rank_bounds[r]:c.rank_bounds[r + 1]].contiguous() for n in NAMES}
+                for r, c in enumerate(ctxs)]
+        h0s = [c.local_initial_state(kw["initial_state"]) for c in ctxs]
+        del kw
+        for seg, mode in runs:
+            segs = None if seg == "auto" else int(seg)
+            maps: dict = {}
+            outs, times = [], []
+            for r, c in enumerate(ctxs):
+                with emulated_exchange(world, r, maps):
+                    def run(r=r, c=c):
+                        return kda_prefill_cp(**locs[r], **call, initial_state=h0s[r], cp_context=c, segments=segs,
+                                              mode=mode)
+
+                    outs.append(run())
+                    times.append(wall_ms(run, a.iters, False))
+                outs[-1] = (outs[-1][0], outs[-1][1] if r == world - 1 else None)  # keep only what is compared
+            o = torch.cat([x[0] for x in outs], dim=1)
+            ms = max(times)
+            each = ", ".join(f"{x:.2f}" for x in times)
+            say(f"- {world} ranks (emulated), {mode}, segments per rank {seg}: max {ms:.2f} ms (ranks {each}), "
+                f"{base / ms:.2f}x the best single-GPU call; o {rel_rmse(o, ref[0]):.2e}, final state "
+                f"{rel_rmse(outs[-1][1], ref[1]):.2e} against the one-GPU one-piece call")
+            del outs, o
+        if a.out:
+            Path(a.out).write_text("\n".join(lines) + "\n")
+        return 0
     dist.barrier()
     ctx = build_cp_context([0, a.T])
     lo, hi = ctx.rank_bounds[rank], ctx.rank_bounds[rank + 1]
-    loc = {n: kw[n][:, lo:hi].contiguous() for n in ("q", "k", "v", "g", "beta")}
+    loc = {n: kw[n][:, lo:hi].contiguous() for n in NAMES}
     h0 = ctx.local_initial_state(kw["initial_state"])
     del kw
-    base = min(single.values()) if single else None
-    for seg, mode in [(s, m) for m in a.modes.split(",") if m for s in a.segments.split(",") if s]:
+    for seg, mode in runs:
         segs = None if seg == "auto" else int(seg)
 
         def run():
-            from kdagen.cp import kda_prefill_cp
-
             return kda_prefill_cp(**loc, **call, initial_state=h0, cp_context=ctx, segments=segs, mode=mode)
 
         out = run()
@@ -128,8 +207,8 @@ def main() -> int:
         if rank == 0:
             o = torch.cat(parts, dim=1)
             final = fparts[world - 1]
-            speed = f", {base / ms:.2f}x the best single-GPU call" if base else ""
-            say(f"- {world} GPUs, {mode}, segments per rank {seg}: {ms:.2f} ms{speed}; o {rel_rmse(o, ref[0]):.2e}, "
+            speed = f", {base / ms:.2f}x the best single-GPU call" if base and not shared else ""
+            say(f"- {world} ranks, {mode}, segments per rank {seg}: {ms:.2f} ms{speed}; o {rel_rmse(o, ref[0]):.2e}, "
                 f"final state {rel_rmse(final, ref[1]):.2e} against the one-GPU one-piece call")
         del out, parts, fparts
     if rank == 0 and a.out:

@@ -124,26 +124,29 @@ def test_gloo_ranks_equal_the_single_process_call(world, tmp_path):
 
 
 @pytest.mark.gpu
-def test_nccl_two_gpus(tmp_path):
-    # The same cases on 2 GPUs over NCCL (NVLink multicast off); scripts/cp_bench.py times them.
-    if torch.cuda.device_count() < 2:
-        pytest.skip("needs 2 GPUs")
+def test_gpu_ranks(tmp_path):
+    # The kernel cases on GPUs: NCCL with a GPU per rank (NVLink multicast off), else the two ranks
+    # share one GPU over gloo. bf16 inputs (the built variants'); each rank's pieces start off the
+    # single call's chunk grid, so the check is against the float64 reference at the library's bf16
+    # tolerance. scripts/cp_bench.py times the split.
     os.environ["NCCL_NVLS_ENABLE"] = "0"
     import torch.multiprocessing as mp
 
-    cases = [dict(c, K=128, chunk=16) for c in CASES[2] if c["engine"] == "kernels"]
-    mp.spawn(_gpu_rank, args=(2, str(tmp_path / "store"), cases, str(tmp_path)), nprocs=2)
+    backend = "nccl" if torch.cuda.device_count() >= 2 else "gloo"
+    cases = [dict(c, K=128, chunk=16, dtype=torch.bfloat16) for c in CASES[2] if c["engine"] == "kernels"]
+    mp.spawn(_gpu_rank, args=(2, str(tmp_path / "store"), cases, str(tmp_path), backend), nprocs=2)
     for i, case in enumerate(cases):
         ranks = [torch.load(tmp_path / f"r{r}_{i}.pt") for r in range(2)]
         o = torch.cat([x["out"][0] for x in ranks], dim=1)
         fs = torch.cat([x["out"][1] for x in ranks])
         ends = sum((x["ends"] for x in ranks), [])
-        t, kw = cp_worker.problem(case, "cuda")
-        ref = kdagen.kda_prefill(**t, **kw, cu_seqlens=torch.tensor(cp_worker.cu_of(case["lens"]), dtype=torch.int32,
-                                                                    device="cuda"))
-        assert rel_rmse(o, ref[0]) < 1e-5 and rel_rmse(fs, ref[1][ends]) < 1e-5
+        t, kw = cp_worker.problem(case)
+        t = {n: x.double() for n, x in t.items()}  # the bf16 inputs exactly, o in float64
+        ref = reference_prefill(**t, **kw, cu_seqlens=torch.tensor(cp_worker.cu_of(case["lens"]), dtype=torch.int32))
+        errs = (rel_rmse(o.float(), ref[0].float()), rel_rmse(fs.float(), ref[1][ends].float()))
+        assert max(errs) < 5e-3, (backend, case, errs)
 
 
-def _gpu_rank(rank, world, store, cases, out_dir):
-    torch.cuda.set_device(rank)
-    cp_worker.run_rank(rank, world, store, cases, out_dir, backend="nccl", device="cuda")
+def _gpu_rank(rank, world, store, cases, out_dir, backend):
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    cp_worker.run_rank(rank, world, store, cases, out_dir, backend=backend, device="cuda")
