@@ -29,6 +29,7 @@ from torch import Tensor
 from ..errors import KdaInputError
 from ..inputs import CallInfo, check_call
 from .chain import chain_states
+from .correct import correct_o_fits, correct_o_triton
 from .layout import SegmentLayout, split
 from .maps import ieee_fp32
 
@@ -177,23 +178,29 @@ def rerun_step(P: Packed, lay: SegmentLayout, S_in: Tensor, prefill: Prefill, ch
 def correct_step(P: Packed, lay: SegmentLayout, S_in: Tensor, known: Sequence[bool], o2: Tensor,
                  cs2: Optional[Tensor]) -> tuple[Tensor, Optional[Tensor]]:
     """Step 3 without a rerun: o = o_B + o_A S_in^T and chunk states B_c + S_in A_c per segment
-    (segments whose entering state was already applied in step 1 keep o_B, B_c)."""
-    o = o2[:, :, 0::2].float().clone()
-    oA = o2[:, :, 1::2]
+    (segments whose entering state was already applied in step 1 keep o_B, B_c). o in one
+    Triton pass where it runs (kdagen.scan.correct), else fp32 torch products per segment."""
     C = P.kw.get("chunk_size")
+    applied = {lay.first[n] for n in range(lay.num_sequences) if known[n]}
+    fast = correct_o_fits(o2, S_in)
+    o = correct_o_triton(o2, S_in, lay.bounds, [s in applied for s in range(lay.num_segments)]) if fast else None
+    if o is not None and cs2 is None:
+        return o, None
+    o_acc = None if fast else o2[:, :, 0::2].float().clone()
+    oA = o2[:, :, 1::2]
     cs = cs2[:, 0::2].clone() if cs2 is not None else None
     cA = cs2[:, 1::2] if cs2 is not None else None
-    applied = {lay.first[n] for n in range(lay.num_sequences) if known[n]}
     row = 0
     with ieee_fp32():
         for s, (a, b) in enumerate(zip(lay.bounds, lay.bounds[1:])):
             rows = -(-(b - a) // C) if C else 0
             if s not in applied and b > a:
-                o[0, a:b] += torch.einsum("thk,hvk->thv", oA[0, a:b].float(), S_in[s])
+                if o_acc is not None:
+                    o_acc[0, a:b] += torch.einsum("thk,hvk->thv", oA[0, a:b].float(), S_in[s])
                 if cs is not None:
                     cs[row:row + rows] += torch.einsum("hvk,rhkj->rhvj", S_in[s], cA[row:row + rows])
             row += rows
-    return o.to(o2.dtype), cs
+    return (o if o is not None else o_acc.to(o2.dtype)), cs
 
 
 def _unpack(P: Packed, o: Tensor, final: Optional[Tensor], cs: Optional[Tensor], *, out, final_state,

@@ -1,0 +1,68 @@
+"""The correction kernel of the scan's mode "correct" (kdagen/scan/correct.py) against float64
+products: on the Triton interpreter here, on the GPU with `pytest -m gpu`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kdagen.reference import rel_rmse
+from kdagen.scan.correct import BT, correct_o_triton
+
+from .conftest import HAS_CUDA
+
+DEVICES = [
+    pytest.param("cpu", marks=pytest.mark.skipif(HAS_CUDA, reason="interpreter runs only without a GPU"), id="cpu"),
+    pytest.param("cuda", marks=pytest.mark.gpu, id="cuda"),
+]
+
+# Segments: a skipped one (its state applied in step 1), one over several tiles ending mid-tile,
+# an empty one, one shorter than a tile.
+BOUNDS = [0, 5, 5 + 2 * BT + 3, 5 + 2 * BT + 3, 5 + 2 * BT + 3 + 17]
+SKIP = [True, False, False, False]
+
+
+def problem(dtype, dev, HV=2, K=32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    o2 = torch.randn(1, BOUNDS[-1], 2 * HV, K, generator=gen).to(dtype).to(dev)
+    S_in = torch.randn(len(BOUNDS) - 1, HV, K, K, generator=gen).to(dev)
+    return o2, S_in
+
+
+def float64_correction(o2, S_in, skip):
+    o = o2[:, :, 0::2].double().cpu().clone()
+    oA, S = o2[:, :, 1::2].double().cpu(), S_in.double().cpu()
+    for s, (a, b) in enumerate(zip(BOUNDS, BOUNDS[1:])):
+        if not skip[s]:
+            o[0, a:b] += torch.einsum("thk,hvk->thv", oA[0, a:b], S[s])
+    return o
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_fp32_matches_float64(dev):
+    o2, S_in = problem(torch.float32, dev)
+    o = correct_o_triton(o2, S_in, BOUNDS, SKIP)
+    ref = float64_correction(o2, S_in, SKIP)
+    assert o.dtype == torch.float32 and o.shape == (1, BOUNDS[-1], 2, 32)
+    assert rel_rmse(o.cpu(), ref) < 1e-6
+    # The comparison can fail: segment 0 corrected although its state was applied.
+    assert rel_rmse(o.cpu(), float64_correction(o2, S_in, [False] + SKIP[1:])) > 1e-2
+
+
+@pytest.mark.gpu
+def test_bf16_on_gpu_rounds_like_float64():
+    # bf16 o2, TF32 products (S_in rounded to 2^-11): within a fraction of bf16's own rounding of o.
+    o2, S_in = problem(torch.bfloat16, "cuda", HV=4, K=128)
+    o = correct_o_triton(o2, S_in, BOUNDS, SKIP)
+    ref = float64_correction(o2, S_in, SKIP)
+    assert o.dtype == torch.bfloat16
+    assert rel_rmse(o.cpu().double(), ref.to(torch.bfloat16).double()) < 1e-3
+    assert rel_rmse(o.cpu().double(), ref) < 4e-3  # bf16's rounding itself is ~2.3e-3
+
+
+def test_shapes_are_named():
+    o2, S_in = problem(torch.float32, "cuda" if HAS_CUDA else "cpu")
+    with pytest.raises(ValueError, match="expected o2 \\[1, T, 4, 32\\] with bounds of 4 segments"):
+        correct_o_triton(o2[:, :-1], S_in, BOUNDS, SKIP)
+    with pytest.raises(ValueError, match="needs V = K a power of two"):
+        correct_o_triton(o2[..., :24], S_in[..., :24], BOUNDS, SKIP)
