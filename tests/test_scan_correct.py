@@ -50,14 +50,15 @@ def test_fp32_matches_float64(dev):
 
 
 @pytest.mark.gpu
-def test_bf16_on_gpu_rounds_like_float64():
-    # bf16 o2, TF32 products (S_in rounded to 2^-11): within a fraction of bf16's own rounding of o.
+def test_bf16_on_gpu_adds_little_to_the_rounding_of_o():
+    # bf16 o2, TF32 products (S_in rounded to 2^-11, o_A exact in TF32): the error against
+    # float64 stays within a tenth above what rounding the exact o to bf16 costs by itself.
     o2, S_in = problem(torch.bfloat16, "cuda", HV=4, K=128)
     o = correct_o_triton(o2, S_in, BOUNDS, SKIP)
     ref = float64_correction(o2, S_in, SKIP)
     assert o.dtype == torch.bfloat16
-    assert rel_rmse(o.cpu().double(), ref.to(torch.bfloat16).double()) < 1e-3
-    assert rel_rmse(o.cpu().double(), ref) < 4e-3  # bf16's rounding itself is ~2.3e-3
+    floor = rel_rmse(ref.to(torch.bfloat16).double(), ref)
+    assert rel_rmse(o.cpu().double(), ref) < 1.1 * floor, (rel_rmse(o.cpu().double(), ref), floor)
 
 
 def test_shapes_are_named():

@@ -73,8 +73,11 @@ class Packed:
 
     def call(self, prefill: Prefill, lay: SegmentLayout, **kw) -> Any:
         bounds = list(lay.bounds)
-        cu_cpu = torch.tensor(bounds, dtype=torch.int32)
-        cu_dev = cu_cpu.to(self.q.device)
+        if len(bounds) == 2 and bounds[1] > 0:  # one segment over the packed row: the B = 1 call, no offsets
+            cu_dev = cu_cpu = None
+        else:
+            cu_cpu = torch.tensor(bounds, dtype=torch.int32)
+            cu_dev = cu_cpu.to(self.q.device)
         args = {n: kw.pop(n) for n in ("q", "k", "v", "g", "beta") if n in kw}
         q, k, v, g, beta = (args.get(n, getattr(self, n)) for n in ("q", "k", "v", "g", "beta"))
         base = dict(self.kw, A_log=self.A_log, dt_bias=self.dt_bias, cu_seqlens=cu_dev, cu_seqlens_cpu=cu_cpu,
