@@ -12,7 +12,8 @@ then runs on every rank of the group at once:
 2. one all_gather of every rank's outgoing map (its last piece, when that sequence continues on
    the next rank: [HV, V + K, K] fp32, zeros otherwise), then each rank chains the maps of the
    ranks before it that hold its first piece's sequence into that piece's entering state;
-3. the rank's segments rerun from their true entering states (or o corrected, mode="correct").
+3. o corrected from step 1's outputs and the true entering states (mode "correct", the default),
+   or the rank's segments rerun from them (mode "rerun").
 
 A rank with no piece entering from elsewhere and no segment to split runs one plain call, before
 the exchange. Communication is torch.distributed only (gloo on CPU, NCCL on GPUs: launch with
@@ -149,13 +150,15 @@ def _all_gather(x: Tensor, ctx: CPContext) -> list[Tensor]:
 
 
 def kda_prefill_cp(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, cp_context: CPContext,
-                   segments: int | Sequence[int] | None = None, mode: str = "rerun", prefill=None,
+                   segments: int | Sequence[int] | None = None, mode: str = "correct", prefill=None,
                    chain_impl: str = "auto", costs: str = "h200-engine", **kw: Any):
     """This rank's part of a context-parallel kda_prefill. q, k, v, g, beta: the rank's tokens,
     B = 1, layout "BSND" ([1, T_local, heads, D]) or "BNSD"; no cu_seqlens (the context has the
     global ones). Other keywords as kdagen.kda_prefill; initial_state [len(ctx.starts), HV, ...].
     segments: per local piece (or one count) how many scan segments to cut it into; None asks
-    the planner. Returns (o local, final state [len(ctx.ends), HV, ...] or None) like
+    the planner. mode: "correct" (default: o corrected from step 1's outputs in one pass; on the
+    H200 at T1048576 H8 it beat "rerun" at 2 and 4 ranks, benchmarks/NOTES.md) or "rerun".
+    Returns (o local, final state [len(ctx.ends), HV, ...] or None) like
     kda_prefill, and chunk states (the local pieces' chunks) with return_chunk_states."""
     ctx = cp_context
     if not isinstance(ctx, CPContext):

@@ -121,8 +121,14 @@ def main() -> int:
                     "it lets ranks share a GPU)")
     ap.add_argument("--emulate", type=int, default=0, metavar="W",
                     help="no torch.distributed: run W ranks one after another in this process (a projection)")
+    ap.add_argument("--correct-config", default=None, metavar="BT,BK,WARPS,STAGES",
+                    help="the correction kernel's tile and launch (kdagen.scan.correct.CONFIG) for this run")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
+    if a.correct_config:
+        import kdagen.scan.correct as correct
+
+        correct.CONFIG = tuple(int(x) for x in a.correct_config.split(","))
     if a.emulate:
         rank, world, local = 0, a.emulate, 0
     else:
@@ -154,7 +160,10 @@ def main() -> int:
     how = (f"{world} ranks emulated one after another on 1 x {dev_name} (a projection, see below)" if a.emulate
            else f"{world} ranks on {max(gpus, 1) if shared else world} x {dev_name} over {backend}"
            + (" (ranks share GPUs: times are not a speedup)" if shared else ""))
-    say(f"# Context-parallel prefill: B1 T{a.T} H{a.H} D{a.D} bf16, lower_bound {a.lower_bound:g}; {how}")
+    from kdagen.scan import correct
+
+    say(f"# Context-parallel prefill: B1 T{a.T} H{a.H} D{a.D} bf16, lower_bound {a.lower_bound:g}; {how}; "
+        f"correction tile {correct.CONFIG}")
     say("")
     ref = None
     single = {}

@@ -66,10 +66,10 @@ def run_rank(rank: int, world: int, store: str, cases: list[dict], out_dir: str,
             a, b = ctx.rank_bounds[rank], ctx.rank_bounds[rank + 1]
             loc = local_slice(t, a, b, kw["layout"])
             kw["initial_state"] = ctx.local_initial_state(kw["initial_state"])
-            extra = dict(segments=case.get("segments"), mode=case.get("mode", "rerun"))
+            extra = dict(segments=case.get("segments"), mode=case.get("mode", "correct"))
             if case.get("engine") == "ref":
                 res = kda_prefill_cp(**loc, **kw, cp_context=ctx, prefill=reference_prefill, **extra)
-            elif extra["segments"] is None and extra["mode"] == "rerun":
+            elif extra["segments"] is None and extra["mode"] == "correct":
                 res = kdagen.kda_prefill(**loc, **kw, cp_context=ctx)  # the runtime's pass-through
             else:
                 res = kda_prefill_cp(**loc, **kw, cp_context=ctx, **extra)

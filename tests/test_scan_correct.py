@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from kdagen.reference import rel_rmse
-from kdagen.scan.correct import BT, correct_o_triton
+from kdagen.scan.correct import CONFIG, correct_o_triton
+
+BT = CONFIG[0]
 
 from .conftest import HAS_CUDA
 

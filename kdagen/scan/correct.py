@@ -11,7 +11,7 @@ on the host so that no tile straddles two segments.
 from __future__ import annotations
 
 import os
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -24,7 +24,8 @@ try:  # Triton is optional at run time (the torch form needs none)
 except Exception:  # pragma: no cover - exercised only where triton is missing
     triton = None
 
-BT = 128  # tokens per tile
+# Tile shape and launch: (tokens per tile, K per product, warps, pipeline stages).
+CONFIG = (64, 32, 4, 2)
 
 
 if triton is not None:
@@ -48,8 +49,8 @@ if triton is not None:
             st = S_in + (s.to(tl.int64) * HV + h) * V * K  # S_in[s, h]: [V, K]
             for kk in range(0, K, BK):
                 oa = tl.load(O2 + row2[:, None] + (2 * h + 1) * V + kk + rk[None, :], mask=mt[:, None], other=0.0)
-                sm = tl.load(st + rv[None, :] * K + kk + rk[:, None])  # [BK, BV] = S_in[s, h, rv, kk:]^T
-                acc += tl.dot(oa.to(tl.float32), sm, input_precision=PRECISION)
+                sm = tl.load(st + rv[:, None] * K + kk + rk[None, :])  # [BV, BK], rows contiguous in memory
+                acc += tl.dot(oa.to(tl.float32), tl.trans(sm), input_precision=PRECISION)
         tl.store(O + rt.to(tl.int64)[:, None] * (HV * V) + h * V + rv[None, :], acc.to(O.dtype.element_ty),
                  mask=mt[:, None])
 
@@ -65,7 +66,7 @@ def correct_o_fits(o2: Tensor, S_in: Tensor) -> bool:
     return runs and K == V and pow2(K) and o2.shape[-1] == V
 
 
-def _tiles(bounds: Sequence[int]) -> Tensor:
+def _tiles(bounds: Sequence[int], BT: int) -> Tensor:
     """[3, tiles] int32: each tile's segment, first token, end (BT tokens, none across segments)."""
     b = torch.tensor(list(bounds), dtype=torch.int64)
     n = (b[1:] - b[:-1] + BT - 1) // BT  # tiles per segment
@@ -76,10 +77,11 @@ def _tiles(bounds: Sequence[int]) -> Tensor:
     return torch.stack([seg, start, end]).to(torch.int32)
 
 
-def correct_o_triton(o2: Tensor, S_in: Tensor, bounds: Sequence[int], skip: Sequence[bool]) -> Tensor:
+def correct_o_triton(o2: Tensor, S_in: Tensor, bounds: Sequence[int], skip: Sequence[bool],
+                     config: Optional[tuple[int, int, int, int]] = None) -> Tensor:
     """o [1, T, HV, V] in o2's dtype from step 1's o2 [1, T, 2HV, V]: segment s (tokens
     [bounds[s], bounds[s+1])) gets o_B + o_A S_in[s]^T, or o_B alone where skip[s] (its entering
-    state was applied in step 1). S_in [S, HV, V, K] fp32."""
+    state was applied in step 1). S_in [S, HV, V, K] fp32. config: CONFIG's fields (for timing)."""
     if not correct_o_fits(o2, S_in):
         raise ValueError(f"o2, S_in: the Triton correction needs V = K a power of two >= 16 and fp32 S_in, on a GPU "
                          f"or the interpreter; found o2 {tuple(o2.shape)} on {o2.device}, S_in {tuple(S_in.shape)} "
@@ -92,7 +94,8 @@ def correct_o_triton(o2: Tensor, S_in: Tensor, bounds: Sequence[int], skip: Sequ
                          f"({len(bounds)}), {len(skip)} skip flags")
     o2 = o2.contiguous()
     o = torch.empty(1, T, HV, V, dtype=o2.dtype, device=o2.device)
-    table = _tiles(bounds)
+    BT, BK, warps, stages = config or CONFIG
+    table = _tiles(bounds, BT)
     if not table.shape[1] or not HV:
         return o
     dev = o2.device
@@ -102,9 +105,9 @@ def correct_o_triton(o2: Tensor, S_in: Tensor, bounds: Sequence[int], skip: Sequ
     # An fp32 o2 keeps IEEE products.
     precision = "ieee" if o2.dtype == torch.float32 else "tf32"
     # The whole V per program: each (segment, head)'s S_in (64 KB at K = 128, L2-resident) is read
-    # once per tile of BT tokens, as much traffic as o2's two halves.
+    # once per tile of BT tokens.
     BV = V
     _correct_kernel[(table.shape[1], HV, V // BV)](o2, S_in.contiguous(), o, table[0], table[1], table[2], flags, HV,
-                                             K=K, V=V, BT=BT, BV=BV, BK=min(K, 32), PRECISION=precision,
-                                             num_warps=8)
+                                             K=K, V=V, BT=BT, BV=BV, BK=min(K, BK), PRECISION=precision,
+                                             num_warps=warps, num_stages=stages)
     return o
