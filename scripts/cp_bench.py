@@ -121,18 +121,14 @@ def main() -> int:
                     "it lets ranks share a GPU)")
     ap.add_argument("--emulate", type=int, default=0, metavar="W",
                     help="no torch.distributed: run W ranks one after another in this process (a projection)")
-    ap.add_argument("--correct-config", default=None, metavar="BT,BK,WARPS,STAGES[,SPLIT]",
-                    help="the correction kernel's tile and launch (kdagen.scan.correct.CONFIG) and bf16 split "
-                    "(SPLIT_BF16, 0 or 1) for this run")
+    ap.add_argument("--correct-config", default=None, metavar="BT,BK,WARPS,STAGES",
+                    help="the correction kernel's tile and launch (kdagen.scan.correct.CONFIG) for this run")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     if a.correct_config:
         import kdagen.scan.correct as correct
 
-        fields = [int(x) for x in a.correct_config.split(",")]
-        correct.CONFIG = tuple(fields[:4])
-        if len(fields) > 4:
-            correct.SPLIT_BF16 = bool(fields[4])
+        correct.CONFIG = tuple(int(x) for x in a.correct_config.split(","))
     if a.emulate:
         rank, world, local = 0, a.emulate, 0
     else:
@@ -167,7 +163,7 @@ def main() -> int:
     from kdagen.scan import correct
 
     say(f"# Context-parallel prefill: B1 T{a.T} H{a.H} D{a.D} bf16, lower_bound {a.lower_bound:g}; {how}; "
-        f"correction tile {correct.CONFIG}, bf16 split {correct.SPLIT_BF16}")
+        f"correction tile {correct.CONFIG}")
     say("")
     ref = None
     single = {}

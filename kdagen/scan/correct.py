@@ -28,17 +28,13 @@ except Exception:  # pragma: no cover - exercised only where triton is missing
 # nine swept alone on the H200 at 512K tokens, 8 heads (2.0 ms; the others 2.1-2.8): the kernel
 # moves 1.6 TB/s, a third of what memory allows (benchmarks/NOTES.md, twenty-eighth session).
 CONFIG = (64, 64, 4, 2)
-# bf16 o2: S_in as bf16 hi + lo halves in two bf16 products, instead of TF32 products of o_A
-# converted to fp32.
-SPLIT_BF16 = True
 
 
 if triton is not None:
 
     @triton.jit
     def _correct_kernel(O2, S_in, O, tile_seg, tile_start, tile_end, skip, HV, K: tl.constexpr, V: tl.constexpr,
-                        BT: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr,
-                        SPLIT: tl.constexpr):
+                        BT: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr):
         i = tl.program_id(0)
         h = tl.program_id(1)
         vb = tl.program_id(2)
@@ -56,13 +52,7 @@ if triton is not None:
             for kk in range(0, K, BK):
                 oa = tl.load(O2 + row2[:, None] + (2 * h + 1) * V + kk + rk[None, :], mask=mt[:, None], other=0.0)
                 sm = tl.load(st + rv[:, None] * K + kk + rk[None, :])  # [BV, BK], rows contiguous in memory
-                if SPLIT:  # bf16 o_A times S_in as two bf16 halves: native products, S_in to ~2^-16
-                    hi = sm.to(tl.bfloat16)
-                    lo = (sm - hi.to(tl.float32)).to(tl.bfloat16)
-                    acc = tl.dot(oa, tl.trans(hi), acc)
-                    acc = tl.dot(oa, tl.trans(lo), acc)
-                else:
-                    acc += tl.dot(oa.to(tl.float32), tl.trans(sm), input_precision=PRECISION)
+                acc += tl.dot(oa.to(tl.float32), tl.trans(sm), input_precision=PRECISION)
         tl.store(O + rt.to(tl.int64)[:, None] * (HV * V) + h * V + rv[None, :], acc.to(O.dtype.element_ty),
                  mask=mt[:, None])
 
@@ -90,11 +80,10 @@ def _tiles(bounds: Sequence[int], BT: int) -> Tensor:
 
 
 def correct_o_triton(o2: Tensor, S_in: Tensor, bounds: Sequence[int], skip: Sequence[bool],
-                     config: Optional[tuple[int, int, int, int]] = None, split: Optional[bool] = None) -> Tensor:
+                     config: Optional[tuple[int, int, int, int]] = None) -> Tensor:
     """o [1, T, HV, V] in o2's dtype from step 1's o2 [1, T, 2HV, V]: segment s (tokens
     [bounds[s], bounds[s+1])) gets o_B + o_A S_in[s]^T, or o_B alone where skip[s] (its entering
-    state was applied in step 1). S_in [S, HV, V, K] fp32. config, split: CONFIG's fields and
-    SPLIT_BF16 for this call (for timing)."""
+    state was applied in step 1). S_in [S, HV, V, K] fp32. config: CONFIG's fields (for timing)."""
     if not correct_o_fits(o2, S_in):
         raise ValueError(f"o2, S_in: the Triton correction needs V = K a power of two >= 16 and fp32 S_in, on a GPU "
                          f"or the interpreter; found o2 {tuple(o2.shape)} on {o2.device}, S_in {tuple(S_in.shape)} "
@@ -117,12 +106,10 @@ def correct_o_triton(o2: Tensor, S_in: Tensor, bounds: Sequence[int], skip: Sequ
     # o_A carries its dtype's rounding (bf16 2^-9, fp16 2^-11): TF32's rounding of S_in adds no more.
     # An fp32 o2 keeps IEEE products.
     precision = "ieee" if o2.dtype == torch.float32 else "tf32"
-    # Not in the interpreter: its bf16 products come out as garbage (Triton 3.6 on CPU).
-    split = (SPLIT_BF16 if split is None else split) and o2.dtype == torch.bfloat16 and o2.is_cuda
     # The whole V per program: each (segment, head)'s S_in (64 KB at K = 128, L2-resident) is read
     # once per tile of BT tokens.
     BV = V
     _correct_kernel[(table.shape[1], HV, V // BV)](o2, S_in.contiguous(), o, table[0], table[1], table[2], flags, HV,
                                              K=K, V=V, BT=BT, BV=BV, BK=min(K, BK), PRECISION=precision,
-                                             SPLIT=split, num_warps=warps, num_stages=stages)
+                                             num_warps=warps, num_stages=stages)
     return o
