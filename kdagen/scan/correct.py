@@ -2,10 +2,11 @@
 
 Step 1 runs every segment as two value heads per head (B: the from-zero run, A: the transition
 run from the identity), so its o [1, T, 2HV, V] interleaves o_B and o_A. The torch form
-(kdagen.scan.engine.correct_step) makes fp32 copies of both halves and one einsum per segment:
-about 8 ms for 512K tokens at 8 heads on the H200, as much as half of step 1. The Triton kernel
-reads o2 once and writes o in o2's dtype: a program per (token tile, head), the tile table built
-on the host so that no tile straddles two segments.
+(kdagen.scan.engine.correct_step) makes fp32 copies of both halves and one einsum per segment.
+The Triton kernel reads o2 once and writes o in o2's dtype. With the torch form, rank 1 of two
+took 28.2 ms in all at T1048576 H8 on the H200; with the kernel it took 19.9 ms (different
+leases, benchmarks/NOTES.md, twenty-eighth session). A program per (token tile, head); the tile
+table is built on the host so that no tile straddles two segments.
 """
 
 from __future__ import annotations
