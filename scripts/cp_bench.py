@@ -2,7 +2,7 @@
 
     NCCL_NVLS_ENABLE=0 PYTHONPATH=$PWD torchrun --nproc_per_node 2 scripts/cp_bench.py \
         [--T 1048576 --H 8] [--segments auto,4,8,16] [--modes rerun,correct] [--iters 5]
-        [--lower-bound -5] [--out benchmarks/results/DATE_cp_h200.md]
+        [--lower-bound=-1e-3] [--out benchmarks/results/DATE_cp_h200.md]
 
 Two runs for a host with fewer GPUs than ranks (neither is a measured speedup; both say so):
 - `--backend gloo` with more ranks than GPUs: the ranks share GPUs and exchange over gloo, which
