@@ -34,7 +34,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Optional
 
 os.environ["NCCL_NVLS_ENABLE"] = "0"  # NVLink multicast off, before NCCL starts
 
@@ -43,6 +43,7 @@ import torch.distributed as dist  # noqa: E402
 
 import kdagen  # noqa: E402
 import kdagen.cp as cp  # noqa: E402
+import kdagen.scan.correct as correct  # noqa: E402
 from kdagen.cases import bench_inputs as make_inputs  # noqa: E402
 from kdagen.cp import build_cp_context, kda_prefill_cp  # noqa: E402
 from kdagen.reference import rel_rmse  # noqa: E402
@@ -126,8 +127,6 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     if a.correct_config:
-        import kdagen.scan.correct as correct
-
         correct.CONFIG = tuple(int(x) for x in a.correct_config.split(","))
     if a.emulate:
         rank, world, local = 0, a.emulate, 0
@@ -160,8 +159,6 @@ def main() -> int:
     how = (f"{world} ranks emulated one after another on 1 x {dev_name} (a projection, see below)" if a.emulate
            else f"{world} ranks on {max(gpus, 1) if shared else world} x {dev_name} over {backend}"
            + (" (ranks share GPUs: times are not a speedup)" if shared else ""))
-    from kdagen.scan import correct
-
     say(f"# Context-parallel prefill: B1 T{a.T} H{a.H} D{a.D} bf16, lower_bound {a.lower_bound:g}; {how}; "
         f"correction tile {correct.CONFIG}")
     say("")
@@ -181,47 +178,61 @@ def main() -> int:
     base = min(single.values()) if single else None
     runs = [(s, m) for m in a.modes.split(",") if m for s in a.segments.split(",") if s]
     if a.emulate:
-        ctxs = [build_cp_context([0, a.T], rank=r, world=world) for r in range(world)]
-        locs = [{n: kw[n][:, c.rank_bounds[r]:c.rank_bounds[r + 1]].contiguous() for n in NAMES}
-                for r, c in enumerate(ctxs)]
-        h0s = [c.local_initial_state(kw["initial_state"]) for c in ctxs]
-        del kw
-        half = wall_ms(lambda: kdagen.kda_prefill(**locs[0], **call, initial_state=h0s[0]), a.iters, False)
-        say(f"- one GPU, one piece of rank 0's {ctxs[0].local_tokens} tokens alone: {half:.2f} ms")
-        for seg, mode in runs:
-            segs = None if seg == "auto" else int(seg)
-            maps: dict = {}
-            outs, pre, post = [], [], []
-            for r, c in enumerate(ctxs):
-                marks: list = []
-                with emulated_exchange(world, r, maps, marks):
-                    def run(r=r, c=c):
-                        return kda_prefill_cp(**locs[r], **call, initial_state=h0s[r], cp_context=c, segments=segs,
-                                              mode=mode)
+        emulated(kw, call, runs, world, a, base, ref, say)
+    else:
+        ranks(kw, call, runs, rank, world, a, base, ref, shared, say)
+    if rank == 0 and a.out:
+        Path(a.out).write_text("\n".join(lines) + "\n")
+    if not a.emulate:
+        dist.destroy_process_group()
+    return 0
 
-                    outs.append(run())
-                    p0, p1 = phases_ms(run, marks, a.iters)
-                pre.append(p0)
-                post.append(p1)
-                outs[-1] = (outs[-1][0], outs[-1][1] if r == world - 1 else None)  # keep only what is compared
-            o = torch.cat([x[0] for x in outs], dim=1)
-            # The ranks wait for each other at the exchange: its slowest rank's time before it, then
-            # the slowest after it.
-            ms = max(pre) + max(post)
-            each = ", ".join(f"{x:.2f}+{y:.2f}" for x, y in zip(pre, post))
-            say(f"- {world} ranks (emulated), {mode}, segments per rank {seg}: {ms:.2f} ms (ranks before+after the "
-                f"exchange {each}), {base / ms:.2f}x the best single-GPU call; o {rel_rmse(o, ref[0]):.2e}, final "
-                f"state {rel_rmse(outs[-1][1], ref[1]):.2e} against the one-GPU one-piece call")
-            del outs, o
-        if a.out:
-            Path(a.out).write_text("\n".join(lines) + "\n")
-        return 0
+
+def emulated(kw: dict, call: dict, runs: list, world: int, a, base: float, ref, say) -> None:
+    """Every (segments, mode) run with the W ranks emulated one after another (--emulate)."""
+    ctxs = [build_cp_context([0, a.T], rank=r, world=world) for r in range(world)]
+    locs = [{n: kw[n][:, c.rank_bounds[r]:c.rank_bounds[r + 1]].contiguous() for n in NAMES}
+            for r, c in enumerate(ctxs)]
+    h0s = [c.local_initial_state(kw["initial_state"]) for c in ctxs]
+    kw.clear()
+    half = wall_ms(lambda: kdagen.kda_prefill(**locs[0], **call, initial_state=h0s[0]), a.iters, False)
+    say(f"- one GPU, one piece of rank 0's {ctxs[0].local_tokens} tokens alone: {half:.2f} ms")
+    for seg, mode in runs:
+        segs = None if seg == "auto" else int(seg)
+        maps: dict = {}
+        outs, pre, post = [], [], []
+        for r, c in enumerate(ctxs):
+            marks: list = []
+            with emulated_exchange(world, r, maps, marks):
+                def run(r=r, c=c):
+                    return kda_prefill_cp(**locs[r], **call, initial_state=h0s[r], cp_context=c, segments=segs,
+                                          mode=mode)
+
+                outs.append(run())
+                p0, p1 = phases_ms(run, marks, a.iters)
+            pre.append(p0)
+            post.append(p1)
+            outs[-1] = (outs[-1][0], outs[-1][1] if r == world - 1 else None)  # keep only what is compared
+        o = torch.cat([x[0] for x in outs], dim=1)
+        # The ranks wait for each other at the exchange: its slowest rank's time before it, then
+        # the slowest after it.
+        ms = max(pre) + max(post)
+        each = ", ".join(f"{x:.2f}+{y:.2f}" for x, y in zip(pre, post))
+        say(f"- {world} ranks (emulated), {mode}, segments per rank {seg}: {ms:.2f} ms (ranks before+after the "
+            f"exchange {each}), {base / ms:.2f}x the best single-GPU call; o {rel_rmse(o, ref[0]):.2e}, final "
+            f"state {rel_rmse(outs[-1][1], ref[1]):.2e} against the one-GPU one-piece call")
+        del outs, o
+
+
+def ranks(kw: dict, call: dict, runs: list, rank: int, world: int, a, base: Optional[float], ref, shared: bool,
+          say) -> None:
+    """Every (segments, mode) run on this rank of the torch.distributed group; rank 0 reports."""
     dist.barrier()
     ctx = build_cp_context([0, a.T])
     lo, hi = ctx.rank_bounds[rank], ctx.rank_bounds[rank + 1]
     loc = {n: kw[n][:, lo:hi].contiguous() for n in NAMES}
     h0 = ctx.local_initial_state(kw["initial_state"])
-    del kw
+    kw.clear()
     for seg, mode in runs:
         segs = None if seg == "auto" else int(seg)
 
@@ -243,11 +254,6 @@ def main() -> int:
             say(f"- {world} ranks, {mode}, segments per rank {seg}: {ms:.2f} ms{speed}; o {rel_rmse(o, ref[0]):.2e}, "
                 f"final state {rel_rmse(final, ref[1]):.2e} against the one-GPU one-piece call")
         del out, parts, fparts
-    if rank == 0 and a.out:
-        Path(a.out).write_text("\n".join(lines) + "\n")
-    dist.destroy_process_group()
-    return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

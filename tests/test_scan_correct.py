@@ -9,9 +9,9 @@ import torch
 from kdagen.reference import rel_rmse
 from kdagen.scan.correct import CONFIG, correct_o_triton
 
-BT = CONFIG[0]
-
 from .conftest import HAS_CUDA
+
+BT = CONFIG[0]
 
 DEVICES = [
     pytest.param("cpu", marks=pytest.mark.skipif(HAS_CUDA, reason="interpreter runs only without a GPU"), id="cpu"),

@@ -19,7 +19,7 @@ from torch import Tensor
 from .maps import chain as chain_torch
 from .maps import ieee_fp32
 
-__all__ = ["chain_states", "chain_triton", "triton_fits"]
+__all__ = ["chain_states", "chain_triton", "triton_fits", "triton_takes"]
 
 try:  # Triton is optional at run time (the torch form needs none)
     import triton
@@ -66,14 +66,18 @@ if triton is not None:
                 tl.store(nxt + tile, acc, mask=s + 1 < s_end)
                 tl.store(S_out + seq + tile, acc, mask=s + 1 == s_end)
 
+def triton_takes(t: Tensor, *dims: int) -> bool:
+    """Whether a scan Triton kernel runs on t's device here (a GPU, or the CPU interpreter) and
+    every dim is a power of two >= 16 (its tiles' sizes)."""
+    runs = t.is_cuda or (t.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
+    return triton is not None and runs and all(x >= 16 and x & (x - 1) == 0 for x in dims)
+
+
 def triton_fits(A: Tensor, B: Tensor) -> bool:
     """Whether the Triton kernel takes these shapes (power-of-two K and V >= 16, fp32) here."""
-    if triton is None or A.dtype != torch.float32 or B.dtype != torch.float32:
+    if A.dtype != torch.float32 or B.dtype != torch.float32:
         return False
-    K, V = A.shape[-1], B.shape[-2]
-    pow2 = lambda x: x >= 16 and x & (x - 1) == 0  # noqa: E731
-    runs = A.is_cuda or (A.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
-    return runs and pow2(K) and pow2(V)
+    return triton_takes(A, A.shape[-1], B.shape[-2])
 
 
 def chain_triton(A: Tensor, B: Tensor, S0: Tensor, counts: Sequence[int]) -> tuple[Tensor, Tensor]:

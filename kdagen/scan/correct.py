@@ -11,11 +11,12 @@ table is built on the host so that no tile straddles two segments.
 
 from __future__ import annotations
 
-import os
 from typing import Optional, Sequence
 
 import torch
 from torch import Tensor
+
+from .chain import triton_takes
 
 __all__ = ["correct_o_fits", "correct_o_triton"]
 
@@ -61,12 +62,10 @@ if triton is not None:
 def correct_o_fits(o2: Tensor, S_in: Tensor) -> bool:
     """Whether the kernel takes these shapes here: power-of-two V = K >= 16, on a GPU or the
     Triton interpreter."""
-    if triton is None or S_in.dtype != torch.float32 or o2.dim() != 4 or S_in.dim() != 4:
+    if S_in.dtype != torch.float32 or o2.dim() != 4 or S_in.dim() != 4:
         return False
     K, V = S_in.shape[-1], S_in.shape[-2]
-    pow2 = lambda x: x >= 16 and x & (x - 1) == 0  # noqa: E731
-    runs = o2.is_cuda or (o2.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
-    return runs and K == V and pow2(K) and o2.shape[-1] == V
+    return K == V and o2.shape[-1] == V and triton_takes(o2, K)
 
 
 def _tiles(bounds: Sequence[int], BT: int) -> Tensor:

@@ -185,11 +185,12 @@ def correct_step(P: Packed, lay: SegmentLayout, S_in: Tensor, known: Sequence[bo
     Triton pass where it runs (kdagen.scan.correct), else fp32 torch products per segment."""
     C = P.kw.get("chunk_size")
     applied = {lay.first[n] for n in range(lay.num_sequences) if known[n]}
-    fast = correct_o_fits(o2, S_in)
-    o = correct_o_triton(o2, S_in, lay.bounds, [s in applied for s in range(lay.num_segments)]) if fast else None
-    if o is not None and cs2 is None:
-        return o, None
-    o_acc = None if fast else o2[:, :, 0::2].float().clone()
+    o = None
+    if correct_o_fits(o2, S_in):
+        o = correct_o_triton(o2, S_in, lay.bounds, [s in applied for s in range(lay.num_segments)])
+        if cs2 is None:
+            return o, None
+    o_acc = o2[:, :, 0::2].float().clone() if o is None else None
     oA = o2[:, :, 1::2]
     cs = cs2[:, 0::2].clone() if cs2 is not None else None
     cA = cs2[:, 1::2] if cs2 is not None else None
