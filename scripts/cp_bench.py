@@ -122,7 +122,9 @@ def main() -> int:
                     "it lets ranks share a GPU)")
     ap.add_argument("--emulate", type=int, default=0, metavar="W",
                     help="no torch.distributed: run W ranks one after another in this process (a projection)")
-    ap.add_argument("--correct-config", default=None, metavar="BT,BK,WARPS,STAGES",
+    ap.add_argument("--profile", default=None, metavar="DIR",
+                    help="with --emulate: each rank's call once under torch.profiler, its kernel table to DIR")
+    ap.add_argument("--correct-config", default=None, metavar="BT,GT,BV,WARPS,STAGES",
                     help="the correction kernel's tile and launch (kdagen.scan.correct.CONFIG) for this run")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
@@ -188,6 +190,23 @@ def main() -> int:
     return 0
 
 
+def profile(fn: Callable[[], object], path: Path) -> None:
+    """fn() once under torch.profiler: the CUDA kernels by total time, and the wall time."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    _sync()
+    t0 = time.perf_counter()
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        _sync()
+    wall = 1000 * (time.perf_counter() - t0)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70)
+    path.write_text(f"wall (profiled) {wall:.2f} ms\n{table}\n")
+    prof.export_chrome_trace(str(path.with_suffix(".json")))
+
+
 def emulated(kw: dict, call: dict, runs: list, world: int, a, base: float, ref, say) -> None:
     """Every (segments, mode) run with the W ranks emulated one after another (--emulate)."""
     ctxs = [build_cp_context([0, a.T], rank=r, world=world) for r in range(world)]
@@ -210,6 +229,8 @@ def emulated(kw: dict, call: dict, runs: list, world: int, a, base: float, ref, 
 
                 outs.append(run())
                 p0, p1 = phases_ms(run, marks, a.iters)
+                if a.profile:
+                    profile(run, Path(a.profile) / f"cp_w{world}_r{r}_{mode}_seg{seg}.txt")
             pre.append(p0)
             post.append(p1)
             outs[-1] = (outs[-1][0], outs[-1][1] if r == world - 1 else None)  # keep only what is compared

@@ -40,10 +40,16 @@ def float64_correction(o2, S_in, skip):
     return o
 
 
+# The default launch, and one whose programs split a segment's tokens and V (several runs and V
+# blocks per segment and head).
+LAUNCHES = [pytest.param(None, id="default"), pytest.param((16, 32, 16, 2, 1), id="small")]
+
+
+@pytest.mark.parametrize("config", LAUNCHES)
 @pytest.mark.parametrize("dev", DEVICES)
-def test_fp32_matches_float64(dev):
+def test_fp32_matches_float64(dev, config):
     o2, S_in = problem(torch.float32, dev)
-    o = correct_o_triton(o2, S_in, BOUNDS, SKIP)
+    o = correct_o_triton(o2, S_in, BOUNDS, SKIP, config=config)
     ref = float64_correction(o2, S_in, SKIP)
     assert o.dtype == torch.float32 and o.shape == (1, BOUNDS[-1], 2, 32)
     assert rel_rmse(o.cpu(), ref) < 1e-6
@@ -52,11 +58,12 @@ def test_fp32_matches_float64(dev):
 
 
 @pytest.mark.gpu
-def test_bf16_on_gpu_adds_little_to_the_rounding_of_o():
+@pytest.mark.parametrize("config", LAUNCHES)
+def test_bf16_on_gpu_adds_little_to_the_rounding_of_o(config):
     # bf16 o2, TF32 products (S_in rounded to 2^-11, o_A exact in TF32): the error against
     # float64 stays within a tenth above what rounding the exact o to bf16 costs by itself.
     o2, S_in = problem(torch.bfloat16, "cuda", HV=4, K=128)
-    o = correct_o_triton(o2, S_in, BOUNDS, SKIP)
+    o = correct_o_triton(o2, S_in, BOUNDS, SKIP, config=config)
     ref = float64_correction(o2, S_in, SKIP)
     assert o.dtype == torch.bfloat16
     floor = rel_rmse(ref.to(torch.bfloat16).double(), ref)

@@ -26,37 +26,49 @@ try:  # Triton is optional at run time (the torch form needs none)
 except Exception:  # pragma: no cover - exercised only where triton is missing
     triton = None
 
-# Tile shape and launch: (tokens per tile, K per product, warps, pipeline stages). The fastest of
-# nine swept alone on the H200 at 512K tokens, 8 heads (2.0 ms; the others 2.1-2.8): the kernel
-# moves 1.6 TB/s, a third of what memory allows (benchmarks/NOTES.md, twenty-eighth session).
-CONFIG = (64, 64, 4, 2)
+# Launch: (tokens per product tile, tokens per program, V rows per program, warps, pipeline
+# stages). A program keeps its (segment, head)'s S_in rows in registers and walks its tokens
+# tile by tile; the first form reread S_in from L2 for every 64-token tile (4 GB of L2 reads at
+# 512K tokens, 8 heads) and moved 1.6 TB/s of HBM traffic (benchmarks/NOTES.md, session 28).
+CONFIG = (64, 1024, 128, 8, 2)
 
 
 if triton is not None:
 
     @triton.jit
-    def _correct_kernel(O2, S_in, O, tile_seg, tile_start, tile_end, skip, HV, K: tl.constexpr, V: tl.constexpr,
-                        BT: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr):
+    def _correct_kernel(O2, S_in, O, run_seg, run_start, run_end, skip, HV, K: tl.constexpr, V: tl.constexpr,
+                        BT: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr):
         i = tl.program_id(0)
         h = tl.program_id(1)
         vb = tl.program_id(2)
-        s = tl.load(tile_seg + i)
-        t0 = tl.load(tile_start + i)
-        t1 = tl.load(tile_end + i)
-        rt = t0 + tl.arange(0, BT)
-        mt = rt < t1
+        s = tl.load(run_seg + i)
+        t0 = tl.load(run_start + i)
+        t1 = tl.load(run_end + i)
         rv = vb * BV + tl.arange(0, BV)
-        rk = tl.arange(0, BK)
-        row2 = rt.to(tl.int64) * (2 * HV * V)  # o2's token rows hold 2HV heads (B at 2h, A at 2h + 1)
-        acc = tl.load(O2 + row2[:, None] + 2 * h * V + rv[None, :], mask=mt[:, None], other=0.0).to(tl.float32)
-        if tl.load(skip + s) == 0:
-            st = S_in + (s.to(tl.int64) * HV + h) * V * K  # S_in[s, h]: [V, K]
-            for kk in range(0, K, BK):
-                oa = tl.load(O2 + row2[:, None] + (2 * h + 1) * V + kk + rk[None, :], mask=mt[:, None], other=0.0)
-                sm = tl.load(st + rv[:, None] * K + kk + rk[None, :])  # [BV, BK], rows contiguous in memory
-                acc += tl.dot(oa.to(tl.float32), tl.trans(sm), input_precision=PRECISION)
-        tl.store(O + rt.to(tl.int64)[:, None] * (HV * V) + h * V + rv[None, :], acc.to(O.dtype.element_ty),
-                 mask=mt[:, None])
+        rk = tl.arange(0, K)
+        apply = tl.load(skip + s) == 0
+        # S_in[s, h] rows rv: [BV, K], read once per program (rows contiguous in memory).
+        st = tl.load(S_in + (s.to(tl.int64) * HV + h) * V * K + rv[:, None] * K + rk[None, :], mask=apply, other=0.0)
+        stT = tl.trans(st)
+        # Two loops, the branch outside them: Triton pipelines the loads of a loop without one.
+        if apply:
+            for t in range(t0, t1, BT):
+                rt = t + tl.arange(0, BT)
+                mt = rt < t1
+                row2 = rt.to(tl.int64) * (2 * HV * V)  # o2's token rows hold 2HV heads (B at 2h, A at 2h + 1)
+                acc = tl.load(O2 + row2[:, None] + 2 * h * V + rv[None, :], mask=mt[:, None], other=0.0)
+                oa = tl.load(O2 + row2[:, None] + (2 * h + 1) * V + rk[None, :], mask=mt[:, None], other=0.0)
+                acc = tl.dot(oa.to(tl.float32), stT, acc.to(tl.float32), input_precision=PRECISION)
+                tl.store(O + rt.to(tl.int64)[:, None] * (HV * V) + h * V + rv[None, :], acc.to(O.dtype.element_ty),
+                         mask=mt[:, None])
+        else:
+            for t in range(t0, t1, BT):
+                rt = t + tl.arange(0, BT)
+                mt = rt < t1
+                row2 = rt.to(tl.int64) * (2 * HV * V)
+                ob = tl.load(O2 + row2[:, None] + 2 * h * V + rv[None, :], mask=mt[:, None], other=0.0)
+                tl.store(O + rt.to(tl.int64)[:, None] * (HV * V) + h * V + rv[None, :], ob.to(O.dtype.element_ty),
+                         mask=mt[:, None])
 
 
 def correct_o_fits(o2: Tensor, S_in: Tensor) -> bool:
@@ -68,19 +80,19 @@ def correct_o_fits(o2: Tensor, S_in: Tensor) -> bool:
     return K == V and o2.shape[-1] == V and triton_takes(o2, K)
 
 
-def _tiles(bounds: Sequence[int], BT: int) -> Tensor:
-    """[3, tiles] int32: each tile's segment, first token, end (BT tokens, none across segments)."""
+def _runs(bounds: Sequence[int], GT: int) -> Tensor:
+    """[3, runs] int32: each program's segment, first token, end (GT tokens, none across segments)."""
     b = torch.tensor(list(bounds), dtype=torch.int64)
-    n = (b[1:] - b[:-1] + BT - 1) // BT  # tiles per segment
+    n = (b[1:] - b[:-1] + GT - 1) // GT  # runs per segment
     seg = torch.repeat_interleave(torch.arange(len(n)), n)
     first = torch.repeat_interleave(torch.cumsum(n, 0) - n, n)
-    start = b[:-1][seg] + (torch.arange(int(n.sum())) - first) * BT
-    end = torch.minimum(start + BT, b[1:][seg])
+    start = b[:-1][seg] + (torch.arange(int(n.sum())) - first) * GT
+    end = torch.minimum(start + GT, b[1:][seg])
     return torch.stack([seg, start, end]).to(torch.int32)
 
 
 def correct_o_triton(o2: Tensor, S_in: Tensor, bounds: Sequence[int], skip: Sequence[bool],
-                     config: Optional[tuple[int, int, int, int]] = None) -> Tensor:
+                     config: Optional[tuple[int, int, int, int, int]] = None) -> Tensor:
     """o [1, T, HV, V] in o2's dtype from step 1's o2 [1, T, 2HV, V]: segment s (tokens
     [bounds[s], bounds[s+1])) gets o_B + o_A S_in[s]^T, or o_B alone where skip[s] (its entering
     state was applied in step 1). S_in [S, HV, V, K] fp32. config: CONFIG's fields (for timing)."""
@@ -96,10 +108,21 @@ def correct_o_triton(o2: Tensor, S_in: Tensor, bounds: Sequence[int], skip: Sequ
                          f"({len(bounds)}), {len(skip)} skip flags")
     o2 = o2.contiguous()
     o = torch.empty(1, T, HV, V, dtype=o2.dtype, device=o2.device)
-    BT, BK, warps, stages = config or CONFIG
-    table = _tiles(bounds, BT)
+    BT, GT, BV, warps, stages = config or CONFIG
+    BV = min(BV, V)
+    table = _runs(bounds, max(GT, BT) // BT * BT)
     if not table.shape[1] or not HV:
         return o
+    dev = o2.device
+    table = table.to(dev)
+    flags = torch.tensor([int(bool(x)) for x in skip], dtype=torch.int32).to(dev)
+    # o_A carries its dtype's rounding (bf16 2^-9, fp16 2^-11): TF32's rounding of S_in adds no more.
+    # An fp32 o2 keeps IEEE products.
+    precision = "ieee" if o2.dtype == torch.float32 else "tf32"
+    _correct_kernel[(table.shape[1], HV, V // BV)](o2, S_in.contiguous(), o, table[0], table[1], table[2], flags, HV,
+                                                   K=K, V=V, BT=BT, BV=BV, PRECISION=precision,
+                                                   num_warps=warps, num_stages=stages)
+    return o
     dev = o2.device
     table = table.to(dev)
     flags = torch.tensor([int(bool(x)) for x in skip], dtype=torch.int32).to(dev)
