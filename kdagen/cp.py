@@ -35,7 +35,7 @@ from torch import Tensor
 from .errors import KdaInputError
 from .scan.chain import chain_states
 from .scan.engine import _default_prefill, _unpack, correct_step, maps_step, pack, rerun_step
-from .scan.layout import split
+from .scan.layout import host_to_device, split
 from .scan.maps import fold, ieee_fp32
 
 __all__ = ["Piece", "CPContext", "build_cp_context", "kda_prefill_cp"]
@@ -211,7 +211,7 @@ def kda_prefill_cp(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, 
         _all_gather(torch.zeros(HV, 2 * K, K, dtype=torch.float32, device=q.device), ctx)
         return _empty_result(q, v, HV, K, kw, want_final, want_cs, final_buf, chunk_buf)
     cu_cpu = torch.tensor(ctx.local_cu, dtype=torch.int32)
-    cu_dev = cu_cpu.to(q.device)
+    cu_dev = host_to_device(cu_cpu, q.device)
     P = pack(q, k, v, g, beta, cu_seqlens=cu_dev, cu_seqlens_cpu=cu_cpu, initial_state=h0,
              output_final_state=True, return_chunk_states=want_cs, **kw)
     HV, K, dev = P.HV, P.K, q.device
@@ -239,7 +239,7 @@ def kda_prefill_cp(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, 
         if pieces[-1].outgoing:
             out_map[:, :K] = finals[-1]  # A = 0: the sequence's state leaving this rank, exactly
     else:
-        A, B, o2, cs2 = maps_step(P, lay, known, prefill, outputs=(mode == "correct"))
+        A, B, o_pair, cs_pair = maps_step(P, lay, known, prefill, outputs=(mode == "correct"))
         if pieces[-1].outgoing:
             last = slice(lay.first[-1], lay.first[-1] + lay.counts[-1])
             with ieee_fp32():
@@ -264,8 +264,8 @@ def kda_prefill_cp(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, 
         if mode == "rerun":
             o, finals, cs = rerun_step(P, lay, S_in, prefill, want_cs)
         else:
-            o, cs = correct_step(P, lay, S_in, known, o2, cs2)
-    ends = torch.tensor([i for i, p in enumerate(pieces) if not p.outgoing], dtype=torch.long, device=dev)
+            o, cs = correct_step(P, lay, S_in, known, o_pair, cs_pair)
+    ends = host_to_device([i for i, p in enumerate(pieces) if not p.outgoing], dev, torch.long)
     return _unpack(P, o, finals[ends], cs, out=None, final_state=final_buf, chunk_states_buf=chunk_buf,
                    want_final=want_final, want_cs=want_cs)
 

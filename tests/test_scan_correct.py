@@ -26,14 +26,14 @@ SKIP = [True, False, False, False]
 
 def problem(dtype, dev, HV=2, K=32, seed=0):
     gen = torch.Generator().manual_seed(seed)
-    o2 = torch.randn(1, BOUNDS[-1], 2 * HV, K, generator=gen).to(dtype).to(dev)
+    oB, oA = (torch.randn(1, BOUNDS[-1], HV, K, generator=gen).to(dtype).to(dev) for _ in range(2))
     S_in = torch.randn(len(BOUNDS) - 1, HV, K, K, generator=gen).to(dev)
-    return o2, S_in
+    return oB, oA, S_in
 
 
-def float64_correction(o2, S_in, skip):
-    o = o2[:, :, 0::2].double().cpu().clone()
-    oA, S = o2[:, :, 1::2].double().cpu(), S_in.double().cpu()
+def float64_correction(oB, oA, S_in, skip):
+    o = oB.double().cpu().clone()
+    oA, S = oA.double().cpu(), S_in.double().cpu()
     for s, (a, b) in enumerate(zip(BOUNDS, BOUNDS[1:])):
         if not skip[s]:
             o[0, a:b] += torch.einsum("thk,hvk->thv", oA[0, a:b], S[s])
@@ -48,31 +48,33 @@ LAUNCHES = [pytest.param(None, id="default"), pytest.param((16, 32, 16, 2, 1), i
 @pytest.mark.parametrize("config", LAUNCHES)
 @pytest.mark.parametrize("dev", DEVICES)
 def test_fp32_matches_float64(dev, config):
-    o2, S_in = problem(torch.float32, dev)
-    o = correct_o_triton(o2, S_in, BOUNDS, SKIP, config=config)
-    ref = float64_correction(o2, S_in, SKIP)
+    oB, oA, S_in = problem(torch.float32, dev)
+    o = correct_o_triton(oB, oA, S_in, BOUNDS, SKIP, config=config)
+    ref = float64_correction(oB, oA, S_in, SKIP)
     assert o.dtype == torch.float32 and o.shape == (1, BOUNDS[-1], 2, 32)
     assert rel_rmse(o.cpu(), ref) < 1e-6
     # The comparison can fail: segment 0 corrected although its state was applied.
-    assert rel_rmse(o.cpu(), float64_correction(o2, S_in, [False] + SKIP[1:])) > 1e-2
+    assert rel_rmse(o.cpu(), float64_correction(oB, oA, S_in, [False] + SKIP[1:])) > 1e-2
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", LAUNCHES)
 def test_bf16_on_gpu_adds_little_to_the_rounding_of_o(config):
-    # bf16 o2, TF32 products (S_in rounded to 2^-11, o_A exact in TF32): the error against
+    # bf16 o_B and o_A, TF32 products (S_in rounded to 2^-11, o_A exact in TF32): the error against
     # float64 stays within a tenth above what rounding the exact o to bf16 costs by itself.
-    o2, S_in = problem(torch.bfloat16, "cuda", HV=4, K=128)
-    o = correct_o_triton(o2, S_in, BOUNDS, SKIP, config=config)
-    ref = float64_correction(o2, S_in, SKIP)
+    oB, oA, S_in = problem(torch.bfloat16, "cuda", HV=4, K=128)
+    o = correct_o_triton(oB, oA, S_in, BOUNDS, SKIP, config=config)
+    ref = float64_correction(oB, oA, S_in, SKIP)
     assert o.dtype == torch.bfloat16
     floor = rel_rmse(ref.to(torch.bfloat16).double(), ref)
     assert rel_rmse(o.cpu().double(), ref) < 1.1 * floor, (rel_rmse(o.cpu().double(), ref), floor)
 
 
 def test_shapes_are_named():
-    o2, S_in = problem(torch.float32, "cuda" if HAS_CUDA else "cpu")
-    with pytest.raises(ValueError, match="expected o2 \\[1, T, 4, 32\\] with bounds of 4 segments"):
-        correct_o_triton(o2[:, :-1], S_in, BOUNDS, SKIP)
+    oB, oA, S_in = problem(torch.float32, "cuda" if HAS_CUDA else "cpu")
+    with pytest.raises(ValueError, match="expected oB and oA \\[1, T, 2, 32\\] of one dtype, bounds of 4 segments"):
+        correct_o_triton(oB[:, :-1], oA[:, :-1], S_in, BOUNDS, SKIP)
+    with pytest.raises(ValueError, match="found oB .* oA \\(1, 153, 2, 32\\) torch.float64"):
+        correct_o_triton(oB, oA.double(), S_in, BOUNDS, SKIP)
     with pytest.raises(ValueError, match="needs V = K a power of two"):
-        correct_o_triton(o2[..., :24], S_in[..., :24], BOUNDS, SKIP)
+        correct_o_triton(oB[..., :24], oA[..., :24], S_in[..., :24], BOUNDS, SKIP)

@@ -74,7 +74,7 @@ class Spy:
         self.calls = []
 
     def __call__(self, q, k, v, g, beta, **kw):
-        self.calls.append((tuple(v.shape), kw.get("cu_seqlens_cpu")))
+        self.calls.append((tuple(v.shape), kw.get("cu_seqlens_cpu"), v.stride(), bool(v.eq(0).all())))
         return reference_prefill(q, k, v, g, beta, **kw)
 
 
@@ -93,10 +93,13 @@ def test_scheme_on_the_reference_engine(case):
     spy = Spy()
     out = scan_prefill(**kw, chunk_size=C, return_chunk_states=True, segments=segs, mode=mode, prefill=spy)
     check(out, kw, C, 1e-5)
-    # step 1 (doubled heads) and, for "rerun", step 3; both over the segments as varlen sequences
-    assert len(spy.calls) == (2 if mode == "rerun" else 1)
+    # step 1 (B, then A: v a stride-0 zero view, no copy) and, for "rerun", step 3; all over the
+    # segments as varlen sequences, with the caller's heads
+    assert len(spy.calls) == (3 if mode == "rerun" else 2)
     HV = kw["v"].shape[2 if kw["layout"] == "BSND" else 1]
-    assert spy.calls[0][0][2] == 2 * HV
+    assert all(c[0][2] == HV for c in spy.calls)
+    assert [c[3] for c in spy.calls] == [False, True] + [False] * (mode == "rerun")
+    assert spy.calls[1][2][1] == 0  # the time stride
 
 
 def test_bf16_states_and_poisoned_caller_buffers():

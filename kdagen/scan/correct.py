@@ -1,12 +1,11 @@
 """Step 3 of mode "correct" for o: o = o_B + o_A S_in^T per segment, in one pass over step 1's o.
 
-Step 1 runs every segment as two value heads per head (B: the from-zero run, A: the transition
-run from the identity), so its o [1, T, 2HV, V] interleaves o_B and o_A. The torch form
-(kdagen.scan.engine.correct_step) makes fp32 copies of both halves and one einsum per segment.
-The Triton kernel reads o2 once and writes o in o2's dtype. With the torch form, rank 1 of two
-took 28.2 ms in all at T1048576 H8 on the H200; with the kernel it took 19.9 ms (different
-leases, benchmarks/NOTES.md, twenty-eighth session). A program per (token tile, head); the tile
-table is built on the host so that no tile straddles two segments.
+Step 1 runs every segment twice over the caller's tensors (kdagen.scan.engine.maps_step): B, the
+from-zero run, and A, the transition run from the identity with v = 0. o is affine in the entering
+state: o = o_B + o_A S_in^T. The torch form (kdagen.scan.engine.correct_step) makes fp32 copies of
+both and one einsum per segment; this Triton kernel reads o_B and o_A once and writes o in their
+dtype. A program per (run of GT tokens inside one segment, head, V block) keeps S_in's rows for
+its V block and walks its tokens BT at a time; the run table is built on the host.
 """
 
 from __future__ import annotations
@@ -17,6 +16,7 @@ import torch
 from torch import Tensor
 
 from .chain import triton_takes
+from .layout import host_to_device
 
 __all__ = ["correct_o_fits", "correct_o_triton"]
 
@@ -27,16 +27,16 @@ except Exception:  # pragma: no cover - exercised only where triton is missing
     triton = None
 
 # Launch: (tokens per product tile, tokens per program, V rows per program, warps, pipeline
-# stages). A program keeps its (segment, head)'s S_in rows in registers and walks its tokens
-# tile by tile; the first form reread S_in from L2 for every 64-token tile (4 GB of L2 reads at
-# 512K tokens, 8 heads) and moved 1.6 TB/s of HBM traffic (benchmarks/NOTES.md, session 28).
-CONFIG = (64, 1024, 128, 8, 2)
+# stages). A program keeps its (segment, head)'s S_in rows (in shared memory, as the product's
+# operand) and walks its tokens tile by tile. The fastest of eleven swept on the H200 at 512K
+# tokens, 8 heads (benchmarks/NOTES.md, session 29).
+CONFIG = (64, 1024, 64, 4, 3)
 
 
 if triton is not None:
 
     @triton.jit
-    def _correct_kernel(O2, S_in, O, run_seg, run_start, run_end, skip, HV, K: tl.constexpr, V: tl.constexpr,
+    def _correct_kernel(OB, OA, S_in, O, run_seg, run_start, run_end, skip, HV, K: tl.constexpr, V: tl.constexpr,
                         BT: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr):
         i = tl.program_id(0)
         h = tl.program_id(1)
@@ -55,29 +55,27 @@ if triton is not None:
             for t in range(t0, t1, BT):
                 rt = t + tl.arange(0, BT)
                 mt = rt < t1
-                row2 = rt.to(tl.int64) * (2 * HV * V)  # o2's token rows hold 2HV heads (B at 2h, A at 2h + 1)
-                acc = tl.load(O2 + row2[:, None] + 2 * h * V + rv[None, :], mask=mt[:, None], other=0.0)
-                oa = tl.load(O2 + row2[:, None] + (2 * h + 1) * V + rk[None, :], mask=mt[:, None], other=0.0)
+                row = rt.to(tl.int64)[:, None] * (HV * V) + h * V  # o_B, o_A and o: [T, HV, V] contiguous
+                acc = tl.load(OB + row + rv[None, :], mask=mt[:, None], other=0.0)
+                oa = tl.load(OA + row + rk[None, :], mask=mt[:, None], other=0.0)
                 acc = tl.dot(oa.to(tl.float32), stT, acc.to(tl.float32), input_precision=PRECISION)
-                tl.store(O + rt.to(tl.int64)[:, None] * (HV * V) + h * V + rv[None, :], acc.to(O.dtype.element_ty),
-                         mask=mt[:, None])
+                tl.store(O + row + rv[None, :], acc.to(O.dtype.element_ty), mask=mt[:, None])
         else:
             for t in range(t0, t1, BT):
                 rt = t + tl.arange(0, BT)
                 mt = rt < t1
-                row2 = rt.to(tl.int64) * (2 * HV * V)
-                ob = tl.load(O2 + row2[:, None] + 2 * h * V + rv[None, :], mask=mt[:, None], other=0.0)
-                tl.store(O + rt.to(tl.int64)[:, None] * (HV * V) + h * V + rv[None, :], ob.to(O.dtype.element_ty),
-                         mask=mt[:, None])
+                row = rt.to(tl.int64)[:, None] * (HV * V) + h * V
+                ob = tl.load(OB + row + rv[None, :], mask=mt[:, None], other=0.0)
+                tl.store(O + row + rv[None, :], ob.to(O.dtype.element_ty), mask=mt[:, None])
 
 
-def correct_o_fits(o2: Tensor, S_in: Tensor) -> bool:
+def correct_o_fits(oB: Tensor, S_in: Tensor) -> bool:
     """Whether the kernel takes these shapes here: power-of-two V = K >= 16, on a GPU or the
     Triton interpreter."""
-    if S_in.dtype != torch.float32 or o2.dim() != 4 or S_in.dim() != 4:
+    if S_in.dtype != torch.float32 or oB.dim() != 4 or S_in.dim() != 4:
         return False
     K, V = S_in.shape[-1], S_in.shape[-2]
-    return K == V and o2.shape[-1] == V and triton_takes(o2, K)
+    return K == V and oB.shape[-1] == V and triton_takes(oB, K)
 
 
 def _runs(bounds: Sequence[int], GT: int) -> Tensor:
@@ -91,48 +89,37 @@ def _runs(bounds: Sequence[int], GT: int) -> Tensor:
     return torch.stack([seg, start, end]).to(torch.int32)
 
 
-def correct_o_triton(o2: Tensor, S_in: Tensor, bounds: Sequence[int], skip: Sequence[bool],
+def correct_o_triton(oB: Tensor, oA: Tensor, S_in: Tensor, bounds: Sequence[int], skip: Sequence[bool],
                      config: Optional[tuple[int, int, int, int, int]] = None) -> Tensor:
-    """o [1, T, HV, V] in o2's dtype from step 1's o2 [1, T, 2HV, V]: segment s (tokens
+    """o [1, T, HV, V] in o_B's dtype from step 1's o_B and o_A [1, T, HV, V]: segment s (tokens
     [bounds[s], bounds[s+1])) gets o_B + o_A S_in[s]^T, or o_B alone where skip[s] (its entering
     state was applied in step 1). S_in [S, HV, V, K] fp32. config: CONFIG's fields (for timing)."""
-    if not correct_o_fits(o2, S_in):
-        raise ValueError(f"o2, S_in: the Triton correction needs V = K a power of two >= 16 and fp32 S_in, on a GPU "
-                         f"or the interpreter; found o2 {tuple(o2.shape)} on {o2.device}, S_in {tuple(S_in.shape)} "
+    if not correct_o_fits(oB, S_in):
+        raise ValueError(f"oB, S_in: the Triton correction needs V = K a power of two >= 16 and fp32 S_in, on a GPU "
+                         f"or the interpreter; found oB {tuple(oB.shape)} on {oB.device}, S_in {tuple(S_in.shape)} "
                          f"{S_in.dtype}")
     S, HV, V, K = S_in.shape
-    T = o2.shape[1]
-    if o2.shape[0] != 1 or o2.shape[2] != 2 * HV or len(bounds) != S + 1 or bounds[-1] != T or len(skip) != S:
-        raise ValueError(f"o2, bounds, skip: expected o2 [1, T, {2 * HV}, {V}] with bounds of {S} segments ending at "
-                         f"T and {S} skip flags, found o2 {tuple(o2.shape)}, bounds ending at {bounds[-1]} "
-                         f"({len(bounds)}), {len(skip)} skip flags")
-    o2 = o2.contiguous()
-    o = torch.empty(1, T, HV, V, dtype=o2.dtype, device=o2.device)
+    T = oB.shape[1]
+    if (tuple(oB.shape) != (1, T, HV, V) or oA.shape != oB.shape or oA.dtype != oB.dtype or len(bounds) != S + 1
+            or bounds[-1] != T or len(skip) != S):
+        raise ValueError(f"oB, oA, bounds, skip: expected oB and oA [1, T, {HV}, {V}] of one dtype, bounds of {S} "
+                         f"segments ending at T and {S} skip flags; found oB {tuple(oB.shape)} {oB.dtype}, oA "
+                         f"{tuple(oA.shape)} {oA.dtype}, bounds ending at {bounds[-1]} ({len(bounds)}), {len(skip)} "
+                         "skip flags")
+    oB, oA = oB.contiguous(), oA.contiguous()
+    o = torch.empty_like(oB)
     BT, GT, BV, warps, stages = config or CONFIG
     BV = min(BV, V)
     table = _runs(bounds, max(GT, BT) // BT * BT)
     if not table.shape[1] or not HV:
         return o
-    dev = o2.device
-    table = table.to(dev)
-    flags = torch.tensor([int(bool(x)) for x in skip], dtype=torch.int32).to(dev)
+    dev = oB.device
+    table = host_to_device(table, dev)
+    flags = host_to_device([int(bool(x)) for x in skip], dev)
     # o_A carries its dtype's rounding (bf16 2^-9, fp16 2^-11): TF32's rounding of S_in adds no more.
-    # An fp32 o2 keeps IEEE products.
-    precision = "ieee" if o2.dtype == torch.float32 else "tf32"
-    _correct_kernel[(table.shape[1], HV, V // BV)](o2, S_in.contiguous(), o, table[0], table[1], table[2], flags, HV,
-                                                   K=K, V=V, BT=BT, BV=BV, PRECISION=precision,
+    # An fp32 o_A keeps IEEE products.
+    precision = "ieee" if oB.dtype == torch.float32 else "tf32"
+    _correct_kernel[(table.shape[1], HV, V // BV)](oB, oA, S_in.contiguous(), o, table[0], table[1], table[2], flags,
+                                                   HV, K=K, V=V, BT=BT, BV=BV, PRECISION=precision,
                                                    num_warps=warps, num_stages=stages)
-    return o
-    dev = o2.device
-    table = table.to(dev)
-    flags = torch.tensor([int(bool(x)) for x in skip], dtype=torch.int32).to(dev)
-    # o_A carries its dtype's rounding (bf16 2^-9, fp16 2^-11): TF32's rounding of S_in adds no more.
-    # An fp32 o2 keeps IEEE products.
-    precision = "ieee" if o2.dtype == torch.float32 else "tf32"
-    # The whole V per program: each (segment, head)'s S_in (64 KB at K = 128, L2-resident) is read
-    # once per tile of BT tokens.
-    BV = V
-    _correct_kernel[(table.shape[1], HV, V // BV)](o2, S_in.contiguous(), o, table[0], table[1], table[2], flags, HV,
-                                             K=K, V=V, BT=BT, BV=BV, BK=min(K, BK), PRECISION=precision,
-                                             num_warps=warps, num_stages=stages)
     return o

@@ -2,12 +2,12 @@
 
 Segments become varlen sequences, so today's kernels run every step:
 
-1. Maps: one call over all segments with every value head doubled. Head 2h carries v and starts
-   from zero (or from the sequence's initial state for its first segment): its final state is
-   the segment's from-zero state B. Head 2h+1 carries v = 0 and starts from the identity: the
-   recurrence is linear in the state then, so its final state is the segment's transition A
-   (K = V). Both read q/k head h // (HV / H) (the GQA rule with twice the ratio), the same g and
-   beta. With the A head's o, o itself is affine in the entering state: o = o_B + o_A S_in^T.
+1. Maps: two calls over all segments, both on the caller's tensors. B starts from zero (or from
+   the sequence's initial state for its first segment): its final state is the segment's
+   from-zero state B. A reads v as zero (a stride-0 view, nothing materialised) and starts from
+   the identity: the recurrence is linear in the state then, so its final state is the segment's
+   transition A (K = V). With A's o, o itself is affine in the entering state:
+   o = o_B + o_A S_in^T.
 2. Chain: S_in of every segment from the sequence's initial state (kdagen.scan.chain).
 3. Rerun: one call over all segments from their true entering states (o, chunk states, final
    states); or, mode="correct", o = o_B + o_A S_in^T from step 1's outputs with no rerun (o_A is
@@ -30,7 +30,7 @@ from ..errors import KdaInputError
 from ..inputs import CallInfo, check_call
 from .chain import chain_states
 from .correct import correct_o_fits, correct_o_triton
-from .layout import SegmentLayout, split
+from .layout import SegmentLayout, host_to_device, split
 from .maps import ieee_fp32
 
 __all__ = ["Packed", "validate", "pack", "scan_prefill", "maps_step", "rerun_step", "correct_step",
@@ -77,7 +77,7 @@ class Packed:
             cu_dev = cu_cpu = None
         else:
             cu_cpu = torch.tensor(bounds, dtype=torch.int32)
-            cu_dev = cu_cpu.to(self.q.device)
+            cu_dev = host_to_device(cu_cpu, self.q.device)
         args = {n: kw.pop(n) for n in ("q", "k", "v", "g", "beta") if n in kw}
         q, k, v, g, beta = (args.get(n, getattr(self, n)) for n in ("q", "k", "v", "g", "beta"))
         base = dict(self.kw, A_log=self.A_log, dt_bias=self.dt_bias, cu_seqlens=cu_dev, cu_seqlens_cpu=cu_cpu,
@@ -137,35 +137,35 @@ def pack(q, k, v, g, beta, *, A_log=None, dt_bias=None, initial_state=None, layo
 
 
 def maps_step(P: Packed, lay: SegmentLayout, known: Sequence[bool], prefill: Prefill,
-              outputs: bool = False) -> tuple[Tensor, Tensor, Optional[Tensor], Optional[Tensor]]:
+              outputs: bool = False) -> tuple[Tensor, Tensor, Optional[tuple[Tensor, Tensor]],
+                                              Optional[tuple[Tensor, Tensor]]]:
     """Step 1: every segment's map (A [S, HV, K, K], B [S, HV, V, K], fp32). A sequence whose
     entering state is known (known[n]) starts its first segment from P.h0[n]: that segment's B is
-    its true exit state and its A is returned as 0. With outputs: also step 1's o [1, T, 2HV, V]
-    and chunk states [rows, 2HV, V, K] (P.kw chunk_size) for mode "correct"."""
+    its true exit state and its A is returned as 0. With outputs: also step 1's o as (o_B, o_A),
+    each [1, T, HV, V], and chunk states as (B_c, A_c) (P.kw chunk_size) for mode "correct".
+
+    Two calls, not one with doubled heads: the doubled heads' inputs (v with zero heads between,
+    g and beta repeated) cost 4.1 of rank 1's 17.3 ms at 512K tokens, 8 heads on the H200
+    (benchmarks/NOTES.md, session 29)."""
     HV, K, dev = P.HV, P.K, P.q.device
     S = lay.num_segments
-    v2 = P.v.new_zeros(1, P.v.shape[1], 2 * HV, K)
-    v2[:, :, 0::2] = P.v
-    g2 = P.g.repeat_interleave(2, dim=2)
-    beta2 = P.beta.repeat_interleave(2, dim=2)
-    A2 = P.A_log.reshape(-1).repeat_interleave(2) if P.A_log is not None else None
-    dt2 = P.dt_bias.reshape(HV, K).repeat_interleave(2, dim=0) if P.dt_bias is not None else None
-    h = torch.zeros(S, 2 * HV, K, K, dtype=torch.float32, device=dev)
-    h[:, 1::2] = torch.eye(K, dtype=torch.float32, device=dev)
-    first = lay.first
-    known_first = [first[n] for n in range(lay.num_sequences) if known[n]]
-    if known_first:
-        idx = torch.tensor(known_first, dtype=torch.long, device=dev)
-        h[idx, 0::2] = P.h0[torch.tensor([n for n in range(lay.num_sequences) if known[n]], device=dev)]
+    hB = torch.zeros(S, HV, K, K, dtype=torch.float32, device=dev)
+    hA = torch.eye(K, dtype=torch.float32, device=dev).expand(S, HV, K, K).contiguous()
+    firsts = [lay.first[n] for n in range(lay.num_sequences) if known[n]]
+    if firsts:
+        seqs = [n for n in range(lay.num_sequences) if known[n]]
+        at = host_to_device(firsts, dev, torch.long)
+        hB[at] = P.h0[host_to_device(seqs, dev, torch.long)]
     want_cs = outputs and P.kw.get("chunk_size") is not None
-    res = P.call(prefill, lay, v=v2, g=g2, beta=beta2, A_log=A2, dt_bias=dt2, initial_state=h,
-                 output_final_state=True, return_chunk_states=want_cs)
-    o2, fin = res[0], res[1]
-    Bm = fin[:, 0::2].contiguous()
-    Am = fin[:, 1::2].contiguous()
-    if known_first:
-        Am[idx] = 0.0
-    return Am, Bm, (o2 if outputs else None), (res[2] if want_cs else None)
+    v0 = P.v.new_zeros(1, 1, 1, K).expand(P.v.shape)  # v = 0 for the transition run, read from one row
+    resB = P.call(prefill, lay, initial_state=hB, output_final_state=True, return_chunk_states=want_cs)
+    resA = P.call(prefill, lay, v=v0, initial_state=hA, output_final_state=True, return_chunk_states=want_cs)
+    Bm, Am = resB[1], resA[1]
+    if firsts:
+        Am[at] = 0.0
+    o = (resB[0], resA[0]) if outputs else None
+    cs = (resB[2], resA[2]) if want_cs else None
+    return Am, Bm, o, cs
 
 
 def rerun_step(P: Packed, lay: SegmentLayout, S_in: Tensor, prefill: Prefill, chunk_states: bool
@@ -174,26 +174,26 @@ def rerun_step(P: Packed, lay: SegmentLayout, S_in: Tensor, prefill: Prefill, ch
     (o [1, T, HV, V], each sequence's final state [N, HV, V, K] fp32, chunk states or None)."""
     res = P.call(prefill, lay, initial_state=S_in.contiguous(), output_final_state=True,
                  return_chunk_states=chunk_states)
-    last = torch.tensor(lay.last, dtype=torch.long, device=S_in.device)
+    last = host_to_device(lay.last, S_in.device, torch.long)
     return res[0], res[1][last], (res[2] if chunk_states else None)
 
 
-def correct_step(P: Packed, lay: SegmentLayout, S_in: Tensor, known: Sequence[bool], o2: Tensor,
-                 cs2: Optional[Tensor]) -> tuple[Tensor, Optional[Tensor]]:
+def correct_step(P: Packed, lay: SegmentLayout, S_in: Tensor, known: Sequence[bool], o_pair: tuple[Tensor, Tensor],
+                 cs_pair: Optional[tuple[Tensor, Tensor]]) -> tuple[Tensor, Optional[Tensor]]:
     """Step 3 without a rerun: o = o_B + o_A S_in^T and chunk states B_c + S_in A_c per segment
     (segments whose entering state was already applied in step 1 keep o_B, B_c). o in one
     Triton pass where it runs (kdagen.scan.correct), else fp32 torch products per segment."""
     C = P.kw.get("chunk_size")
     applied = {lay.first[n] for n in range(lay.num_sequences) if known[n]}
+    oB, oA = o_pair
     o = None
-    if correct_o_fits(o2, S_in):
-        o = correct_o_triton(o2, S_in, lay.bounds, [s in applied for s in range(lay.num_segments)])
-        if cs2 is None:
+    if correct_o_fits(oB, S_in):
+        o = correct_o_triton(oB, oA, S_in, lay.bounds, [s in applied for s in range(lay.num_segments)])
+        if cs_pair is None:
             return o, None
-    o_acc = o2[:, :, 0::2].float().clone() if o is None else None
-    oA = o2[:, :, 1::2]
-    cs = cs2[:, 0::2].clone() if cs2 is not None else None
-    cA = cs2[:, 1::2] if cs2 is not None else None
+    o_acc = oB.float().clone() if o is None else None
+    cs = cs_pair[0].clone() if cs_pair is not None else None
+    cA = cs_pair[1] if cs_pair is not None else None
     row = 0
     with ieee_fp32():
         for s, (a, b) in enumerate(zip(lay.bounds, lay.bounds[1:])):
@@ -204,7 +204,7 @@ def correct_step(P: Packed, lay: SegmentLayout, S_in: Tensor, known: Sequence[bo
                 if cs is not None:
                     cs[row:row + rows] += torch.einsum("hvk,rhkj->rhvj", S_in[s], cA[row:row + rows])
             row += rows
-    return (o if o is not None else o_acc.to(o2.dtype)), cs
+    return (o if o is not None else o_acc.to(oB.dtype)), cs
 
 
 def _unpack(P: Packed, o: Tensor, final: Optional[Tensor], cs: Optional[Tensor], *, out, final_state,
@@ -286,12 +286,12 @@ def scan_prefill(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *,
     P = pack(q, k, v, g, beta, checked=(info, cu), **kw)
 
     known = [True] * lay.num_sequences
-    A, B, o2, cs2 = maps_step(P, lay, known, prefill, outputs=(mode == "correct"))
+    A, B, o_pair, cs_pair = maps_step(P, lay, known, prefill, outputs=(mode == "correct"))
     S_in, final = chain_states(A, B, P.h0, lay.counts, impl=chain_impl)
     if mode == "rerun":
         o, final_r, cs = rerun_step(P, lay, S_in, prefill, want_cs)
         final = final_r
     else:
-        o, cs = correct_step(P, lay, S_in, known, o2, cs2)
+        o, cs = correct_step(P, lay, S_in, known, o_pair, cs_pair)
     return _unpack(P, o, final, cs, out=out, final_state=final_state, chunk_states_buf=chunk_buf,
                    want_final=want_final, want_cs=want_cs)

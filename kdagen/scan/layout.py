@@ -14,7 +14,20 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["SegmentLayout", "split", "balanced"]
+__all__ = ["SegmentLayout", "split", "balanced", "host_to_device"]
+
+
+def host_to_device(values: Sequence[int] | torch.Tensor, device: torch.device, dtype: torch.dtype = torch.int32
+                   ) -> torch.Tensor:
+    """Host offsets or indices on `device` without stopping the host: a plain copy from pageable
+    memory waits for the stream, which left the GPU idle while the host prepared the next launch
+    (profiled on the H200, benchmarks/NOTES.md, session 29). Pinned memory with a non-blocking
+    copy is safe: torch's host allocator keeps the block until the copy is done."""
+    t = values if isinstance(values, torch.Tensor) else torch.tensor(list(values), dtype=dtype)
+    t = t.to(dtype)
+    if torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def balanced(units: int, parts: int) -> list[int]:
