@@ -38,7 +38,7 @@ from .scan.engine import _default_prefill, _unpack, correct_step, maps_step, pac
 from .scan.layout import host_to_device, split
 from .scan.maps import fold, ieee_fp32
 
-__all__ = ["Piece", "CPContext", "build_cp_context", "kda_prefill_cp"]
+__all__ = ["Piece", "CPContext", "build_cp_context", "kda_prefill_cp", "exchange_segments"]
 
 
 @dataclass(frozen=True)
@@ -141,6 +141,23 @@ def build_cp_context(cu_seqlens: Sequence[int] | Tensor, group: Any = None, *,
     return CPContext(group, rank, world, tuple(cu), tuple(bounds), tuple(pieces), tuple(starts), tuple(ends))
 
 
+# Segments for a piece on the exchange's path: about this many step-1 programs per SM (each of
+# step 1's two calls runs segments x heads x V blocks programs), none shorter than
+# EXCHANGE_MIN_TOKENS. On the H200 at B1 T1048576 H8 over 2 emulated ranks (64 programs a
+# segment), 8 segments a rank projected 16.5 ms against 19.5 with the one-GPU planner's choice
+# (benchmarks/NOTES.md, session 29).
+EXCHANGE_PROGRAMS_PER_SM = 4
+EXCHANGE_MIN_TOKENS = 8192
+
+
+def exchange_segments(tokens: int, programs: int, sm_count: int) -> int:
+    """Segments to cut a piece of `tokens` into when other ranks wait on its map (or it on
+    theirs): about EXCHANGE_PROGRAMS_PER_SM step-1 programs per SM, `programs` (heads x V blocks)
+    per segment, segments of at least EXCHANGE_MIN_TOKENS."""
+    want = max(1, round(EXCHANGE_PROGRAMS_PER_SM * sm_count / max(programs, 1)))
+    return max(1, min(want, tokens // EXCHANGE_MIN_TOKENS))
+
+
 def _all_gather(x: Tensor, ctx: CPContext) -> list[Tensor]:
     import torch.distributed as dist
 
@@ -155,8 +172,9 @@ def kda_prefill_cp(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, 
     """This rank's part of a context-parallel kda_prefill. q, k, v, g, beta: the rank's tokens,
     B = 1, layout "BSND" ([1, T_local, heads, D]) or "BNSD"; no cu_seqlens (the context has the
     global ones). Other keywords as kdagen.kda_prefill; initial_state [len(ctx.starts), HV, ...].
-    segments: per local piece (or one count) how many scan segments to cut it into; None asks
-    the planner. mode: "correct" (default: o corrected from step 1's outputs in one pass; on the
+    segments: per local piece (or one count) how many scan segments to cut it into; None: the
+    one-GPU planner for pieces wholly on this rank, at least exchange_segments for a piece that
+    continues on another rank. mode: "correct" (default: o corrected from step 1's outputs in one pass; on the
     H200 at T1048576 H8 it beat "rerun" at 2 and 4 ranks, benchmarks/NOTES.md) or "rerun".
     Returns (o local, final state [len(ctx.ends), HV, ...] or None) like
     kda_prefill, and chunk states (the local pieces' chunks) with return_chunk_states."""
@@ -218,16 +236,22 @@ def kda_prefill_cp(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, 
     known = [not p.incoming for p in pieces]
     align = C or 64
     if segments is None:
+        from .scan.engine import one_piece_v_blocks
         from .scan.planner import plan_segments
         from .select import _sm_count
 
-        from .scan.engine import one_piece_v_blocks
-
         vb = one_piece_v_blocks(P.q, P.k, P.v, P.g, P.beta, A_log=P.A_log, dt_bias=P.dt_bias,
                                 cu_seqlens=cu_dev, cu_seqlens_cpu=cu_cpu, **P.kw)
-        segments = plan_segments([p.end - p.start for p in pieces], heads=HV, v_blocks=vb,
-                                 sm_count=_sm_count(dev), chunk=C or 16, costs=costs, align=align,
-                                 force=not all(known)).segments
+        lens = [p.end - p.start for p in pieces]
+        sms = _sm_count(dev)
+        # Pieces wholly on this rank: the one-GPU planner. A piece another rank waits for (or that
+        # waits for one) is cut regardless: step 1 reaches the exchange sooner when its segments
+        # fill the GPU, even where the split costs more work in all.
+        segments = list(plan_segments(lens, heads=HV, v_blocks=vb, sm_count=sms, chunk=C or 16, costs=costs,
+                                      align=align).segments)
+        for i, p in enumerate(pieces):
+            if p.incoming or p.outgoing:
+                segments[i] = max(segments[i], exchange_segments(lens[i], HV * vb, sms))
     lay = split(ctx.local_cu, segments, align)
     plain = all(known) and not lay.split_any
 

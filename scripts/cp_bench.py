@@ -191,7 +191,12 @@ def main() -> int:
 
 
 def profile(fn: Callable[[], object], path: Path) -> None:
-    """fn() once under torch.profiler: the CUDA kernels by total time, and the wall time."""
+    """fn() once under torch.profiler (the CUDA kernels by total time, the wall time, a chrome
+    trace beside) and once under cProfile (the host's Python by cumulative time)."""
+    import cProfile
+    import io
+    import pstats
+
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
@@ -203,8 +208,17 @@ def profile(fn: Callable[[], object], path: Path) -> None:
     wall = 1000 * (time.perf_counter() - t0)
     path.parent.mkdir(parents=True, exist_ok=True)
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70)
-    path.write_text(f"wall (profiled) {wall:.2f} ms\n{table}\n")
     prof.export_chrome_trace(str(path.with_suffix(".json")))
+    host = cProfile.Profile()
+    _sync()
+    host.enable()
+    fn()
+    _sync()
+    host.disable()
+    out = io.StringIO()
+    pstats.Stats(host, stream=out).sort_stats("cumulative").print_stats(40)
+    pstats.Stats(host, stream=out).sort_stats("tottime").print_stats(25)
+    path.write_text(f"wall (profiled) {wall:.2f} ms\n{table}\n\n{out.getvalue()}\n")
 
 
 def emulated(kw: dict, call: dict, runs: list, world: int, a, base: float, ref, say) -> None:

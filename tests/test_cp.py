@@ -68,6 +68,35 @@ def test_call_errors_are_named():
         kdagen.kda_prefill(**loc, **kw, cp_context=ctx)  # both sequences' rows; only seq 0 starts here
 
 
+def test_pieces_on_the_exchange_path_are_cut(monkeypatch):
+    # Rank 0 of 2 (the exchange stubbed): its piece of sequence 1 goes on to rank 1, so it is cut
+    # into segments although it needs no scan itself; sequence 0, wholly here, stays whole.
+    from kdagen import cp
+
+    assert cp.exchange_segments(524288, 64, 132) == 8  # H8 at block_v 16 on an H200: 512 programs a call
+    assert cp.exchange_segments(524288, 256, 132) == 2
+    assert cp.exchange_segments(cp.EXCHANGE_MIN_TOKENS - 1, 64, 132) == 1
+    monkeypatch.setattr(cp, "EXCHANGE_MIN_TOKENS", 64)
+    monkeypatch.setattr(cp, "_all_gather", lambda x, ctx: [x, torch.zeros_like(x)])
+    seen = []
+
+    def spy(q, k, v, g, beta, **kw):
+        seen.append(kw.get("cu_seqlens_cpu"))
+        return reference_prefill(q, k, v, g, beta, **kw)
+
+    case = dict(lens=[8, 600])
+    t, kw = cp_worker.problem(case)
+    ctx = build_cp_context(cp_worker.cu_of(case["lens"]), rank=0, world=2)
+    loc = cp_worker.local_slice(t, 0, ctx.local_tokens, "BSND")
+    o, _ = cp.kda_prefill_cp(**loc, **dict(kw, initial_state=ctx.local_initial_state(kw["initial_state"])),
+                             cp_context=ctx, prefill=spy)
+    bounds = seen[0].tolist()
+    assert bounds[:2] == [0, 8] and len(bounds) - 2 > 1 and bounds[-1] == 304, bounds  # at 1 "SM" here: 2-4
+    cu = torch.tensor(cp_worker.cu_of(case["lens"]), dtype=torch.int32)
+    ref = reference_prefill(**t, **kw, cu_seqlens=cu)
+    assert rel_rmse(o, ref[0][:, :ctx.local_tokens]) < 1e-5
+
+
 # Cases every rank runs in turn: "kernels" through kdagen.kda_prefill (Triton interpreter here,
 # the GPU kernels with -m gpu), "ref" through the float64 chunked reference (fast plumbing checks).
 CASES = {

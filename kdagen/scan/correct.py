@@ -10,6 +10,7 @@ its V block and walks its tokens BT at a time; the run table is built on the hos
 
 from __future__ import annotations
 
+import functools
 from typing import Optional, Sequence
 
 import torch
@@ -78,15 +79,22 @@ def correct_o_fits(oB: Tensor, S_in: Tensor) -> bool:
     return K == V and oB.shape[-1] == V and triton_takes(oB, K)
 
 
-def _runs(bounds: Sequence[int], GT: int) -> Tensor:
-    """[3, runs] int32: each program's segment, first token, end (GT tokens, none across segments)."""
-    b = torch.tensor(list(bounds), dtype=torch.int64)
-    n = (b[1:] - b[:-1] + GT - 1) // GT  # runs per segment
-    seg = torch.repeat_interleave(torch.arange(len(n)), n)
-    first = torch.repeat_interleave(torch.cumsum(n, 0) - n, n)
-    start = b[:-1][seg] + (torch.arange(int(n.sum())) - first) * GT
-    end = torch.minimum(start + GT, b[1:][seg])
-    return torch.stack([seg, start, end]).to(torch.int32)
+@functools.lru_cache(maxsize=64)
+def _tables(bounds: tuple[int, ...], skip: tuple[bool, ...], GT: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """On `device`: [3, runs] int32, each program's segment, first token and end (GT tokens, none
+    across segments), and the segments' skip flags. Cached: a context-parallel rank repeats its
+    layout every call, and building the table on the host took about a millisecond with the GPU
+    idle behind it (torch.profiler on the H200, benchmarks/NOTES.md, session 29). Read-only."""
+    seg: list[int] = []
+    start: list[int] = []
+    end: list[int] = []
+    for s, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
+        firsts = range(lo, hi, GT)
+        seg += [s] * len(firsts)
+        start += firsts
+        end += [min(a + GT, hi) for a in firsts]
+    table = torch.tensor([seg, start, end], dtype=torch.int32)
+    return host_to_device(table, device), host_to_device([int(x) for x in skip], device)
 
 
 def correct_o_triton(oB: Tensor, oA: Tensor, S_in: Tensor, bounds: Sequence[int], skip: Sequence[bool],
@@ -110,12 +118,10 @@ def correct_o_triton(oB: Tensor, oA: Tensor, S_in: Tensor, bounds: Sequence[int]
     o = torch.empty_like(oB)
     BT, GT, BV, warps, stages = config or CONFIG
     BV = min(BV, V)
-    table = _runs(bounds, max(GT, BT) // BT * BT)
+    table, flags = _tables(tuple(int(x) for x in bounds), tuple(bool(x) for x in skip), max(GT, BT) // BT * BT,
+                           oB.device)
     if not table.shape[1] or not HV:
         return o
-    dev = oB.device
-    table = host_to_device(table, dev)
-    flags = host_to_device([int(bool(x)) for x in skip], dev)
     # o_A carries its dtype's rounding (bf16 2^-9, fp16 2^-11): TF32's rounding of S_in adds no more.
     # An fp32 o_A keeps IEEE products.
     precision = "ieee" if oB.dtype == torch.float32 else "tf32"
