@@ -147,6 +147,8 @@ def build_cp_context(cu_seqlens: Sequence[int] | Tensor, group: Any = None, *,
 # segment), 8 segments a rank projected 16.5 ms against 19.5 with the one-GPU planner's choice
 # (benchmarks/NOTES.md, session 29).
 EXCHANGE_PROGRAMS_PER_SM = 4
+# Segments per local piece of this process's last call (for benchmarks and logs).
+last_counts: tuple[int, ...] = ()
 EXCHANGE_MIN_TOKENS = 8192
 
 
@@ -253,6 +255,8 @@ def kda_prefill_cp(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, 
             if p.incoming or p.outgoing:
                 segments[i] = max(segments[i], exchange_segments(lens[i], HV * vb, sms))
     lay = split(ctx.local_cu, segments, align)
+    global last_counts
+    last_counts = lay.counts
     plain = all(known) and not lay.split_any
 
     # 1. Maps (or, with nothing to wait for, the whole local call).

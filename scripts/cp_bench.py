@@ -233,7 +233,7 @@ def emulated(kw: dict, call: dict, runs: list, world: int, a, base: float, ref, 
     for seg, mode in runs:
         segs = None if seg == "auto" else int(seg)
         maps: dict = {}
-        outs, pre, post = [], [], []
+        outs, pre, post, counts = [], [], [], []
         for r, c in enumerate(ctxs):
             marks: list = []
             with emulated_exchange(world, r, maps, marks):
@@ -247,13 +247,15 @@ def emulated(kw: dict, call: dict, runs: list, world: int, a, base: float, ref, 
                     profile(run, Path(a.profile) / f"cp_w{world}_r{r}_{mode}_seg{seg}.txt")
             pre.append(p0)
             post.append(p1)
+            counts.append(cp.last_counts)
             outs[-1] = (outs[-1][0], outs[-1][1] if r == world - 1 else None)  # keep only what is compared
         o = torch.cat([x[0] for x in outs], dim=1)
         # The ranks wait for each other at the exchange: its slowest rank's time before it, then
         # the slowest after it.
         ms = max(pre) + max(post)
         each = ", ".join(f"{x:.2f}+{y:.2f}" for x, y in zip(pre, post))
-        say(f"- {world} ranks (emulated), {mode}, segments per rank {seg}: {ms:.2f} ms (ranks before+after the "
+        cut = "/".join("+".join(str(x) for x in c) for c in counts)
+        say(f"- {world} ranks (emulated), {mode}, segments per rank {seg} ({cut}): {ms:.2f} ms (ranks before+after the "
             f"exchange {each}), {base / ms:.2f}x the best single-GPU call; o {rel_rmse(o, ref[0]):.2e}, final "
             f"state {rel_rmse(outs[-1][1], ref[1]):.2e} against the one-GPU one-piece call")
         del outs, o

@@ -29,8 +29,8 @@ except Exception:  # pragma: no cover - exercised only where triton is missing
 
 # Launch: (tokens per product tile, tokens per program, V rows per program, warps, pipeline
 # stages). A program keeps its (segment, head)'s S_in rows (in shared memory, as the product's
-# operand) and walks its tokens tile by tile. The fastest of eleven swept on the H200 at 512K
-# tokens, 8 heads (benchmarks/NOTES.md, session 29).
+# operand) and walks its tokens tile by tile. The fastest of eight swept on the H200 at 512K
+# tokens, 8 heads: 1.29 ms, where torch.add(o_B, o_A) took 0.74 (benchmarks/NOTES.md, session 29).
 CONFIG = (64, 1024, 64, 4, 3)
 
 
@@ -38,10 +38,11 @@ if triton is not None:
 
     @triton.jit
     def _correct_kernel(OB, OA, S_in, O, run_seg, run_start, run_end, skip, HV, K: tl.constexpr, V: tl.constexpr,
-                        BT: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr):
-        i = tl.program_id(0)
+                        BT: tl.constexpr, BV: tl.constexpr, NVB: tl.constexpr, PRECISION: tl.constexpr):
+        # V blocks of one run are adjacent programs, so o_A's second read comes from L2
+        i = tl.program_id(0) // NVB
+        vb = tl.program_id(0) % NVB
         h = tl.program_id(1)
-        vb = tl.program_id(2)
         s = tl.load(run_seg + i)
         t0 = tl.load(run_start + i)
         t1 = tl.load(run_end + i)
@@ -125,7 +126,7 @@ def correct_o_triton(oB: Tensor, oA: Tensor, S_in: Tensor, bounds: Sequence[int]
     # o_A carries its dtype's rounding (bf16 2^-9, fp16 2^-11): TF32's rounding of S_in adds no more.
     # An fp32 o_A keeps IEEE products.
     precision = "ieee" if oB.dtype == torch.float32 else "tf32"
-    _correct_kernel[(table.shape[1], HV, V // BV)](oB, oA, S_in.contiguous(), o, table[0], table[1], table[2], flags,
-                                                   HV, K=K, V=V, BT=BT, BV=BV, PRECISION=precision,
-                                                   num_warps=warps, num_stages=stages)
+    _correct_kernel[(table.shape[1] * (V // BV), HV)](oB, oA, S_in.contiguous(), o, table[0], table[1], table[2],
+                                                      flags, HV, K=K, V=V, BT=BT, BV=BV, NVB=V // BV,
+                                                      PRECISION=precision, num_warps=warps, num_stages=stages)
     return o

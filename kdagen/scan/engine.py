@@ -162,7 +162,7 @@ def maps_step(P: Packed, lay: SegmentLayout, known: Sequence[bool], prefill: Pre
     resA = P.call(prefill, lay, v=v0, initial_state=hA, output_final_state=True, return_chunk_states=want_cs)
     Bm, Am = resB[1], resA[1]
     if firsts:
-        Am[at] = 0.0
+        Am.index_fill_(0, at, 0.0)  # Am[at] = 0.0 copies the scalar from the host: a sync (profiled)
     o = (resB[0], resA[0]) if outputs else None
     cs = (resB[2], resA[2]) if want_cs else None
     return Am, Bm, o, cs
