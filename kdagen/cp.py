@@ -160,6 +160,33 @@ def exchange_segments(tokens: int, programs: int, sm_count: int) -> int:
     return max(1, min(want, tokens // EXCHANGE_MIN_TOKENS))
 
 
+# segments=None's choice per call signature: a rank repeats its layout call after call, and
+# choosing (the one-piece variant's V blocks, the planner) took ~0.7 ms of host time before the
+# first kernel (H200, benchmarks/NOTES.md, session 29).
+_AUTO_SEGMENTS: dict[tuple, list[int]] = {}
+
+
+def _auto_segments(P, pieces: Sequence[Piece], cu_dev: Tensor, cu_cpu: Tensor, costs: str, align: int,
+                   C: Optional[int]) -> list[int]:
+    """Pieces wholly on this rank: the one-GPU planner's segments. A piece another rank waits for
+    (or that waits for one) is cut regardless: step 1 reaches the exchange sooner when its segments
+    fill the GPU, even where the split costs more work in all."""
+    from .scan.engine import one_piece_v_blocks
+    from .scan.planner import plan_segments
+    from .select import _sm_count
+
+    vb = one_piece_v_blocks(P.q, P.k, P.v, P.g, P.beta, A_log=P.A_log, dt_bias=P.dt_bias, cu_seqlens=cu_dev,
+                            cu_seqlens_cpu=cu_cpu, **P.kw)
+    lens = [p.end - p.start for p in pieces]
+    sms = _sm_count(P.q.device)
+    segments = list(plan_segments(lens, heads=P.HV, v_blocks=vb, sm_count=sms, chunk=C or 16, costs=costs,
+                                  align=align).segments)
+    for i, p in enumerate(pieces):
+        if p.incoming or p.outgoing:
+            segments[i] = max(segments[i], exchange_segments(lens[i], P.HV * vb, sms))
+    return segments
+
+
 def _all_gather(x: Tensor, ctx: CPContext) -> list[Tensor]:
     import torch.distributed as dist
 
@@ -238,22 +265,15 @@ def kda_prefill_cp(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, 
     known = [not p.incoming for p in pieces]
     align = C or 64
     if segments is None:
-        from .scan.engine import one_piece_v_blocks
-        from .scan.planner import plan_segments
-        from .select import _sm_count
-
-        vb = one_piece_v_blocks(P.q, P.k, P.v, P.g, P.beta, A_log=P.A_log, dt_bias=P.dt_bias,
-                                cu_seqlens=cu_dev, cu_seqlens_cpu=cu_cpu, **P.kw)
-        lens = [p.end - p.start for p in pieces]
-        sms = _sm_count(dev)
-        # Pieces wholly on this rank: the one-GPU planner. A piece another rank waits for (or that
-        # waits for one) is cut regardless: step 1 reaches the exchange sooner when its segments
-        # fill the GPU, even where the split costs more work in all.
-        segments = list(plan_segments(lens, heads=HV, v_blocks=vb, sm_count=sms, chunk=C or 16, costs=costs,
-                                      align=align).segments)
-        for i, p in enumerate(pieces):
-            if p.incoming or p.outgoing:
-                segments[i] = max(segments[i], exchange_segments(lens[i], HV * vb, sms))
+        key = (tuple(ctx.local_cu), EXCHANGE_PROGRAMS_PER_SM, EXCHANGE_MIN_TOKENS, tuple((p.incoming, p.outgoing) for p in pieces), costs, align,
+               dev, P.A_log is None, tuple(sorted(P.kw.items())),
+               tuple((tuple(t.shape), t.dtype) for t in (P.q, P.k, P.v, P.g, P.beta)))
+        segments = _AUTO_SEGMENTS.get(key)
+        if segments is None:
+            segments = _auto_segments(P, pieces, cu_dev, cu_cpu, costs, align, C)
+            if len(_AUTO_SEGMENTS) >= 256:
+                _AUTO_SEGMENTS.clear()
+            _AUTO_SEGMENTS[key] = segments
     lay = split(ctx.local_cu, segments, align)
     global last_counts
     last_counts = lay.counts
