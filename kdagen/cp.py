@@ -265,8 +265,8 @@ def kda_prefill_cp(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, 
     known = [not p.incoming for p in pieces]
     align = C or 64
     if segments is None:
-        key = (tuple(ctx.local_cu), EXCHANGE_PROGRAMS_PER_SM, EXCHANGE_MIN_TOKENS, tuple((p.incoming, p.outgoing) for p in pieces), costs, align,
-               dev, P.A_log is None, tuple(sorted(P.kw.items())),
+        key = (tuple(ctx.local_cu), tuple((p.incoming, p.outgoing) for p in pieces), costs, align, dev,
+               EXCHANGE_PROGRAMS_PER_SM, EXCHANGE_MIN_TOKENS, P.A_log is None, tuple(sorted(P.kw.items())),
                tuple((tuple(t.shape), t.dtype) for t in (P.q, P.k, P.v, P.g, P.beta)))
         segments = _AUTO_SEGMENTS.get(key)
         if segments is None:
