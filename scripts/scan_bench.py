@@ -7,7 +7,7 @@
 Inputs and timing are `kdagen bench`'s (bf16, D=128, fp32 state, median of CUDA-event
 times over rotated input sets). Per row: kdagen's one-piece call (runtime's choice), the scan
 composed of kda_prefill calls (kdagen.scan.engine) at each segment count, what the planner picks
-under each cost set, and at the fastest count the time of step 1 (the doubled-head call), the
+under each cost set, and at the fastest count the time of step 1 (its two calls, B and A), the
 chain (torch and Triton) and step 3 (the rerun), with per-chunk-step figures for the planner.
 --accuracy adds the checks of issue 17: T = 1,048,576 H = 2 and a gate that barely decays
 (lower_bound -1e-3) against the one-piece call, and T = 8192 H = 4 against the float64 reference.

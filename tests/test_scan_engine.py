@@ -157,7 +157,7 @@ def test_kernels_varlen_split_with_states_and_chunk_states(dev):
 
 @pytest.mark.parametrize("dev", DEVICES)
 def test_kernels_gqa_correct_mode(dev):
-    # The doubled heads read q/k head h // (2 HV / H): a real kernel's GQA rule.
+    # Both step-1 calls keep the caller's GQA (value head h reads q/k head h // (HV / H)).
     kw = make_kw(7, B=1, T=64, H=1, HV=2, K=32, device=dev)
     out = scan_prefill(**kw, chunk_size=16, segments=2, mode="correct")
     check(out, kw, None, 1e-5)

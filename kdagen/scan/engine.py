@@ -98,8 +98,8 @@ def validate(q, k, v, g, beta, *, A_log=None, dt_bias=None, initial_state=None, 
                       chunk_size=kw.get("chunk_size"), return_chunk_states=return_chunk_states,
                       final_state=final_state, chunk_states=chunk_states, assume_valid=assume_valid)
     if info.K != info.V:
-        raise KdaInputError(f"v: the scan carries each segment's K x K transition in the value slots of a doubled "
-                            f"head, so it needs V == K; found K={info.K}, V={info.V}")
+        raise KdaInputError(f"v: the scan carries each segment's K x K transition as the state of a run with V "
+                            f"value columns, so it needs V == K; found K={info.K}, V={info.V}")
     if info.varlen:
         if info.cu_seqlens_host is None:
             raise KdaInputError("cu_seqlens: the scan cuts sequences on the host; pass cu_seqlens_cpu (assume_valid "

@@ -43,11 +43,11 @@ class ScanCosts:
     step_sm_us: dict[int, float]  # SM time one such step occupies (throughput), by chunk
     map_step_us: dict[int, float]  # the same two for a transition-building program (step 1)
     map_step_sm_us: dict[int, float]
-    map_programs: float  # step-1 programs per one-piece program (2: B and A as doubled heads)
+    map_programs: float  # step-1 programs per one-piece program (2: the B and A calls)
     prep_ns: dict[int, float]  # token-parallel prep per token and head, whole GPU, by chunk
     map_prep: float  # step-1 prep in units of the one-piece prep (1: the prep once, shared with step 3)
     rerun_prep: float  # step-3 prep in units of the one-piece prep (0: step 1's workspace reused)
-    copy_ns: float  # per token and head: inputs the step-1 call needs rearranged (doubled v, g, beta)
+    copy_ns: float  # per token and head: inputs step 1 needs rearranged (none since session 29)
     compose_us: float  # one segment of the chain pass (one [BV, K] x [K, K] product, dependent)
     call_us: float  # host and launch cost of one more kernel call
     programs_per_sm: int = 4  # recurrence programs resident on one SM
@@ -61,8 +61,10 @@ class ScanCosts:
 #   its doubled prep, over 2048 steps) and 1.51 with 3 (T65536 H24, S=2): 0.43-0.50 us of SM
 #   time per program-step. Chunk 64 at several programs per SM is not measured: set equal.
 # - prep_ns: kda_prep alone, 0.97-1.1 ns per token and head at chunk 16, 2.7 at chunk 64.
-# - map_prep = 2, rerun_prep = 1: the calls repeat the prep (step 1 for doubled heads); the step
-#   times above fit that. copy_ns from the bytes the doubled inputs write and read (not isolated).
+# - map_prep = 2, rerun_prep = 1: the calls repeat the prep (step 1 then ran doubled heads; since
+#   session 29 it runs two calls, B and A, each with its own prep); the step times above fit that.
+# - copy_ns: 0. Step 1's doubled-head inputs cost ~1.0 ns per token and head (4.1 ms at 512K tokens,
+#   8 heads, torch.profiler, session 29); the two calls since read the caller's tensors.
 # - call_us: the scan's host work besides the steps, ~150 us at T8192 H4 (three calls' worth).
 # - compose_us: the re-tiled Triton chain (tree ca546e0) took 0.08 ms at 4 segments and 0.20 at 16
 #   (H4), 0.14 at 8 (H24): ~12 us a segment (0.3 ms before, when it held a whole [K, K] tile).
@@ -70,7 +72,7 @@ _H200_ENGINE = ScanCosts(
     name="h200-engine",
     measured=True,
     source="H200, trees 96455e8 and ca546e0 (benchmarks/results/2026-12-01_s10_h200_scan_issue17.md): the scan "
-           "composed of kda_prefill calls (step 1 a doubled-head call that repeats the prep; step 3 re-preps); "
+           "composed of kda_prefill calls (step 1 two calls that each prep; step 3 re-preps); "
            "chunk-64 step_sm_us estimated",
     step_us={16: 0.5, 64: 1.8},
     step_sm_us={16: 0.47, 64: 1.8},
@@ -80,7 +82,7 @@ _H200_ENGINE = ScanCosts(
     prep_ns={16: 1.0, 64: 2.7},
     map_prep=2.0,
     rerun_prep=1.0,
-    copy_ns=0.2,
+    copy_ns=0.0,
     compose_us=12.0,
     call_us=50.0,
 )
