@@ -144,12 +144,13 @@ def build_cp_context(cu_seqlens: Sequence[int] | Tensor, group: Any = None, *,
 # Segments for a piece on the exchange's path: about this many step-1 programs per SM (each of
 # step 1's two calls runs segments x heads x V blocks programs), none shorter than
 # EXCHANGE_MIN_TOKENS. On the H200 at B1 T1048576 H8 over 2 emulated ranks (64 programs a
-# segment), 8 segments a rank projected 16.5 ms against 19.5 with the one-GPU planner's choice
-# (benchmarks/NOTES.md, session 29).
+# segment), 8 segments a rank projected 16.5 ms against 19.5 with the one-GPU planner's choice,
+# and beat 2, 4 and 16 (benchmarks/NOTES.md, session 29).
 EXCHANGE_PROGRAMS_PER_SM = 4
+EXCHANGE_MIN_TOKENS = 8192
+
 # Segments per local piece of this process's last call (for benchmarks and logs).
 last_counts: tuple[int, ...] = ()
-EXCHANGE_MIN_TOKENS = 8192
 
 
 def exchange_segments(tokens: int, programs: int, sm_count: int) -> int:
@@ -203,8 +204,9 @@ def kda_prefill_cp(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, 
     global ones). Other keywords as kdagen.kda_prefill; initial_state [len(ctx.starts), HV, ...].
     segments: per local piece (or one count) how many scan segments to cut it into; None: the
     one-GPU planner for pieces wholly on this rank, at least exchange_segments for a piece that
-    continues on another rank. mode: "correct" (default: o corrected from step 1's outputs in one pass; on the
-    H200 at T1048576 H8 it beat "rerun" at 2 and 4 ranks, benchmarks/NOTES.md) or "rerun".
+    continues on another rank or comes from one. mode: "correct" (default: o corrected from step
+    1's outputs in one pass; on the H200 at T1048576 H8 it beat "rerun" at 2 and 4 ranks,
+    benchmarks/NOTES.md) or "rerun".
     Returns (o local, final state [len(ctx.ends), HV, ...] or None) like
     kda_prefill, and chunk states (the local pieces' chunks) with return_chunk_states."""
     ctx = cp_context
