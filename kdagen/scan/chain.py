@@ -67,6 +67,7 @@ if triton is not None:
                 tl.store(nxt + tile, acc, mask=s + 1 < s_end)
                 tl.store(S_out + seq + tile, acc, mask=s + 1 == s_end)
 
+
 def triton_takes(t: Tensor, *dims: int) -> bool:
     """Whether a scan Triton kernel runs on t's device here (a GPU, or the CPU interpreter) and
     every dim is a power of two >= 16 (its tiles' sizes)."""

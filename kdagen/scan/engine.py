@@ -72,11 +72,10 @@ class Packed:
     kw: dict  # _PASS keywords
 
     def call(self, prefill: Prefill, lay: SegmentLayout, **kw) -> Any:
-        bounds = list(lay.bounds)
-        if len(bounds) == 2 and bounds[1] > 0:  # one segment over the packed row: the B = 1 call, no offsets
+        if lay.num_segments == 1 and lay.bounds[1] > 0:  # one segment over the packed row: the B = 1 call, no offsets
             cu_dev = cu_cpu = None
         else:
-            cu_cpu = torch.tensor(bounds, dtype=torch.int32)
+            cu_cpu = lay.bounds_tensor()
             cu_dev = host_to_device(cu_cpu, self.q.device)
         args = {n: kw.pop(n) for n in ("q", "k", "v", "g", "beta") if n in kw}
         q, k, v, g, beta = (args.get(n, getattr(self, n)) for n in ("q", "k", "v", "g", "beta"))

@@ -23,8 +23,7 @@ def host_to_device(values: Sequence[int] | torch.Tensor, device: torch.device, d
     memory waits for the stream, which left the GPU idle while the host prepared the next launch
     (profiled on the H200, benchmarks/NOTES.md, session 29). Pinned memory with a non-blocking
     copy is safe: torch's host allocator keeps the block until the copy is done."""
-    t = values if isinstance(values, torch.Tensor) else torch.tensor(list(values), dtype=dtype)
-    t = t.to(dtype)
+    t = values.to(dtype) if isinstance(values, torch.Tensor) else torch.tensor(list(values), dtype=dtype)
     if torch.device(device).type != "cuda":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
@@ -89,7 +88,7 @@ class SegmentLayout:
         return [-(-n // chunk) for n in self.lengths]
 
     def bounds_tensor(self, device=None, dtype=torch.int32) -> torch.Tensor:
-        return torch.tensor(self.bounds, dtype=dtype, device=device)
+        return host_to_device(self.bounds, device or "cpu", dtype)
 
 
 def split(cu: Sequence[int], segments: int | Sequence[int], align: int) -> SegmentLayout:
