@@ -60,3 +60,7 @@ class KdaCall:
     # Caller-provided scratch memory (uint8, contiguous, at least the launcher's
     # workspace_bytes(call)); None: the launcher allocates from torch's caching allocator.
     workspace: Optional[torch.Tensor] = None
+    # State runs per value head (launchers with supports_twins): 2 adds, for head h, a run of the
+    # same chunks with v = 0 as state head HV + h, so o, the states and the chunk states carry
+    # 2 HV heads (the scan's transition maps share the prep of its from-zero maps).
+    twins: int = 1

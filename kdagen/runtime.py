@@ -252,6 +252,19 @@ def _prefill(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seq
                            final_state, chunk_states, workspace):
         return last[3].run(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, out,
                            final_state, chunk_states, workspace)
+    plan, key = _plan_of(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, out,
+                         final_state, chunk_states, workspace, flags)
+    if key is not None:
+        _remember(plan, flags, (q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, out,
+                                final_state, chunk_states, workspace), guarded and plan is last[3])
+    return plan.run(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, out, final_state,
+                    chunk_states, workspace)
+
+
+def _plan_of(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, out, final_state,
+             chunk_states, workspace, flags: tuple) -> tuple["Plan", Optional[tuple]]:
+    """The plan of a call's signature (validated, selected and cached on first sight) and its
+    cache key (None: an argument is no tensor, and the plan was made to raise)."""
     # The signature: everything validation and selection depend on but tensor values. Spelled
     # out (no helper per tensor): this line is most of the host cost of a call the guard above
     # does not serve. The autograd flag is one bool: a plan is never made (nor cached) for a
@@ -286,11 +299,48 @@ def _prefill(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seq
             _PLANS.pop(next(iter(_PLANS)))
         if key is not None:
             _PLANS[key] = plan
-    if key is not None:
-        _remember(plan, flags, (q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, out,
-                                final_state, chunk_states, workspace), guarded and plan is last[3])
-    return plan.run(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, out, final_state,
-                    chunk_states, workspace)
+    return plan, key
+
+
+def kda_prefill_twins(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, *,
+                      initial_state: torch.Tensor, A_log: Optional[torch.Tensor] = None,
+                      dt_bias: Optional[torch.Tensor] = None, cu_seqlens: Optional[torch.Tensor] = None,
+                      cu_seqlens_cpu: Optional[torch.Tensor] = None, return_chunk_states: bool = False,
+                      **kw: Any) -> Optional[tuple]:
+    """Every sequence run twice over one kernel prep: as kda_prefill would from initial_state's
+    heads [:HV], and from its heads [HV:] with v read as zero (the scan's transition maps,
+    kdagen.scan.engine.maps_step). initial_state: fp32 [N, 2 HV, V, K] ("VK"), contiguous.
+
+    Returns (o [.., 2 HV, V] in v's layout, final states [N, 2 HV, V, K], and with
+    return_chunk_states the chunk states [rows, 2 HV, V, K]): heads HV + h are head h's run with
+    v = 0. None where the call's variant has no such launch (a target without it, zero-padded
+    head dims, a state dtype other than fp32, "KV" states): the caller then makes the two calls.
+    kw: kda_prefill's other keywords (flags; no out/final_state/chunk_states/workspace buffers)."""
+    unknown = sorted(set(kw) - set(_FLAGS))
+    if unknown:
+        raise TypeError(f"kda_prefill_twins: unexpected keyword argument(s) {', '.join(unknown)}")
+    HV = v.shape[2] if kw.get("layout", "BSND").upper() == "BSND" else v.shape[1]
+    if (not isinstance(initial_state, torch.Tensor) or initial_state.dim() != 4
+            or initial_state.shape[1] != 2 * HV or initial_state.dtype != torch.float32
+            or not initial_state.is_contiguous()):
+        raise KdaInputError(f"initial_state: expected a contiguous float32 [N, {2 * HV}, V, K] tensor (both runs' "
+                            f"heads), found {_describe(initial_state)}")
+    if kw.get("state_layout", "VK") != "VK":
+        return None
+    flags = tuple({**_DEFAULTS, **kw, "output_final_state": True,
+                   "return_chunk_states": return_chunk_states}[n] for n in _FLAGS)
+    plan, _ = _plan_of(q, k, v, g, beta, A_log, dt_bias, initial_state[:, :HV], cu_seqlens, cu_seqlens_cpu, None,
+                       None, None, None, flags)
+    if type(plan) is not Plan or not getattr(plan.launcher, "supports_twins", False) \
+            or plan.st_dtype != torch.float32 or plan.state_kv or plan.info.state == "none":
+        return None
+    return plan.twins(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu)
+
+
+def _describe(t: Any) -> str:
+    if not isinstance(t, torch.Tensor):
+        return type(t).__name__
+    return f"{t.dtype} {list(t.shape)}{'' if t.is_contiguous() else ' (not contiguous)'}"
 
 
 def _remember(plan: "Plan", flags: tuple, tensors: tuple, failed: bool) -> None:
@@ -724,6 +774,43 @@ class Plan:
         if self._fast.launch(q, k, v, g, beta, out, A_log, dt_bias, cu, h0, fs, None, None, ws, max_len):
             return out, fs
         return self(q, k, v, g, beta, A_log, dt_bias, h0, cu, cu_cpu, out, fs, cs, ws)
+
+    def twins(self, q, k, v, g, beta, A_log, dt_bias, h2, cu, cu_cpu) -> tuple:
+        """kda_prefill_twins' launch: the launcher's KdaCall with twins=2, h2 [N, 2 HV, V, K] fp32,
+        outputs with 2 HV heads (the general path: no bound launch)."""
+        info, dev = self.info, self.device
+        max_len, host, cu32 = info.T, None, None
+        if info.varlen:
+            max_len, host = self._offsets(cu, cu_cpu)
+            cu32 = cu if self.cu_ready else cu.to(device=dev, dtype=torch.int32).contiguous()
+        if self.layout == "bsnd":
+            o = torch.empty((info.B, info.T, 2 * info.HV, info.V), dtype=self.o_dtype, device=dev)
+            o_strides = (o.stride(0), o.stride(1), o.stride(2))
+        else:
+            o = torch.empty((info.B, 2 * info.HV, info.T, info.V), dtype=self.o_dtype, device=dev)
+            o_strides = (o.stride(0), o.stride(2), o.stride(1))
+        fs = torch.empty_like(h2)
+        co = cs = None
+        if self.want_chunks:
+            co, rows = self._chunk_offsets(cu32, host)
+            if rows < 0:
+                raise KdaInputError("chunk_states: the twin runs with cu_seqlens need host offsets (cu_seqlens_cpu)")
+            cs = torch.empty((rows, 2 * info.HV, *self.st_shape), dtype=self.st_dtype, device=dev)
+        if info.N > 0:
+            A = dt = None
+            if not self.precomputed:
+                A = A_log if self.A_ready else A_log.to(torch.float32).contiguous().reshape(-1)
+                if dt_bias is not None:
+                    dt = dt_bias if self.dt_ready else dt_bias.to(torch.float32).contiguous().reshape(info.HV, info.K)
+            self.launcher(KdaCall(
+                q=q, k=k, v=v, g=g, beta=beta, o=o,
+                q_strides=self.strides[0], k_strides=self.strides[1], v_strides=self.strides[2],
+                g_strides=self.strides[3], beta_strides=self.strides[4], o_strides=o_strides,
+                B=info.B, T=info.T, N=info.N, H=info.H, HV=info.HV, K=info.K, V=info.V,
+                cu_seqlens=cu32, A_log=A, dt_bias=dt, scale=self.scale, lower_bound=self.lower_bound,
+                use_qk_l2norm=self.use_l2, allow_neg_eigval=self.neg_eig, initial_state=h2, final_state=fs,
+                state_kv=False, chunk_states=cs, chunk_offsets=co, max_len=max_len, twins=2))
+        return (o, fs, cs) if self.want_chunks else (o, fs)
 
     def __call__(self, q, k, v, g, beta, A_log, dt_bias, h0, cu, cu_cpu, out, fs, cs, ws):
         """The general path: conversions, chunk offsets, the launcher's checked launch (and, on

@@ -1,6 +1,7 @@
-"""A small ragged varlen case (an empty and a length-1 sequence among them) through one variant, for
-compute-sanitizer (scripts/gpu_check.sh sanitize runs every tool on every variant this picks, each
-in its own process).
+"""A small ragged varlen case (an empty and a length-1 sequence among them) through one variant (and,
+for sm80 fp32-state variants, the scan's twin launch of it), for compute-sanitizer
+(scripts/gpu_check.sh sanitize runs every tool on every variant this picks, each in its own
+process).
 
     python3 scripts/sanitize_case.py --list [--targets sm80,sm90,triton] [--match '*k128*']   # one variant per kernel shape
     python3 scripts/sanitize_case.py --variant NAME                       # run one
@@ -65,8 +66,20 @@ def main() -> int:
             stack.enter_context(launcher_swapped(v.name, f"{dev.type}:{dev.index}",
                                                  TARGETS[v.target].load_launcher()(v, Path(a.fatbin))))
         o = kda_prefill(**kw, variant=v.name)[0]
+        twin = ""
+        if v.target == "sm80" and v.k == v.v and v.state == "fp32":
+            # the scan's twin launch (state heads HV.. rerun with U = 0) on the same case
+            from kdagen.runtime import kda_prefill_twins
+
+            tw = {n: x for n, x in kw.items() if n not in ("initial_state", "output_final_state", "state_dtype")}
+            h2 = torch.cat([kw["initial_state"], torch.eye(v.k, device="cuda").expand_as(kw["initial_state"])], 1)
+            res = kda_prefill_twins(**tw, initial_state=h2.contiguous(), variant=v.name)
+            if res is None:
+                print(f"{v.name}: the twin launch was declined", file=sys.stderr)
+                return 1
+            twin = f", twin o finite {bool(torch.isfinite(res[0]).all())}"
         torch.cuda.synchronize()
-    print(f"ran {v.name}: o finite {bool(torch.isfinite(o).all())}")
+    print(f"ran {v.name}: o finite {bool(torch.isfinite(o).all())}{twin}")
     return 0
 
 

@@ -57,6 +57,18 @@ def test_fp32_matches_float64(dev, config):
     assert rel_rmse(o.cpu(), float64_correction(oB, oA, S_in, [False] + SKIP[1:])) > 1e-2
 
 
+@pytest.mark.parametrize("dev", DEVICES)
+def test_halves_of_the_twin_launch_are_read_in_place(dev):
+    # The twin launch's o is [1, T, 2 HV, V]: o_B and o_A are its head halves (token stride 2 HV V),
+    # read without copies; the result is contiguous.
+    oB, oA, S_in = problem(torch.float32, dev, seed=1)
+    o2 = torch.cat([oB, oA], dim=2)
+    hB, hA = o2[:, :, :2], o2[:, :, 2:]
+    o = correct_o_triton(hB, hA, S_in, BOUNDS, SKIP, config=LAUNCHES[1].values[0])
+    assert o.is_contiguous() and hB.stride(1) == 4 * 32
+    assert rel_rmse(o.cpu(), float64_correction(oB, oA, S_in, SKIP)) < 1e-6
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", LAUNCHES)
 def test_bf16_on_gpu_adds_little_to_the_rounding_of_o(config):

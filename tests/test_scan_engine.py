@@ -102,6 +102,34 @@ def test_scheme_on_the_reference_engine(case):
     assert spy.calls[1][2][1] == 0  # the time stride
 
 
+def reference_twins(q, k, v, g, beta, *, initial_state, return_chunk_states=False, **kw):
+    """kdagen.runtime.kda_prefill_twins' contract on the float64 reference: heads [:HV] run from
+    initial_state[:, :HV], heads [HV:] with v = 0 from initial_state[:, HV:]; outputs concatenated
+    along the heads."""
+    HV = initial_state.shape[1] // 2
+    kw = dict(kw, output_final_state=True, return_chunk_states=return_chunk_states)
+    rb = reference_prefill(q, k, v, g, beta, initial_state=initial_state[:, :HV], **kw)
+    ra = reference_prefill(q, k, torch.zeros_like(v), g, beta, initial_state=initial_state[:, HV:], **kw)
+    return tuple(torch.cat([b, a], dim=2 if i == 0 else 1) for i, (b, a) in enumerate(zip(rb, ra)))
+
+
+@pytest.mark.parametrize("mode", ["rerun", "correct"])
+def test_twin_launch_serves_step_one(monkeypatch, mode):
+    # Where the runtime runs both maps in one launch (sm80), step 1 makes no prefill call and reads
+    # B's and A's results from the launch's head halves (o_B, o_A as strided views).
+    import kdagen.scan.engine as engine
+
+    twins = []
+    monkeypatch.setattr(engine, "_twins_of", lambda prefill: lambda *a, **kw: twins.append(kw) or
+                        reference_twins(*a, **kw))
+    kw = make_kw(11, lens=[150, 7, 70], H=1, HV=2)
+    spy = Spy()
+    out = scan_prefill(**kw, chunk_size=16, return_chunk_states=True, segments=[4, 1, 3], mode=mode, prefill=spy)
+    check(out, kw, 16, 1e-5)
+    assert len(twins) == 1 and twins[0]["initial_state"].shape == (8, 4, 16, 16)
+    assert len(spy.calls) == (1 if mode == "rerun" else 0)
+
+
 def test_bf16_states_and_poisoned_caller_buffers():
     kw = make_kw(3, lens=[130, 40], state_dtype=torch.bfloat16, layout="BNSD", state_layout="KV")
     C = 16
@@ -169,6 +197,59 @@ def test_kernels_bf16_inputs_bf16_state_bnsd(dev):
                  state_layout="KV", device=dev)
     out = scan_prefill(**kw, chunk_size=16, segments=2)
     check(out, kw, None, 5e-3)
+
+
+def twin_problem(seed, dev, K=32, **shape):
+    kw = make_kw(seed, H=1, HV=2, K=K, device=dev, **shape)
+    if "cu_seqlens" in kw:
+        kw["cu_seqlens_cpu"] = kw["cu_seqlens"].cpu()
+    kw.pop("output_final_state")
+    h0 = kw.pop("initial_state")
+    hA = torch.randn(h0.shape, generator=torch.Generator().manual_seed(seed + 1)).to(dev)
+    return kw, h0, torch.cat([h0, hA], dim=1)
+
+
+def test_twin_launch_is_declined_without_one_and_bad_state_is_named():
+    from kdagen.runtime import kda_prefill_twins
+
+    kw, h0, h2 = twin_problem(12, "cuda" if HAS_CUDA else "cpu", lens=[40, 30])
+    # K = 32 runs on the Triton target (no twin launch): the caller is told to make two calls
+    assert kda_prefill_twins(**kw, initial_state=h2, chunk_size=16, return_chunk_states=True) is None
+    with pytest.raises(KdaInputError, match=r"initial_state: expected a contiguous float32 \[N, 4, V, K\] tensor "
+                                            r"\(both runs' heads\), found torch.float32 \[2, 2, 32, 32\]"):
+        kda_prefill_twins(**kw, initial_state=h0)
+    with pytest.raises(TypeError, match="unexpected keyword argument\\(s\\) out"):
+        kda_prefill_twins(**kw, initial_state=h2, out=torch.empty_like(kw["v"]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant,shape", [
+    ("kda_fwd_sm80_c16_k128_v128_bf16_gb_sfp32_bv16", dict(lens=[1000, 37, 0, 2048])),
+    ("kda_fwd_sm80_c16_k128_v128_bf16_gb_sfp32_bv64", dict(lens=[300, 129])),
+    ("kda_fwd_sm80_c64_k128_v128_bf16_gb_sfp32_bv32", dict(B=2, T=333, layout="BNSD")),
+    ("kda_fwd_sm80_c16_k256_v256_bf16_gb_sfp32_bv32", dict(lens=[200, 77])),
+], ids=lambda x: x if isinstance(x, str) else None)
+def test_gpu_twin_launch_equals_two_calls(variant, shape):
+    # One prep, twice the recurrence's heads: heads [:HV] must be kda_prefill from h0 bit for bit,
+    # heads [HV:] kda_prefill with v = 0 from the second state (a random one: any state, not only
+    # the identity), for o, final states and chunk states.
+    from kdagen.runtime import kda_prefill_twins
+
+    K = int(variant.split("_k")[1].split("_")[0])
+    C = int(variant.split("_c")[1].split("_")[0])
+    kw, h0, h2 = twin_problem(13, "cuda", K=K, dtype=torch.bfloat16, **shape)
+    kw.update(variant=variant, chunk_size=C, return_chunk_states=True)
+    torch.full((1 << 26,), math.nan, device="cuda")  # freed at once: the outputs below likely reuse it
+    res = kda_prefill_twins(**kw, initial_state=h2)
+    assert res is not None, f"{variant} declined the twin launch"
+    b = kdagen.kda_prefill(**kw, initial_state=h0, output_final_state=True)
+    a = kdagen.kda_prefill(**dict(kw, v=torch.zeros_like(kw["v"])), initial_state=h2[:, 2:].contiguous(),
+                           output_final_state=True)
+    hd = 2 if kw["layout"] == "BSND" else 1
+    assert torch.equal(res[0].narrow(hd, 0, 2), b[0]) and torch.equal(res[0].narrow(hd, 2, 2), a[0])
+    for i in (1, 2):
+        assert torch.equal(res[i][:, :2], b[i]) and torch.equal(res[i][:, 2:], a[i]), i
+    assert b[0].abs().max() > 0 and a[0].abs().max() > 0 and not torch.equal(b[1], a[1])
 
 
 @pytest.mark.gpu

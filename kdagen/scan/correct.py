@@ -38,7 +38,7 @@ CONFIG = (64, 1024, 64, 4, 3)
 if triton is not None:
 
     @triton.jit
-    def _correct_kernel(OB, OA, S_in, O, run_seg, run_start, run_end, skip, HV, K: tl.constexpr, V: tl.constexpr,
+    def _correct_kernel(OB, OA, S_in, O, run_seg, run_start, run_end, skip, HV, TS, K: tl.constexpr, V: tl.constexpr,
                         BT: tl.constexpr, BV: tl.constexpr, NVB: tl.constexpr, PRECISION: tl.constexpr):
         # V blocks of one run are adjacent programs, so o_A's second read comes from L2
         i = tl.program_id(0) // NVB
@@ -58,18 +58,21 @@ if triton is not None:
             for t in range(t0, t1, BT):
                 rt = t + tl.arange(0, BT)
                 mt = rt < t1
-                row = rt.to(tl.int64)[:, None] * (HV * V) + h * V  # o_B, o_A and o: [T, HV, V] contiguous
+                # o_B, o_A: token stride TS (2 HV V for the twin launch's halves), o: [T, HV, V] contiguous
+                row = rt.to(tl.int64)[:, None] * TS + h * V
+                out = rt.to(tl.int64)[:, None] * (HV * V) + h * V
                 acc = tl.load(OB + row + rv[None, :], mask=mt[:, None], other=0.0)
                 oa = tl.load(OA + row + rk[None, :], mask=mt[:, None], other=0.0)
                 acc = tl.dot(oa.to(tl.float32), stT, acc.to(tl.float32), input_precision=PRECISION)
-                tl.store(O + row + rv[None, :], acc.to(O.dtype.element_ty), mask=mt[:, None])
+                tl.store(O + out + rv[None, :], acc.to(O.dtype.element_ty), mask=mt[:, None])
         else:
             for t in range(t0, t1, BT):
                 rt = t + tl.arange(0, BT)
                 mt = rt < t1
-                row = rt.to(tl.int64)[:, None] * (HV * V) + h * V
+                row = rt.to(tl.int64)[:, None] * TS + h * V
+                out = rt.to(tl.int64)[:, None] * (HV * V) + h * V
                 ob = tl.load(OB + row + rv[None, :], mask=mt[:, None], other=0.0)
-                tl.store(O + row + rv[None, :], ob.to(O.dtype.element_ty), mask=mt[:, None])
+                tl.store(O + out + rv[None, :], ob.to(O.dtype.element_ty), mask=mt[:, None])
 
 
 def correct_o_fits(oB: Tensor, S_in: Tensor) -> bool:
@@ -101,7 +104,8 @@ def _tables(bounds: tuple[int, ...], skip: tuple[bool, ...], GT: int, device: to
 
 def correct_o_triton(oB: Tensor, oA: Tensor, S_in: Tensor, bounds: Sequence[int], skip: Sequence[bool],
                      config: Optional[tuple[int, int, int, int, int]] = None) -> Tensor:
-    """o [1, T, HV, V] in o_B's dtype from step 1's o_B and o_A [1, T, HV, V]: segment s (tokens
+    """o [1, T, HV, V] (contiguous) in o_B's dtype from step 1's o_B and o_A [1, T, HV, V] (read in
+    place where both have one token stride and rows of V contiguous values): segment s (tokens
     [bounds[s], bounds[s+1])) gets o_B + o_A S_in[s]^T, or o_B alone where skip[s] (its entering
     state was applied in step 1). S_in [S, HV, V, K] fp32. config: CONFIG's fields (for timing)."""
     if not correct_o_fits(oB, S_in):
@@ -116,8 +120,9 @@ def correct_o_triton(oB: Tensor, oA: Tensor, S_in: Tensor, bounds: Sequence[int]
                          f"segments ending at T and {S} skip flags; found oB {tuple(oB.shape)} {oB.dtype}, oA "
                          f"{tuple(oA.shape)} {oA.dtype}, bounds ending at {bounds[-1]} ({len(bounds)}), {len(skip)} "
                          "skip flags")
-    oB, oA = oB.contiguous(), oA.contiguous()
-    o = torch.empty_like(oB)
+    if oB.stride()[1:] != (oB.stride(1), V, 1) or oA.stride() != oB.stride():
+        oB, oA = oB.contiguous(), oA.contiguous()
+    o = torch.empty(oB.shape, dtype=oB.dtype, device=oB.device)
     BT, GT, BV, warps, stages = config or CONFIG
     BV = min(BV, V)
     table, flags = _tables(tuple(int(x) for x in bounds), tuple(bool(x) for x in skip), max(GT, BT) // BT * BT,
@@ -128,6 +133,6 @@ def correct_o_triton(oB: Tensor, oA: Tensor, S_in: Tensor, bounds: Sequence[int]
     # An fp32 o_A keeps IEEE products.
     precision = "ieee" if oB.dtype == torch.float32 else "tf32"
     _correct_kernel[(table.shape[1] * (V // BV), HV)](oB, oA, S_in.contiguous(), o, table[0], table[1], table[2],
-                                                      flags, HV, K=K, V=V, BT=BT, BV=BV, NVB=V // BV,
+                                                      flags, HV, oB.stride(1), K=K, V=V, BT=BT, BV=BV, NVB=V // BV,
                                                       PRECISION=precision, num_warps=warps, num_stages=stages)
     return o

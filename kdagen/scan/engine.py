@@ -2,12 +2,13 @@
 
 Segments become varlen sequences, so today's kernels run every step:
 
-1. Maps: two calls over all segments, both on the caller's tensors. B starts from zero (or from
+1. Maps: two runs over all segments, both on the caller's tensors. B starts from zero (or from
    the sequence's initial state for its first segment): its final state is the segment's
-   from-zero state B. A reads v as zero (a stride-0 view, nothing materialised) and starts from
-   the identity: the recurrence is linear in the state then, so its final state is the segment's
-   transition A (K = V). With A's o, o itself is affine in the entering state:
-   o = o_B + o_A S_in^T.
+   from-zero state B. A reads v as zero and starts from the identity: the recurrence is linear
+   in the state then, so its final state is the segment's transition A (K = V). With A's o, o
+   itself is affine in the entering state: o = o_B + o_A S_in^T. Where the variant's launcher
+   runs twins (kdagen.runtime.kda_prefill_twins: sm80), both runs share one prep; elsewhere they
+   are two calls, A's v a stride-0 zero view (nothing materialised).
 2. Chain: S_in of every segment from the sequence's initial state (kdagen.scan.chain).
 3. Rerun: one call over all segments from their true entering states (o, chunk states, final
    states); or, mode="correct", o = o_B + o_A S_in^T from step 1's outputs with no rerun (o_A is
@@ -46,6 +47,14 @@ def _default_prefill() -> Prefill:
     from ..runtime import kda_prefill
 
     return kda_prefill
+
+
+def _twins_of(prefill: Prefill) -> Optional[Callable[..., Any]]:
+    """The runtime's twin launch where `prefill` is the runtime's kda_prefill (a caller's own
+    prefill gets the two calls)."""
+    from ..runtime import kda_prefill, kda_prefill_twins
+
+    return kda_prefill_twins if prefill is kda_prefill else None
 
 
 @dataclass
@@ -143,22 +152,31 @@ def maps_step(P: Packed, lay: SegmentLayout, known: Sequence[bool], prefill: Pre
     its true exit state and its A is returned as 0. With outputs: also step 1's o as (o_B, o_A),
     each [1, T, HV, V], and chunk states as (B_c, A_c) (P.kw chunk_size) for mode "correct".
 
-    Two calls, not one with doubled heads: the doubled heads' inputs (v with zero heads between,
-    g and beta repeated) cost 4.1 of rank 1's 17.3 ms at 512K tokens, 8 heads on the H200
-    (benchmarks/NOTES.md, session 29)."""
+    One launch with twin state heads where the runtime has it (the prep, 3.3 of each call's 6.1 ms
+    at 512K tokens in 8 segments, 8 heads on the H200, runs once); else two calls, not one with
+    doubled heads: the doubled heads' inputs (v with zero heads between, g and beta repeated)
+    cost 4.1 of rank 1's 17.3 ms there (benchmarks/NOTES.md, session 29)."""
     HV, K, dev = P.HV, P.K, P.q.device
     S = lay.num_segments
-    hB = torch.zeros(S, HV, K, K, dtype=torch.float32, device=dev)
-    hA = torch.eye(K, dtype=torch.float32, device=dev).expand(S, HV, K, K).contiguous()
+    h2 = torch.zeros(S, 2 * HV, K, K, dtype=torch.float32, device=dev)  # B's heads, then A's
+    h2[:, HV:] = torch.eye(K, dtype=torch.float32, device=dev)
     firsts = [lay.first[n] for n in range(lay.num_sequences) if known[n]]
     if firsts:
         seqs = [n for n in range(lay.num_sequences) if known[n]]
         at = host_to_device(firsts, dev, torch.long)
-        hB[at] = P.h0[host_to_device(seqs, dev, torch.long)]
+        h2[at, :HV] = P.h0[host_to_device(seqs, dev, torch.long)]
     want_cs = outputs and P.kw.get("chunk_size") is not None
-    v0 = P.v.new_zeros(1, 1, 1, K).expand(P.v.shape)  # v = 0 for the transition run, read from one row
-    resB = P.call(prefill, lay, initial_state=hB, output_final_state=True, return_chunk_states=want_cs)
-    resA = P.call(prefill, lay, v=v0, initial_state=hA, output_final_state=True, return_chunk_states=want_cs)
+    twins = _twins_of(prefill)
+    res = P.call(twins, lay, initial_state=h2, return_chunk_states=want_cs) if twins is not None else None
+    if res is not None:  # heads [:HV] are B's run, [HV:] A's
+        resB = [x[:, :, :HV] if i == 0 else x[:, :HV] for i, x in enumerate(res)]
+        resA = [x[:, :, HV:] if i == 0 else x[:, HV:] for i, x in enumerate(res)]
+    else:
+        v0 = P.v.new_zeros(1, 1, 1, K).expand(P.v.shape)  # v = 0 for the transition run, read from one row
+        resB = P.call(prefill, lay, initial_state=h2[:, :HV].contiguous(), output_final_state=True,
+                      return_chunk_states=want_cs)
+        resA = P.call(prefill, lay, v=v0, initial_state=h2[:, HV:].contiguous(), output_final_state=True,
+                      return_chunk_states=want_cs)
     Bm, Am = resB[1], resA[1]
     if firsts:
         Am.index_fill_(0, at, 0.0)  # Am[at] = 0.0 copies the scalar from the host: a sync (profiled)

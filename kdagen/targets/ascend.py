@@ -263,6 +263,8 @@ class AscendLauncher:
         """Reject what the kernel does not implement, with the reason."""
         v = self.variant
         C = v.chunk
+        if getattr(call, "twins", 1) != 1:
+            raise AscendError(f"{v.name}: twins={call.twins}; the Ascend kernel runs one state per value head")
         if call.cu_seqlens is not None:
             raise AscendError(f"{v.name}: varlen (cu_seqlens) is not supported by the Ascend kernel")
         if call.T % C:

@@ -92,12 +92,16 @@ def aligned_inputs(call, in_t: torch.dtype) -> tuple:
     return q, q_s, k, k_s, v, v_s, g, g_s, beta
 
 
-def check_call(call, v) -> None:
+def check_call(call, v, twins_ok: bool = False) -> None:
     """What every CUDA launcher checks of a KdaCall against its variant `v` (the runtime has
-    validated the user's arguments; these catch a record built for another variant)."""
+    validated the user's arguments; these catch a record built for another variant). twins_ok:
+    the launcher runs KdaCall.twins == 2."""
     from ..dtypes import torch_dtype
 
     who = v.name
+    if call.twins not in ((1, 2) if twins_ok else (1,)):
+        raise RuntimeError(f"{who}: twins={call.twins}; this launcher runs "
+                           f"{'1 or 2' if twins_ok else 'only 1'} state runs per value head")
     in_t = torch_dtype(v.dtype)
     for nm in ("q", "k", "v", "o"):
         t = getattr(call, nm)

@@ -76,6 +76,9 @@ def recur_smem_beside_prep(smem1: int, smem2: int, props, k: int = 1) -> int:
 
 
 class Sm80Launcher:
+    # KdaCall.twins == 2 runs (the transition run shares the prep; see KdaParams::twins)
+    supports_twins = True
+
     def __init__(self, variant: Variant, artifact: Path, settings: Sm80Settings | None = None) -> None:
         self.variant = variant
         self.artifact = Path(artifact)
@@ -108,7 +111,7 @@ class Sm80Launcher:
     def _check(self, call: KdaCall) -> None:
         v = self.variant
         who = v.name
-        check_call(call, v)
+        check_call(call, v, twins_ok=True)
         o = call.o
         if o.stride(-1) != 1 or o.data_ptr() % 16 or any((st * o.element_size()) % 16 for st in call.o_strides):
             # kda_recur writes o in 16-byte pieces
@@ -125,6 +128,7 @@ class Sm80Launcher:
         p.scale, p.lower_bound = float(call.scale), float(call.lower_bound)
         p.use_l2norm, p.neg_eigval, p.state_kv = int(call.use_qk_l2norm), int(call.allow_neg_eigval), int(call.state_kv)
         p.g_fp32, p.beta_fp32 = int(g_dtype == torch.float32), int(beta_dtype == torch.float32)
+        p.twins = call.twins
         return p
 
     def workspace_bytes(self, call: KdaCall, device: torch.device) -> int:
@@ -202,7 +206,8 @@ class Sm80Launcher:
         if max_len > 0 and "prep" in self.settings.parts:
             mod.launch(f1, ((max_len + C - 1) // C, call.N, call.HV), (nt1, 1, 1), smem1, stream, p, "kda_prep")
         if "recur" in self.settings.parts:
-            mod.launch(f2, (v.v // v.block_v, call.N, call.HV), (nt2, 1, 1), smem2, stream, p, "kda_recur")
+            mod.launch(f2, (v.v // v.block_v, call.N, call.HV * call.twins), (nt2, 1, 1), smem2, stream, p,
+                       "kda_recur")
         # ws and any realigned copies were allocated on this stream: the caching allocator only
         # hands their memory to later work on the same stream, so no record_stream is needed.
 
@@ -215,7 +220,7 @@ class Sm80Launcher:
         self._check(call)
         dev = call.q.device
         in_t = torch_dtype(v.dtype)
-        if call.N == 0 or self.settings.parts != ("prep", "recur"):
+        if call.N == 0 or self.settings.parts != ("prep", "recur") or call.twins != 1:
             return None
         if call.g.dtype not in (in_t, torch.float32) or call.beta.dtype not in (in_t, torch.float32):
             return None
@@ -242,7 +247,7 @@ class Sm80Launcher:
         equal-length sequences and no per-chunk states."""
         cfg = self.settings
         if (cfg.min_segment_tokens is None or cfg.parts != ("prep", "recur") or call.cu_seqlens is not None
-                or call.chunk_states is not None or v.state != "fp32"):
+                or call.chunk_states is not None or v.state != "fp32" or call.twins != 1):
             return []
         programs = call.N * call.HV * (v.v // v.block_v)
         if programs >= _sm_count(device or call.q.device) or max_len < 2 * cfg.min_segment_tokens:

@@ -71,6 +71,8 @@ class TritonLauncher:
         v, mod = self.variant, self.module
         if (call.K, call.V) != (v.k, v.v):
             raise RuntimeError(f"{v.name}: head dims K={call.K} V={call.V} do not match the variant")
+        if call.twins != 1:
+            raise RuntimeError(f"{v.name}: twins={call.twins}; the Triton kernels run one state per value head")
         dev = call.q.device
         dummies, tuned = self._device_state(dev)
         cfg = tuned if self.config is None else self.config

@@ -30,7 +30,10 @@ struct KdaParams {
   int B, T, N, H, HV, group, max_len;
   float scale;
   float lower_bound;
-  int use_l2norm, neg_eigval, state_kv, g_fp32, beta_fp32, pad0;
+  int use_l2norm, neg_eigval, state_kv, g_fp32, beta_fp32;
+  // State runs per value head in sm80's kda_recur (0 or 1: one). At 2, state head HV + h reruns
+  // head h's records with U = 0 (v = 0), so the scan's transition run shares one kda_prep.
+  int twins;
 };
 
 namespace kda {

@@ -66,14 +66,15 @@ __device__ __forceinline__ void copy_rows(char* dst, const char* src, int lane) 
 }
 
 // Issue the cp.async copies of one chunk record (this block's V slice of U0^T) into a stage.
-__device__ __forceinline__ void prefetch_chunk(char* stage, const char* rec, int vb, int lane) {
+// zero_u: a twin run (v = 0) keeps the stage's U tile at the zeros written before the loop.
+__device__ __forceinline__ void prefetch_chunk(char* stage, const char* rec, int vb, int lane, bool zero_u) {
   // W, Qd, Kr rows back to back: [3C][K] in the record and in shared memory (C % 8 == 0, so a
   // row's swizzle is the same counted from W or from its own tile).
   copy_tile<3 * C, K / 8>(stage, rec, lane);
   char* sm = stage + 3 * C * K * 2;
   copy_tile<C, C / 8>(sm, rec + OFF_M, lane);
   char* su = sm + C * C * 2;
-  copy_tile<BV, C / 8>(su, rec + OFF_U + (long long)vb * BV * C * 2, lane);
+  if (!zero_u) copy_tile<BV, C / 8>(su, rec + OFF_U + (long long)vb * BV * C * 2, lane);
   // Gamma_C: K / 4 16-byte pieces, in rows of at most 32 (one pass of the warp).
   if constexpr (K / 4 <= 32) copy_rows<1, K / 4, 0, 0>(su + BV * C * 2, rec + OFF_GM, lane);
   else copy_rows<K / 128, 32, 512, 512>(su + BV * C * 2, rec + OFF_GM, lane);
@@ -180,7 +181,12 @@ extern "C" __global__ void KDA_RECUR_BOUNDS kda_recur(const KdaParams p) {
   using namespace kda;
   extern __shared__ __align__(16) char smem2[];
   float4* xbuf = reinterpret_cast<float4*>(smem2 + NSTAGE * STAGE);
-  const int vb = blockIdx.x, n = blockIdx.y, h = blockIdx.z;
+  // hs: the state head (o, states); h: the value head whose records it reads. With twins, state
+  // heads HV..2HV-1 rerun heads 0..HV-1 with U = 0, the run of v = 0 (KdaParams::twins).
+  const int vb = blockIdx.x, n = blockIdx.y, hs = blockIdx.z;
+  const int HS = p.twins > 1 ? p.HV * p.twins : p.HV;
+  const int h = hs % p.HV;
+  const bool zero_u = hs >= p.HV;
   int bos, len;
   seq_bounds(p, n, bos, len);
   const int nc = (len + C - 1) / C;
@@ -202,18 +208,25 @@ extern "C" __global__ void KDA_RECUR_BOUNDS kda_recur(const KdaParams p) {
     // barrier; the compute warps write the other slot in step c), and the last chunk's after one
     // more barrier past the loop. Its barriers are other instructions than the compute warps'
     // (block_sync: the non-aligned form).
-    in_t* ob = (in_t*)p.o + bidx * p.o_s[0] + h * p.o_s[2] + vb * BV + tb * p.o_s[1];
+    in_t* ob = (in_t*)p.o + bidx * p.o_s[0] + hs * p.o_s[2] + vb * BV + tb * p.o_s[1];
     const long long ostride = p.o_s[1];
+    if (zero_u) {  // every stage's U tile, once: published to the compute warps by the first block barrier
+      for (int i = lane; i < NSTAGE * BV * C / 8; i += 32) {
+        const int st = i / (BV * C / 8), e = i % (BV * C / 8);
+        reinterpret_cast<uint4*>(smem2 + st * STAGE + (3 * C * K + C * C) * 2)[e] = make_uint4(0, 0, 0, 0);
+      }
+    }
 #pragma unroll
     for (int j = 0; j < NSTAGE - 1; ++j) {
-      if (j < nc) prefetch_chunk(smem2 + j * STAGE, rec_c + j * rstride, vb, lane);
+      if (j < nc) prefetch_chunk(smem2 + j * STAGE, rec_c + j * rstride, vb, lane, zero_u);
       cp_async_commit();
     }
     for (int c = 0; c < nc; ++c) {
       cp_async_wait<NSTAGE - 2>();
       block_sync();
       if (c + NSTAGE - 1 < nc)
-        prefetch_chunk(smem2 + ((c + NSTAGE - 1) % NSTAGE) * STAGE, rec_c + (c + NSTAGE - 1) * rstride, vb, lane);
+        prefetch_chunk(smem2 + ((c + NSTAGE - 1) % NSTAGE) * STAGE, rec_c + (c + NSTAGE - 1) * rstride, vb, lane,
+                       zero_u);
       cp_async_commit();
       if (O_BY_COPY && c > 0)
         store_o_chunk(so_all + ((c - 1) & 1) * OSLOT, ob + (long long)(c - 1) * C * ostride, ostride, C, lane);
@@ -233,7 +246,7 @@ extern "C" __global__ void KDA_RECUR_BOUNDS kda_recur(const KdaParams p) {
   const int vw = vt * 16 * MT;       // this warp's first V row within the block's slice
   const int vr0 = vb * BV + vw + g8;  // state row of tile 0 (tile m: + 16 m)
 #if KDA_STATE != 0
-  const long long st_off = ((long long)n * p.HV + h) * V * K;  // initial / final state
+  const long long st_off = ((long long)n * HS + hs) * V * K;  // initial / final state
 #endif
   const bool kv = p.state_kv != 0;
 
@@ -257,7 +270,7 @@ extern "C" __global__ void KDA_RECUR_BOUNDS kda_recur(const KdaParams p) {
         for (int e = 0; e < 4; ++e) s[m][nt][e] = 0.f;
   }
 
-  in_t* op = (in_t*)p.o + bidx * p.o_s[0] + h * p.o_s[2] + vb * BV + vw;  // (chunk 64)
+  in_t* op = (in_t*)p.o + bidx * p.o_s[0] + hs * p.o_s[2] + vb * BV + vw;  // (chunk 64)
   const long long ostride = p.o_s[1];
   const int coff = p.hc ? p.chunk_offsets[n] : 0;
 
@@ -267,9 +280,9 @@ extern "C" __global__ void KDA_RECUR_BOUNDS kda_recur(const KdaParams p) {
 #pragma unroll
       for (int m = 0; m < MT; ++m) {
 #if KDA_STATE == 2
-        store_state((bf16*)p.hc + ((long long)(coff + c) * p.HV + h) * V * K, s[m], vr0 + 16 * m, k0, t4, kv);
+        store_state((bf16*)p.hc + ((long long)(coff + c) * HS + hs) * V * K, s[m], vr0 + 16 * m, k0, t4, kv);
 #else
-        store_state((float*)p.hc + ((long long)(coff + c) * p.HV + h) * V * K, s[m], vr0 + 16 * m, k0, t4, kv);
+        store_state((float*)p.hc + ((long long)(coff + c) * HS + hs) * V * K, s[m], vr0 + 16 * m, k0, t4, kv);
 #endif
       }
     }
