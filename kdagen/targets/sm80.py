@@ -1,7 +1,9 @@
 """Launcher for the sm80 target: two kernels per variant (kda_prep, kda_recur) from one fatbin.
 
 kda_prep (grid: chunks x sequences x value heads) writes a per-chunk workspace record;
-kda_recur (grid: V/block_v x sequences x value heads) runs the chunk recurrence. Both take a
+kda_recur (grid: V/block_v x sequences x value heads) runs the chunk recurrence; kda_recur_twins,
+the same code built for KdaCall.twins == 2, runs twice the heads (the scan's transition run on the
+same prep). All take a
 `KdaParams` struct by value (its ctypes mirror is derived from templates/common/kda_common.cuh
 in cuda_launch.py). Layout
 constants (workspace record size, shared memory, block sizes) are read from the module's
@@ -206,8 +208,11 @@ class Sm80Launcher:
         if max_len > 0 and "prep" in self.settings.parts:
             mod.launch(f1, ((max_len + C - 1) // C, call.N, call.HV), (nt1, 1, 1), smem1, stream, p, "kda_prep")
         if "recur" in self.settings.parts:
-            mod.launch(f2, (v.v // v.block_v, call.N, call.HV * call.twins), (nt2, 1, 1), smem2, stream, p,
-                       "kda_recur")
+            if call.twins > 1:  # its own entry: the plain kda_recur is compiled without the twins' code
+                mod.launch(mod.function("kda_recur_twins", smem2), (v.v // v.block_v, call.N, call.HV * call.twins),
+                           (nt2, 1, 1), smem2, stream, p, "kda_recur_twins")
+            else:
+                mod.launch(f2, (v.v // v.block_v, call.N, call.HV), (nt2, 1, 1), smem2, stream, p, "kda_recur")
         # ws and any realigned copies were allocated on this stream: the caching allocator only
         # hands their memory to later work on the same stream, so no record_stream is needed.
 

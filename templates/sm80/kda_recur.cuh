@@ -164,29 +164,19 @@ __device__ __forceinline__ void load_state_l(const ST* base, float (*s)[4], int 
     }
 }
 
-}  // namespace kda
-
-// Register budgets, found per build (ptxas 13.0, sm_80 and sm_90 images), not derived: left to
-// itself ptxas caps chunk 64 and block_v 16 too low and spills; at chunk 64, K = 64 only an
-// explicit 255 avoids spills (NOTES.md; the ptxas-report test guards every variant). K = 256
-// (chunk 16) needs no bound of its own: block_v 16/32 take 159-168, block_v 64 (MT 2) 254.
-#if KDA_C == 64 && KDA_K == 64
-#define KDA_RECUR_BOUNDS __maxnreg__(255)
-#elif KDA_C == 64 || KDA_BV == 16
-#define KDA_RECUR_BOUNDS __launch_bounds__(kda::NT2, 1)
-#else
-#define KDA_RECUR_BOUNDS __launch_bounds__(kda::NT2)
-#endif
-extern "C" __global__ void KDA_RECUR_BOUNDS kda_recur(const KdaParams p) {
-  using namespace kda;
+// One block of the recurrence. TWINS: compiled for KdaParams::twins == 2 (kda_recur_twins: 2 HV
+// state heads); the
+// plain kda_recur is built without the twins' code, which moved its schedule (recur +19% at chunk
+// 16, block_v 32, T65536 H24 on the H200 with one kernel for both; benchmarks/NOTES.md, session 30).
+template <bool TWINS>
+__device__ __forceinline__ void recur_block(const KdaParams& p) {
   extern __shared__ __align__(16) char smem2[];
   float4* xbuf = reinterpret_cast<float4*>(smem2 + NSTAGE * STAGE);
   // hs: the state head (o, states); h: the value head whose records it reads. With twins, state
   // heads HV..2HV-1 rerun heads 0..HV-1 with U = 0, the run of v = 0 (KdaParams::twins).
   const int vb = blockIdx.x, n = blockIdx.y, hs = blockIdx.z;
-  const int HS = p.twins > 1 ? p.HV * p.twins : p.HV;
-  const int h = hs % p.HV;
-  const bool zero_u = hs >= p.HV;
+  const bool zero_u = TWINS && hs >= p.HV;
+  const int h = zero_u ? hs - p.HV : hs;
   int bos, len;
   seq_bounds(p, n, bos, len);
   const int nc = (len + C - 1) / C;
@@ -246,7 +236,7 @@ extern "C" __global__ void KDA_RECUR_BOUNDS kda_recur(const KdaParams p) {
   const int vw = vt * 16 * MT;       // this warp's first V row within the block's slice
   const int vr0 = vb * BV + vw + g8;  // state row of tile 0 (tile m: + 16 m)
 #if KDA_STATE != 0
-  const long long st_off = ((long long)n * HS + hs) * V * K;  // initial / final state
+  const long long st_off = ((long long)n * (TWINS ? 2 * p.HV : p.HV) + hs) * V * K;  // initial / final state
 #endif
   const bool kv = p.state_kv != 0;
 
@@ -280,9 +270,11 @@ extern "C" __global__ void KDA_RECUR_BOUNDS kda_recur(const KdaParams p) {
 #pragma unroll
       for (int m = 0; m < MT; ++m) {
 #if KDA_STATE == 2
-        store_state((bf16*)p.hc + ((long long)(coff + c) * HS + hs) * V * K, s[m], vr0 + 16 * m, k0, t4, kv);
+        store_state((bf16*)p.hc + ((long long)(coff + c) * (TWINS ? 2 * p.HV : p.HV) + hs) * V * K, s[m],
+                    vr0 + 16 * m, k0, t4, kv);
 #else
-        store_state((float*)p.hc + ((long long)(coff + c) * HS + hs) * V * K, s[m], vr0 + 16 * m, k0, t4, kv);
+        store_state((float*)p.hc + ((long long)(coff + c) * (TWINS ? 2 * p.HV : p.HV) + hs) * V * K, s[m],
+                    vr0 + 16 * m, k0, t4, kv);
 #endif
       }
     }
@@ -545,3 +537,19 @@ extern "C" __global__ void KDA_RECUR_BOUNDS kda_recur(const KdaParams p) {
   }
 #endif
 }
+
+}  // namespace kda
+
+// Register budgets, found per build (ptxas 13.0, sm_80 and sm_90 images), not derived: left to
+// itself ptxas caps chunk 64 and block_v 16 too low and spills; at chunk 64, K = 64 only an
+// explicit 255 avoids spills (NOTES.md; the ptxas-report test guards every variant). K = 256
+// (chunk 16) needs no bound of its own: block_v 16/32 take 159-168, block_v 64 (MT 2) 254.
+#if KDA_C == 64 && KDA_K == 64
+#define KDA_RECUR_BOUNDS __maxnreg__(255)
+#elif KDA_C == 64 || KDA_BV == 16
+#define KDA_RECUR_BOUNDS __launch_bounds__(kda::NT2, 1)
+#else
+#define KDA_RECUR_BOUNDS __launch_bounds__(kda::NT2)
+#endif
+extern "C" __global__ void KDA_RECUR_BOUNDS kda_recur(const KdaParams p) { kda::recur_block<false>(p); }
+extern "C" __global__ void KDA_RECUR_BOUNDS kda_recur_twins(const KdaParams p) { kda::recur_block<true>(p); }
