@@ -21,15 +21,23 @@ def test_costs_say_whether_they_are_measured():
 
 # The rows of benchmarks/results/2026-12-01_s10_h200_scan_issue17.md: the scan composed of
 # kda_prefill calls measured slower than one piece at every segment count on every row
-# (block_v as the runtime picked there: 16 at 4 and 8 heads, 32 above).
+# (block_v as the runtime picked there: 16 at 4 and 8 heads, 32 above); T65536 H8 and H24 and
+# T8192 H4 again with step 1 as one twin launch (2026-12-04_s30_h200_twins.md, S = 4, 8, 16).
 MEASURED_SLOWER = [([32768], 32), ([65536], 24), ([30000, 7, 1, 64, 999, 3000], 32), ([8192], 4), ([32768], 8),
-                   ([65536], 8), ([131072], 4), ([8192] * 4, 4)]
+                   ([65536], 8), ([8192] * 4, 4)]
 
 
 @pytest.mark.parametrize("lengths,heads", MEASURED_SLOWER)
 def test_engine_costs_stay_off_where_the_scan_measured_slower(lengths, heads):
     p = plan_segments(lengths, heads=heads, v_blocks=8 if heads <= 8 else 4, sm_count=132, costs="h200-engine")
     assert not p.split and p.reason.startswith("off"), p.reason
+
+
+def test_engine_costs_split_where_the_twin_scan_measured_faster():
+    # B1 T131072 H4 (block_v 16): slower split in session 10, when step 1 prepped twice; with the
+    # twin launch 3.57 / 3.37 / 3.03 ms at S = 4 / 8 / 16 against 4.31 in one piece (session 30).
+    p = plan_segments([131072], heads=4, v_blocks=8, sm_count=132, costs="h200-engine")
+    assert p.split and 4 <= p.segments[0] <= 16, p
 
 
 @pytest.mark.parametrize("costs", sorted(COSTS))

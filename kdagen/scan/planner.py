@@ -61,8 +61,12 @@ class ScanCosts:
 #   its doubled prep, over 2048 steps) and 1.51 with 3 (T65536 H24, S=2): 0.43-0.50 us of SM
 #   time per program-step. Chunk 64 at several programs per SM is not measured: set equal.
 # - prep_ns: kda_prep alone, 0.97-1.1 ns per token and head at chunk 16, 2.7 at chunk 64.
-# - map_prep = 2, rerun_prep = 1: the calls repeat the prep (step 1 then ran doubled heads; since
-#   session 29 it runs two calls, B and A, each with its own prep); the step times above fit that.
+# - map_prep = 1, rerun_prep = 1: since session 30 step 1 is one sm80 launch with twin state heads
+#   (one kda_prep, 3.29 ms, then one kda_recur over 2 HV heads, 6.34 ms, at 512K tokens, 8 heads, 8
+#   segments; as two calls it took 2 x (3.29 + 2.79)); step 3 re-preps. Until then map_prep was 2.
+#   With 1 the model splits B1 T131072 H4 (4.2 against 4.7 ms modeled), which the H200 then
+#   measured at 3.03-3.57 ms (S = 4-16) against 4.31 in one piece, and still leaves T65536 H8 and
+#   H24 and T8192 H4 whole, measured slower split (2026-12-04_s30_h200_twins.md).
 # - copy_ns: 0. Step 1's doubled-head inputs cost ~1.0 ns per token and head (4.1 ms at 512K tokens,
 #   8 heads, torch.profiler, session 29); the two calls since read the caller's tensors.
 # - call_us: the scan's host work besides the steps, ~150 us at T8192 H4 (three calls' worth).
@@ -72,7 +76,7 @@ _H200_ENGINE = ScanCosts(
     name="h200-engine",
     measured=True,
     source="H200, trees 96455e8 and ca546e0 (benchmarks/results/2026-12-01_s10_h200_scan_issue17.md): the scan "
-           "composed of kda_prefill calls (step 1 two calls that each prep; step 3 re-preps); "
+           "composed of kda_prefill calls (step 1 one twin launch since session 30; step 3 re-preps); "
            "chunk-64 step_sm_us estimated",
     step_us={16: 0.5, 64: 1.8},
     step_sm_us={16: 0.47, 64: 1.8},
@@ -80,7 +84,7 @@ _H200_ENGINE = ScanCosts(
     map_step_sm_us={16: 0.47, 64: 1.8},
     map_programs=2.0,
     prep_ns={16: 1.0, 64: 2.7},
-    map_prep=2.0,
+    map_prep=1.0,
     rerun_prep=1.0,
     copy_ns=0.0,
     compose_us=12.0,
