@@ -18,4 +18,8 @@ def fresh_runtime(monkeypatch, tmp_path):
             monkeypatch.delenv(name, raising=False)
     rt.reset()
     yield
+    # the caller's environment back first: reset() reads the registry again at once, and one read
+    # under this test's cache directory left every later test in the process with its builds
+    # "not built" (the GPU suite, session 30)
+    monkeypatch.undo()
     rt.reset()
