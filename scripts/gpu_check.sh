@@ -70,11 +70,15 @@ for stage in $STAGES; do
       # --list), each (tool, variant) in its own process (synccheck aborts a process at its first
       # error); fails on any error. --report-api-errors no: torch/cuda-bindings probe driver
       # symbols with cuGetProcAddress, which memcheck counts as errors (none in a kernel).
+      # --num-cuda-barriers 1024: the tool's automatic count misses kda_recur's PTX mbarriers, and
+      # synccheck then overflowed its tracking ("overflow of tracked cuda::barrier structures") and
+      # killed the kernel on some launches; at 1024 and 16384 the same cases ran clean (session 30).
       # Summary: $OUT/sanitize_summary.md (copy it to benchmarks/results/).
       mkdir -p "$OUT/sanitize"
       python3 scripts/sanitize_case.py --list ${SANITIZE_ARGS:-} > "$OUT/sanitize/variants.txt" || rc=1
       for tool in ${SANITIZE_TOOLS:-memcheck racecheck synccheck initcheck}; do
         xargs -P "${SANITIZE_JOBS:-6}" -I{} sh -c "timeout 240 compute-sanitizer --tool $tool --report-api-errors no \
+          --num-cuda-barriers 1024 \
           --error-exitcode 9 --print-limit 20 python3 scripts/sanitize_case.py --variant {} \
           > '$OUT/sanitize/$tool-{}.log' 2>&1; echo \"\$? {}\" >> '$OUT/sanitize/$tool.rc'" \
           < "$OUT/sanitize/variants.txt"
