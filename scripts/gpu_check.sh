@@ -29,7 +29,8 @@ STAGES=${*:-build test sanitize bench}
 SPECS=${SPECS:-"specs/ci.yaml specs/a100.yaml specs/h800.yaml specs/sm90_dev.yaml specs/ascend950.yaml"}
 rc=0
 {
-  echo "date: $(date -u +%F) commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+  # KDAGEN_COMMIT first: the device copy's .git need not be the tree it carries (session 30 printed an older HEAD)
+  echo "date: $(date -u +%F) commit: ${KDAGEN_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
   nvcc --version | tail -1
