@@ -775,6 +775,16 @@ class Plan:
             return out, fs
         return self(q, k, v, g, beta, A_log, dt_bias, h0, cu, cu_cpu, out, fs, cs, ws)
 
+    def _gate_args(self, A_log, dt_bias) -> tuple:
+        """A_log [HV] and dt_bias [HV, K] as the launchers take them (fp32, contiguous), or None."""
+        A = dt = None
+        if not self.precomputed:
+            A = A_log if self.A_ready else A_log.to(torch.float32).contiguous().reshape(-1)
+            if dt_bias is not None:
+                dt = dt_bias if self.dt_ready else dt_bias.to(torch.float32).contiguous().reshape(self.info.HV,
+                                                                                                self.info.K)
+        return A, dt
+
     def twins(self, q, k, v, g, beta, A_log, dt_bias, h2, cu, cu_cpu) -> tuple:
         """kda_prefill_twins' launch: the launcher's KdaCall with twins=2, h2 [N, 2 HV, V, K] fp32,
         outputs with 2 HV heads (the general path: no bound launch)."""
@@ -797,11 +807,7 @@ class Plan:
                 raise KdaInputError("chunk_states: the twin runs with cu_seqlens need host offsets (cu_seqlens_cpu)")
             cs = torch.empty((rows, 2 * info.HV, *self.st_shape), dtype=self.st_dtype, device=dev)
         if info.N > 0:
-            A = dt = None
-            if not self.precomputed:
-                A = A_log if self.A_ready else A_log.to(torch.float32).contiguous().reshape(-1)
-                if dt_bias is not None:
-                    dt = dt_bias if self.dt_ready else dt_bias.to(torch.float32).contiguous().reshape(info.HV, info.K)
+            A, dt = self._gate_args(A_log, dt_bias)
             self.launcher(KdaCall(
                 q=q, k=k, v=v, g=g, beta=beta, o=o,
                 q_strides=self.strides[0], k_strides=self.strides[1], v_strides=self.strides[2],
@@ -841,11 +847,7 @@ class Plan:
                 raise KdaInputError(f"chunk_states: expected at least {rows} rows (one per chunk of every "
                                     f"sequence), found {cs.shape[0]}")
         if info.N > 0:
-            A = dt = None
-            if not self.precomputed:
-                A = A_log if self.A_ready else A_log.to(torch.float32).contiguous().reshape(-1)
-                if dt_bias is not None:
-                    dt = dt_bias if self.dt_ready else dt_bias.to(torch.float32).contiguous().reshape(info.HV, info.K)
+            A, dt = self._gate_args(A_log, dt_bias)
             h = h0 if self.h0_ready else h0.contiguous()
             cs_ = cs if self.want_chunks else None
             fast = self.fast

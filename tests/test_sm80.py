@@ -143,13 +143,14 @@ def test_sm80_time_segments_plan(monkeypatch):
     var = Variant("sm80", 16, 128, 128, "bf16", "bounded", "fp32", 32)
     la = sm80.Sm80Launcher(var, Path("unused.fatbin"))
     call = lambda **kw: SimpleNamespace(**{**dict(cu_seqlens=None, chunk_states=None, N=1, HV=24,  # noqa: E731
-                                                 q=torch.empty(1)), **kw})
+                                                 twins=1, q=torch.empty(1)), **kw})
     segs = la._segments(call(), var, 65536)  # issue 4's B1 T65536 H24: 96 programs < 132 SMs
     assert segs == [(a, a + 8192) for a in range(0, 65536, 8192)]
     assert la._segments(call(), var, 10000) == [(0, 5056), (5056, 10000)]  # whole chunks
     assert la._segments(call(HV=96), var, 8192) == []  # 384 programs fill the GPU
     assert la._segments(call(cu_seqlens=torch.zeros(2)), var, 65536) == []
     assert la._segments(call(chunk_states=torch.zeros(1)), var, 65536) == []
+    assert la._segments(call(twins=2), var, 65536) == []  # the scan's twin launch runs in one piece
     assert la._segments(call(), var, 6000) == []  # too short
     la = la.with_settings(last_segment_tokens=2000)  # the last starts on a whole 64 (2048 tokens)
     assert [b - a for a, b in la._segments(call(), var, 65536)] == [9088] * 6 + [8960, 2048]
