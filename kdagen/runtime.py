@@ -785,14 +785,30 @@ class Plan:
                                                                                                 self.info.K)
         return A, dt
 
+    def _varlen_args(self, cu, cu_cpu) -> tuple:
+        """(longest sequence or T, host offsets or None, int32 device offsets or None)."""
+        if not self.info.varlen:
+            return self.info.T, None, None
+        max_len, host = self._offsets(cu, cu_cpu)
+        return max_len, host, (cu if self.cu_ready else cu.to(device=self.device, dtype=torch.int32).contiguous())
+
+    def _kda_call(self, q, k, v, g, beta, o, o_strides, A, dt, cu32, h0, fs, cs, co, max_len, ws,
+                  twins: int = 1) -> KdaCall:
+        i = self.info
+        return KdaCall(q=q, k=k, v=v, g=g, beta=beta, o=o,
+                       q_strides=self.strides[0], k_strides=self.strides[1], v_strides=self.strides[2],
+                       g_strides=self.strides[3], beta_strides=self.strides[4], o_strides=o_strides,
+                       B=i.B, T=i.T, N=i.N, H=i.H, HV=i.HV, K=i.K, V=i.V,
+                       cu_seqlens=cu32, A_log=A, dt_bias=dt, scale=self.scale, lower_bound=self.lower_bound,
+                       use_qk_l2norm=self.use_l2, allow_neg_eigval=self.neg_eig, initial_state=h0, final_state=fs,
+                       state_kv=self.state_kv, chunk_states=cs, chunk_offsets=co, max_len=max_len, workspace=ws,
+                       twins=twins)
+
     def twins(self, q, k, v, g, beta, A_log, dt_bias, h2, cu, cu_cpu) -> tuple:
         """kda_prefill_twins' launch: the launcher's KdaCall with twins=2, h2 [N, 2 HV, V, K] fp32,
         outputs with 2 HV heads (the general path: no bound launch)."""
         info, dev = self.info, self.device
-        max_len, host, cu32 = info.T, None, None
-        if info.varlen:
-            max_len, host = self._offsets(cu, cu_cpu)
-            cu32 = cu if self.cu_ready else cu.to(device=dev, dtype=torch.int32).contiguous()
+        max_len, host, cu32 = self._varlen_args(cu, cu_cpu)
         if self.layout == "bsnd":
             o = torch.empty((info.B, info.T, 2 * info.HV, info.V), dtype=self.o_dtype, device=dev)
             o_strides = (o.stride(0), o.stride(1), o.stride(2))
@@ -808,25 +824,15 @@ class Plan:
             cs = torch.empty((rows, 2 * info.HV, *self.st_shape), dtype=self.st_dtype, device=dev)
         if info.N > 0:
             A, dt = self._gate_args(A_log, dt_bias)
-            self.launcher(KdaCall(
-                q=q, k=k, v=v, g=g, beta=beta, o=o,
-                q_strides=self.strides[0], k_strides=self.strides[1], v_strides=self.strides[2],
-                g_strides=self.strides[3], beta_strides=self.strides[4], o_strides=o_strides,
-                B=info.B, T=info.T, N=info.N, H=info.H, HV=info.HV, K=info.K, V=info.V,
-                cu_seqlens=cu32, A_log=A, dt_bias=dt, scale=self.scale, lower_bound=self.lower_bound,
-                use_qk_l2norm=self.use_l2, allow_neg_eigval=self.neg_eig, initial_state=h2, final_state=fs,
-                state_kv=False, chunk_states=cs, chunk_offsets=co, max_len=max_len, twins=2))
+            self.launcher(self._kda_call(q, k, v, g, beta, o, o_strides, A, dt, cu32, h2, fs, cs, co, max_len, None,
+                                         twins=2))
         return (o, fs, cs) if self.want_chunks else (o, fs)
 
     def __call__(self, q, k, v, g, beta, A_log, dt_bias, h0, cu, cu_cpu, out, fs, cs, ws):
         """The general path: conversions, chunk offsets, the launcher's checked launch (and, on
         the first call, its bind)."""
         info, dev = self.info, self.device
-        max_len, host = info.T, None
-        cu32 = None
-        if info.varlen:
-            max_len, host = self._offsets(cu, cu_cpu)
-            cu32 = cu if self.cu_ready else cu.to(device=dev, dtype=torch.int32).contiguous()
+        max_len, host, cu32 = self._varlen_args(cu, cu_cpu)
         # empty_like where it gives the same layout: it costs a third of torch.empty(shape, ...)
         if out is None:
             out = torch.empty_like(v) if self.v_contiguous else torch.empty(self.o_shape, dtype=self.o_dtype,
@@ -853,15 +859,8 @@ class Plan:
             fast = self.fast
             if fast is None or fast is _UNBOUND or not fast.launch(q, k, v, g, beta, out, A, dt, cu32, h, fs, cs_, co,
                                                                     ws, max_len):
-                call = KdaCall(
-                    q=q, k=k, v=v, g=g, beta=beta, o=out,
-                    q_strides=self.strides[0], k_strides=self.strides[1], v_strides=self.strides[2],
-                    g_strides=self.strides[3], beta_strides=self.strides[4], o_strides=self.o_strides,
-                    B=info.B, T=info.T, N=info.N, H=info.H, HV=info.HV, K=info.K, V=info.V,
-                    cu_seqlens=cu32, A_log=A, dt_bias=dt, scale=self.scale, lower_bound=self.lower_bound,
-                    use_qk_l2norm=self.use_l2, allow_neg_eigval=self.neg_eig, initial_state=h, final_state=fs,
-                    state_kv=self.state_kv, chunk_states=cs_, chunk_offsets=co, max_len=max_len, workspace=ws,
-                )
+                call = self._kda_call(q, k, v, g, beta, out, self.o_strides, A, dt, cu32, h, fs, cs_, co, max_len,
+                                      ws)
                 self.launcher(call)
                 if fast is _UNBOUND:
                     # Launchers with a bound fast path prepare it from this first (checked) call.

@@ -78,6 +78,7 @@ constexpr int NT2 = (NW2 + 1) * 32;
 // A stage: W, Qd, Kr [C][K], Mqk [C][C], this block's U0^T [BV][C] (16-bit, rows unpadded,
 // 16-byte chunks swizzled: see tile_at), Gamma_C [K] (fp32).
 constexpr int STAGE = (3 * C * K + C * C + BV * C) * 2 + K * 4;
+constexpr int STAGE_U = (3 * C * K + C * C) * 2;  // bytes before the U tile
 // Split-K exchange, per warp and 16-row tile: its partial U^T [16 v, C] (C/8 float4 per lane) and
 // the partial S Qd^T n-tiles its partner finishes (C/16 float4 per lane). Float4 j of tile m of
 // lane l of warp w sits at ((w * MT + m) * XW4 + j) * 32 + l: conflict-free.

@@ -71,9 +71,8 @@ __device__ __forceinline__ void prefetch_chunk(char* stage, const char* rec, int
   // W, Qd, Kr rows back to back: [3C][K] in the record and in shared memory (C % 8 == 0, so a
   // row's swizzle is the same counted from W or from its own tile).
   copy_tile<3 * C, K / 8>(stage, rec, lane);
-  char* sm = stage + 3 * C * K * 2;
-  copy_tile<C, C / 8>(sm, rec + OFF_M, lane);
-  char* su = sm + C * C * 2;
+  copy_tile<C, C / 8>(stage + 3 * C * K * 2, rec + OFF_M, lane);
+  char* su = stage + STAGE_U;
   if (!zero_u) copy_tile<BV, C / 8>(su, rec + OFF_U + (long long)vb * BV * C * 2, lane);
   // Gamma_C: K / 4 16-byte pieces, in rows of at most 32 (one pass of the warp).
   if constexpr (K / 4 <= 32) copy_rows<1, K / 4, 0, 0>(su + BV * C * 2, rec + OFF_GM, lane);
@@ -164,10 +163,10 @@ __device__ __forceinline__ void load_state_l(const ST* base, float (*s)[4], int 
     }
 }
 
-// One block of the recurrence. TWINS: compiled for KdaParams::twins == 2 (kda_recur_twins: 2 HV
-// state heads); the
-// plain kda_recur is built without the twins' code, which moved its schedule (recur +19% at chunk
-// 16, block_v 32, T65536 H24 on the H200 with one kernel for both; benchmarks/NOTES.md, session 30).
+// One block of the recurrence. TWINS: compiled for KdaParams::twins == 2 (kda_recur_twins, 2 HV
+// state heads); the plain kda_recur is built without the twins' code, which moved its schedule
+// (recur +19% at chunk 16, block_v 32, T65536 H24 on the H200 with one kernel for both;
+// benchmarks/NOTES.md, session 30).
 template <bool TWINS>
 __device__ __forceinline__ void recur_block(const KdaParams& p) {
   extern __shared__ __align__(16) char smem2[];
@@ -203,7 +202,7 @@ __device__ __forceinline__ void recur_block(const KdaParams& p) {
     if (zero_u) {  // every stage's U tile, once: published to the compute warps by the first block barrier
       for (int i = lane; i < NSTAGE * BV * C / 8; i += 32) {
         const int st = i / (BV * C / 8), e = i % (BV * C / 8);
-        reinterpret_cast<uint4*>(smem2 + st * STAGE + (3 * C * K + C * C) * 2)[e] = make_uint4(0, 0, 0, 0);
+        reinterpret_cast<uint4*>(smem2 + st * STAGE + STAGE_U)[e] = make_uint4(0, 0, 0, 0);
       }
     }
 #pragma unroll
