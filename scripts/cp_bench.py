@@ -10,7 +10,11 @@ Two runs for a host with fewer GPUs than ranks (neither is a measured speedup; b
 - `--emulate W` (no torchrun): one process runs the W ranks' calls one after another on one GPU,
   the all_gather replaced by the maps of the ranks already run. Results are exact; each rank's
   times alone before and after its exchange give the W-GPU time as the slowest before plus the
-  slowest after (a projection: the all_gather of 2 HV K K fp32 per rank is not in it).
+  slowest after (a projection: the all_gather of 2 HV K K fp32 per rank is not in it). Two ways
+  of cutting a rank's time at its exchange, both printed: CUDA events on the stream (the
+  projection: NCCL's all_gather does not block the host, so the host queues the work after the
+  exchange while step 1 still runs) and a host sync (an upper bound: the host's time after the
+  exchange counted in full, as if every rank's host waited at the all_gather).
 
 A smoke run on CPU (gloo, the Triton interpreter): TRITON_INTERPRET=1 torchrun --nproc_per_node 2
 scripts/cp_bench.py --device cpu --T 256 --H 1 --D 32 --segments auto,2 --iters 1
@@ -75,16 +79,22 @@ def wall_ms(fn: Callable[[], object], iters: int, group_sync: bool) -> float:
 
 
 @contextlib.contextmanager
-def emulated_exchange(world: int, rank: int, maps: dict, marks: list) -> Iterator[None]:
+def emulated_exchange(world: int, rank: int, maps: dict, marks: list, host_sync: bool) -> Iterator[None]:
     """kdagen.cp's all_gather for rank `rank` of an emulated group: the maps recorded from the
     ranks run before it, its own (recorded), zeros for the later ranks (a rank chains only the
-    ranks before it, so those are never read). Appends the time of each exchange to `marks`."""
+    ranks before it, so those are never read). Appends the exchange's moment to `marks`: a CUDA
+    event recorded on the stream, or with host_sync the host's clock after a device sync."""
     real = cp._all_gather
 
     def gather(x: torch.Tensor, ctx) -> list[torch.Tensor]:
         maps[rank] = x.clone()
-        _sync()
-        marks.append(time.perf_counter())
+        if host_sync:
+            _sync()
+            marks.append(time.perf_counter())
+        else:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            marks.append(ev)
         return [maps.get(r, torch.zeros_like(x)) for r in range(world)]
 
     cp._all_gather = gather
@@ -94,18 +104,43 @@ def emulated_exchange(world: int, rank: int, maps: dict, marks: list) -> Iterato
         cp._all_gather = real
 
 
-def phases_ms(fn: Callable[[], object], marks: list, iters: int) -> tuple[float, float]:
-    """Median times of fn() before and after its exchange (the time stamp it appends to marks)."""
+def phases_ms(fn: Callable[[], object], marks: list, iters: int, host_sync: bool) -> tuple[float, float]:
+    """Median times of fn() before and after its exchange (the moment it appends to marks), from
+    an idle device: host clocks around device syncs, or CUDA events (the first recorded on the
+    idle stream when fn is entered, so the host's time before the first kernel counts)."""
     pre, post = [], []
     for _ in range(iters):
         _sync()
-        t0 = time.perf_counter()
-        fn()
-        _sync()
-        t1 = time.perf_counter()
-        pre.append(1000 * (marks[-1] - t0))
-        post.append(1000 * (t1 - marks[-1]))
+        if host_sync:
+            t0 = time.perf_counter()
+            fn()
+            _sync()
+            t1 = time.perf_counter()
+            pre.append(1000 * (marks[-1] - t0))
+            post.append(1000 * (t1 - marks[-1]))
+        else:
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            fn()
+            e1.record()
+            e1.synchronize()
+            pre.append(e0.elapsed_time(marks[-1]))
+            post.append(marks[-1].elapsed_time(e1))
     return statistics.median(pre), statistics.median(post)
+
+
+def host_syncs(fn: Callable[[], object]) -> int:
+    """How many times fn() made the host wait for the device through torch (sync debug mode)."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message).lower() for w in seen)
 
 
 def main() -> int:
@@ -238,34 +273,45 @@ def emulated(kw: dict, call: dict, runs: list, world: int, a, base: float, ref, 
     kw.clear()
     half = wall_ms(lambda: kdagen.kda_prefill(**locs[0], **call, initial_state=h0s[0]), a.iters, False)
     say(f"- one GPU, one piece of rank 0's {ctxs[0].local_tokens} tokens alone: {half:.2f} ms")
+    cuts = (False, True) if a.device == "cuda" else (True,)  # host_sync per timing; events need CUDA
     for seg, mode in runs:
         segs = None if seg == "auto" else int(seg)
         maps: dict = {}
-        outs, pre, post, counts = [], [], [], []
+        outs, counts, syncs = [], [], []
+        phases = {True: ([], []), False: ([], [])}  # host_sync -> (before, after) per rank
         for r, c in enumerate(ctxs):
-            marks: list = []
-            with emulated_exchange(world, r, maps, marks):
-                def run(r=r, c=c):
-                    return kda_prefill_cp(**locs[r], **call, initial_state=h0s[r], cp_context=c, segments=segs,
-                                          mode=mode)
+            def run(r=r, c=c):
+                return kda_prefill_cp(**locs[r], **call, initial_state=h0s[r], cp_context=c, segments=segs,
+                                      mode=mode)
 
-                outs.append(run())
-                p0, p1 = phases_ms(run, marks, a.iters)
-                if a.profile:
-                    profile(run, Path(a.profile) / f"cp_w{world}_r{r}_{mode}_seg{seg}.txt")
-            pre.append(p0)
-            post.append(p1)
+            for host_sync in cuts:
+                marks: list = []
+                with emulated_exchange(world, r, maps, marks, host_sync):
+                    if host_sync is cuts[0]:
+                        outs.append(run())
+                    p0, p1 = phases_ms(run, marks, a.iters, host_sync)
+                    phases[host_sync][0].append(p0)
+                    phases[host_sync][1].append(p1)
+                    if not host_sync:
+                        syncs.append(host_syncs(run))
+                    if a.profile and host_sync is cuts[0]:
+                        profile(run, Path(a.profile) / f"cp_w{world}_r{r}_{mode}_seg{seg}.txt")
             counts.append(cp.last_counts)
             outs[-1] = (outs[-1][0], outs[-1][1] if r == world - 1 else None)  # keep only what is compared
         o = torch.cat([x[0] for x in outs], dim=1)
+        cut = "/".join("+".join(str(x) for x in c) for c in counts)
         # The ranks wait for each other at the exchange: its slowest rank's time before it, then
         # the slowest after it.
-        ms = max(pre) + max(post)
-        each = ", ".join(f"{x:.2f}+{y:.2f}" for x, y in zip(pre, post))
-        cut = "/".join("+".join(str(x) for x in c) for c in counts)
-        say(f"- {world} ranks (emulated), {mode}, segments per rank {seg} ({cut}): {ms:.2f} ms (ranks before+after the "
-            f"exchange {each}), {base / ms:.2f}x the best single-GPU call; o {rel_rmse(o, ref[0]):.2e}, final "
-            f"state {rel_rmse(outs[-1][1], ref[1]):.2e} against the one-GPU one-piece call")
+        for host_sync in cuts:
+            pre, post = phases[host_sync]
+            ms = max(pre) + max(post)
+            each = ", ".join(f"{x:.2f}+{y:.2f}" for x, y in zip(pre, post))
+            how = ("host clock, device synced at the exchange (upper bound)" if host_sync
+                   else f"CUDA events, host syncs in a rank's call {'/'.join(map(str, syncs))}")
+            say(f"- {world} ranks (emulated, {how}), {mode}, segments per rank {seg} ({cut}): {ms:.2f} ms (ranks "
+                f"before+after the exchange {each}), {base / ms:.2f}x the best single-GPU call; o "
+                f"{rel_rmse(o, ref[0]):.2e}, final state {rel_rmse(outs[-1][1], ref[1]):.2e} against the one-GPU "
+                "one-piece call")
         del outs, o
 
 
