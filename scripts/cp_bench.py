@@ -22,7 +22,7 @@ scripts/cp_bench.py --device cpu --T 256 --H 1 --D 32 --segments auto,2 --iters 
 Every rank builds the same inputs (kdagen.cases.bench_inputs: bf16, fp32 state, one sequence of T
 tokens) and keeps its even slice. Rank 0 first times the single-GPU calls alone (kdagen's one
 piece, and the one-GPU scan at the planner's segments and at 16, and in each other --modes mode at
-8, 16 and 32: the best of them is the baseline); then all ranks time
+--baseline-segments: the best of them is the baseline); then all ranks time
 kdagen.kda_prefill(..., cp_context=ctx) for each --segments value and mode ("rerun": step 3
 reruns the segments; "correct": o corrected from step 1's outputs) (wall time between barriers,
 median), gather o and the final state on rank 0 and compare them with the one-piece call.
@@ -149,6 +149,8 @@ def main() -> int:
     ap.add_argument("--H", type=int, default=8)
     ap.add_argument("--segments", default="auto,4,8,16", help="per-rank scan segments to time ('auto': planner)")
     ap.add_argument("--modes", default="rerun,correct")
+    ap.add_argument("--baseline-segments", default="8,16,32",
+                    help="segment counts of the one-GPU scan baselines in each --modes mode other than rerun")
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--D", type=int, default=128)
     ap.add_argument("--lower-bound", type=float, default=-5.0,
@@ -213,7 +215,7 @@ def main() -> int:
             lambda: scan_prefill(*t, **call, initial_state=kw["initial_state"], segments=16), a.iters, False)
         # the one-GPU scan in the modes timed below: the same rounding as the ranks' runs
         for mode in (m for m in a.modes.split(",") if m and m != "rerun"):
-            for segs in (8, 16, 32):
+            for segs in (int(x) for x in a.baseline_segments.split(",")):
                 single[f"one GPU, scan {mode} S={segs}"] = wall_ms(
                     lambda segs=segs, mode=mode: scan_prefill(*t, **call, initial_state=kw["initial_state"],
                                                               segments=segs, mode=mode),
