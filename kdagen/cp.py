@@ -38,7 +38,8 @@ from .scan.engine import _default_prefill, _unpack, correct_step, maps_step, pac
 from .scan.layout import host_to_device, split
 from .scan.maps import fold, ieee_fp32
 
-__all__ = ["Piece", "CPContext", "build_cp_context", "kda_prefill_cp", "exchange_segments"]
+__all__ = ["Piece", "CPContext", "build_cp_context", "kda_prefill_cp", "exchange_segments", "twin_segments",
+           "twin_wave_cost"]
 
 
 @dataclass(frozen=True)
@@ -141,13 +142,21 @@ def build_cp_context(cu_seqlens: Sequence[int] | Tensor, group: Any = None, *,
     return CPContext(group, rank, world, tuple(cu), tuple(bounds), tuple(pieces), tuple(starts), tuple(ends))
 
 
-# Segments for a piece on the exchange's path: about this many step-1 programs per SM (each of
-# step 1's two calls runs segments x heads x V blocks programs), none shorter than
-# EXCHANGE_MIN_TOKENS. On the H200 at B1 T1048576 H8 over 2 emulated ranks (64 programs a
-# segment), 8 segments a rank projected 16.5 ms against 19.5 with the one-GPU planner's choice,
-# and beat 2, 4 and 16 (benchmarks/NOTES.md, session 29).
+# Segments for a piece on the exchange's path where the twin launch's occupancy is unknown: about
+# this many step-1 programs per SM (each of step 1's two calls runs segments x heads x V blocks
+# programs), none shorter than EXCHANGE_MIN_TOKENS. On the H200 at B1 T1048576 H8 over 2 emulated
+# ranks (64 programs a segment), 8 segments a rank projected 16.5 ms against 19.5 with the one-GPU
+# planner's choice, and beat 2, 4 and 16 (benchmarks/NOTES.md, session 29).
 EXCHANGE_PROGRAMS_PER_SM = 4
 EXCHANGE_MIN_TOKENS = 8192
+# Where step 1 is one twin launch (sm80), the count comes from its waves instead (twin_wave_cost):
+# S equal segments make S x 2 HV x V-blocks blocks of equal work, at most R resident on an SM.
+# The H200 timed kda_recur_twins (c16 bv32, R = 3) at 256K, 512K and 1M tokens H8, S = 3..24:
+# every time within 2% of the busiest SM's rounds, a round of c blocks taking (TWIN_LONE + c)
+# units of a segment's length; 8 segments (two rounds, the second a third full) took 6.40 ms at
+# 512K against 5.53 for 6 (benchmarks/NOTES.md, session 31).
+TWIN_LONE = 1.4
+EXCHANGE_MAX_SEGMENTS = 16
 
 # Segments per local piece of this process's last call (for benchmarks and logs).
 last_counts: tuple[int, ...] = ()
@@ -155,10 +164,50 @@ last_counts: tuple[int, ...] = ()
 
 def exchange_segments(tokens: int, programs: int, sm_count: int) -> int:
     """Segments to cut a piece of `tokens` into when other ranks wait on its map (or it on
-    theirs): about EXCHANGE_PROGRAMS_PER_SM step-1 programs per SM, `programs` (heads x V blocks)
-    per segment, segments of at least EXCHANGE_MIN_TOKENS."""
+    theirs), where the twin launch's occupancy is not known: about EXCHANGE_PROGRAMS_PER_SM
+    step-1 programs per SM, `programs` (heads x V blocks) per segment, segments of at least
+    EXCHANGE_MIN_TOKENS."""
     want = max(1, round(EXCHANGE_PROGRAMS_PER_SM * sm_count / max(programs, 1)))
     return max(1, min(want, tokens // EXCHANGE_MIN_TOKENS))
+
+
+def twin_wave_cost(segments: int, blocks: int, blocks_per_sm: int, sm_count: int, lone: float = TWIN_LONE) -> float:
+    """Modeled time of a twin recurrence over a piece cut into `segments` equal segments, `blocks`
+    blocks per segment, in units of the piece's length: the busiest SM's blocks run in rounds of
+    at most blocks_per_sm, a round of c blocks taking (lone + c) / segments."""
+    if segments < 1 or blocks < 1 or blocks_per_sm < 1 or sm_count < 1:
+        raise ValueError(f"twin_wave_cost: expected positive counts, found segments={segments}, blocks={blocks}, "
+                         f"blocks_per_sm={blocks_per_sm}, sm_count={sm_count}")
+    busiest = -(-segments * blocks // sm_count)
+    full, rest = divmod(busiest, blocks_per_sm)
+    return (full * (lone + blocks_per_sm) + (lone + rest if rest else 0.0)) / segments
+
+
+def twin_segments(tokens: int, occupancy_of, sm_count: int, max_segments: int = EXCHANGE_MAX_SEGMENTS) -> int:
+    """The fewest segments (of at least EXCHANGE_MIN_TOKENS, at most max_segments) whose twin
+    recurrence models within 2% of the fastest count. occupancy_of(S): (blocks per segment,
+    blocks per SM) of the launch at S segments (the variant, and with it both, may change with S)."""
+    top = max(1, min(max_segments, tokens // EXCHANGE_MIN_TOKENS))
+    cost = {S: twin_wave_cost(S, *occupancy_of(S), sm_count) for S in range(1, top + 1)}
+    best = min(cost.values())
+    return min(S for S, c in cost.items() if c <= best * 1.02)
+
+
+def _twin_occupancy(P, lay, dev) -> Optional[tuple[int, int]]:
+    """(blocks per segment, blocks per SM) of the twin launch a step 1 over `lay` would make, or
+    None where it makes none (no launcher with twins, no variant)."""
+    from .runtime import prepare
+
+    cu_cpu = lay.bounds_tensor()
+    try:
+        plan = prepare(P.q, P.k, P.v, P.g, P.beta, A_log=P.A_log, dt_bias=P.dt_bias, cu_seqlens=host_to_device(
+            cu_cpu, dev), cu_seqlens_cpu=cu_cpu, output_final_state=True, layout="BSND", state_layout="VK", **P.kw)
+    except Exception:  # only the choice of segments is at stake; the call itself raises what it must
+        return None
+    occ = getattr(plan.launcher, "twin_recur_blocks_per_sm", None)
+    if occ is None or not getattr(plan.launcher, "supports_twins", False) or dev.type != "cuda":
+        return None
+    return 2 * P.HV * (P.K // plan.variant.block_v), occ(dev)
 
 
 # segments=None's choice per call signature: a rank repeats its layout call after call, and
@@ -171,7 +220,8 @@ def _auto_segments(P, pieces: Sequence[Piece], cu_dev: Tensor, cu_cpu: Tensor, c
                    C: Optional[int]) -> list[int]:
     """Pieces wholly on this rank: the one-GPU planner's segments. A piece another rank waits for
     (or that waits for one) is cut regardless: step 1 reaches the exchange sooner when its segments
-    fill the GPU, even where the split costs more work in all."""
+    fill the GPU, even where the split costs more work in all. With a twin launch the count is
+    twin_segments' (its waves); otherwise at least exchange_segments."""
     from .scan.engine import one_piece_v_blocks
     from .scan.planner import plan_segments
     from .select import _sm_count
@@ -179,11 +229,25 @@ def _auto_segments(P, pieces: Sequence[Piece], cu_dev: Tensor, cu_cpu: Tensor, c
     vb = one_piece_v_blocks(P.q, P.k, P.v, P.g, P.beta, A_log=P.A_log, dt_bias=P.dt_bias, cu_seqlens=cu_dev,
                             cu_seqlens_cpu=cu_cpu, **P.kw)
     lens = [p.end - p.start for p in pieces]
-    sms = _sm_count(P.q.device)
+    dev = P.q.device
+    sms = _sm_count(dev)
     segments = list(plan_segments(lens, heads=P.HV, v_blocks=vb, sm_count=sms, chunk=C or 16, costs=costs,
                                   align=align).segments)
+    local_cu = [0] + [p.end for p in pieces]
     for i, p in enumerate(pieces):
-        if p.incoming or p.outgoing:
+        if not (p.incoming or p.outgoing):
+            continue
+        occ: dict[int, Optional[tuple[int, int]]] = {}
+
+        def occupancy(S: int, i: int = i) -> Optional[tuple[int, int]]:
+            if S not in occ:
+                occ[S] = _twin_occupancy(P, split(local_cu, segments[:i] + [S] + segments[i + 1:], align), dev)
+            return occ[S]
+
+        top = max(1, min(EXCHANGE_MAX_SEGMENTS, lens[i] // EXCHANGE_MIN_TOKENS))
+        if all(occupancy(S) is not None for S in range(1, top + 1)):
+            segments[i] = twin_segments(lens[i], occupancy, sms)
+        else:
             segments[i] = max(segments[i], exchange_segments(lens[i], P.HV * vb, sms))
     return segments
 
@@ -268,7 +332,8 @@ def kda_prefill_cp(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, 
     align = C or 64
     if segments is None:
         key = (tuple(ctx.local_cu), tuple((p.incoming, p.outgoing) for p in pieces), costs, align, dev,
-               EXCHANGE_PROGRAMS_PER_SM, EXCHANGE_MIN_TOKENS, P.A_log is None, tuple(sorted(P.kw.items())),
+               EXCHANGE_PROGRAMS_PER_SM, EXCHANGE_MIN_TOKENS, EXCHANGE_MAX_SEGMENTS, TWIN_LONE, P.A_log is None,
+               tuple(sorted(P.kw.items())),
                tuple((tuple(t.shape), t.dtype) for t in (P.q, P.k, P.v, P.g, P.beta)))
         segments = _AUTO_SEGMENTS.get(key)
         if segments is None:

@@ -97,6 +97,49 @@ def test_pieces_on_the_exchange_path_are_cut(monkeypatch):
     assert rel_rmse(o, ref[0][:, :ctx.local_tokens]) < 1e-5
 
 
+
+def test_twin_wave_model_matches_the_h200_sweep():
+    # kda_recur_twins at 512K tokens H8 on the H200 (c16 bv32: 64 blocks a segment, 3 per SM,
+    # 132 SMs), ms by segments (session 31): the model's ratios follow the measured ones.
+    from kdagen import cp
+
+    measured = {3: 8.43, 4: 6.31, 5: 6.53, 6: 5.53, 7: 7.30, 8: 6.40, 9: 6.41, 10: 5.79, 12: 5.51, 16: 5.63,
+                18: 5.50, 24: 5.49}
+    model = {S: cp.twin_wave_cost(S, 64, 3, 132) for S in measured}
+    scale = measured[6] / model[6]
+    for S, ms in measured.items():
+        assert abs(model[S] * scale - ms) < 0.03 * ms, (S, model[S] * scale, ms)
+    assert cp.twin_segments(524288, lambda S: (64, 3), 132) == 6  # not 8, the old rule's count
+    assert cp.twin_segments(262144, lambda S: (64, 3), 132) == 6
+    assert cp.twin_segments(4 * cp.EXCHANGE_MIN_TOKENS, lambda S: (64, 3), 132) == 4  # capped by segment length
+    assert cp.twin_segments(cp.EXCHANGE_MIN_TOKENS - 1, lambda S: (64, 3), 132) == 1
+    # the variant may change with S: fewer, wider-V blocks where they fill the GPU
+    assert cp.twin_segments(524288, lambda S: (128, 3) if S < 3 else (64, 3), 132) == 6
+    with pytest.raises(ValueError, match="blocks_per_sm=0"):
+        cp.twin_wave_cost(4, 64, 0, 132)
+
+
+def test_auto_segments_use_the_twin_waves_where_known(monkeypatch):
+    # With the twin launch's occupancy known (stubbed: 64 blocks a segment, 3 per SM, 132 SMs),
+    # the piece on the exchange path gets twin_segments' count; the piece wholly here keeps the
+    # planner's choice (whole).
+    from kdagen import cp
+    import kdagen.select as select
+
+    monkeypatch.setattr(cp, "EXCHANGE_MIN_TOKENS", 64)
+    monkeypatch.setattr(cp, "_twin_occupancy", lambda P, lay, dev: (64, 3))
+    monkeypatch.setattr(select, "_sm_count", lambda dev: 132)
+    monkeypatch.setattr(cp, "_all_gather", lambda x, ctx: [x, torch.zeros_like(x)])
+    cp._AUTO_SEGMENTS.clear()
+    case = dict(lens=[8, 1200])
+    t, kw = cp_worker.problem(case)
+    ctx = build_cp_context(cp_worker.cu_of(case["lens"]), rank=0, world=2)
+    loc = cp_worker.local_slice(t, 0, ctx.local_tokens, "BSND")
+    cp.kda_prefill_cp(**loc, **dict(kw, initial_state=ctx.local_initial_state(kw["initial_state"])),
+                      cp_context=ctx, prefill=reference_prefill)
+    cp._AUTO_SEGMENTS.clear()
+    assert cp.last_counts == (1, 6), cp.last_counts
+
 # Cases every rank runs in turn: "kernels" through kdagen.kda_prefill (Triton interpreter here,
 # the GPU kernels with -m gpu), "ref" through the float64 chunked reference (fast plumbing checks).
 CASES = {
@@ -179,3 +222,27 @@ def test_gpu_ranks(tmp_path):
 def _gpu_rank(rank, world, store, cases, out_dir, backend):
     torch.cuda.set_device(rank % torch.cuda.device_count())
     cp_worker.run_rank(rank, world, store, cases, out_dir, backend=backend, device="cuda")
+
+
+@pytest.mark.gpu
+def test_gpu_twin_occupancy_is_the_drivers():
+    # What the wave model is given on a GPU: the twin launch's blocks per segment (2 HV x V blocks
+    # of the variant the call selects) and the driver's resident count for kda_recur_twins.
+    from kdagen import cp
+    from kdagen.runtime import prepare
+    from kdagen.scan.engine import pack
+    from kdagen.scan.layout import split
+
+    t, kw = cp_worker.problem(dict(lens=[4096], H=8, HV=8, K=128, dtype=torch.bfloat16), device="cuda")
+    kw.pop("initial_state", None)
+    P = pack(**t, **kw)
+    lay = split([0, 4096], [4], 64)
+    occ = cp._twin_occupancy(P, lay, P.q.device)
+    if occ is None:
+        pytest.skip("no sm80 twin launch built for this shape")
+    plan = prepare(P.q, P.k, P.v, P.g, P.beta, A_log=P.A_log, dt_bias=P.dt_bias, cu_seqlens=lay.bounds_tensor().cuda(),
+                   cu_seqlens_cpu=lay.bounds_tensor(), output_final_state=True, **P.kw)
+    blocks, per_sm = occ
+    assert blocks == 2 * 8 * (128 // plan.variant.block_v)
+    # kda_recur_twins holds ~66 KB of shared memory and 160+ threads: 1 to 4 blocks fit an SM
+    assert 1 <= per_sm <= 4, per_sm

@@ -169,6 +169,15 @@ class LoadedModule:
                 self._smem[name] = max_dynamic_smem
         return f
 
+    def blocks_per_sm(self, name: str, threads: int, smem: int) -> int:
+        """Blocks of kernel `name` (threads each, smem bytes of dynamic shared memory) that one
+        multiprocessor holds at once (the driver's occupancy calculator)."""
+        f = self.function(name, smem)
+        with PrimaryContext(self.device_index, self.who):
+            n = check(driver().cuOccupancyMaxActiveBlocksPerMultiprocessor(f, int(threads), int(smem)),
+                      f"cuOccupancyMaxActiveBlocksPerMultiprocessor({name})", self.who)
+        return int(n)
+
     def read_global(self, name: str, nbytes: int) -> bytes:
         drv = driver()
         with PrimaryContext(self.device_index, self.who):

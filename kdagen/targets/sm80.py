@@ -110,6 +110,11 @@ class Sm80Launcher:
             self._meta[idx] = meta
         return idx, meta
 
+    def twin_recur_blocks_per_sm(self, device: torch.device) -> int:
+        """kda_recur_twins blocks one SM holds at once (for wave-aware segment counts, kdagen.cp)."""
+        idx, (mod, _, _, _, _, smem2, _, nt2) = self._module(device)
+        return mod.blocks_per_sm("kda_recur_twins", nt2, smem2)
+
     def _check(self, call: KdaCall) -> None:
         v = self.variant
         who = v.name
