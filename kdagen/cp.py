@@ -186,9 +186,13 @@ def twin_wave_cost(segments: int, blocks: int, blocks_per_sm: int, sm_count: int
 def twin_segments(tokens: int, occupancy_of, sm_count: int, max_segments: int = EXCHANGE_MAX_SEGMENTS) -> int:
     """The fewest segments (of at least EXCHANGE_MIN_TOKENS, at most max_segments) whose twin
     recurrence models within 2% of the fastest count. occupancy_of(S): (blocks per segment,
-    blocks per SM) of the launch at S segments (the variant, and with it both, may change with S)."""
+    blocks per SM) of the launch at S segments (the variant, and with it both, may change with S),
+    or None where S has none (not priced)."""
     top = max(1, min(max_segments, tokens // EXCHANGE_MIN_TOKENS))
-    cost = {S: twin_wave_cost(S, *occupancy_of(S), sm_count) for S in range(1, top + 1)}
+    occ = {S: occupancy_of(S) for S in range(1, top + 1)}
+    cost = {S: twin_wave_cost(S, *o, sm_count) for S, o in occ.items() if o is not None}
+    if not cost:
+        raise ValueError(f"twin_segments: no count from 1 to {top} has a twin launch")
     best = min(cost.values())
     return min(S for S, c in cost.items() if c <= best * 1.02)
 
@@ -207,7 +211,8 @@ def _twin_occupancy(P, lay, dev) -> Optional[tuple[int, int]]:
     occ = getattr(plan.launcher, "twin_recur_blocks_per_sm", None)
     if occ is None or not getattr(plan.launcher, "supports_twins", False) or dev.type != "cuda":
         return None
-    return 2 * P.HV * (P.K // plan.variant.block_v), occ(dev)
+    per_sm = occ(dev)
+    return (2 * P.HV * (P.K // plan.variant.block_v), per_sm) if per_sm >= 1 else None
 
 
 # segments=None's choice per call signature: a rank repeats its layout call after call, and
@@ -245,7 +250,7 @@ def _auto_segments(P, pieces: Sequence[Piece], cu_dev: Tensor, cu_cpu: Tensor, c
             return occ[S]
 
         top = max(1, min(EXCHANGE_MAX_SEGMENTS, lens[i] // EXCHANGE_MIN_TOKENS))
-        if all(occupancy(S) is not None for S in range(1, top + 1)):
+        if any(occupancy(S) is not None for S in range(1, top + 1)):
             segments[i] = twin_segments(lens[i], occupancy, sms)
         else:
             segments[i] = max(segments[i], exchange_segments(lens[i], P.HV * vb, sms))

@@ -115,6 +115,10 @@ def test_twin_wave_model_matches_the_h200_sweep():
     assert cp.twin_segments(cp.EXCHANGE_MIN_TOKENS - 1, lambda S: (64, 3), 132) == 1
     # the variant may change with S: fewer, wider-V blocks where they fill the GPU
     assert cp.twin_segments(524288, lambda S: (128, 3) if S < 3 else (64, 3), 132) == 6
+    # a count with no twin launch (no variant built for it) is not priced
+    assert cp.twin_segments(524288, lambda S: None if S == 6 else (64, 3), 132) == 12
+    with pytest.raises(ValueError, match="no count from 1 to 16"):
+        cp.twin_segments(524288, lambda S: None, 132)
     with pytest.raises(ValueError, match="blocks_per_sm=0"):
         cp.twin_wave_cost(4, 64, 0, 132)
 
