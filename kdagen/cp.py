@@ -183,33 +183,39 @@ def twin_wave_cost(segments: int, blocks: int, blocks_per_sm: int, sm_count: int
     return (full * (lone + blocks_per_sm) + (lone + rest if rest else 0.0)) / segments
 
 
+def _exchange_counts(tokens: int, max_segments: int) -> range:
+    """The segment counts a piece of `tokens` may take: 1 up to max_segments, segments of at least
+    EXCHANGE_MIN_TOKENS."""
+    return range(1, max(1, min(max_segments, tokens // EXCHANGE_MIN_TOKENS)) + 1)
+
+
 def twin_segments(tokens: int, occupancy_of, sm_count: int, max_segments: int = EXCHANGE_MAX_SEGMENTS) -> int:
     """The fewest segments (of at least EXCHANGE_MIN_TOKENS, at most max_segments) whose twin
     recurrence models within 2% of the fastest count. occupancy_of(S): (blocks per segment,
     blocks per SM) of the launch at S segments (the variant, and with it both, may change with S),
     or None where S has none (not priced)."""
-    top = max(1, min(max_segments, tokens // EXCHANGE_MIN_TOKENS))
-    occ = {S: occupancy_of(S) for S in range(1, top + 1)}
+    counts = _exchange_counts(tokens, max_segments)
+    occ = {S: occupancy_of(S) for S in counts}
     cost = {S: twin_wave_cost(S, *o, sm_count) for S, o in occ.items() if o is not None}
     if not cost:
-        raise ValueError(f"twin_segments: no count from 1 to {top} has a twin launch")
+        raise ValueError(f"twin_segments: no count from 1 to {counts[-1]} has a twin launch")
     best = min(cost.values())
     return min(S for S, c in cost.items() if c <= best * 1.02)
 
 
 def _twin_occupancy(P, lay, dev) -> Optional[tuple[int, int]]:
     """(blocks per segment, blocks per SM) of the twin launch a step 1 over `lay` would make, or
-    None where it makes none (no launcher with twins, no variant)."""
+    None where it makes none (not a GPU, no launcher with twins, no variant)."""
     from .runtime import prepare
 
-    cu_cpu = lay.bounds_tensor()
-    try:
-        plan = prepare(P.q, P.k, P.v, P.g, P.beta, A_log=P.A_log, dt_bias=P.dt_bias, cu_seqlens=host_to_device(
-            cu_cpu, dev), cu_seqlens_cpu=cu_cpu, output_final_state=True, layout="BSND", state_layout="VK", **P.kw)
+    if dev.type != "cuda":
+        return None
+    try:  # the plan of maps_step's call (Packed.call), without running it
+        plan = P.call(prepare, lay, output_final_state=True)
     except Exception:  # only the choice of segments is at stake; the call itself raises what it must
         return None
     occ = getattr(plan.launcher, "twin_recur_blocks_per_sm", None)
-    if occ is None or not getattr(plan.launcher, "supports_twins", False) or dev.type != "cuda":
+    if occ is None or not getattr(plan.launcher, "supports_twins", False):
         return None
     per_sm = occ(dev)
     return (2 * P.HV * (P.K // plan.variant.block_v), per_sm) if per_sm >= 1 else None
@@ -242,16 +248,10 @@ def _auto_segments(P, pieces: Sequence[Piece], cu_dev: Tensor, cu_cpu: Tensor, c
     for i, p in enumerate(pieces):
         if not (p.incoming or p.outgoing):
             continue
-        occ: dict[int, Optional[tuple[int, int]]] = {}
-
-        def occupancy(S: int, i: int = i) -> Optional[tuple[int, int]]:
-            if S not in occ:
-                occ[S] = _twin_occupancy(P, split(local_cu, segments[:i] + [S] + segments[i + 1:], align), dev)
-            return occ[S]
-
-        top = max(1, min(EXCHANGE_MAX_SEGMENTS, lens[i] // EXCHANGE_MIN_TOKENS))
-        if any(occupancy(S) is not None for S in range(1, top + 1)):
-            segments[i] = twin_segments(lens[i], occupancy, sms)
+        occ = {S: _twin_occupancy(P, split(local_cu, segments[:i] + [S] + segments[i + 1:], align), dev)
+               for S in _exchange_counts(lens[i], EXCHANGE_MAX_SEGMENTS)}
+        if any(o is not None for o in occ.values()):
+            segments[i] = twin_segments(lens[i], occ.get, sms)
         else:
             segments[i] = max(segments[i], exchange_segments(lens[i], P.HV * vb, sms))
     return segments

@@ -97,7 +97,6 @@ def test_pieces_on_the_exchange_path_are_cut(monkeypatch):
     assert rel_rmse(o, ref[0][:, :ctx.local_tokens]) < 1e-5
 
 
-
 def test_twin_wave_model_matches_the_h200_sweep():
     # kda_recur_twins at 512K tokens H8 on the H200 (c16 bv32: 64 blocks a segment, 3 per SM,
     # 132 SMs), ms by segments (session 31): the model's ratios follow the measured ones.
@@ -143,6 +142,7 @@ def test_auto_segments_use_the_twin_waves_where_known(monkeypatch):
                       cp_context=ctx, prefill=reference_prefill)
     cp._AUTO_SEGMENTS.clear()
     assert cp.last_counts == (1, 6), cp.last_counts
+
 
 # Cases every rank runs in turn: "kernels" through kdagen.kda_prefill (Triton interpreter here,
 # the GPU kernels with -m gpu), "ref" through the float64 chunked reference (fast plumbing checks).
