@@ -43,6 +43,9 @@ ROWS = {
     "varlen 4x8192 H4": dict(lens=[8192] * 4, H=4),
     "B1 T8192 H96": dict(T=8192, H=96),
     "B1 T2048 H8": dict(T=2048, H=8),
+    # a context-parallel rank's piece and issue 19's whole call (the one-GPU baseline)
+    "B1 T524288 H8": dict(T=1 << 19, H=8),
+    "B1 T1048576 H8": dict(T=1 << 20, H=8),
 }
 ISSUE17 = list(ROWS)[:8]
 
@@ -61,6 +64,41 @@ def scanned(s, segments, lb=-5.0, mode="rerun"):
     kw, cu = s
     return scan_prefill(kw["q"], kw["k"], kw["v"], kw["g"], kw["beta"], segments=segments, mode=mode,
                         **call_kw(kw, cu, lb))
+
+
+def kernel_ms(fn) -> dict:
+    """Device ms of one call of fn() by kernel role (torch.profiler), for fitting the planner."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    roles = {"kda_prep": "prep", "kda_recur_twins": "twins", "kda_recur": "recur", "_correct_kernel": "correct",
+             "_chain_kernel": "chain"}
+    out: dict = {}
+    for e in prof.key_averages():
+        if e.device_time_total <= 0:
+            continue
+        role = roles.get(e.key, "other")
+        out[role] = out.get(role, 0.0) + e.device_time_total / 1000
+    return out
+
+
+def occupancy(s, segments) -> str:
+    """block_v of the variant the scan's calls select at `segments`, and the kda_recur /
+    kda_recur_twins blocks an SM holds (the planner's wave model takes both)."""
+    from kdagen.runtime import prepare
+
+    kw, cu = s
+    P = pack(kw["q"], kw["k"], kw["v"], kw["g"], kw["beta"], **call_kw(kw, cu))
+    plan = P.call(prepare, split(P.cu, segments, 64), output_final_state=True)
+    la, dev = plan.launcher, kw["q"].device
+    res = [f"bv={plan.variant.block_v}"]
+    if hasattr(la, "recur_blocks_per_sm"):
+        res += [f"R={la.recur_blocks_per_sm(dev)}", f"R2={la.recur_blocks_per_sm(dev, twins=True)}"]
+    return " ".join(res)
 
 
 def pieces(s, segments) -> dict:
@@ -88,41 +126,55 @@ def main() -> int:
     ap.add_argument("--segments", default="2,4,8,16,32")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--accuracy", action="store_true")
+    ap.add_argument("--modes", default="rerun", help="scan modes to time: rerun, correct or both")
+    ap.add_argument("--kernels", action="store_true",
+                    help="also print each call's device ms by kernel role (KERN lines, for the planner's costs)")
     ap.add_argument("--out", default=None, help="write the markdown report here too")
     a = ap.parse_args()
     names = {"issue17": ISSUE17, "all": list(ROWS)}.get(a.rows) or a.rows.split(",")
     counts = [int(x) for x in a.segments.split(",") if x]
+    modes = [m for m in a.modes.split(",") if m]
     torch.backends.cuda.matmul.allow_tf32 = False
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     lines = [f"# Segment scan on one GPU ({torch.cuda.get_device_name(0)}, {sms} SMs)", "",
              "kdagen one piece (runtime's choice) against the scan composed of kda_prefill calls; median ms; "
              "d: rel RMSE of o against the one-piece o.", "",
-             "| case | one piece | " + " | ".join(f"scan S={s}" for s in counts) + " | planner (engine / kernels costs) |",
-             "|---" * (3 + len(counts)) + "|"]
+             "| case | mode | one piece | " + " | ".join(f"scan S={s}" for s in counts)
+             + " | planner (engine / kernels costs) |",
+             "|---" * (4 + len(counts)) + "|"]
     detail = []
     for name in names:
         c = ROWS[name]
         sets = [make_inputs(**c, seed=i) for i in range(2)]
         one = median_ms(one_piece, sets, iters=a.iters)
         ref = one_piece(sets[0])
-        cells, best = [], (None, float("inf"))
-        for S in counts:
-            try:
-                ms = median_ms(lambda s: scanned(s, S), sets, warmup=2, iters=max(3, a.iters // 2))
-                out = scanned(sets[0], S)
-                d = rel_rmse(out[0], ref[0])
-                cells.append(f"{ms:.3f} (d {d:.0e})")
-                if ms < best[1]:
-                    best = (S, ms)
-            except Exception as e:  # a count too large for memory: say so, keep going
-                cells.append(f"error: {str(e).splitlines()[0][:40]}")
-        lens = c.get("lens") or [c["T"]]
         kw, cu = sets[0]
+        lens = c.get("lens") or [c["T"]]
         vb = one_piece_v_blocks(kw["q"], kw["k"], kw["v"], kw["g"], kw["beta"], **call_kw(kw, cu))
-        plans = [plan_segments(lens, heads=c["H"], v_blocks=vb, sm_count=sms, costs=k) for k in COSTS]
-        cells.append(" / ".join(str(max(p.segments)) if p.split else "off" for p in plans))
-        lines.append(f"| {name} | {one:.3f} | " + " | ".join(cells) + " |")
-        print(lines[-1], flush=True)
+        if a.kernels:
+            print(f"KERN {name} | one | 1 | {one:.3f} | " + _roles(kernel_ms(lambda: one_piece(sets[0]))) + " | "
+                  + occupancy(sets[0], 1), flush=True)
+        best = (None, float("inf"))
+        for mode in modes:
+            cells = []
+            for S in counts:
+                try:
+                    ms = median_ms(lambda s: scanned(s, S, mode=mode), sets, warmup=2, iters=max(3, a.iters // 2))
+                    out = scanned(sets[0], S, mode=mode)
+                    d = rel_rmse(out[0], ref[0])
+                    cells.append(f"{ms:.3f} (d {d:.0e})")
+                    if mode == "rerun" and ms < best[1]:
+                        best = (S, ms)
+                    if a.kernels:
+                        km = kernel_ms(lambda: scanned(sets[0], S, mode=mode))
+                        print(f"KERN {name} | {mode} | {S} | {ms:.3f} | " + _roles(km) + " | "
+                              + occupancy(sets[0], S), flush=True)
+                except Exception as e:  # a count too large for memory: say so, keep going
+                    cells.append(f"error: {str(e).splitlines()[0][:40]}")
+            plans = [plan_segments(lens, heads=c["H"], v_blocks=vb, sm_count=sms, costs=k) for k in COSTS]
+            cells.append(" / ".join(str(max(p.segments)) if p.split else "off" for p in plans))
+            lines.append(f"| {name} | {mode} | {one:.3f} | " + " | ".join(cells) + " |")
+            print(lines[-1], flush=True)
         if best[0] is not None:
             pc = pieces(sets[0], best[0])
             detail.append(f"- {name}, S={best[0]}: " + ", ".join(f"{k} {v:.3f}" for k, v in pc.items()))
@@ -163,6 +215,10 @@ def main() -> int:
     if a.out:
         Path(a.out).write_text(text)
     return 0
+
+
+def _roles(km: dict) -> str:
+    return " ".join(f"{k}={v:.3f}" for k, v in sorted(km.items()))
 
 
 if __name__ == "__main__":

@@ -110,10 +110,15 @@ class Sm80Launcher:
             self._meta[idx] = meta
         return idx, meta
 
-    def twin_recur_blocks_per_sm(self, device: torch.device) -> int:
-        """kda_recur_twins blocks one SM holds at once (for wave-aware segment counts, kdagen.cp)."""
+    def recur_blocks_per_sm(self, device: torch.device, twins: bool = False) -> int:
+        """kda_recur (or kda_recur_twins) blocks one SM holds at once in a varlen launch (for
+        wave-aware segment counts: kdagen.cp, kdagen.scan.planner)."""
         idx, (mod, _, _, _, _, smem2, _, nt2) = self._module(device)
-        return mod.blocks_per_sm("kda_recur_twins", nt2, smem2)
+        return mod.blocks_per_sm("kda_recur_twins" if twins else "kda_recur", nt2, smem2)
+
+    def twin_recur_blocks_per_sm(self, device: torch.device) -> int:
+        """kda_recur_twins blocks one SM holds at once (kdagen.cp's wave model)."""
+        return self.recur_blocks_per_sm(device, twins=True)
 
     def _check(self, call: KdaCall) -> None:
         v = self.variant
