@@ -34,9 +34,11 @@ from torch import Tensor
 
 from .errors import KdaInputError
 from .scan.chain import chain_states
-from .scan.engine import _default_prefill, _unpack, correct_step, maps_step, pack, rerun_step
+from .scan.engine import (_default_prefill, _unpack, correct_step, maps_step, one_piece_v_blocks, pack,
+                          planned_segments, rerun_step, scan_launch)
 from .scan.layout import host_to_device, split
 from .scan.maps import fold, ieee_fp32
+from .scan.planner import rounds_cost
 
 __all__ = ["Piece", "CPContext", "build_cp_context", "kda_prefill_cp", "exchange_segments", "twin_segments",
            "twin_wave_cost"]
@@ -174,13 +176,12 @@ def exchange_segments(tokens: int, programs: int, sm_count: int) -> int:
 def twin_wave_cost(segments: int, blocks: int, blocks_per_sm: int, sm_count: int, lone: float = TWIN_LONE) -> float:
     """Modeled time of a twin recurrence over a piece cut into `segments` equal segments, `blocks`
     blocks per segment, in units of the piece's length: the busiest SM's blocks run in rounds of
-    at most blocks_per_sm, a round of c blocks taking (lone + c) / segments."""
+    at most blocks_per_sm, a round of c blocks taking (lone + c) / segments (the scan planner's
+    rounds_cost)."""
     if segments < 1 or blocks < 1 or blocks_per_sm < 1 or sm_count < 1:
         raise ValueError(f"twin_wave_cost: expected positive counts, found segments={segments}, blocks={blocks}, "
                          f"blocks_per_sm={blocks_per_sm}, sm_count={sm_count}")
-    busiest = -(-segments * blocks // sm_count)
-    full, rest = divmod(busiest, blocks_per_sm)
-    return (full * (lone + blocks_per_sm) + (lone + rest if rest else 0.0)) / segments
+    return rounds_cost(-(-segments * blocks // sm_count), blocks_per_sm, lone) / segments
 
 
 def _exchange_counts(tokens: int, max_segments: int) -> range:
@@ -205,20 +206,11 @@ def twin_segments(tokens: int, occupancy_of, sm_count: int, max_segments: int = 
 
 def _twin_occupancy(P, lay, dev) -> Optional[tuple[int, int]]:
     """(blocks per segment, blocks per SM) of the twin launch a step 1 over `lay` would make, or
-    None where it makes none (not a GPU, no launcher with twins, no variant)."""
-    from .runtime import prepare
-
-    if dev.type != "cuda":
+    None where it makes none or that is not known (not a GPU, not built: pricing never builds)."""
+    launch = scan_launch(P.info, lay, P.kw.get("variant")) if dev.type == "cuda" else None
+    if not launch or launch.resident_twins < 1:
         return None
-    try:  # the plan of maps_step's call (Packed.call), without running it
-        plan = P.call(prepare, lay, output_final_state=True)
-    except Exception:  # only the choice of segments is at stake; the call itself raises what it must
-        return None
-    occ = getattr(plan.launcher, "twin_recur_blocks_per_sm", None)
-    if occ is None or not getattr(plan.launcher, "supports_twins", False):
-        return None
-    per_sm = occ(dev)
-    return (2 * P.HV * (P.K // plan.variant.block_v), per_sm) if per_sm >= 1 else None
+    return 2 * P.HV * max(1, P.K // launch.block_v), launch.resident_twins
 
 
 # segments=None's choice per call signature: a rank repeats its layout call after call, and
@@ -227,24 +219,18 @@ def _twin_occupancy(P, lay, dev) -> Optional[tuple[int, int]]:
 _AUTO_SEGMENTS: dict[tuple, list[int]] = {}
 
 
-def _auto_segments(P, pieces: Sequence[Piece], cu_dev: Tensor, cu_cpu: Tensor, costs: str, align: int,
-                   C: Optional[int]) -> list[int]:
+def _auto_segments(P, pieces: Sequence[Piece], costs: str, align: int, mode: str) -> list[int]:
     """Pieces wholly on this rank: the one-GPU planner's segments. A piece another rank waits for
     (or that waits for one) is cut regardless: step 1 reaches the exchange sooner when its segments
     fill the GPU, even where the split costs more work in all. With a twin launch the count is
     twin_segments' (its waves); otherwise at least exchange_segments."""
-    from .scan.engine import one_piece_v_blocks
-    from .scan.planner import plan_segments
     from .select import _sm_count
 
-    vb = one_piece_v_blocks(P.q, P.k, P.v, P.g, P.beta, A_log=P.A_log, dt_bias=P.dt_bias, cu_seqlens=cu_dev,
-                            cu_seqlens_cpu=cu_cpu, **P.kw)
     lens = [p.end - p.start for p in pieces]
     dev = P.q.device
     sms = _sm_count(dev)
-    segments = list(plan_segments(lens, heads=P.HV, v_blocks=vb, sm_count=sms, chunk=C or 16, costs=costs,
-                                  align=align).segments)
     local_cu = [0] + [p.end for p in pieces]
+    segments = list(planned_segments(P.info, local_cu, mode=mode, costs=costs, align=align, variant=P.kw.get("variant")))
     for i, p in enumerate(pieces):
         if not (p.incoming or p.outgoing):
             continue
@@ -253,6 +239,7 @@ def _auto_segments(P, pieces: Sequence[Piece], cu_dev: Tensor, cu_cpu: Tensor, c
         if any(o is not None for o in occ.values()):
             segments[i] = twin_segments(lens[i], occ.get, sms)
         else:
+            vb = one_piece_v_blocks(P.info, P.kw.get("variant"))
             segments[i] = max(segments[i], exchange_segments(lens[i], P.HV * vb, sms))
     return segments
 
@@ -336,13 +323,13 @@ def kda_prefill_cp(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, 
     known = [not p.incoming for p in pieces]
     align = C or 64
     if segments is None:
-        key = (tuple(ctx.local_cu), tuple((p.incoming, p.outgoing) for p in pieces), costs, align, dev,
+        key = (tuple(ctx.local_cu), tuple((p.incoming, p.outgoing) for p in pieces), costs, align, dev, mode,
                EXCHANGE_PROGRAMS_PER_SM, EXCHANGE_MIN_TOKENS, EXCHANGE_MAX_SEGMENTS, TWIN_LONE, P.A_log is None,
                tuple(sorted(P.kw.items())),
                tuple((tuple(t.shape), t.dtype) for t in (P.q, P.k, P.v, P.g, P.beta)))
         segments = _AUTO_SEGMENTS.get(key)
         if segments is None:
-            segments = _auto_segments(P, pieces, cu_dev, cu_cpu, costs, align, C)
+            segments = _auto_segments(P, pieces, costs, align, mode)
             if len(_AUTO_SEGMENTS) >= 256:
                 _AUTO_SEGMENTS.clear()
             _AUTO_SEGMENTS[key] = segments

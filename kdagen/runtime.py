@@ -543,6 +543,31 @@ def _make_plan(q, k, v, g, beta, **kw) -> "Plan":
     return Plan(entry, launcher, info, q, k, v, g, beta, kw)
 
 
+def selected_entry(info: CallInfo, variant: Optional[str] = None) -> Optional[Entry]:
+    """The registry entry a call described by `info` would run, built or not; None where the call
+    would generate one (no listed variant serves it). Never generates or builds: for pricing
+    calls not yet made (the scan's planner, kdagen.cp)."""
+    reg = registry()
+    forced = variant or env.force_variant()
+    if forced:
+        return reg.entries.get(forced)
+    best, _, _ = choose_covering([Candidate(v, *reg.status(v.name)) for v in reg.variants()], info)
+    return reg.entries.get(best.variant.name) if best is not None else None
+
+
+def built_launcher(info: CallInfo, variant: Optional[str] = None) -> Optional[tuple[Entry, Any]]:
+    """(entry, launcher) of selected_entry(info, variant) where it is built and runs at the
+    call's own head dims (not zero-padded); None otherwise. Never generates or builds."""
+    from .select import READY
+
+    reg = registry()
+    entry = selected_entry(info, variant)
+    if entry is None or reg.status(entry.name)[0] != READY or (entry.variant.k, entry.variant.v) != (info.K, info.V):
+        return None
+    dev = info.device
+    return entry, reg.launcher(entry.name, f"{dev.type}:{dev.index}")
+
+
 def _candidate_for_name(reg: Registry, name: str) -> Candidate:
     from .ondemand import parse_name
 

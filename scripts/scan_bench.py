@@ -26,10 +26,10 @@ import kdagen
 from kdagen.cases import bench_inputs as make_inputs
 from kdagen.reference import rel_rmse
 from kdagen.scan.chain import chain_states
-from kdagen.scan.engine import maps_step, one_piece_v_blocks, pack, rerun_step, scan_prefill
+from kdagen.scan.engine import maps_step, pack, planned_segments, rerun_step, scan_prefill, validate
 from kdagen.scan.layout import split
 from kdagen.timing import median_ms, timeit
-from kdagen.scan.planner import COSTS, plan_segments  # noqa: E402
+from kdagen.scan.planner import COSTS  # noqa: E402
 
 ROWS = {
     # issue 17's rows (targets there), then rows where the planner must stay off
@@ -140,8 +140,8 @@ def main() -> int:
              "kdagen one piece (runtime's choice) against the scan composed of kda_prefill calls; median ms; "
              "d: rel RMSE of o against the one-piece o.", "",
              "| case | mode | one piece | " + " | ".join(f"scan S={s}" for s in counts)
-             + " | planner (engine / kernels costs) |",
-             "|---" * (4 + len(counts)) + "|"]
+             + " | planner's S (engine / kernels costs) | segments=None |",
+             "|---" * (5 + len(counts)) + "|"]
     detail = []
     for name in names:
         c = ROWS[name]
@@ -149,8 +149,7 @@ def main() -> int:
         one = median_ms(one_piece, sets, iters=a.iters)
         ref = one_piece(sets[0])
         kw, cu = sets[0]
-        lens = c.get("lens") or [c["T"]]
-        vb = one_piece_v_blocks(kw["q"], kw["k"], kw["v"], kw["g"], kw["beta"], **call_kw(kw, cu))
+        info, cuts = validate(kw["q"], kw["k"], kw["v"], kw["g"], kw["beta"], **call_kw(kw, cu))
         if a.kernels:
             print(f"KERN {name} | one | 1 | {one:.3f} | " + _roles(kernel_ms(lambda: one_piece(sets[0]))) + " | "
                   + occupancy(sets[0], 1), flush=True)
@@ -171,8 +170,11 @@ def main() -> int:
                               + occupancy(sets[0], S), flush=True)
                 except Exception as e:  # a count too large for memory: say so, keep going
                     cells.append(f"error: {str(e).splitlines()[0][:40]}")
-            plans = [plan_segments(lens, heads=c["H"], v_blocks=vb, sm_count=sms, costs=k) for k in COSTS]
-            cells.append(" / ".join(str(max(p.segments)) if p.split else "off" for p in plans))
+            plans = [max(planned_segments(info, cuts, mode=mode, costs=k)) for k in COSTS]
+            cells.append(" / ".join(str(p) if p > 1 else "off" for p in plans))
+            # what a caller gets from segments=None: the planner's cut, timed like the others
+            ms = median_ms(lambda s: scanned(s, None, mode=mode), sets, warmup=2, iters=max(3, a.iters // 2))
+            cells.append(f"{ms:.3f} ({ms / one:.2f}x one piece)")
             lines.append(f"| {name} | {mode} | {one:.3f} | " + " | ".join(cells) + " |")
             print(lines[-1], flush=True)
         if best[0] is not None:

@@ -261,3 +261,47 @@ def test_gpu_long_sequence_against_one_piece(T, segs):
     one = kdagen.kda_prefill(**kw)
     out = scan_prefill(**kw, segments=segs)
     assert rel_rmse(out[0], one[0]) < 5e-3 and rel_rmse(out[1], one[1]) < 5e-3
+
+
+@pytest.mark.gpu
+def test_gpu_scan_launch_asks_the_runtime_and_never_builds(monkeypatch):
+    # What the planner prices a cut with: the block_v and resident blocks of the variant the
+    # scan's calls would select (sm80: both recurrences), or False for another target. Where that
+    # variant is not built the answer is "not known" (None), and nothing is built to find out.
+    from kdagen import runtime
+    from kdagen.registry import Registry
+    from kdagen.scan.engine import scan_launch, validate
+    from kdagen.scan.layout import split
+    from kdagen.scan.planner import ScanLaunch
+
+    kw = make_kw(9, T=8192, H=4, HV=4, K=128, dtype=torch.bfloat16, device="cuda")
+    info, cu = validate(**kw)
+    got = scan_launch(info, split(cu, [4], 64))
+    if got is False:
+        pytest.skip("the scan's calls select a variant without the sm80 recurrence here")
+    assert isinstance(got, ScanLaunch) and got.block_v in (16, 32, 64)
+    assert 1 <= got.resident <= 4 and 1 <= got.resident_twins <= 4, got
+
+    def no_build(self, entry):
+        raise AssertionError(f"pricing built {entry.name}")
+
+    reg = runtime.registry()
+    monkeypatch.setattr(Registry, "_artifact", no_build)
+    monkeypatch.setattr(reg, "_launchers", {})
+    monkeypatch.setattr(reg, "status", lambda name: ("build", None))
+    assert scan_launch(info, split(cu, [4], 64)) is None
+
+
+@pytest.mark.gpu
+def test_gpu_planner_splits_a_long_few_head_call_per_mode():
+    # B1 T131072 H4 on the H200: the scan measured 2.68 ms ("correct", 8 segments) and 3.15
+    # ("rerun") against 4.29 in one piece (2026-12-04_s32_h200_scan_planner.md): segments=None
+    # splits in both modes; T2048 H8 (0.96 against 0.09) stays whole.
+    from kdagen.scan.engine import planned_segments, validate
+
+    for T, H, split_expected in ((131072, 4, True), (2048, 8, False)):
+        kw = make_kw(10, T=T, H=H, HV=H, K=128, dtype=torch.bfloat16, device="cuda")
+        info, cu = validate(**kw)
+        for mode in ("correct", "rerun"):
+            segs = planned_segments(info, cu, mode=mode)
+            assert (max(segs) > 1) == split_expected, (T, H, mode, segs)

@@ -21,7 +21,7 @@ calls without changing these pieces: see kdagen/scan/planner.py for the costs th
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -33,9 +33,10 @@ from .chain import chain_states
 from .correct import correct_o_fits, correct_o_triton
 from .layout import SegmentLayout, host_to_device, split
 from .maps import ieee_fp32
+from .planner import ScanLaunch, plan_segments
 
 __all__ = ["Packed", "validate", "pack", "scan_prefill", "maps_step", "rerun_step", "correct_step",
-           "one_piece_v_blocks"]
+           "one_piece_v_blocks", "scan_launch", "planned_segments"]
 
 Prefill = Callable[..., Any]
 
@@ -79,6 +80,7 @@ class Packed:
     state_layout: str
     state_dtype: torch.dtype  # of the caller's states
     kw: dict  # _PASS keywords
+    info: Optional[CallInfo] = None  # the caller's call, as validated
 
     def call(self, prefill: Prefill, lay: SegmentLayout, **kw) -> Any:
         if lay.num_segments == 1 and lay.bounds[1] > 0:  # one segment over the packed row: the B = 1 call, no offsets
@@ -141,7 +143,7 @@ def pack(q, k, v, g, beta, *, A_log=None, dt_bias=None, initial_state=None, layo
                     state_dtype or torch.float32)
     passed = {n: kw[n] for n in _PASS if n in kw}
     return Packed(tok(q), tok(k), tok(v), tok(g), beta_p, A_log, dt_bias, h0, cu, B, T, HV, K, info.layout,
-                  state_layout, st_dtype, passed)
+                  state_layout, st_dtype, passed, info)
 
 
 def maps_step(P: Packed, lay: SegmentLayout, known: Sequence[bool], prefill: Prefill,
@@ -254,17 +256,73 @@ def _unpack(P: Packed, o: Tensor, final: Optional[Tensor], cs: Optional[Tensor],
     return o, fs
 
 
-def one_piece_v_blocks(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, **kw: Any) -> int:
-    """V-split programs per head of the variant the one-piece call would run (what the planner
-    costs: block_v 16 at few heads doubles the programs of block_v 32); V // 32 where the call
-    cannot be planned here (for instance no variant is built for it)."""
-    from ..runtime import prepare
+def one_piece_v_blocks(info: CallInfo, variant: Optional[str] = None) -> int:
+    """V-split blocks per head of the variant the one-piece call `info` would run (what the
+    planner costs: block_v 16 at few heads doubles the blocks of block_v 32); V // 32 where the
+    runtime would have to generate one. Never builds."""
+    from ..runtime import selected_entry
 
-    V = v.shape[-1]
-    try:
-        return max(1, V // prepare(q, k, v, g, beta, **kw).variant.block_v)
-    except Exception:  # the planner's estimate only; the call itself raises what it must
-        return max(1, V // 32)
+    entry = selected_entry(info, variant)
+    return max(1, info.V // (entry.variant.block_v if entry is not None else 32))
+
+
+def scan_launch(info: CallInfo, lay: SegmentLayout, variant: Optional[str] = None) -> ScanLaunch | None | bool:
+    """What the scan's calls over `lay` (kda_prefill calls on the packed row, fp32 states) would
+    launch, asked of the runtime without generating or building anything: a ScanLaunch; None
+    where that is not known here (not a GPU, variant not built); False where the variant has no
+    recurrence launch the planner models (another target)."""
+    from ..runtime import built_launcher
+
+    if info.device.type != "cuda":
+        return None
+    whole = lay.num_segments == 1 and lay.bounds[1] > 0  # Packed.call's B = 1 call without offsets
+    lens = [b - a for a, b in zip(lay.bounds, lay.bounds[1:])]
+    sinfo = replace(info, layout="bsnd", B=1, T=lay.bounds[-1], N=lay.num_segments, varlen=not whole,
+                    max_len=max(lens, default=0), cu_seqlens_host=None if whole else list(lay.bounds), state="fp32")
+    got = built_launcher(sinfo, variant)
+    if got is None:
+        return None
+    entry, la = got
+    per_sm = getattr(la, "recur_blocks_per_sm", None)
+    if per_sm is None:
+        return False
+    twins = per_sm(info.device, twins=True) if getattr(la, "supports_twins", False) else 0
+    return ScanLaunch(entry.variant.block_v, per_sm(info.device), twins)
+
+
+# segments=None's choice per call signature and mode: pricing asks the runtime about every
+# candidate cut (a selection each), too slow to repeat on every call.
+_PLANNED: dict[tuple, tuple[int, ...]] = {}
+
+
+def planned_segments(info: CallInfo, cu: Sequence[int], *, mode: str, costs: str = "h200-engine",
+                     variant: Optional[str] = None, ask_runtime: bool = True, align: Optional[int] = None,
+                     **plan_kw: Any) -> tuple[int, ...]:
+    """The planner's segments per sequence for the call `info` over offsets `cu` in scan mode
+    `mode` (kdagen.scan.planner.plan_segments), with the one-piece and the scan's variants as
+    the runtime would select them (ask_runtime; else the cost set's defaults)."""
+    from ..runtime import registry
+    from ..select import _sm_count
+
+    align = align or info.chunk_size or 64
+    key = (tuple(cu), info.dtype, info.H, info.HV, info.K, info.V, info.gate, info.state, info.layout, info.varlen,
+           info.chunk_size, info.device, mode, costs, variant, ask_runtime, align, tuple(sorted(plan_kw.items())),
+           id(registry()))
+    got = _PLANNED.get(key)
+    if got is not None:
+        return got
+    lens = [b - a for a, b in zip(cu, cu[1:])]
+
+    def launch_of(counts: tuple[int, ...]):
+        return scan_launch(info, split(cu, list(counts), align), variant)
+
+    plan = plan_segments(lens, heads=info.HV, v_blocks=one_piece_v_blocks(info, variant), head_v=info.V,
+                         sm_count=_sm_count(info.device), chunk=info.chunk_size or 16, costs=costs, align=align,
+                         mode=mode, varlen=info.varlen, launch_of=launch_of if ask_runtime else None, **plan_kw)
+    if len(_PLANNED) >= 256:
+        _PLANNED.clear()
+    _PLANNED[key] = plan.segments
+    return plan.segments
 
 
 def scan_prefill(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *,
@@ -288,13 +346,8 @@ def scan_prefill(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *,
     info, cu = validate(q, k, v, g, beta, **kw)
     align = kw.get("chunk_size") or 64
     if segments is None:
-        from .planner import plan_segments
-        from ..select import _sm_count
-
-        lens = [b - a for a, b in zip(cu, cu[1:])]
-        vb = one_piece_v_blocks(q, k, v, g, beta, **kw)
-        segments = plan_segments(lens, heads=info.HV, v_blocks=vb, sm_count=_sm_count(q.device),
-                                 chunk=kw.get("chunk_size") or 16, costs=costs, align=align).segments
+        segments = planned_segments(info, cu, mode=mode, costs=costs, variant=kw.get("variant"),
+                                    ask_runtime=prefill is _default_prefill(), align=align)
     lay = split(cu, segments, align)
     if not lay.split_any:
         return prefill(q, k, v, g, beta, out=out, **kw)
