@@ -348,6 +348,8 @@ def scan_prefill(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *,
     if segments is None:
         segments = planned_segments(info, cu, mode=mode, costs=costs, variant=kw.get("variant"),
                                     ask_runtime=prefill is _default_prefill(), align=align)
+        if max(segments, default=1) <= 1:  # the planner keeps the call whole: no layout to build
+            return prefill(q, k, v, g, beta, out=out, **kw)
     lay = split(cu, segments, align)
     if not lay.split_any:
         return prefill(q, k, v, g, beta, out=out, **kw)
