@@ -301,13 +301,14 @@ def planned_segments(info: CallInfo, cu: Sequence[int], *, mode: str, costs: str
     """The planner's segments per sequence for the call `info` over offsets `cu` in scan mode
     `mode` (kdagen.scan.planner.plan_segments), with the one-piece and the scan's variants as
     the runtime would select them (ask_runtime; else the cost set's defaults)."""
+    from .. import env
     from ..runtime import registry
     from ..select import _sm_count
 
     align = align or info.chunk_size or 64
     key = (tuple(cu), info.dtype, info.H, info.HV, info.K, info.V, info.gate, info.state, info.layout, info.varlen,
            info.chunk_size, info.device, mode, costs, variant, ask_runtime, align, tuple(sorted(plan_kw.items())),
-           id(registry()))
+           env.force_variant(), id(registry()))
     got = _PLANNED.get(key)
     if got is not None:
         return got
