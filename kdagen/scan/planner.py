@@ -12,7 +12,7 @@ A cost model of one GPU, per scan mode (kdagen.scan.engine):
 
 A recurrence launch is priced by its busiest SM: its blocks run in rounds of at most R resident,
 and a round of c blocks takes (lone + c) units of one block's chunk-step time per step (the
-model kdagen.cp uses for a rank's piece; it fits the H200 within a few percent from 1 to 6
+model kdagen.cp uses for a rank's piece; it fits the H200 within a few percent from 1 to 8
 blocks per SM). R and the block_v the scan's calls select come from the runtime where the caller
 can ask it (`launch_of`), else from the cost set's defaults.
 
