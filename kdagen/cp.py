@@ -38,7 +38,7 @@ from .scan.engine import (_default_prefill, _unpack, correct_step, maps_step, on
                           planned_segments, rerun_step, scan_launch)
 from .scan.layout import host_to_device, split
 from .scan.maps import fold, ieee_fp32
-from .scan.planner import rounds_cost
+from .scan.planner import COSTS, rounds_cost
 
 __all__ = ["Piece", "CPContext", "build_cp_context", "kda_prefill_cp", "exchange_segments", "twin_segments",
            "twin_wave_cost"]
@@ -157,7 +157,7 @@ EXCHANGE_MIN_TOKENS = 8192
 # every time within 2% of the busiest SM's rounds, a round of c blocks taking (TWIN_LONE + c)
 # units of a segment's length; 8 segments (two rounds, the second a third full) took 6.40 ms at
 # 512K against 5.53 for 6 (benchmarks/NOTES.md, session 31).
-TWIN_LONE = 1.4
+TWIN_LONE = COSTS["h200-engine"].lone
 EXCHANGE_MAX_SEGMENTS = 16
 
 # Segments per local piece of this process's last call (for benchmarks and logs).

@@ -80,7 +80,7 @@ class Packed:
     state_layout: str
     state_dtype: torch.dtype  # of the caller's states
     kw: dict  # _PASS keywords
-    info: Optional[CallInfo] = None  # the caller's call, as validated
+    info: CallInfo  # the caller's call, as validated
 
     def call(self, prefill: Prefill, lay: SegmentLayout, **kw) -> Any:
         if lay.num_segments == 1 and lay.bounds[1] > 0:  # one segment over the packed row: the B = 1 call, no offsets

@@ -1,4 +1,4 @@
-"""Whether to split a call's sequences into scan segments, and into how many (pure Python).
+"""Whether to split a call's sequences into scan segments, and into how many (host arithmetic only).
 
 A cost model of one GPU, per scan mode (kdagen.scan.engine):
 
@@ -27,6 +27,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 from typing import Callable, Optional, Sequence, Union
+
+from .layout import balanced
 
 __all__ = ["ScanCosts", "ScanLaunch", "ScanPlan", "COSTS", "plan_segments", "one_piece_us", "scan_us", "even_cut",
            "rounds_cost", "recur_us"]
@@ -223,10 +225,10 @@ def scan_us(lengths: Sequence[int], cuts: Sequence[Sequence[int]], *, heads: int
 
 
 def even_cut(length: int, segments: int, align: int = 64) -> list[int]:
-    """A sequence of `length` tokens cut into `segments` near-equal pieces of whole units."""
+    """A sequence of `length` tokens cut into `segments` near-equal pieces of whole units, as
+    kdagen.scan.layout.split cuts it."""
     units = _units(length, align)
-    s = max(1, min(segments, units)) if length else 1
-    return [units // s + (1 if i < units % s else 0) for i in range(s)]
+    return balanced(units, max(1, min(segments, units)))
 
 
 def _cut(length: int, target: int, align: int, max_segments: int) -> list[int]:
@@ -269,7 +271,7 @@ def plan_segments(lengths: Sequence[int], *, heads: int, v_blocks: int, sm_count
         if launch is False:
             continue
         us = scan_us(lengths, cuts, heads=heads, sm_count=sm_count, chunk=chunk, costs=c, align=align, mode=mode,
-                     head_v=head_v, launch=launch or None)
+                     head_v=head_v, launch=launch)
         tried.append((target, us))
         cut_of[target] = tuple(len(x) for x in cuts)
     if not tried:

@@ -116,10 +116,6 @@ class Sm80Launcher:
         idx, (mod, _, _, _, _, smem2, _, nt2) = self._module(device)
         return mod.blocks_per_sm("kda_recur_twins" if twins else "kda_recur", nt2, smem2)
 
-    def twin_recur_blocks_per_sm(self, device: torch.device) -> int:
-        """kda_recur_twins blocks one SM holds at once (kdagen.cp's wave model)."""
-        return self.recur_blocks_per_sm(device, twins=True)
-
     def _check(self, call: KdaCall) -> None:
         v = self.variant
         who = v.name
