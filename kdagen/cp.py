@@ -36,7 +36,7 @@ from .errors import KdaInputError
 from .scan.chain import chain_states
 from .scan.engine import (_default_prefill, _unpack, correct_step, maps_step, one_piece_v_blocks, pack,
                           planned_segments, rerun_step, scan_launch)
-from .scan.layout import host_to_device, split
+from .scan.layout import device_ints, split
 from .scan.maps import fold, ieee_fp32
 from .scan.planner import COSTS, rounds_cost
 
@@ -315,8 +315,7 @@ def kda_prefill_cp(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, 
         HV, K = v.shape[2 if layout == "BSND" else 1], q.shape[-1]
         _all_gather(torch.zeros(HV, 2 * K, K, dtype=torch.float32, device=q.device), ctx)
         return _empty_result(q, v, HV, K, kw, want_final, want_cs, final_buf, chunk_buf)
-    cu_cpu = torch.tensor(ctx.local_cu, dtype=torch.int32)
-    cu_dev = host_to_device(cu_cpu, q.device)
+    cu_cpu, cu_dev = device_ints(ctx.local_cu, "cpu"), device_ints(ctx.local_cu, q.device)
     P = pack(q, k, v, g, beta, cu_seqlens=cu_dev, cu_seqlens_cpu=cu_cpu, initial_state=h0,
              output_final_state=True, return_chunk_states=want_cs, **kw)
     HV, K, dev = P.HV, P.K, q.device
@@ -372,7 +371,7 @@ def kda_prefill_cp(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, 
             o, finals, cs = rerun_step(P, lay, S_in, prefill, want_cs)
         else:
             o, cs = correct_step(P, lay, S_in, known, o_pair, cs_pair)
-    ends = host_to_device([i for i, p in enumerate(pieces) if not p.outgoing], dev, torch.long)
+    ends = device_ints([i for i, p in enumerate(pieces) if not p.outgoing], dev, torch.long)
     return _unpack(P, o, finals[ends], cs, out=None, final_state=final_buf, chunk_states_buf=chunk_buf,
                    want_final=want_final, want_cs=want_cs)
 

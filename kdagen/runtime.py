@@ -721,6 +721,7 @@ class Plan:
         self.o_alloc = (self.o_shape, self.o_cstrides, self.o_dtype)
         self.fs_alloc = (self.fs_shape, self.fs_cstrides, self.st_dtype) if self.want_final else None
         self.fast = _UNBOUND  # the launcher's bound launch of this signature (None: it has none)
+        self.twins_fast: Any = _UNBOUND  # the same for kda_prefill_twins' launch (twins=2)
         self.guard: Any = None  # signature_guard's check of a call with this plan's signature (make_check)
         self.guard_builds = 0
 
@@ -831,7 +832,8 @@ class Plan:
 
     def twins(self, q, k, v, g, beta, A_log, dt_bias, h2, cu, cu_cpu) -> tuple:
         """kda_prefill_twins' launch: the launcher's KdaCall with twins=2, h2 [N, 2 HV, V, K] fp32,
-        outputs with 2 HV heads (the general path: no bound launch)."""
+        outputs with 2 HV heads; bound on the first call like __call__ (the checked launch took
+        ~0.2 ms of host time, before the scan's first big kernel: benchmarks/NOTES.md, session 33)."""
         info, dev = self.info, self.device
         max_len, host, cu32 = self._varlen_args(cu, cu_cpu)
         if self.layout == "bsnd":
@@ -849,8 +851,15 @@ class Plan:
             cs = torch.empty((rows, 2 * info.HV, *self.st_shape), dtype=self.st_dtype, device=dev)
         if info.N > 0:
             A, dt = self._gate_args(A_log, dt_bias)
-            self.launcher(self._kda_call(q, k, v, g, beta, o, o_strides, A, dt, cu32, h2, fs, cs, co, max_len, None,
-                                         twins=2))
+            fast = self.twins_fast
+            if fast is None or fast is _UNBOUND or not fast.launch(q, k, v, g, beta, o, A, dt, cu32, h2, fs, cs, co,
+                                                                    None, max_len):
+                call = self._kda_call(q, k, v, g, beta, o, o_strides, A, dt, cu32, h2, fs, cs, co, max_len, None,
+                                      twins=2)
+                self.launcher(call)
+                if fast is _UNBOUND:
+                    bind = getattr(self.launcher, "bind", None)
+                    self.twins_fast = bind(call) if bind is not None else None
         return (o, fs, cs) if self.want_chunks else (o, fs)
 
     def __call__(self, q, k, v, g, beta, A_log, dt_bias, h0, cu, cu_cpu, out, fs, cs, ws):

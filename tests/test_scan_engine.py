@@ -250,6 +250,18 @@ def test_gpu_twin_launch_equals_two_calls(variant, shape):
     for i in (1, 2):
         assert torch.equal(res[i][:, :2], b[i]) and torch.equal(res[i][:, 2:], a[i]), i
     assert b[0].abs().max() > 0 and a[0].abs().max() > 0 and not torch.equal(b[1], a[1])
+    # The first call bound the signature's launch; later calls take it (no checks, no struct
+    # building) and must give the same bits on fresh (poisoned) outputs and moved inputs.
+    from kdagen import runtime as rt
+
+    plan = next(p for p in rt._PLANS.values() if p.twins_fast is not rt._UNBOUND and p.entry.name == variant)
+    assert type(plan.twins_fast).__name__ == "Sm80Bound" and plan.twins_fast.recur_name == "kda_recur_twins"
+    for _ in range(2):
+        torch.full((1 << 26,), math.nan, device="cuda")
+        moved = {n: (t.clone() if isinstance(t, torch.Tensor) and n in ("q", "k", "v") else t) for n, t in kw.items()}
+        again = kda_prefill_twins(**moved, initial_state=h2.clone())
+        for x, y in zip(again, res):
+            assert torch.equal(x, y)
 
 
 @pytest.mark.gpu

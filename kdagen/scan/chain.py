@@ -16,7 +16,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from .layout import host_to_device
+from .layout import device_ints
 from .maps import chain as chain_torch
 from .maps import ieee_fp32
 
@@ -99,7 +99,7 @@ def chain_triton(A: Tensor, B: Tensor, S0: Tensor, counts: Sequence[int]) -> tup
     offs = [0]
     for c in counts:
         offs.append(offs[-1] + int(c))
-    offsets = host_to_device(offs, A.device)
+    offsets = device_ints(offs, A.device)
     S_in = torch.empty_like(B)
     S_out = torch.empty_like(S0)
     if N and HV:

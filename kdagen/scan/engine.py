@@ -31,7 +31,7 @@ from ..errors import KdaInputError
 from ..inputs import CallInfo, check_call
 from .chain import chain_states
 from .correct import correct_o_fits, correct_o_triton
-from .layout import SegmentLayout, host_to_device, split
+from .layout import SegmentLayout, device_ints, split
 from .maps import ieee_fp32
 from .planner import ScanLaunch, plan_segments
 
@@ -86,8 +86,7 @@ class Packed:
         if lay.num_segments == 1 and lay.bounds[1] > 0:  # one segment over the packed row: the B = 1 call, no offsets
             cu_dev = cu_cpu = None
         else:
-            cu_cpu = lay.bounds_tensor()
-            cu_dev = host_to_device(cu_cpu, self.q.device)
+            cu_cpu, cu_dev = lay.bounds_tensor(), lay.bounds_tensor(self.q.device)
         args = {n: kw.pop(n) for n in ("q", "k", "v", "g", "beta") if n in kw}
         q, k, v, g, beta = (args.get(n, getattr(self, n)) for n in ("q", "k", "v", "g", "beta"))
         base = dict(self.kw, A_log=self.A_log, dt_bias=self.dt_bias, cu_seqlens=cu_dev, cu_seqlens_cpu=cu_cpu,
@@ -146,6 +145,19 @@ def pack(q, k, v, g, beta, *, A_log=None, dt_bias=None, initial_state=None, layo
                   state_layout, st_dtype, passed, info)
 
 
+_EYES: dict[tuple[int, torch.device], Tensor] = {}
+
+
+def _identity(K: int, device: torch.device) -> Tensor:
+    """fp32 K x K identity on `device`, made once (read-only: the transition runs' start)."""
+    eye = _EYES.get((K, device))
+    if eye is None:
+        eye = torch.eye(K, dtype=torch.float32, device=device)
+        if not (eye.is_cuda and torch.cuda.is_current_stream_capturing()):  # a graph's memory is its own
+            _EYES[(K, device)] = eye
+    return eye
+
+
 def maps_step(P: Packed, lay: SegmentLayout, known: Sequence[bool], prefill: Prefill,
               outputs: bool = False) -> tuple[Tensor, Tensor, Optional[tuple[Tensor, Tensor]],
                                               Optional[tuple[Tensor, Tensor]]]:
@@ -160,13 +172,20 @@ def maps_step(P: Packed, lay: SegmentLayout, known: Sequence[bool], prefill: Pre
     cost 4.1 of rank 1's 17.3 ms there (benchmarks/NOTES.md, session 29)."""
     HV, K, dev = P.HV, P.K, P.q.device
     S = lay.num_segments
-    h2 = torch.zeros(S, 2 * HV, K, K, dtype=torch.float32, device=dev)  # B's heads, then A's
-    h2[:, HV:] = torch.eye(K, dtype=torch.float32, device=dev)
-    firsts = [lay.first[n] for n in range(lay.num_sequences) if known[n]]
-    if firsts:
-        seqs = [n for n in range(lay.num_sequences) if known[n]]
-        at = host_to_device(firsts, dev, torch.long)
-        h2[at, :HV] = P.h0[host_to_device(seqs, dev, torch.long)]
+    h2 = torch.empty(S, 2, HV, K, K, dtype=torch.float32, device=dev)  # B's heads, then A's
+    h2[:, 1].copy_(_identity(K, dev))
+    h2[:, 0].zero_()
+    seqs = [n for n in range(lay.num_sequences) if known[n]]
+    firsts = [lay.first[n] for n in seqs]
+    # Every sequence known and cut alike (the one-GPU scan's usual call): its first segments are
+    # every c-th, a strided view, with no index to copy to the device.
+    every = lay.equal_counts if len(seqs) == lay.num_sequences else 0
+    if every:
+        h2[::every, 0].copy_(P.h0)
+    elif firsts:
+        at = device_ints(firsts, dev, torch.long)
+        h2[at, 0] = P.h0[device_ints(seqs, dev, torch.long)]
+    h2 = h2.view(S, 2 * HV, K, K)
     want_cs = outputs and P.kw.get("chunk_size") is not None
     twins = _twins_of(prefill)
     res = P.call(twins, lay, initial_state=h2, return_chunk_states=want_cs) if twins is not None else None
@@ -180,7 +199,9 @@ def maps_step(P: Packed, lay: SegmentLayout, known: Sequence[bool], prefill: Pre
         resA = P.call(prefill, lay, v=v0, initial_state=h2[:, HV:].contiguous(), output_final_state=True,
                       return_chunk_states=want_cs)
     Bm, Am = resB[1], resA[1]
-    if firsts:
+    if every:
+        Am[::every].zero_()
+    elif firsts:
         Am.index_fill_(0, at, 0.0)  # Am[at] = 0.0 copies the scalar from the host: a sync (profiled)
     o = (resB[0], resA[0]) if outputs else None
     cs = (resB[2], resA[2]) if want_cs else None
@@ -193,7 +214,7 @@ def rerun_step(P: Packed, lay: SegmentLayout, S_in: Tensor, prefill: Prefill, ch
     (o [1, T, HV, V], each sequence's final state [N, HV, V, K] fp32, chunk states or None)."""
     res = P.call(prefill, lay, initial_state=S_in.contiguous(), output_final_state=True,
                  return_chunk_states=chunk_states)
-    last = host_to_device(lay.last, S_in.device, torch.long)
+    last = device_ints(lay.last, S_in.device, torch.long)
     return res[0], res[1][last], (res[2] if chunk_states else None)
 
 

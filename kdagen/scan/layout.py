@@ -9,12 +9,13 @@ order, so their offsets are a refinement of cu and serve directly as a varlen cu
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
-__all__ = ["SegmentLayout", "split", "balanced", "host_to_device"]
+__all__ = ["SegmentLayout", "split", "balanced", "host_to_device", "device_ints"]
 
 
 def host_to_device(values: Sequence[int] | torch.Tensor, device: torch.device, dtype: torch.dtype = torch.int32
@@ -27,6 +28,23 @@ def host_to_device(values: Sequence[int] | torch.Tensor, device: torch.device, d
     if torch.device(device).type != "cuda":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
+
+
+@functools.lru_cache(maxsize=256)
+def _cached_ints(values: tuple[int, ...], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    return host_to_device(values, device, dtype)
+
+
+def device_ints(values: Sequence[int], device: torch.device | str, dtype: torch.dtype = torch.int32
+                ) -> torch.Tensor:
+    """host_to_device cached by value: READ-ONLY (callers must not write it). The scan's offsets
+    and indices repeat call after call (a model's layers, a cp rank's layout), and each fresh
+    copy cost ~20-40 us of host time before the first kernel (benchmarks/NOTES.md, session 33).
+    Fresh under CUDA graph capture (a graph's memory is its own)."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return host_to_device(values, dev, dtype)
+    return _cached_ints(tuple(int(x) for x in values), dev, dtype)
 
 
 def balanced(units: int, parts: int) -> list[int]:
@@ -88,13 +106,26 @@ class SegmentLayout:
         return [-(-n // chunk) for n in self.lengths]
 
     def bounds_tensor(self, device=None, dtype=torch.int32) -> torch.Tensor:
-        return host_to_device(self.bounds, device or "cpu", dtype)
+        """The segments' offsets as a varlen cu_seqlens (cached: read-only)."""
+        return device_ints(self.bounds, device or "cpu", dtype)
+
+    @property
+    def equal_counts(self) -> int:
+        """c where every sequence has c segments (its first segments are then every c-th), else 0."""
+        c = self.counts[0] if self.counts else 0
+        return c if all(x == c for x in self.counts) else 0
 
 
 def split(cu: Sequence[int], segments: int | Sequence[int], align: int) -> SegmentLayout:
     """Cut each sequence of `cu` into `segments` (one count for all, or one per sequence) near-equal
     segments of whole `align`-token units; a sequence of fewer units gets fewer segments."""
-    cu = [int(x) for x in cu]
+    return _split(tuple(int(x) for x in cu),
+                  int(segments) if isinstance(segments, int) else tuple(int(s) for s in segments), int(align))
+
+
+@functools.lru_cache(maxsize=256)
+def _split(cu: tuple[int, ...], segments: int | tuple[int, ...], align: int) -> SegmentLayout:
+    cu = list(cu)
     if len(cu) < 2 or cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])):
         raise ValueError(f"cu: expected non-decreasing offsets from 0 with at least 2 entries, found {cu}")
     if align < 1:

@@ -231,7 +231,7 @@ class Sm80Launcher:
         self._check(call)
         dev = call.q.device
         in_t = torch_dtype(v.dtype)
-        if call.N == 0 or self.settings.parts != ("prep", "recur") or call.twins != 1:
+        if call.N == 0 or self.settings.parts != ("prep", "recur"):
             return None
         if call.g.dtype not in (in_t, torch.float32) or call.beta.dtype not in (in_t, torch.float32):
             return None
@@ -246,6 +246,8 @@ class Sm80Launcher:
         if self._segments(call, v, call.max_len if call.max_len > 0 else call.T):
             return None  # long calls: host time is noise next to the kernels
         idx, (mod, f1, f2, rec, smem1, smem2, nt1, nt2) = self._module(dev)
+        if call.twins > 1:  # the scan's twin runs (kda_prefill_twins), a call per scan step 1
+            f2 = mod.function("kda_recur_twins", smem2)
         p = self._params(call, call.g.dtype, call.beta.dtype, strides, call.T)
         return Sm80Bound(self, call, idx, mod, p, f1, f2, nt1, nt2, smem1, smem2,
                          self._workspace_pieces(call, rec, [])[0])
@@ -376,7 +378,8 @@ class Sm80Bound:
         self.nt1, self.nt2, self.smem1, self.smem2 = nt1, nt2, smem1, smem2
         self.C, self.N, self.HV = v.chunk, call.N, call.HV
         self.T = call.T
-        self.recur_grid = (v.v // v.block_v, call.N, call.HV)
+        self.recur_grid = (v.v // v.block_v, call.N, call.HV * call.twins)
+        self.recur_name = "kda_recur_twins" if call.twins > 1 else "kda_recur"
         self.varlen = call.cu_seqlens is not None
         self.ws_bytes = ws_bytes
         self.device = call.q.device
@@ -492,7 +495,7 @@ class Sm80Bound:
         (and the debug log) in the general launch's words; False, so the general path runs the
         call (and raises if it fails too). The shim passes the refused launch's own block and
         shared memory (its Pair holds them)."""
-        name, nt, smem_ = ("kda_prep", self.nt1, self.smem1) if which == 0 else ("kda_recur", self.nt2, self.smem2)
+        name, nt, smem_ = ("kda_prep", self.nt1, self.smem1) if which == 0 else (self.recur_name, self.nt2, self.smem2)
         block = block or (nt, 1, 1)
         smem = smem_ if smem is None else smem
         self.last_failure = (f"cuLaunchKernel({name}, grid={tuple(int(x) for x in grid)}, block={block}, "
