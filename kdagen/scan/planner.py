@@ -72,25 +72,28 @@ class ScanLaunch:
 # False: that cut has no launch the model prices (another target): the cut is skipped.
 LaunchOf = Callable[[tuple[int, ...]], Union[ScanLaunch, None, bool]]
 
-# Measured on the H200 (tree 7d66a0e, scripts/scan_bench.py --modes rerun,correct --kernels,
-# benchmarks/results/2026-12-04_s32_h200_scan_planner.md), chunk 16, K = V = 128, bf16:
+# Measured on the H200, chunk 16, K = V = 128, bf16 (scripts/scan_bench.py --modes rerun,correct
+# --kernels; benchmarks/results/2026-12-04_s32_h200_scan_planner.md, tree 7d66a0e, and
+# 2026-12-04_s33_h200_scan_host.md, tree c5abcf2):
 # - unit_us: kda_recur_twins and kda_recur at 1-8 blocks per SM (R = 3) fit rounds of
 #   (1.4 + c) x 0.23 us at block_v 32 (T32768-1M, H4-H32) and x 0.163-0.171 at block_v 16;
 #   other block_v are interpolated. Chunk 64 is not measured since session 10 (1.8 us a lone
 #   step and 2.7 ns of prep a token and head then): estimates.
 # - prep_ns 0.8 (kda_prep alone, 0.79-0.81 over T65536 H24 to T1M H8); correct_ns 0.26 (0.24-0.28);
 #   chain 7.5 us + 0.18 us a head per segment (8.7 at H8, 10.4 at H32, 25 at H96).
-# - scan_fixed_us: the scan at T2048 H8 takes ~0.96 ms for ~0.1 ms of kernels; T1M H8 1.0 ms
-#   besides its kernels.
-# - one piece: T1M H8 30.15 ms = recur 26.85 + 3.3; T65536 H24 + 1.05; T131072 H4 + 0.92: the
-#   overlapped call costs ~0.6 ms + 0.3 ns a token and head besides its recurrence.
-# Model against measurement, 60 sm80 rows of both modes at T >= 32768: within 15%; the pieces'
-# host work at T8192 runs up to 1.7x the model (the scan stays off there either way).
+# - scan_fixed_us: the scan's wall time beyond its kernels, 0.22-0.31 ms on most sm80 rows at
+#   6 or 8 segments since the bound twin launch and cached offsets (0.9-1.0 ms before).
+# - one piece: the overlapped call's time beyond its recurrence is 0.23 ms at T8192 H4, 0.53-0.59
+#   at 256K-512K token-heads, 0.9 at T65536 H24, 1.45 ms at T512K H8 and 3.8 at T1M H8:
+#   0.2 ms + 0.35 ns a token and head, low on the middle rows (the planner then splits less).
+# Model against measurement at c5abcf2, 116 sm80 cells of both modes: the 72 at T >= 32768 within
+# 0.86-1.05 of it; host-bound rows (T2048, T8192) run up to 2.5x the model (the scan stays off there).
 _H200_ENGINE = ScanCosts(
     name="h200-engine",
     measured=True,
-    source="H200, tree 7d66a0e (benchmarks/results/2026-12-04_s32_h200_scan_planner.md): the scan composed of "
-           "kda_prefill calls, step 1 one twin launch; chunk 64 estimated",
+    source="H200, trees 7d66a0e and c5abcf2 (benchmarks/results/2026-12-04_s32_h200_scan_planner.md, "
+           "2026-12-04_s33_h200_scan_host.md): the scan composed of kda_prefill calls, step 1 one twin launch; "
+           "chunk 64 estimated",
     unit_us={16: {16: 0.17, 32: 0.23}, 64: {32: 0.75}},
     lone=1.4,
     prep_ns={16: 0.8, 64: 2.7},
@@ -98,10 +101,10 @@ _H200_ENGINE = ScanCosts(
     correct_ns=0.26,
     chain_us=7.5,
     chain_head_us=0.18,
-    scan_fixed_us=900.0,
+    scan_fixed_us=300.0,
     call_us=50.0,
-    overlap_us=600.0,
-    overlap_prep_ns=0.3,
+    overlap_us=200.0,
+    overlap_prep_ns=0.35,
 )
 # What dedicated kernels are to deliver (design targets, unmeasured): step 1 builds B and A in
 # one program set without o and shares its prep workspace with step 3; several programs per SM
