@@ -166,6 +166,36 @@ def test_whole_calls_pass_through_and_bad_input_is_named():
         scan_prefill(**var, segments=2, assume_valid=True, prefill=reference_prefill)
 
 
+def test_whole_signatures_skip_validation_and_planning(monkeypatch):
+    # segments=None remembers the signatures it left whole: the next such call goes straight to
+    # the prefill (which validates), with no scan validation or planning. Another signature (here
+    # other host offsets) is validated and planned again; a bad call is still named.
+    from kdagen.scan import engine as E
+
+    E._WHOLE.clear()
+    seen = []
+    real = E.validate
+    monkeypatch.setattr(E, "validate", lambda *a, **k: seen.append(1) or real(*a, **k))
+    var = make_kw(6, lens=[40, 24])
+    var["cu_seqlens_cpu"] = var["cu_seqlens"].clone()
+    spy = Spy()  # the prefill is part of the signature
+    for i in range(3):
+        out = scan_prefill(**var, prefill=spy)
+        assert len(spy.calls) == i + 1
+        check(out, {n: x for n, x in var.items() if n != "cu_seqlens_cpu"}, None, 1e-5)
+    assert len(seen) == 1 and len(E._WHOLE) == 1
+    other = make_kw(6, lens=[24, 40])
+    other["cu_seqlens_cpu"] = other["cu_seqlens"].clone()
+    scan_prefill(**other, prefill=spy)
+    assert len(seen) == 2 and len(E._WHOLE) == 2
+    # device offsets alone: no key (the offsets are not read to make one), validated every call
+    scan_prefill(**make_kw(6, lens=[40, 24]), prefill=spy)
+    scan_prefill(**make_kw(6, lens=[40, 24]), prefill=spy)
+    assert len(seen) == 4
+    with pytest.raises(KdaInputError, match="mode: expected 'rerun' or 'correct'"):
+        scan_prefill(**var, mode="fast", prefill=Spy())
+
+
 # ----------------------------------------------------------- real kernels (Triton / GPU)
 
 DEVICES = [
@@ -307,9 +337,9 @@ def test_gpu_scan_launch_asks_the_runtime_and_never_builds(monkeypatch):
 
 @pytest.mark.gpu
 def test_gpu_planner_splits_a_long_few_head_call_per_mode():
-    # B1 T131072 H4 on the H200: the scan measured 2.68 ms ("correct", 8 segments) and 3.15
-    # ("rerun") against 4.29 in one piece (2026-12-04_s32_h200_scan_planner.md): segments=None
-    # splits in both modes; T2048 H8 (0.96 against 0.09) stays whole.
+    # B1 T131072 H4 on the H200: the scan measured 1.74 ms ("correct", 8 segments) and 2.49
+    # ("rerun") against 3.93 in one piece (2026-12-04_s33_h200_scan_host.md): segments=None
+    # splits in both modes; T2048 H8 (0.45 against 0.11) stays whole.
     from kdagen.scan.engine import planned_segments, validate
 
     for T, H, split_expected in ((131072, 4, True), (2048, 8, False)):

@@ -347,6 +347,35 @@ def planned_segments(info: CallInfo, cu: Sequence[int], *, mode: str, costs: str
     return plan.segments
 
 
+# Signatures segments=None leaves whole (_whole_key): such a call goes straight to the prefill,
+# which validates it; validating and planning first cost ~60-150 us of host time on the H200's
+# host, 1.2-1.9x a short call's time (benchmarks/NOTES.md, session 33). Only "whole" is kept: a
+# key that missed something can cost speed, never a result.
+_WHOLE: set = set()
+
+
+def _whole_key(q, k, v, g, beta, mode: str, costs: str, prefill: Prefill, kw: dict) -> Optional[tuple]:
+    """What segments=None's choice depends on, read off the raw arguments (shapes, dtypes,
+    devices, host offsets, keywords; the forced variant and the registry); None where that is
+    not cheap (device offsets only) or an argument is no tensor."""
+    from .. import env
+    from ..runtime import registry
+
+    cu_cpu = kw.get("cu_seqlens_cpu")
+    if kw.get("cu_seqlens") is not None and cu_cpu is None:
+        return None
+    try:
+        rest = tuple((n, (x.shape, x.dtype, x.device) if isinstance(x, Tensor) else x) for n, x in sorted(kw.items())
+                     if n != "cu_seqlens_cpu")
+        key = (mode, costs, prefill, env.force_variant(), id(registry()),
+               tuple((t.shape, t.dtype, t.device) for t in (q, k, v, g, beta)),
+               None if cu_cpu is None else tuple(cu_cpu.tolist()), rest)
+        hash(key)
+    except (AttributeError, TypeError):
+        return None
+    return key
+
+
 def scan_prefill(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *,
                  segments: int | Sequence[int] | None = None, mode: str = "rerun",
                  prefill: Optional[Prefill] = None, chain_impl: str = "auto", costs: str = "h200-engine",
@@ -365,12 +394,19 @@ def scan_prefill(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *,
     want_cs = bool(kw.get("return_chunk_states")) or chunk_buf is not None
     kw.setdefault("output_final_state", want_final)
     kw.setdefault("return_chunk_states", want_cs)
+    whole_key = _whole_key(q, k, v, g, beta, mode, costs, prefill, kw) if segments is None else None
+    if whole_key is not None and whole_key in _WHOLE:
+        return prefill(q, k, v, g, beta, out=out, **kw)  # kda_prefill checks the call itself
     info, cu = validate(q, k, v, g, beta, **kw)
     align = kw.get("chunk_size") or 64
     if segments is None:
         segments = planned_segments(info, cu, mode=mode, costs=costs, variant=kw.get("variant"),
                                     ask_runtime=prefill is _default_prefill(), align=align)
         if max(segments, default=1) <= 1:  # the planner keeps the call whole: no layout to build
+            if whole_key is not None:
+                if len(_WHOLE) >= 256:
+                    _WHOLE.clear()
+                _WHOLE.add(whole_key)
             return prefill(q, k, v, g, beta, out=out, **kw)
     lay = split(cu, segments, align)
     if not lay.split_any:
