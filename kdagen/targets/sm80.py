@@ -491,7 +491,7 @@ class Sm80Bound:
             lock.release()
 
     def _declined(self, which: int, grid: tuple, err, block: tuple | None = None, smem: int | None = None) -> bool:
-        """A launch the driver refused (`which`: 0 kda_prep, 1 kda_recur): said in last_failure
+        """A launch the driver refused (`which`: 0 kda_prep, 1 the recurrence): said in last_failure
         (and the debug log) in the general launch's words; False, so the general path runs the
         call (and raises if it fails too). The shim passes the refused launch's own block and
         shared memory (its Pair holds them)."""
