@@ -851,16 +851,25 @@ class Plan:
             cs = torch.empty((rows, 2 * info.HV, *self.st_shape), dtype=self.st_dtype, device=dev)
         if info.N > 0:
             A, dt = self._gate_args(A_log, dt_bias)
-            fast = self.twins_fast
-            if fast is None or fast is _UNBOUND or not fast.launch(q, k, v, g, beta, o, A, dt, cu32, h2, fs, cs, co,
-                                                                    None, max_len):
-                call = self._kda_call(q, k, v, g, beta, o, o_strides, A, dt, cu32, h2, fs, cs, co, max_len, None,
-                                      twins=2)
-                self.launcher(call)
-                if fast is _UNBOUND:
-                    bind = getattr(self.launcher, "bind", None)
-                    self.twins_fast = bind(call) if bind is not None else None
+            self.twins_fast = self._launch(self.twins_fast, q, k, v, g, beta, o, o_strides, A, dt, cu32, h2, fs, cs,
+                                           co, max_len, None, twins=2)
         return (o, fs, cs) if self.want_chunks else (o, fs)
+
+    def _launch(self, fast, q, k, v, g, beta, o, o_strides, A, dt, cu32, h0, fs, cs, co, max_len, ws,
+                twins: int = 1) -> Any:
+        """One launch through `fast` (the signature's bound launch) where it serves, else the
+        launcher's checked launch, which on the first call (fast _UNBOUND) also binds. Returns
+        the bound launch to keep (None: the launcher has none for this signature)."""
+        if fast is not None and fast is not _UNBOUND and fast.launch(q, k, v, g, beta, o, A, dt, cu32, h0, fs, cs, co,
+                                                                     ws, max_len):
+            return fast
+        call = self._kda_call(q, k, v, g, beta, o, o_strides, A, dt, cu32, h0, fs, cs, co, max_len, ws, twins=twins)
+        self.launcher(call)
+        if fast is _UNBOUND:
+            # Launchers with a bound fast path prepare it from this first (checked) call.
+            bind = getattr(self.launcher, "bind", None)
+            return bind(call) if bind is not None else None
+        return fast
 
     def __call__(self, q, k, v, g, beta, A_log, dt_bias, h0, cu, cu_cpu, out, fs, cs, ws):
         """The general path: conversions, chunk offsets, the launcher's checked launch (and, on
@@ -891,15 +900,9 @@ class Plan:
             h = h0 if self.h0_ready else h0.contiguous()
             cs_ = cs if self.want_chunks else None
             fast = self.fast
-            if fast is None or fast is _UNBOUND or not fast.launch(q, k, v, g, beta, out, A, dt, cu32, h, fs, cs_, co,
-                                                                    ws, max_len):
-                call = self._kda_call(q, k, v, g, beta, out, self.o_strides, A, dt, cu32, h, fs, cs_, co, max_len,
-                                      ws)
-                self.launcher(call)
-                if fast is _UNBOUND:
-                    # Launchers with a bound fast path prepare it from this first (checked) call.
-                    bind = getattr(self.launcher, "bind", None)
-                    self.fast = bind(call) if bind is not None else None
+            bound = self._launch(fast, q, k, v, g, beta, out, self.o_strides, A, dt, cu32, h, fs, cs_, co, max_len, ws)
+            if bound is not fast:
+                self.fast = bound  # the setter points `run` at the bound launch
         if self.want_chunks:
             return out, fs, cs
         return out, fs

@@ -176,14 +176,14 @@ def maps_step(P: Packed, lay: SegmentLayout, known: Sequence[bool], prefill: Pre
     h2[:, 1].copy_(_identity(K, dev))
     h2[:, 0].zero_()
     seqs = [n for n in range(lay.num_sequences) if known[n]]
-    firsts = [lay.first[n] for n in seqs]
     # Every sequence known and cut alike (the one-GPU scan's usual call): its first segments are
     # every c-th, a strided view, with no index to copy to the device.
     every = lay.equal_counts if len(seqs) == lay.num_sequences else 0
+    at = None
     if every:
         h2[::every, 0].copy_(P.h0)
-    elif firsts:
-        at = device_ints(firsts, dev, torch.long)
+    elif seqs:
+        at = device_ints([lay.first[n] for n in seqs], dev, torch.long)
         h2[at, 0] = P.h0[device_ints(seqs, dev, torch.long)]
     h2 = h2.view(S, 2 * HV, K, K)
     want_cs = outputs and P.kw.get("chunk_size") is not None
@@ -201,7 +201,7 @@ def maps_step(P: Packed, lay: SegmentLayout, known: Sequence[bool], prefill: Pre
     Bm, Am = resB[1], resA[1]
     if every:
         Am[::every].zero_()
-    elif firsts:
+    elif at is not None:
         Am.index_fill_(0, at, 0.0)  # Am[at] = 0.0 copies the scalar from the host: a sync (profiled)
     o = (resB[0], resA[0]) if outputs else None
     cs = (resB[2], resA[2]) if want_cs else None

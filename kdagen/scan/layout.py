@@ -72,18 +72,18 @@ class SegmentLayout:
     def num_segments(self) -> int:
         return len(self.bounds) - 1
 
-    @property
+    @functools.cached_property  # layouts are cached (split) and read per sequence: build once
     def first(self) -> list[int]:
-        """Index of each sequence's first segment."""
+        """Index of each sequence's first segment (read-only)."""
         out, at = [], 0
         for c in self.counts:
             out.append(at)
             at += c
         return out
 
-    @property
+    @functools.cached_property
     def last(self) -> list[int]:
-        """Index of each sequence's last segment."""
+        """Index of each sequence's last segment (read-only)."""
         return [f + c - 1 for f, c in zip(self.first, self.counts)]
 
     @property
