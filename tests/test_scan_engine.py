@@ -348,3 +348,42 @@ def test_gpu_planner_splits_a_long_few_head_call_per_mode():
         for mode in ("correct", "rerun"):
             segs = planned_segments(info, cu, mode=mode)
             assert (max(segs) > 1) == split_expected, (T, H, mode, segs)
+
+
+def test_device_ints_are_cached_by_value_and_read_only_views_are_shared():
+    from kdagen.scan.layout import device_ints
+
+    a = device_ints([0, 64, 130], "cpu")
+    assert a.dtype == torch.int32 and a.tolist() == [0, 64, 130]
+    assert device_ints((0, 64, 130), "cpu") is a  # the same values: the same tensor, no new copy
+    assert device_ints([0, 64, 131], "cpu") is not a
+    b = device_ints([0, 64, 130], "cpu", torch.long)
+    assert b is not a and b.dtype == torch.long
+
+
+@pytest.mark.gpu
+def test_gpu_device_ints_one_copy_per_stream_and_a_scan_on_a_side_stream():
+    # A cached copy is queued on the stream that first asked; another stream gets its own, so it
+    # never reads one still in flight. The scan on a side stream must then equal the main one's.
+    from kdagen.scan.layout import device_ints
+
+    vals = list(range(0, 4096 * 7, 64))
+    main = device_ints(vals, "cuda")
+    assert device_ints(vals, torch.device("cuda", torch.cuda.current_device())) is main
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        other = device_ints(vals, "cuda")
+        assert other is not main and other.data_ptr() != main.data_ptr()
+        assert device_ints(vals, "cuda") is other
+    torch.cuda.synchronize()
+    assert other.tolist() == vals and main.tolist() == vals
+
+    kw = make_kw(21, B=1, T=8192, H=2, HV=2, K=128, dtype=torch.bfloat16, device="cuda")
+    ref = scan_prefill(**kw, segments=4, mode="correct")
+    torch.cuda.synchronize()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.full((1 << 24,), math.nan, device="cuda")  # freed at once: the outputs likely reuse it
+        out = scan_prefill(**kw, segments=4, mode="correct")
+    torch.cuda.synchronize()
+    assert torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1])

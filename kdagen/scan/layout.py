@@ -31,7 +31,7 @@ def host_to_device(values: Sequence[int] | torch.Tensor, device: torch.device, d
 
 
 @functools.lru_cache(maxsize=256)
-def _cached_ints(values: tuple[int, ...], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+def _cached_ints(values: tuple[int, ...], device: torch.device, dtype: torch.dtype, stream: int) -> torch.Tensor:
     return host_to_device(values, device, dtype)
 
 
@@ -40,11 +40,19 @@ def device_ints(values: Sequence[int], device: torch.device | str, dtype: torch.
     """host_to_device cached by value: READ-ONLY (callers must not write it). The scan's offsets
     and indices repeat call after call (a model's layers, a cp rank's layout), and each fresh
     copy cost ~20-40 us of host time before the first kernel (benchmarks/NOTES.md, session 33).
-    Fresh under CUDA graph capture (a graph's memory is its own)."""
+    Fresh under CUDA graph capture (a graph's memory is its own).
+
+    One copy per CUDA stream: a copy is queued on the stream that first asked, so another stream
+    could read it before it lands; and the caching allocator may hand an evicted copy's memory
+    to new work on its own stream only, which is safe when that is the one stream using it."""
     dev = torch.device(device)
-    if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
+    if dev.type != "cuda":
+        return _cached_ints(tuple(int(x) for x in values), dev, dtype, 0)
+    if dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    if torch.cuda.is_current_stream_capturing():
         return host_to_device(values, dev, dtype)
-    return _cached_ints(tuple(int(x) for x in values), dev, dtype)
+    return _cached_ints(tuple(int(x) for x in values), dev, dtype, torch.cuda.current_stream(dev).cuda_stream)
 
 
 def balanced(units: int, parts: int) -> list[int]:
