@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import kdagen
 from kdagen.cases import make_case, run_and_compare, run_poisoned
 from kdagen.registry import Registry
 from kdagen.variant import Variant
@@ -108,16 +109,20 @@ SEGMENT_VARIANTS = [v for v in Registry.load().variants() if v.target == "sm80" 
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("shape", ["B2", "varlen1"])
 @pytest.mark.parametrize("state_layout", ["VK", "KV"])
 @pytest.mark.parametrize("v", SEGMENT_VARIANTS, ids=[v.name for v in SEGMENT_VARIANTS])
-def test_sm80_time_segments_match_one_piece(v, state_layout):
+def test_sm80_time_segments_match_one_piece(v, state_layout, shape):
     """Prep of segment s + 1 overlapping the recurrence of segment s (few heads, long sequences)
-    gives the one-piece result bit for bit, and both match the reference. The launcher the
-    runtime would use is swapped for one with other settings, so the call is kda_prefill's."""
+    gives the one-piece result bit for bit, and both match the reference; also for one varlen
+    sequence (a serving engine's call), which runs as a batch of one. The launcher the runtime
+    would use is swapped for one with other settings, so the call is kda_prefill's."""
     import kdagen.runtime as rt
     from kdagen_dev.launch import launcher_swapped
 
-    kw = make_case(v, "cuda", B=2, T=1000, H=2, HV=4, state_layout=state_layout, seed=21)
+    shape_kw = dict(B=2, T=1000) if shape == "B2" else dict(lens=[1000])
+    kw = make_case(v, "cuda", H=2, HV=4, state_layout=state_layout, seed=21, **shape_kw)
+    assert (kw.get("cu_seqlens") is not None) == (shape == "varlen1")
     device_key = f"cuda:{kw['q'].device.index}"
     base = rt.registry().launcher(v.name, device_key)
     outs, segments = {}, {}
@@ -127,8 +132,17 @@ def test_sm80_time_segments_match_one_piece(v, state_layout):
         with launcher_swapped(v.name, device_key, base.with_settings(**settings)) as la:
             outs[label] = run_poisoned(v, kw)
         segments[label] = la.last_segments
-    assert segments == {"whole": 0, "split": 4, "tail": 5}
-    for label in ("split", "tail"):
+    # A caller workspace of the one-piece call's size (what workspace_size gives for a larger
+    # batch) runs in one piece rather than being refused.
+    with launcher_swapped(v.name, device_key, base.with_settings(min_segment_tokens=None)):
+        one_ws = kdagen.workspace_size(**kw, variant=v.name)
+    with launcher_swapped(v.name, device_key, base.with_settings(min_segment_tokens=192)) as la:
+        assert kdagen.workspace_size(**kw, variant=v.name) > one_ws + 256
+        outs["small ws"] = run_poisoned(v, dict(kw, workspace=torch.empty(one_ws + 256, dtype=torch.uint8,
+                                                                         device="cuda")))
+    segments["small ws"] = la.last_segments
+    assert segments == {"whole": 0, "split": 4, "tail": 5, "small ws": 0}
+    for label in ("split", "tail", "small ws"):
         assert all(torch.equal(a, b) for a, b in zip(outs["whole"], outs[label])), label
     run_and_compare(v, kw, out=outs["split"])
 
@@ -148,7 +162,8 @@ def test_sm80_time_segments_plan(monkeypatch):
     assert segs == [(a, a + 8192) for a in range(0, 65536, 8192)]
     assert la._segments(call(), var, 10000) == [(0, 5056), (5056, 10000)]  # whole chunks
     assert la._segments(call(HV=96), var, 8192) == []  # 384 programs fill the GPU
-    assert la._segments(call(cu_seqlens=torch.zeros(2)), var, 65536) == []
+    assert la._segments(call(cu_seqlens=torch.zeros(3), N=2), var, 65536) == []  # varlen: segments differ
+    assert la._segments(call(cu_seqlens=torch.zeros(2)), var, 65536) == segs  # one varlen sequence: [0, T]
     assert la._segments(call(chunk_states=torch.zeros(1)), var, 65536) == []
     assert la._segments(call(twins=2), var, 65536) == []  # the scan's twin launch runs in one piece
     assert la._segments(call(), var, 6000) == []  # too short

@@ -194,9 +194,9 @@ def one_piece_us(lengths: Sequence[int], *, heads: int, v_blocks: int, sm_count:
     progs = heads * v_blocks
     recur = recur_us([(-(-n // chunk), progs) for n in lengths], sm_count, c.resident,
                      _unit(c, chunk, max(1, head_v // v_blocks)), c.lone)
-    # sm80's time segmentation: one launch of B sequences (no cu_seqlens), fewer blocks than
-    # SMs, sequences of at least 2 x 4096 tokens (Sm80Settings.min_segment_tokens)
-    if not varlen and progs * len(lengths) < sm_count and max(lengths, default=0) >= 8192:
+    # sm80's time segmentation: one launch of B sequences (no cu_seqlens, or one varlen sequence),
+    # fewer blocks than SMs, sequences of at least 2 x 4096 tokens (Sm80Settings.min_segment_tokens)
+    if (not varlen or len(lengths) == 1) and progs * len(lengths) < sm_count and max(lengths, default=0) >= 8192:
         return recur + c.overlap_us + c.overlap_prep_ns * token_heads / 1000.0
     return recur + c.call_us + c.prep_ns[chunk] * token_heads / 1000.0
 
@@ -246,7 +246,7 @@ def plan_segments(lengths: Sequence[int], *, heads: int, v_blocks: int, sm_count
     """Segments per sequence for a call of sequences `lengths` (tokens), `heads` value heads of
     `head_v` columns, `v_blocks` V-split blocks per head in the one-piece call, on `sm_count`
     SMs, for scan mode `mode`. varlen: the one-piece call has cu_seqlens (the sm80 launcher
-    overlaps prep and recurrence only without). launch_of: what the scan's calls would launch at
+    overlaps prep and recurrence only without, or for a single sequence). launch_of: what the scan's calls would launch at
     a cut (see LaunchOf). force: the scan runs anyway (a context-parallel rank whose first
     sequence enters from another rank); pick its best cut, leaving every sequence whole
     included."""

@@ -162,7 +162,7 @@ class Sm80Launcher:
         if ws is None:
             return [torch.empty(n, dtype=torch.uint8, device=dev) for n in pieces]
         flat = ws.view(torch.uint8).reshape(-1)
-        need = sum(pieces) + (-ws.data_ptr()) % _WS_ALIGN
+        need = _workspace_need(ws, pieces)
         if flat.numel() < need:
             raise RuntimeError(f"{self.variant.name}: workspace has {flat.numel()} bytes, this call needs {need} "
                                "(kdagen.workspace_size(...) says how many)")
@@ -200,6 +200,11 @@ class Sm80Launcher:
         if call.N == 0:
             return
         segs = self._segments(call, v, max_len)
+        if segs and call.workspace is not None and call.workspace.nbytes < _workspace_need(
+                call.workspace, self._workspace_pieces(call, rec, segs)):
+            # a caller workspace sized for the one-piece call (workspace_size promises that much,
+            # growing with T and N; the segments' carried states are extra): run in one piece
+            segs = []
         self.last_segments = len(segs)
         scratch = self._scratch(call, self._workspace_pieces(call, rec, segs), dev)
         if segs:
@@ -257,9 +262,11 @@ class Sm80Launcher:
         """Time segments [a, b) for overlapping the prep of segment s + 1 with the recurrence
         of segment s, or [] to run in one piece. Worth it only when the recurrence leaves most
         SMs idle (few heads, long sequences); needs the fp32 state carried between segments,
-        equal-length sequences and no per-chunk states."""
+        equal-length sequences (a batch, or one varlen sequence: its offsets are [0, T], which
+        the runtime checked or the caller promised) and no per-chunk states."""
         cfg = self.settings
-        if (cfg.min_segment_tokens is None or cfg.parts != ("prep", "recur") or call.cu_seqlens is not None
+        if (cfg.min_segment_tokens is None or cfg.parts != ("prep", "recur")
+                or (call.cu_seqlens is not None and call.N != 1)
                 or call.chunk_states is not None or v.state != "fp32" or call.twins != 1):
             return []
         programs = call.N * call.HV * (v.v // v.block_v)
@@ -300,6 +307,7 @@ class Sm80Launcher:
                                      ("beta", "beta", "b_s"), ("o", "o", "o_s")):
                 setattr(ps, nm, getattr(p, nm) + a * getattr(p, strides)[1] * elsize[key])
             ps.T = ps.max_len = b - a
+            ps.cu_seqlens = 0  # one varlen sequence runs as the batch of one it is (segments index by T)
             ps.h0 = p.h0 if i == 0 else int(carry[i - 1].data_ptr())
             ps.ht = p.ht if i == len(segs) - 1 else int(carry[i].data_ptr())
             ws = scratch[1 + i]
@@ -318,6 +326,11 @@ class Sm80Launcher:
             mod.launch(f2, (V // v.block_v, N, HV), (nt2, 1, 1), smem_r, main.cuda_stream, ps, "kda_recur")
         # carry and the workspaces were allocated on the caller's stream and their last use is
         # there (each recurrence waits for its prep): no record_stream needed.
+
+
+def _workspace_need(ws: torch.Tensor, pieces: list[int]) -> int:
+    """Bytes of caller workspace `ws` that `pieces` take, with its start rounded up to _WS_ALIGN."""
+    return sum(pieces) + (-ws.data_ptr()) % _WS_ALIGN
 
 
 def shim_state() -> tuple:
