@@ -300,7 +300,14 @@ class Sm80Launcher:
         side.wait_event(start)
         N, HV, V, K = call.N, call.HV, v.v, v.k
         carry = scratch[0][:(len(segs) - 1) * N * HV * V * K * 4].view(torch.float32).view(len(segs) - 1, N, HV, V, K)
-        work = []
+        smem_r = smem2
+        if self.settings.prep_blocks_beside_recur is not None:
+            smem_r = recur_smem_beside_prep(smem1, smem2, torch.cuda.get_device_properties(dev),
+                                            self.settings.prep_blocks_beside_recur)
+            mod.function("kda_recur", smem_r)
+        # Each recurrence is queued right after its prep: queuing every prep first kept the first
+        # recurrence waiting for the host's whole loop (~0.3 ms at 8 segments; NOTES, session 34).
+        # The preps still run ahead on the side stream, beside the recurrences.
         for i, (a, b) in enumerate(segs):
             ps = KdaParams.from_buffer_copy(p)
             for nm, key, strides in (("q", "q", "q_s"), ("k", "k", "k_s"), ("v", "v", "v_s"), ("g", "g", "g_s"),
@@ -310,18 +317,10 @@ class Sm80Launcher:
             ps.cu_seqlens = 0  # one varlen sequence runs as the batch of one it is (segments index by T)
             ps.h0 = p.h0 if i == 0 else int(carry[i - 1].data_ptr())
             ps.ht = p.ht if i == len(segs) - 1 else int(carry[i].data_ptr())
-            ws = scratch[1 + i]
-            ps.ws = int(ws.data_ptr())
+            ps.ws = int(scratch[1 + i].data_ptr())
             mod.launch(f1, (-(-(b - a) // C), N, HV), (nt1, 1, 1), smem1, side.cuda_stream, ps, "kda_prep")
             done = torch.cuda.Event()
             done.record(side)
-            work.append((ps, ws, done))
-        smem_r = smem2
-        if self.settings.prep_blocks_beside_recur is not None:
-            smem_r = recur_smem_beside_prep(smem1, smem2, torch.cuda.get_device_properties(dev),
-                                            self.settings.prep_blocks_beside_recur)
-            mod.function("kda_recur", smem_r)
-        for ps, _ws, done in work:
             main.wait_event(done)
             mod.launch(f2, (V // v.block_v, N, HV), (nt2, 1, 1), smem_r, main.cuda_stream, ps, "kda_recur")
         # carry and the workspaces were allocated on the caller's stream and their last use is
