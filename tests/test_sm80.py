@@ -126,9 +126,10 @@ def test_sm80_time_segments_match_one_piece(v, state_layout, shape):
     device_key = f"cuda:{kw['q'].device.index}"
     base = rt.registry().launcher(v.name, device_key)
     outs, segments = {}, {}
+    short = dict(min_segment_tokens=192, min_hidden_prep_us=None)  # 1000 tokens -> 4 x 256, however little prep
     for label, settings in (("whole", dict(min_segment_tokens=None)),
-                            ("split", dict(min_segment_tokens=192)),  # 1000 tokens -> 4 x 256
-                            ("tail", dict(min_segment_tokens=192, last_segment_tokens=64))):  # 256 x 3, 128, 104
+                            ("split", short),
+                            ("tail", dict(short, last_segment_tokens=64))):  # 256 x 3, 128, 104
         with launcher_swapped(v.name, device_key, base.with_settings(**settings)) as la:
             outs[label] = run_poisoned(v, kw)
         segments[label] = la.last_segments
@@ -136,7 +137,7 @@ def test_sm80_time_segments_match_one_piece(v, state_layout, shape):
     # batch) runs in one piece rather than being refused.
     with launcher_swapped(v.name, device_key, base.with_settings(min_segment_tokens=None)):
         one_ws = kdagen.workspace_size(**kw, variant=v.name)
-    with launcher_swapped(v.name, device_key, base.with_settings(min_segment_tokens=192)) as la:
+    with launcher_swapped(v.name, device_key, base.with_settings(**short)) as la:
         assert kdagen.workspace_size(**kw, variant=v.name) > one_ws + 256
         outs["small ws"] = run_poisoned(v, dict(kw, workspace=torch.empty(one_ws + 256, dtype=torch.uint8,
                                                                          device="cuda")))
@@ -160,6 +161,18 @@ def test_sm80_time_segments_plan(monkeypatch):
                                                  twins=1, q=torch.empty(1)), **kw})
     segs = la._segments(call(), var, 65536)  # issue 4's B1 T65536 H24: 96 programs < 132 SMs
     assert segs == [(a, a + 8192) for a in range(0, 65536, 8192)]
+    # Enough prep to hide, at block_v 16 (the rows the H200 measured, session 34): T131072 H4 (32
+    # programs) and T1M H8 split; T65536 H8 (~0.22 ms hideable), T32768 H4 and T65536 H16 (128
+    # programs, 4 SMs free) stay whole.
+    bv16 = Variant("sm80", 16, 128, 128, "bf16", "bounded", "fp32", 16)
+    la16 = sm80.Sm80Launcher(bv16, Path("unused.fatbin"))
+    assert len(la16._segments(call(HV=4), bv16, 131072)) == 8 and len(la16._segments(call(HV=8), bv16, 1 << 20)) == 8
+    for hv, T in ((8, 65536), (4, 32768), (16, 65536)):
+        assert la16._segments(call(HV=hv), bv16, T) == [], (hv, T)
+    assert la16.with_settings(min_hidden_prep_us=0)._segments(call(HV=8), bv16, 65536) != []
+    with pytest.raises(ValueError, match=r"min_hidden_prep_us: expected None or >= 0, found -1"):
+        la.with_settings(min_hidden_prep_us=-1)
+    la = la.with_settings(min_hidden_prep_us=None)  # the cuts themselves, however little prep
     assert la._segments(call(), var, 10000) == [(0, 5056), (5056, 10000)]  # whole chunks
     assert la._segments(call(HV=96), var, 8192) == []  # 384 programs fill the GPU
     assert la._segments(call(cu_seqlens=torch.zeros(3), N=2), var, 65536) == []  # varlen: segments differ

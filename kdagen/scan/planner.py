@@ -31,7 +31,7 @@ from typing import Callable, Optional, Sequence, Union
 from .layout import balanced
 
 __all__ = ["ScanCosts", "ScanLaunch", "ScanPlan", "COSTS", "plan_segments", "one_piece_us", "scan_us", "even_cut",
-           "rounds_cost", "recur_us"]
+           "rounds_cost", "recur_us", "hidden_prep_us", "OVERLAP_MIN_HIDDEN_US"]
 
 MODES = ("rerun", "correct")
 
@@ -86,13 +86,17 @@ LaunchOf = Callable[[tuple[int, ...]], Union[ScanLaunch, None, bool]]
 # - one piece: the overlapped call's time beyond its recurrence is 0.23 ms at T8192 H4, 0.53-0.59
 #   at 256K-512K token-heads, 0.9 at T65536 H24, 1.45 ms at T512K H8 and 3.8 at T1M H8:
 #   0.2 ms + 0.35 ns a token and head, low on the middle rows (the planner then splits less).
+#   Since session 34 the launcher cuts time segments only where OVERLAP_MIN_HIDDEN_US of prep can
+#   hide; the plain one piece (bound launch) is its recurrence + 25 us + its prep: the model is
+#   within 0.98-1.03 of 14 one-piece rows from T8192 H4 to T1M H8 (tests/test_scan_planner.py).
 # Model against measurement at c5abcf2, 116 sm80 cells of both modes: the 72 at T >= 32768 within
 # 0.86-1.05 of it; host-bound rows (T2048, T8192) run up to 2.5x the model (the scan stays off there).
 _H200_ENGINE = ScanCosts(
     name="h200-engine",
     measured=True,
     source="H200, trees 7d66a0e and c5abcf2 (benchmarks/results/2026-12-04_s32_h200_scan_planner.md, "
-           "2026-12-04_s33_h200_scan_host.md): the scan composed of kda_prefill calls, step 1 one twin launch; "
+           "2026-12-04_s33_h200_scan_host.md; one piece: 2026-12-04_s34_h200_segments.md): the scan composed "
+           "of kda_prefill calls, step 1 one twin launch; "
            "chunk 64 estimated",
     unit_us={16: {16: 0.17, 32: 0.23}, 64: {32: 0.75}},
     lone=1.4,
@@ -102,7 +106,7 @@ _H200_ENGINE = ScanCosts(
     chain_us=7.5,
     chain_head_us=0.18,
     scan_fixed_us=300.0,
-    call_us=50.0,
+    call_us=25.0,
     overlap_us=200.0,
     overlap_prep_ns=0.35,
 )
@@ -186,6 +190,21 @@ def _costs(costs: ScanCosts | str, chunk: int, align: int, mode: str) -> ScanCos
     return c
 
 
+# sm80's time segments cost ~0.15-0.28 ms of host work and launch gaps (H200, session 34: they lost
+# 0.14-0.24 ms on every call from T8192 H4 to T65536 H16 and won from T131072 H4 up): they run
+# only where the prep they can hide is worth at least this much (Sm80Settings.min_hidden_prep_us).
+OVERLAP_MIN_HIDDEN_US = 300.0
+
+
+def hidden_prep_us(token_heads: int, programs: int, sm_count: int, chunk: int = 16,
+                   costs: ScanCosts | str = "h200-engine") -> float:
+    """The prep time that sm80's time segments can hide behind a recurrence of `programs` blocks:
+    the prep's share on the SMs those blocks leave free."""
+    c = COSTS[costs] if isinstance(costs, str) else costs
+    free = max(0.0, 1.0 - programs / max(sm_count, 1))
+    return c.prep_ns.get(chunk, c.prep_ns[16]) * token_heads / 1000.0 * free
+
+
 def one_piece_us(lengths: Sequence[int], *, heads: int, v_blocks: int, sm_count: int, chunk: int = 16,
                  costs: ScanCosts | str = "h200-engine", head_v: int = 128, varlen: bool = True) -> float:
     """Modeled time of the one-piece call (see the module's docstring)."""
@@ -194,9 +213,11 @@ def one_piece_us(lengths: Sequence[int], *, heads: int, v_blocks: int, sm_count:
     progs = heads * v_blocks
     recur = recur_us([(-(-n // chunk), progs) for n in lengths], sm_count, c.resident,
                      _unit(c, chunk, max(1, head_v // v_blocks)), c.lone)
-    # sm80's time segmentation: one launch of B sequences (no cu_seqlens, or one varlen sequence),
-    # fewer blocks than SMs, sequences of at least 2 x 4096 tokens (Sm80Settings.min_segment_tokens)
-    if (not varlen or len(lengths) == 1) and progs * len(lengths) < sm_count and max(lengths, default=0) >= 8192:
+    # sm80's time segmentation (Sm80Settings): one launch of B sequences (no cu_seqlens, or one
+    # varlen sequence), fewer blocks than SMs, sequences of at least 2 x 4096 tokens, enough prep
+    # to hide
+    if ((not varlen or len(lengths) == 1) and progs * len(lengths) < sm_count and max(lengths, default=0) >= 8192
+            and hidden_prep_us(token_heads, progs * len(lengths), sm_count, chunk, c) >= OVERLAP_MIN_HIDDEN_US):
         return recur + c.overlap_us + c.overlap_prep_ns * token_heads / 1000.0
     return recur + c.call_us + c.prep_ns[chunk] * token_heads / 1000.0
 

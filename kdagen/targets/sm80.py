@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from ..abi import KdaCall
+from ..scan.planner import OVERLAP_MIN_HIDDEN_US, hidden_prep_us
 from ..dtypes import torch_dtype
 from ..select import _sm_count
 from ..variant import Variant
@@ -46,6 +47,9 @@ class Sm80Settings:
     # of at least this many tokens, at most max_segments of them; None turns it off.
     min_segment_tokens: int | None = 4096
     max_segments: int = 8
+    # ... and only where they can hide at least this much prep (modeled: kdagen.scan.planner's
+    # hidden_prep_us); below it their fixed cost (~0.2 ms) lost to one piece. None: no such limit.
+    min_hidden_prep_us: float | None = OVERLAP_MIN_HIDDEN_US
     # A last segment of about this many tokens (None: all segments equal): its recurrence has no
     # prep left to overlap. Measured no gain on the H200, so off.
     last_segment_tokens: int | None = None
@@ -59,6 +63,8 @@ class Sm80Settings:
             raise ValueError(f"Sm80Settings.parts: expected a non-empty subset of ('prep', 'recur'), found {self.parts}")
         if self.min_segment_tokens is not None and self.min_segment_tokens < 64:
             raise ValueError(f"Sm80Settings.min_segment_tokens: expected None or >= 64, found {self.min_segment_tokens}")
+        if self.min_hidden_prep_us is not None and not self.min_hidden_prep_us >= 0:
+            raise ValueError(f"Sm80Settings.min_hidden_prep_us: expected None or >= 0, found {self.min_hidden_prep_us}")
         if self.max_segments < 1:
             raise ValueError(f"Sm80Settings.max_segments: expected >= 1, found {self.max_segments}")
 
@@ -270,7 +276,11 @@ class Sm80Launcher:
                 or call.chunk_states is not None or v.state != "fp32" or call.twins != 1):
             return []
         programs = call.N * call.HV * (v.v // v.block_v)
-        if programs >= _sm_count(device or call.q.device) or max_len < 2 * cfg.min_segment_tokens:
+        sms = _sm_count(device or call.q.device)
+        if programs >= sms or max_len < 2 * cfg.min_segment_tokens:
+            return []
+        if (cfg.min_hidden_prep_us is not None
+                and hidden_prep_us(call.N * max_len * call.HV, programs, sms, v.chunk) < cfg.min_hidden_prep_us):
             return []
         S = min(cfg.max_segments, max_len // cfg.min_segment_tokens)
         tail = cfg.last_segment_tokens
