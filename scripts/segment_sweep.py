@@ -2,8 +2,9 @@
 
     python scripts/segment_sweep.py [--T 65536 --H 24 --filter c16_k128_v128_bf16_gb_sfp32_bv32]
 
-Prints the median ms of the full call for: one piece, and each (min_segment_tokens,
-max_segments) setting, so the launcher's defaults rest on a measurement; with --beside 0,1,2,none
+Prints the median ms of the full call for: the launcher's defaults, one piece, and each
+(min_segment_tokens, max_segments) setting with no hidden-prep limit, so the launcher's defaults
+rest on a measurement; with --beside 0,1,2,none
 also for each limit on the prep blocks beside a recurrence block, and with --tails 0,2048,1024 for
 each length of a shorter last segment (0: equal segments)."""
 
@@ -51,8 +52,9 @@ def main() -> int:
             diff = ((o_now - ref).norm() / ref.norm()).item()
             row.append(f"{label} [{run.last_segments}]: {t:.3f} ms (d {diff:.0e})")
 
-        for tokens, segs in SETTINGS:
-            measure(f"seg {tokens}/{segs}", min_segment_tokens=tokens, max_segments=segs)
+        measure("default rule")  # the launcher's own choice, the hidden-prep limit included
+        for tokens, segs in SETTINGS:  # each cut as set, however little prep it can hide
+            measure(f"seg {tokens}/{segs}", min_segment_tokens=tokens, max_segments=segs, min_hidden_prep_us=None)
         at = f"seg {defaults[0]}/{defaults[1]}"
         for tl in [int(x) for x in a.tails.split(",") if x]:
             measure(f"{at}, last segment {tl or 'equal'}", last_segment_tokens=tl or None)
