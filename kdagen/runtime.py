@@ -746,7 +746,8 @@ class Plan:
         return KdaCall(q=meta, k=meta, v=meta, g=meta, beta=meta, o=meta, q_strides=self.strides[0],
                        k_strides=self.strides[1], v_strides=self.strides[2], g_strides=self.strides[3],
                        beta_strides=self.strides[4], o_strides=self.o_strides, B=i.B, T=i.T, N=i.N, H=i.H,
-                       HV=i.HV, K=i.K, V=i.V, cu_seqlens=None, A_log=None, dt_bias=None, scale=self.scale,
+                       HV=i.HV, K=i.K, V=i.V, cu_seqlens=meta if i.varlen else None,  # what launchers ask
+                       A_log=None, dt_bias=None, scale=self.scale,
                        lower_bound=self.lower_bound, use_qk_l2norm=self.use_l2, allow_neg_eigval=self.neg_eig,
                        initial_state=None, final_state=None, state_kv=self.state_kv, chunk_states=None,
                        chunk_offsets=None, max_len=i.T)

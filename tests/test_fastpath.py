@@ -636,6 +636,32 @@ def test_gpu_workspace_too_small_is_refused():
         kdagen.kda_prefill(**kw, workspace=torch.empty(need // 2, dtype=torch.uint8, device="cuda"))
 
 
+@pytest.mark.gpu
+def test_gpu_workspace_size_follows_the_time_segments():
+    # One long sequence with few heads runs in time segments (T131072 HV4 at block_v 16: 32 blocks),
+    # two sequences of the same tokens never do: workspace_size asks room for the segments' carried
+    # states only for the first, and each call runs in exactly the workspace it was told.
+    from kdagen.cases import make_case
+    from kdagen.variant import Variant
+
+    v = Variant("sm80", 16, 128, 128, "bf16", "bounded", "fp32", 16)
+    la = rt.registry().launcher(v.name, f"cuda:{torch.cuda.current_device()}")
+    sizes, segments = {}, {}
+    for lens in ([131072], [65536, 65536]):
+        kw = make_case(v, "cuda", lens=lens, H=2, HV=4, seed=3)
+        kw.update(variant=v.name, cu_seqlens_cpu=kw["cu_seqlens"].cpu())
+        need = sizes[len(lens)] = kdagen.workspace_size(**kw)
+        ws = torch.empty(need, dtype=torch.uint8, device="cuda")
+        assert ws.data_ptr() % 256 == 0  # torch's allocator aligns: the call needs exactly `need` bytes
+        torch.full((1 << 26,), float("nan"), device="cuda")  # freed at once: o likely reuses it
+        o, fs = kdagen.kda_prefill(**kw, workspace=ws)
+        segments[len(lens)] = la.last_segments
+        assert torch.isfinite(o).all() and torch.isfinite(fs).all()
+    assert segments == {1: 8, 2: 0}
+    carry = 7 * 1 * 4 * 128 * 128 * 4  # 7 carried fp32 states of 4 heads
+    assert sizes[1] >= sizes[2] + carry, sizes
+
+
 def test_chunk_states_without_host_offsets_into_a_caller_buffer():
     """assume_valid with chunk states: chunk offsets are computed on the device; the caller's
     buffer has room for the most chunks T // C + N could need."""
