@@ -25,6 +25,9 @@ def main() -> int:
     ap.add_argument("--T", type=int, default=65536)
     ap.add_argument("--H", type=int, default=24)
     ap.add_argument("--filter", default="c16_k128_v128_bf16_gb_sfp32_bv32")
+    ap.add_argument("--settings", default="", help="comma-separated MIN_TOKENS/MAX_SEGMENTS cuts to time "
+                    "('none/1': one piece; default: " + ",".join(f"{t}/{n}" for t, n in SETTINGS).replace("None", "none")
+                    + ")")
     ap.add_argument("--tails", default="", help="comma-separated last-segment lengths in tokens (0: equal "
                     "segments), timed at the default segments and limit")
     ap.add_argument("--beside", default="", help="comma-separated prep blocks allowed beside a recurrence "
@@ -53,7 +56,9 @@ def main() -> int:
             row.append(f"{label} [{run.last_segments}]: {t:.3f} ms (d {diff:.0e})")
 
         measure("default rule")  # the launcher's own choice, the hidden-prep limit included
-        for tokens, segs in SETTINGS:  # each cut as set, however little prep it can hide
+        cuts = SETTINGS if not a.settings else [
+            (None if t == "none" else int(t), int(n)) for t, n in (x.split("/") for x in a.settings.split(","))]
+        for tokens, segs in cuts:  # each cut as set, however little prep it can hide
             measure(f"seg {tokens}/{segs}", min_segment_tokens=tokens, max_segments=segs, min_hidden_prep_us=None)
         at = f"seg {defaults[0]}/{defaults[1]}"
         for tl in [int(x) for x in a.tails.split(",") if x]:
