@@ -267,8 +267,8 @@ def plan_segments(lengths: Sequence[int], *, heads: int, v_blocks: int, sm_count
     """Segments per sequence for a call of sequences `lengths` (tokens), `heads` value heads of
     `head_v` columns, `v_blocks` V-split blocks per head in the one-piece call, on `sm_count`
     SMs, for scan mode `mode`. varlen: the one-piece call has cu_seqlens (the sm80 launcher
-    overlaps prep and recurrence only without, or for a single sequence). launch_of: what the scan's calls would launch at
-    a cut (see LaunchOf). force: the scan runs anyway (a context-parallel rank whose first
+    overlaps prep and recurrence only without, or for a single sequence). launch_of: what the
+    scan's calls would launch at a cut (see LaunchOf). force: the scan runs anyway (a context-parallel rank whose first
     sequence enters from another rank); pick its best cut, leaving every sequence whole
     included."""
     c = _costs(costs, chunk, align, mode)

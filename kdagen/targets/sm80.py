@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 
 from ..abi import KdaCall
-from ..scan.planner import OVERLAP_MIN_HIDDEN_US, hidden_prep_us
 from ..dtypes import torch_dtype
+from ..scan.planner import OVERLAP_MIN_HIDDEN_US, hidden_prep_us
 from ..select import _sm_count
 from ..variant import Variant
 from . import launch_shim
@@ -316,7 +316,7 @@ class Sm80Launcher:
                                             self.settings.prep_blocks_beside_recur)
             mod.function("kda_recur", smem_r)
         # Each recurrence is queued right after its prep: queuing every prep first kept the first
-        # recurrence waiting for the host's whole loop (~0.3 ms at 8 segments; NOTES, session 34).
+        # recurrence waiting for the host's whole loop (0.05-0.13 ms at T131072; NOTES, session 34).
         # The preps still run ahead on the side stream, beside the recurrences.
         for i, (a, b) in enumerate(segs):
             ps = KdaParams.from_buffer_copy(p)
