@@ -136,6 +136,98 @@ def test_plan_uses_the_launchers_bound_launch_after_the_first_call(monkeypatch):
 
 # ----------------------------------------------------------------------------- the sm80 bound launch
 
+class _FakeStream:
+    """A torch stream stand-in whose event records and waits go to the driver's record."""
+
+    def __init__(self, drv, raw: int) -> None:
+        self.drv, self.cuda_stream = drv, raw
+
+    def wait_event(self, ev) -> None:
+        self.drv.launches.append(("wait", self.cuda_stream, ev.stream))
+
+
+class _FakeEvent:
+    def __init__(self, *a, **kw) -> None:
+        self.stream = None
+
+    def record(self, stream) -> None:
+        self.stream = stream.cuda_stream
+        stream.drv.launches.append(("record", stream.cuda_stream))
+
+
+@pytest.mark.parametrize("varlen", [False, True], ids=["batch", "one-varlen-sequence"])
+def test_sm80_segmented_bound_launch_passes_the_general_paths_launches(monkeypatch, varlen):
+    """A time-segmented signature's bound launch (Sm80SegmentedBound) against the general segmented
+    path on the same tensors and caller workspace: the same kernels, grids, streams, event records
+    and waits in the same order, and every byte of every segment's struct."""
+    import dataclasses
+
+    import kdagen.targets.sm80 as sm80
+
+    T, H, HV, K = 300, 1, 2, 64
+    B, N = (1, 1) if varlen else (2, 2)
+    gen = torch.Generator().manual_seed(5)
+    r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    t = dict(q=r(B, T, H, K).bfloat16(), k=r(B, T, H, K).bfloat16(), v=r(B, T, HV, K).bfloat16(),
+             g=r(B, T, HV, K), beta=r(B, T, HV), A_log=r(HV), dt_bias=r(HV, K), h0=r(N, HV, K, K))
+    cu = torch.tensor([0, T], dtype=torch.int32) if varlen else None
+    st = lambda x: (x.stride(0), x.stride(1), x.stride(2))  # noqa: E731
+    with sm80_on_cpu() as (la, drv):
+        la.settings = dataclasses.replace(la.settings, min_segment_tokens=64, min_hidden_prep_us=None,
+                                          prep_blocks_beside_recur=None)  # 300 tokens: 128, 128, 44
+        main = _FakeStream(drv, fake_cuda.STREAM)
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: main)
+        monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: _FakeStream(drv, 9))
+        monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+
+        def call_of(ws):
+            o, fs = torch.empty_like(t["v"]), torch.empty_like(t["h0"])
+            return rt.KdaCall(q=t["q"], k=t["k"], v=t["v"], g=t["g"], beta=t["beta"], o=o, q_strides=st(t["q"]),
+                              k_strides=st(t["k"]), v_strides=st(t["v"]), g_strides=st(t["g"]),
+                              beta_strides=st(t["beta"].unsqueeze(-1)), o_strides=st(o), B=B, T=T, N=N, H=H, HV=HV,
+                              K=K, V=K, cu_seqlens=cu, A_log=t["A_log"], dt_bias=t["dt_bias"], scale=0.125,
+                              lower_bound=-5.0, use_qk_l2norm=True, allow_neg_eigval=False,
+                              initial_state=t["h0"], final_state=fs, state_kv=False, chunk_states=None,
+                              chunk_offsets=None, max_len=T, workspace=ws)
+
+        need = la.workspace_bytes(call_of(None), torch.device("cpu"))
+        ws = torch.empty(need + 512, dtype=torch.uint8)
+        ws = ws[(-ws.data_ptr()) % 256:][:need]
+        c = call_of(ws)
+        la(c)
+        assert la.last_segments == 3
+        general = drv.launches[:]
+        bound = la.bind(c)
+        assert isinstance(bound, sm80.Sm80SegmentedBound), bound
+        drv.launches.clear()
+        assert bound.launch(c.q, c.k, c.v, c.g, c.beta, c.o, c.A_log, c.dt_bias, cu, c.initial_state,
+                            c.final_state, None, None, ws, T)
+        assert drv.launches == general
+        kinds = [x[0] for x in general]
+        assert kinds[:2] == ["record", "wait"] and kinds.count("kda_prep") == kinds.count("kda_recur") == 3
+        # every segment's inputs start at its first token; the varlen offsets are not read
+        from kdagen.targets.cuda_launch import KdaParams
+
+        preps = [KdaParams.from_buffer_copy(x[5]) for x in general if x[0] == "kda_prep"]
+        assert [p.q - c.q.data_ptr() for p in preps] == [a * c.q_strides[1] * 2 for a in (0, 128, 256)]
+        assert [p.T for p in preps] == [128, 128, 44] and all(p.cu_seqlens == 0 for p in preps)
+        # a caller workspace a byte short: declined (the general path then runs in one piece)
+        drv.launches.clear()
+        assert not bound.launch(c.q, c.k, c.v, c.g, c.beta, c.o, c.A_log, c.dt_bias, cu, c.initial_state,
+                                c.final_state, None, None, ws[:-1], T)
+        assert drv.launches == []
+        la(call_of(ws[:-1]))
+        assert la.last_segments == 0
+        # a refused launch is named and declines: the general path reruns the whole call
+        drv.launches.clear()
+        drv.fail("kda_recur", 1, 700)
+        assert not bound.launch(c.q, c.k, c.v, c.g, c.beta, c.o, c.A_log, c.dt_bias, cu, c.initial_state,
+                                c.final_state, None, None, ws, T)
+        assert bound.last_failure.startswith("cuLaunchKernel(kda_recur, grid=(2, %d, 2), block=(160, 1, 1), "
+                                             "smem=6000) failed: CUresult 700" % N), bound.last_failure
+
+
+
 @pytest.mark.parametrize("shim", [False, True], ids=["bindings", "shim"])
 @pytest.mark.parametrize("varlen", [False, True], ids=["batch", "varlen"])
 def test_sm80_bound_launch_passes_the_general_paths_struct(varlen, shim):

@@ -132,7 +132,14 @@ def test_sm80_time_segments_match_one_piece(v, state_layout, shape):
                             ("tail", dict(short, last_segment_tokens=64))):  # 256 x 3, 128, 104
         with launcher_swapped(v.name, device_key, base.with_settings(**settings)) as la:
             outs[label] = run_poisoned(v, kw)
-        segments[label] = la.last_segments
+            segments[label] = la.last_segments
+            if label == "split":  # the first call bound the signature: the second is the bound launch's
+                plan = next(p for p in rt._PLANS.values() if p.entry.name == v.name)
+                assert type(plan.fast).__name__ == "Sm80SegmentedBound", plan.fast
+                la.last_segments = -1
+                again = run_poisoned(v, kw)
+                assert la.last_segments == -1  # the general path did not run
+                assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(again, outs[label]))
     # A caller workspace of the one-piece call's size (what workspace_size gives for a larger
     # batch) runs in one piece rather than being refused.
     with launcher_swapped(v.name, device_key, base.with_settings(min_segment_tokens=None)):

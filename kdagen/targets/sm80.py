@@ -254,9 +254,15 @@ class Sm80Launcher:
                 (call.dt_bias is not None and call.dt_bias.dtype != torch.float32) or \
                 (call.cu_seqlens is not None and call.cu_seqlens.dtype != torch.int32):
             return None
-        if self._segments(call, v, call.max_len if call.max_len > 0 else call.T):
-            return None  # long calls: host time is noise next to the kernels
         idx, (mod, f1, f2, rec, smem1, smem2, nt1, nt2) = self._module(dev)
+        segs = self._segments(call, v, call.max_len if call.max_len > 0 else call.T)
+        if segs:
+            # the general segmented path spent ~0.5-0.7 ms of host time before and between its
+            # launches, which cost the segments most of what they save (NOTES, session 34)
+            p = self._params(call, call.g.dtype, call.beta.dtype, strides, call.T)
+            return Sm80SegmentedBound(self, call, idx, p, segs, f1, f2, nt1, nt2, smem1,
+                                      self._recur_smem(dev, mod, smem1, smem2),
+                                      self._workspace_pieces(call, rec, segs))
         if call.twins > 1:  # the scan's twin runs (kda_prefill_twins), a call per scan step 1
             f2 = mod.function("kda_recur_twins", smem2)
         p = self._params(call, call.g.dtype, call.beta.dtype, strides, call.T)
@@ -294,13 +300,27 @@ class Sm80Launcher:
         segs = [(a, min(a + step, body)) for a in range(0, body, step)]
         return segs + ([(body, max_len)] if body < max_len else [])
 
+    def _side_stream(self, dev: torch.device) -> torch.cuda.Stream:
+        """The stream the segments' preps run on (one per device)."""
+        side = self._side_streams.get(dev.index)
+        if side is None:
+            side = self._side_streams[dev.index] = torch.cuda.Stream(dev)
+        return side
+
+    def _recur_smem(self, dev: torch.device, mod, smem1: int, smem2: int) -> int:
+        """Dynamic shared memory of a segmented call's kda_recur blocks (see prep_blocks_beside_recur)."""
+        if self.settings.prep_blocks_beside_recur is None:
+            return smem2
+        smem_r = recur_smem_beside_prep(smem1, smem2, torch.cuda.get_device_properties(dev),
+                                        self.settings.prep_blocks_beside_recur)
+        mod.function("kda_recur", smem_r)
+        return smem_r
+
     def _launch_segmented(self, call, p, segs, scratch, *, ws_bytes, dev, mod, f1, f2, nt1, nt2, smem1, smem2,
                           elsize):
         v, C = self.variant, self.variant.chunk
         main = torch.cuda.current_stream(dev)
-        side = self._side_streams.get(dev.index)
-        if side is None:
-            side = self._side_streams[dev.index] = torch.cuda.Stream(dev)
+        side = self._side_stream(dev)
         # The prep stream starts after everything already queued on the caller's stream (inputs,
         # and earlier users of the memory the allocator hands out below). Recurrences stay on the
         # caller's stream: a high-priority stream for them, with each prep held back a segment,
@@ -310,11 +330,7 @@ class Sm80Launcher:
         side.wait_event(start)
         N, HV, V, K = call.N, call.HV, v.v, v.k
         carry = scratch[0][:(len(segs) - 1) * N * HV * V * K * 4].view(torch.float32).view(len(segs) - 1, N, HV, V, K)
-        smem_r = smem2
-        if self.settings.prep_blocks_beside_recur is not None:
-            smem_r = recur_smem_beside_prep(smem1, smem2, torch.cuda.get_device_properties(dev),
-                                            self.settings.prep_blocks_beside_recur)
-            mod.function("kda_recur", smem_r)
+        smem_r = self._recur_smem(dev, mod, smem1, smem2)
         # Each recurrence is queued right after its prep: queuing every prep first kept the first
         # recurrence waiting for the host's whole loop (0.05-0.13 ms at T131072; NOTES, session 34).
         # The preps still run ahead on the side stream, beside the recurrences.
@@ -552,6 +568,109 @@ class Sm80Bound:
             buf = torch.empty(n, dtype=torch.uint8, device=self.device)
             arena = self.arenas[raw_stream] = (buf, buf.data_ptr(), n)
         return arena[0], arena[1]
+
+
+class Sm80SegmentedBound:
+    """A time-segmented signature's launch (Sm80Launcher._launch_segmented), prepared once: per
+    segment its parameter struct (length, strides, scalars) and grid, the recurrence's shared
+    memory, the scratch layout, and the events, reused call after call (a stream's wait takes
+    the event as last recorded when the wait is queued). A call writes each segment's 14 pointers
+    (inputs and o advanced to the segment's first token) and queues prep s on the side stream,
+    then recurrence s on torch's current stream after it, as the general path does. Declines
+    (False: nothing launched, or only work the general path redoes from scratch) on unaligned
+    data, a short caller workspace, a concurrent call, CUDA graph capture or a refused launch."""
+
+    def __init__(self, launcher: Sm80Launcher, call: KdaCall, idx: int, params: KdaParams,
+                 segs: list[tuple[int, int]], f1, f2, nt1: int, nt2: int, smem1: int, smem_r: int,
+                 pieces: list[int]) -> None:
+        v = launcher.variant
+        self.launcher, self.idx, self.device = launcher, idx, call.q.device
+        self.f1, self.f2, self.nt1, self.nt2, self.smem1, self.smem_r = f1, f2, nt1, nt2, smem1, smem_r
+        self.N, self.HV, self.recur_x = call.N, call.HV, v.v // v.block_v
+        strides = (call.q_strides, call.k_strides, call.v_strides, call.g_strides, call.beta_strides, call.o_strides)
+        sizes = [t.element_size() for t in (call.q, call.k, call.v, call.g, call.beta, call.o)]
+        self.segs = []  # per segment: (struct, its argv address, prep grid x, byte offsets of q k v g beta o)
+        self._keep = []  # the structs' argv arrays
+        for a, b in segs:
+            ps = KdaParams.from_buffer_copy(params)
+            ps.T = ps.max_len = b - a
+            argv = (ctypes.c_void_p * 1)(ctypes.addressof(ps))
+            self._keep.append(argv)
+            self.segs.append((ps, ctypes.addressof(argv), -(-(b - a) // v.chunk),
+                              tuple(a * st[1] * es for st, es in zip(strides, sizes))))
+        self.ptr_offset = KdaParams.q.offset  # the 14 pointers are consecutive (checked by Sm80Bound)
+        # scratch: the carried states, then each segment's workspace (Sm80Launcher._workspace_pieces)
+        self.carry_bytes = v.v * v.k * 4 * call.N * call.HV
+        self.ws_at = [sum(pieces[:1 + i]) for i in range(len(segs))]
+        self.ws_bytes = sum(pieces)
+        self.side = launcher._side_stream(self.device)
+        self.side_cu = driver().CUstream(self.side.cuda_stream)
+        self.start = torch.cuda.Event()
+        self.done = [torch.cuda.Event() for _ in segs]
+        self.lock = _device_lock(idx)
+        self.launch_kernel = driver().cuLaunchKernel
+        self.capturing = capture_query()
+        self.streams: dict[int, object] = {}  # raw handle -> CUstream
+        self.launch_path = f"{len(segs)} time segments through cuLaunchKernel ({driver_binding()})"
+        self.last_failure = ""
+
+    def launch(self, q, k, v, g, beta, o, A_log, dt_bias, cu_seqlens, h0, ht, hc, chunk_offsets, ws,
+               max_len: int) -> bool:
+        """Launch one call of the bound signature (a KdaCall's tensors, positionally); False when the
+        general path must run it instead."""
+        base = (q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr(), o.data_ptr())
+        if (base[0] | base[1] | base[2] | base[3] | base[5]) & 15:
+            return False
+        if ws is not None:
+            wp = ws.data_ptr()
+            wp += (-wp) % _WS_ALIGN
+            if ws.nbytes < self.ws_bytes + (wp - ws.data_ptr()):
+                return False  # the general path runs it in one piece, or refuses it by name
+        if not self.lock.acquire(False):
+            return False
+        try:
+            main = torch.cuda.current_stream(self.device)
+            if main.cuda_stream and self.capturing():
+                return False  # the general path: a graph keeps its own scratch and events
+            if ws is None:
+                # the caller's stream orders every later user of this memory after the last
+                # recurrence, which waited for every prep (as in the general path)
+                ws = torch.empty(self.ws_bytes, dtype=torch.uint8, device=self.device)
+                wp = ws.data_ptr()
+            main_cu = self.streams.get(main.cuda_stream)
+            if main_cu is None:
+                main_cu = self.streams[main.cuda_stream] = driver().CUstream(main.cuda_stream)
+            A = 0 if A_log is None else A_log.data_ptr()
+            dt = 0 if dt_bias is None else dt_bias.data_ptr()
+            last = len(self.segs) - 1
+            self.start.record(main)
+            self.side.wait_event(self.start)
+            for i, (ps, argv, gx, off) in enumerate(self.segs):
+                _PACK_PTRS(ps, self.ptr_offset, base[0] + off[0], base[1] + off[1], base[2] + off[2],
+                           base[3] + off[3], base[4] + off[4], base[5] + off[5], A, dt, 0,
+                           (0 if h0 is None else h0.data_ptr()) if i == 0 else wp + (i - 1) * self.carry_bytes,
+                           (0 if ht is None else ht.data_ptr()) if i == last else wp + i * self.carry_bytes,
+                           0, 0, wp + self.ws_at[i])
+                if err := self.launch_kernel(self.f1, gx, self.N, self.HV, self.nt1, 1, 1, self.smem1, self.side_cu,
+                                             argv, 0)[0]:
+                    return self._declined("kda_prep", (gx, self.N, self.HV), self.nt1, self.smem1, err)
+                self.done[i].record(self.side)
+                main.wait_event(self.done[i])
+                if err := self.launch_kernel(self.f2, self.recur_x, self.N, self.HV, self.nt2, 1, 1, self.smem_r,
+                                             main_cu, argv, 0)[0]:
+                    return self._declined("kda_recur", (self.recur_x, self.N, self.HV), self.nt2, self.smem_r, err)
+            return True
+        finally:
+            self.lock.release()
+
+    def _declined(self, name: str, grid: tuple, nt: int, smem: int, err) -> bool:
+        """A refused launch: said in last_failure; False, so the general path runs the whole call
+        again (what ran wrote only scratch, o and carried states, all rewritten; the final state is
+        written by the last recurrence only, after every other launch was accepted)."""
+        self.last_failure = (f"cuLaunchKernel({name}, grid={grid}, block=({nt}, 1, 1), smem={smem}) failed: "
+                             f"{cu_result_name(err)} ({self.launch_path})")
+        log.debug("kdagen: %s: the bound launch declined: %s", self.launcher.variant.name, self.last_failure)
+        return False
 
 
 def _arenas(idx: int) -> dict[int, tuple[torch.Tensor, int, int]]:
