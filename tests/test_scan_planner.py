@@ -40,13 +40,13 @@ def test_scan_model_is_within_16_percent_of_the_h200(T, heads, mode, S, bv, ms):
     assert 0.84 < us / 1000 / ms < 1.16, (us / 1000, ms)
 
 
-# The one-piece call: (T, heads, block_v the runtime picked, measured ms). Session 34 (3801769,
-# benchmarks/results/2026-12-04_s34_h200_segments.md), time segments where the launcher now cuts them
-# (T1M H8, T262144 H4, T131072 H4 and H8, T65536 H24), else one piece; T512K H8 at c5abcf2.
-MEASURED_ONE = [(1 << 20, 8, 16, 29.308), (1 << 19, 8, 16, 14.821), (262144, 4, 16, 7.140), (131072, 4, 16, 3.707),
-                (131072, 8, 16, 3.968), (65536, 24, 32, 3.075), (65536, 16, 16, 2.507), (65536, 8, 16, 2.103),
-                (65536, 4, 16, 1.901), (32768, 16, 16, 1.273), (32768, 8, 16, 1.075), (32768, 4, 16, 0.988),
-                (16384, 4, 16, 0.510), (8192, 4, 16, 0.259)]
+# The one-piece call: (T, heads, block_v the runtime picked, measured ms). Session 34 (d7c15e2, the
+# segmented bound launch; benchmarks/results/2026-12-04_s34_h200_segments.md): time segments where
+# the launcher now cuts them, else one piece; T1M H8 and T32768 H16 at 230c7d6, T512K H8 at c5abcf2.
+MEASURED_ONE = [(1 << 20, 8, 16, 29.121), (1 << 19, 8, 16, 14.821), (262144, 4, 16, 6.996), (131072, 4, 16, 3.584),
+                (131072, 8, 16, 3.775), (65536, 24, 32, 2.954), (65536, 16, 16, 2.561), (65536, 8, 16, 2.004),
+                (65536, 4, 16, 1.842), (32768, 16, 16, 1.273), (32768, 8, 16, 0.982), (32768, 4, 16, 0.944),
+                (16384, 4, 16, 0.505), (8192, 4, 16, 0.263)]
 
 
 @pytest.mark.parametrize("T,heads,bv,ms", MEASURED_ONE)

@@ -168,15 +168,14 @@ def test_sm80_time_segments_plan(monkeypatch):
                                                  twins=1, q=torch.empty(1)), **kw})
     segs = la._segments(call(), var, 65536)  # issue 4's B1 T65536 H24: 96 programs < 132 SMs
     assert segs == [(a, a + 8192) for a in range(0, 65536, 8192)]
-    # Enough prep to hide, at block_v 16 (the rows the H200 measured, session 34): T131072 H4 (32
-    # programs) and T1M H8 split; T65536 H8 (~0.22 ms hideable), T32768 H4 and T65536 H16 (128
-    # programs, 4 SMs free) stay whole.
+    # Enough prep to hide, at block_v 16 (the rows the H200 measured, session 34): T32768 H4 (32
+    # programs), T65536 H8 and T1M H8 split; T16384 H4 (~40 us hideable), T8192 H4 and T65536 H16
+    # (128 programs, 4 SMs free) stay whole.
     bv16 = Variant("sm80", 16, 128, 128, "bf16", "bounded", "fp32", 16)
     la16 = sm80.Sm80Launcher(bv16, Path("unused.fatbin"))
-    assert len(la16._segments(call(HV=4), bv16, 131072)) == 8 and len(la16._segments(call(HV=8), bv16, 1 << 20)) == 8
-    for hv, T in ((8, 65536), (4, 32768), (16, 65536)):
-        assert la16._segments(call(HV=hv), bv16, T) == [], (hv, T)
-    assert la16.with_settings(min_hidden_prep_us=0)._segments(call(HV=8), bv16, 65536) != []
+    for hv, T, n in ((4, 32768, 8), (8, 65536, 8), (8, 1 << 20, 8), (4, 16384, 0), (4, 8192, 0), (16, 65536, 0)):
+        assert len(la16._segments(call(HV=hv), bv16, T)) == n, (hv, T)
+    assert la16.with_settings(min_hidden_prep_us=0)._segments(call(HV=4), bv16, 16384) != []
     with pytest.raises(ValueError, match=r"min_hidden_prep_us: expected None or >= 0, found -1"):
         la.with_settings(min_hidden_prep_us=-1)
     la = la.with_settings(min_hidden_prep_us=None)  # the cuts themselves, however little prep

@@ -86,9 +86,10 @@ LaunchOf = Callable[[tuple[int, ...]], Union[ScanLaunch, None, bool]]
 # - one piece: the overlapped call's time beyond its recurrence is 0.23 ms at T8192 H4, 0.53-0.59
 #   at 256K-512K token-heads, 0.9 at T65536 H24, 1.45 ms at T512K H8 and 3.8 at T1M H8:
 #   0.2 ms + 0.35 ns a token and head, low on the middle rows (the planner then splits less).
-#   Since session 34 the launcher cuts time segments only where OVERLAP_MIN_HIDDEN_US of prep can
-#   hide; the plain one piece (bound launch) is its recurrence + 25 us + its prep: the model is
-#   within 0.98-1.03 of 14 one-piece rows from T8192 H4 to T1M H8 (tests/test_scan_planner.py).
+#   Session 34 (segmented bound launch, time segments only where OVERLAP_MIN_HIDDEN_US of prep
+#   can hide): the overlapped call is its recurrence + 0.12 ms + 0.3 ns a token-head, the plain one
+#   piece (bound launch) its recurrence + 25 us + its prep: within 0.97-1.06 of 14 one-piece rows
+#   from T8192 H4 to T1M H8 (tests/test_scan_planner.py).
 # Model against measurement at c5abcf2, 116 sm80 cells of both modes: the 72 at T >= 32768 within
 # 0.86-1.05 of it; host-bound rows (T2048, T8192) run up to 2.5x the model (the scan stays off there).
 _H200_ENGINE = ScanCosts(
@@ -107,8 +108,8 @@ _H200_ENGINE = ScanCosts(
     chain_head_us=0.18,
     scan_fixed_us=300.0,
     call_us=25.0,
-    overlap_us=200.0,
-    overlap_prep_ns=0.35,
+    overlap_us=120.0,
+    overlap_prep_ns=0.3,
 )
 # What dedicated kernels are to deliver (design targets, unmeasured): step 1 builds B and A in
 # one program set without o and shares its prep workspace with step 3; several programs per SM
@@ -190,10 +191,11 @@ def _costs(costs: ScanCosts | str, chunk: int, align: int, mode: str) -> ScanCos
     return c
 
 
-# sm80's time segments cost ~0.15-0.28 ms of host work and launch gaps (H200, session 34: they lost
-# 0.14-0.24 ms on every call from T8192 H4 to T65536 H16 and won from T131072 H4 up): they run
-# only where the prep they can hide is worth at least this much (Sm80Settings.min_hidden_prep_us).
-OVERLAP_MIN_HIDDEN_US = 300.0
+# sm80's time segments have a fixed cost (host work, launch gaps): they run only where the prep
+# they can hide is worth at least this much (Sm80Settings.min_hidden_prep_us). H200, session 34,
+# with the segmented bound launch: they won at T32768 H4 (80 us hideable, +3%) and H8 (108, +10%),
+# tied at T16384 H4 (40) and T65536 H16 (25), lost 5% at T8192 H4 (20).
+OVERLAP_MIN_HIDDEN_US = 60.0
 
 
 def hidden_prep_us(token_heads: int, programs: int, sm_count: int, chunk: int = 16,

@@ -48,7 +48,7 @@ class Sm80Settings:
     min_segment_tokens: int | None = 4096
     max_segments: int = 8
     # ... and only where they can hide at least this much prep (modeled: kdagen.scan.planner's
-    # hidden_prep_us); below it their fixed cost (~0.2 ms) lost to one piece. None: no such limit.
+    # hidden_prep_us); below it their fixed cost loses to one piece. None: no such limit.
     min_hidden_prep_us: float | None = OVERLAP_MIN_HIDDEN_US
     # A last segment of about this many tokens (None: all segments equal): its recurrence has no
     # prep left to overlap. Measured no gain on the H200, so off.
@@ -257,8 +257,8 @@ class Sm80Launcher:
         idx, (mod, f1, f2, rec, smem1, smem2, nt1, nt2) = self._module(dev)
         segs = self._segments(call, v, call.max_len if call.max_len > 0 else call.T)
         if segs:
-            # the general segmented path spent ~0.5-0.7 ms of host time before and between its
-            # launches, which cost the segments most of what they save (NOTES, session 34)
+            # the general segmented path spent 0.5-0.7 ms of host time a call, which cost the
+            # segments most of what they save; bound: 0.08-0.38 ms (NOTES, session 34)
             p = self._params(call, call.g.dtype, call.beta.dtype, strides, call.T)
             return Sm80SegmentedBound(self, call, idx, p, segs, f1, f2, nt1, nt2, smem1,
                                       self._recur_smem(dev, mod, smem1, smem2),
