@@ -13,6 +13,7 @@ constants (workspace record size, shared memory, block sizes) are read from the 
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import struct
 import threading
@@ -206,19 +207,17 @@ class Sm80Launcher:
         if call.N == 0:
             return
         segs = self._segments(call, v, max_len)
-        if segs and call.workspace is not None and call.workspace.nbytes < _workspace_need(
-                call.workspace, self._workspace_pieces(call, rec, segs)):
+        pieces = self._workspace_pieces(call, rec, segs)
+        if segs and call.workspace is not None and call.workspace.nbytes < _workspace_need(call.workspace, pieces):
             # a caller workspace sized for the one-piece call (workspace_size promises that much,
             # growing with T and N; the segments' carried states are extra): run in one piece
-            segs = []
+            segs, pieces = [], self._workspace_pieces(call, rec, [])
         self.last_segments = len(segs)
-        scratch = self._scratch(call, self._workspace_pieces(call, rec, segs), dev)
+        scratch = self._scratch(call, pieces, dev)
         if segs:
-            self._launch_segmented(call, p, segs, scratch, ws_bytes=rec, dev=dev, mod=mod, f1=f1, f2=f2,
-                                   nt1=nt1, nt2=nt2, smem1=smem1, smem2=smem2,
-                                   elsize={"q": q.element_size(), "k": k.element_size(), "v": vv.element_size(),
-                                           "g": g.element_size(), "beta": beta.element_size(),
-                                           "o": call.o.element_size()})
+            self._launch_segmented(call, p, segs, scratch, dev=dev, mod=mod, f1=f1, f2=f2, nt1=nt1, nt2=nt2,
+                                   smem1=smem1, smem2=smem2,
+                                   sizes=tuple(t.element_size() for t in (q, k, vv, g, beta, call.o)))
             return
         p.ws = _ptr(scratch[0])
         stream = torch.cuda.current_stream(dev).cuda_stream
@@ -255,17 +254,16 @@ class Sm80Launcher:
                 (call.cu_seqlens is not None and call.cu_seqlens.dtype != torch.int32):
             return None
         idx, (mod, f1, f2, rec, smem1, smem2, nt1, nt2) = self._module(dev)
+        p = self._params(call, call.g.dtype, call.beta.dtype, strides, call.T)
         segs = self._segments(call, v, call.max_len if call.max_len > 0 else call.T)
         if segs:
             # the general segmented path spent 0.5-0.7 ms of host time a call, which cost the
             # segments most of what they save; bound: 0.08-0.38 ms (NOTES, session 34)
-            p = self._params(call, call.g.dtype, call.beta.dtype, strides, call.T)
             return Sm80SegmentedBound(self, call, idx, p, segs, f1, f2, nt1, nt2, smem1,
                                       self._recur_smem(dev, mod, smem1, smem2),
                                       self._workspace_pieces(call, rec, segs))
         if call.twins > 1:  # the scan's twin runs (kda_prefill_twins), a call per scan step 1
             f2 = mod.function("kda_recur_twins", smem2)
-        p = self._params(call, call.g.dtype, call.beta.dtype, strides, call.T)
         return Sm80Bound(self, call, idx, mod, p, f1, f2, nt1, nt2, smem1, smem2,
                          self._workspace_pieces(call, rec, [])[0])
 
@@ -316,8 +314,7 @@ class Sm80Launcher:
         mod.function("kda_recur", smem_r)
         return smem_r
 
-    def _launch_segmented(self, call, p, segs, scratch, *, ws_bytes, dev, mod, f1, f2, nt1, nt2, smem1, smem2,
-                          elsize):
+    def _launch_segmented(self, call, p, segs, scratch, *, dev, mod, f1, f2, nt1, nt2, smem1, smem2, sizes):
         v, C = self.variant, self.variant.chunk
         main = torch.cuda.current_stream(dev)
         side = self._side_stream(dev)
@@ -334,23 +331,52 @@ class Sm80Launcher:
         # Each recurrence is queued right after its prep: queuing every prep first kept the first
         # recurrence waiting for the host's whole loop (0.05-0.13 ms at T131072; NOTES, session 34).
         # The preps still run ahead on the side stream, beside the recurrences.
-        for i, (a, b) in enumerate(segs):
-            ps = KdaParams.from_buffer_copy(p)
-            for nm, key, strides in (("q", "q", "q_s"), ("k", "k", "k_s"), ("v", "v", "v_s"), ("g", "g", "g_s"),
-                                     ("beta", "beta", "b_s"), ("o", "o", "o_s")):
-                setattr(ps, nm, getattr(p, nm) + a * getattr(p, strides)[1] * elsize[key])
-            ps.T = ps.max_len = b - a
-            ps.cu_seqlens = 0  # one varlen sequence runs as the batch of one it is (segments index by T)
-            ps.h0 = p.h0 if i == 0 else int(carry[i - 1].data_ptr())
-            ps.ht = p.ht if i == len(segs) - 1 else int(carry[i].data_ptr())
-            ps.ws = int(scratch[1 + i].data_ptr())
-            mod.launch(f1, (-(-(b - a) // C), N, HV), (nt1, 1, 1), smem1, side.cuda_stream, ps, "kda_prep")
+        base = (p.q, p.k, p.v, p.g, p.beta, p.o)
+        strides = (p.q_s, p.k_s, p.v_s, p.g_s, p.b_s, p.o_s)
+        for i, (ps, gx, off) in enumerate(_segment_structs(p, segs, strides, sizes, C)):
+            _pack_segment(ps, base, off, p.A_log, p.dt_bias, p.h0 if i == 0 else int(carry[i - 1].data_ptr()),
+                          p.ht if i == len(segs) - 1 else int(carry[i].data_ptr()), int(scratch[1 + i].data_ptr()))
+            mod.launch(f1, (gx, N, HV), (nt1, 1, 1), smem1, side.cuda_stream, ps, "kda_prep")
             done = torch.cuda.Event()
             done.record(side)
             main.wait_event(done)
             mod.launch(f2, (V // v.block_v, N, HV), (nt2, 1, 1), smem_r, main.cuda_stream, ps, "kda_recur")
         # carry and the workspaces were allocated on the caller's stream and their last use is
         # there (each recurrence waits for its prep): no record_stream needed.
+
+
+def _segment_structs(params: KdaParams, segs: list[tuple[int, int]], strides, sizes, chunk: int
+                     ) -> list[tuple[KdaParams, int, tuple[int, ...]]]:
+    """Per time segment [a, b): `params` with the segment's length, its prep grid x, and the byte
+    offsets of q, k, v, g, beta and o at token a (strides and element sizes in that order)."""
+    return [(_with_length(params, b - a), -(-(b - a) // chunk), tuple(a * st[1] * es for st, es in zip(strides, sizes)))
+            for a, b in segs]
+
+
+def _with_length(params: KdaParams, n: int) -> KdaParams:
+    ps = KdaParams.from_buffer_copy(params)
+    ps.T = ps.max_len = n
+    return ps
+
+
+def _pack_segment(ps: KdaParams, base: tuple[int, ...], off: tuple[int, ...], A: int, dt: int, h0: int, ht: int,
+                  ws: int) -> None:
+    """A segment's 14 pointers: q, k, v, g, beta and o advanced to its first token, no varlen
+    offsets (one varlen sequence runs as the batch of one it is) and no chunk states."""
+    _PACK_PTRS(ps, _ptr_offset(), base[0] + off[0], base[1] + off[1], base[2] + off[2], base[3] + off[3],
+               base[4] + off[4], base[5] + off[5], A, dt, 0, h0, ht, 0, 0, ws)
+
+
+_PTRS = ("q", "k", "v", "g", "beta", "o", "A_log", "dt_bias", "cu_seqlens", "h0", "ht", "hc", "chunk_offsets", "ws")
+
+
+@functools.lru_cache(maxsize=None)
+def _ptr_offset() -> int:
+    """Offset of KdaParams' 14 pointer fields, which the packed writes take to be consecutive."""
+    offs = [getattr(KdaParams, n).offset for n in _PTRS]
+    if offs != list(range(offs[0], offs[0] + 8 * len(offs), 8)):
+        raise RuntimeError("KdaParams: the pointer fields are no longer 14 consecutive 8-byte fields")
+    return offs[0]
 
 
 def _workspace_need(ws: torch.Tensor, pieces: list[int]) -> int:
@@ -394,8 +420,6 @@ class Sm80Bound:
     (the signature was checked) and no context switch (torch keeps the device's primary context
     current; a launch that finds another one falls back to the general path, which switches)."""
 
-    _PTRS = ("q", "k", "v", "g", "beta", "o", "A_log", "dt_bias", "cu_seqlens", "h0", "ht", "hc",
-             "chunk_offsets", "ws")
     # One lock per device guards its bound structs and its scratch arenas: a call that finds it
     # taken (another thread is launching) takes the general path rather than wait.
     _LOCKS: dict[int, threading.Lock] = {}
@@ -407,10 +431,7 @@ class Sm80Bound:
         self.params = params
         self.argv = (ctypes.c_void_p * 1)(ctypes.addressof(params))
         self.argv_addr = ctypes.addressof(self.argv)
-        offs = [getattr(KdaParams, n).offset for n in self._PTRS]
-        if offs != list(range(offs[0], offs[0] + 8 * len(offs), 8)):
-            raise RuntimeError("KdaParams: the pointer fields are no longer 14 consecutive 8-byte fields")
-        self.ptr_offset = offs[0]
+        self.ptr_offset = _ptr_offset()
         self.max_len_offset = KdaParams.max_len.offset
         self.f1, self.f2 = f1, f2
         self.nt1, self.nt2, self.smem1, self.smem2 = nt1, nt2, smem1, smem2
@@ -589,18 +610,12 @@ class Sm80SegmentedBound:
         self.N, self.HV, self.recur_x = call.N, call.HV, v.v // v.block_v
         strides = (call.q_strides, call.k_strides, call.v_strides, call.g_strides, call.beta_strides, call.o_strides)
         sizes = [t.element_size() for t in (call.q, call.k, call.v, call.g, call.beta, call.o)]
-        self.segs = []  # per segment: (struct, its argv address, prep grid x, byte offsets of q k v g beta o)
-        self._keep = []  # the structs' argv arrays
-        for a, b in segs:
-            ps = KdaParams.from_buffer_copy(params)
-            ps.T = ps.max_len = b - a
-            argv = (ctypes.c_void_p * 1)(ctypes.addressof(ps))
-            self._keep.append(argv)
-            self.segs.append((ps, ctypes.addressof(argv), -(-(b - a) // v.chunk),
-                              tuple(a * st[1] * es for st, es in zip(strides, sizes))))
-        self.ptr_offset = KdaParams.q.offset  # the 14 pointers are consecutive (checked by Sm80Bound)
+        # per segment: (struct, its argv, prep grid x, byte offsets of q k v g beta o)
+        self.segs = [(ps, (ctypes.c_void_p * 1)(ctypes.addressof(ps)), gx, off)
+                     for ps, gx, off in _segment_structs(params, segs, strides, sizes, v.chunk)]
         # scratch: the carried states, then each segment's workspace (Sm80Launcher._workspace_pieces)
         self.carry_bytes = v.v * v.k * 4 * call.N * call.HV
+        self.pieces = pieces
         self.ws_at = [sum(pieces[:1 + i]) for i in range(len(segs))]
         self.ws_bytes = sum(pieces)
         self.side = launcher._side_stream(self.device)
@@ -622,10 +637,9 @@ class Sm80SegmentedBound:
         if (base[0] | base[1] | base[2] | base[3] | base[5]) & 15:
             return False
         if ws is not None:
-            wp = ws.data_ptr()
-            wp += (-wp) % _WS_ALIGN
-            if ws.nbytes < self.ws_bytes + (wp - ws.data_ptr()):
+            if ws.nbytes < _workspace_need(ws, self.pieces):
                 return False  # the general path runs it in one piece, or refuses it by name
+            wp = ws.data_ptr() + (-ws.data_ptr()) % _WS_ALIGN
         if not self.lock.acquire(False):
             return False
         try:
@@ -646,18 +660,17 @@ class Sm80SegmentedBound:
             self.start.record(main)
             self.side.wait_event(self.start)
             for i, (ps, argv, gx, off) in enumerate(self.segs):
-                _PACK_PTRS(ps, self.ptr_offset, base[0] + off[0], base[1] + off[1], base[2] + off[2],
-                           base[3] + off[3], base[4] + off[4], base[5] + off[5], A, dt, 0,
-                           (0 if h0 is None else h0.data_ptr()) if i == 0 else wp + (i - 1) * self.carry_bytes,
-                           (0 if ht is None else ht.data_ptr()) if i == last else wp + i * self.carry_bytes,
-                           0, 0, wp + self.ws_at[i])
+                _pack_segment(ps, base, off, A, dt,
+                              (0 if h0 is None else h0.data_ptr()) if i == 0 else wp + (i - 1) * self.carry_bytes,
+                              (0 if ht is None else ht.data_ptr()) if i == last else wp + i * self.carry_bytes,
+                              wp + self.ws_at[i])
                 if err := self.launch_kernel(self.f1, gx, self.N, self.HV, self.nt1, 1, 1, self.smem1, self.side_cu,
-                                             argv, 0)[0]:
+                                             ctypes.addressof(argv), 0)[0]:
                     return self._declined("kda_prep", (gx, self.N, self.HV), self.nt1, self.smem1, err)
                 self.done[i].record(self.side)
                 main.wait_event(self.done[i])
                 if err := self.launch_kernel(self.f2, self.recur_x, self.N, self.HV, self.nt2, 1, 1, self.smem_r,
-                                             main_cu, argv, 0)[0]:
+                                             main_cu, ctypes.addressof(argv), 0)[0]:
                     return self._declined("kda_recur", (self.recur_x, self.N, self.HV), self.nt2, self.smem_r, err)
             return True
         finally:
