@@ -145,16 +145,18 @@ def pack(q, k, v, g, beta, *, A_log=None, dt_bias=None, initial_state=None, layo
                   state_layout, st_dtype, passed, info)
 
 
-_EYES: dict[tuple[int, torch.device], Tensor] = {}
+_EYES: dict[tuple[int, torch.device, int], Tensor] = {}
 
 
 def _identity(K: int, device: torch.device) -> Tensor:
-    """fp32 K x K identity on `device`, made once (read-only: the transition runs' start)."""
-    eye = _EYES.get((K, device))
+    """fp32 K x K identity on `device`, made once per stream (read-only: the transition runs'
+    start; per stream for the reason layout.device_ints gives)."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    eye = _EYES.get((K, device, stream))
     if eye is None:
         eye = torch.eye(K, dtype=torch.float32, device=device)
         if not (eye.is_cuda and torch.cuda.is_current_stream_capturing()):  # a graph's memory is its own
-            _EYES[(K, device)] = eye
+            _EYES[(K, device, stream)] = eye
     return eye
 
 
