@@ -136,6 +136,19 @@ def test_plan_uses_the_launchers_bound_launch_after_the_first_call(monkeypatch):
 
 # ----------------------------------------------------------------------------- the sm80 bound launch
 
+def _call_of(q, k, v, g, beta, A_log, dt_bias, h0, *, cu, max_len: int, ws=None, cs=None, co=None) -> rt.KdaCall:
+    """A KdaCall of [B, T, heads, K] tensors for the stand-in driver's tests: fresh o and final
+    state, scale 0.125, the bounded gate at -5, L2 norm in the kernel, state V x K."""
+    st = lambda x: (x.stride(0), x.stride(1), x.stride(2))  # noqa: E731
+    o, fs = torch.empty_like(v), torch.empty_like(h0)
+    (B, T, H, K), HV = q.shape, v.shape[2]
+    return rt.KdaCall(q=q, k=k, v=v, g=g, beta=beta, o=o, q_strides=st(q), k_strides=st(k), v_strides=st(v),
+                      g_strides=st(g), beta_strides=st(beta.unsqueeze(-1)), o_strides=st(o), B=B, T=T,
+                      N=h0.shape[0], H=H, HV=HV, K=K, V=K, cu_seqlens=cu, A_log=A_log, dt_bias=dt_bias, scale=0.125,
+                      lower_bound=-5.0, use_qk_l2norm=True, allow_neg_eigval=False, initial_state=h0, final_state=fs,
+                      state_kv=False, chunk_states=cs, chunk_offsets=co, max_len=max_len, workspace=ws)
+
+
 class _FakeStream:
     """A torch stream stand-in whose event records and waits go to the driver's record."""
 
@@ -171,7 +184,6 @@ def test_sm80_segmented_bound_launch_passes_the_general_paths_launches(monkeypat
     t = dict(q=r(B, T, H, K).bfloat16(), k=r(B, T, H, K).bfloat16(), v=r(B, T, HV, K).bfloat16(),
              g=r(B, T, HV, K), beta=r(B, T, HV), A_log=r(HV), dt_bias=r(HV, K), h0=r(N, HV, K, K))
     cu = torch.tensor([0, T], dtype=torch.int32) if varlen else None
-    st = lambda x: (x.stride(0), x.stride(1), x.stride(2))  # noqa: E731
     with sm80_on_cpu() as (la, drv):
         la.settings = dataclasses.replace(la.settings, min_segment_tokens=64, min_hidden_prep_us=None,
                                           prep_blocks_beside_recur=None)  # 300 tokens: 128, 128, 44
@@ -181,14 +193,7 @@ def test_sm80_segmented_bound_launch_passes_the_general_paths_launches(monkeypat
         monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
 
         def call_of(ws):
-            o, fs = torch.empty_like(t["v"]), torch.empty_like(t["h0"])
-            return rt.KdaCall(q=t["q"], k=t["k"], v=t["v"], g=t["g"], beta=t["beta"], o=o, q_strides=st(t["q"]),
-                              k_strides=st(t["k"]), v_strides=st(t["v"]), g_strides=st(t["g"]),
-                              beta_strides=st(t["beta"].unsqueeze(-1)), o_strides=st(o), B=B, T=T, N=N, H=H, HV=HV,
-                              K=K, V=K, cu_seqlens=cu, A_log=t["A_log"], dt_bias=t["dt_bias"], scale=0.125,
-                              lower_bound=-5.0, use_qk_l2norm=True, allow_neg_eigval=False,
-                              initial_state=t["h0"], final_state=fs, state_kv=False, chunk_states=None,
-                              chunk_offsets=None, max_len=T, workspace=ws)
+            return _call_of(**t, cu=cu, max_len=T, ws=ws)
 
         need = la.workspace_bytes(call_of(None), torch.device("cpu"))
         ws = torch.empty(need + 512, dtype=torch.uint8)
@@ -256,19 +261,9 @@ def _bound_against_general(la, drv, varlen):
                  initial_state=r(N, HV, K, K), output_final_state=True)
         return t, B, N
 
-    def strides(t):
-        return t.stride(0), t.stride(1), t.stride(2)
-
     def call_of(t, B, N, ws):
-        o = torch.empty_like(t["v"])
-        fs = torch.empty_like(t["initial_state"])
-        return rt.KdaCall(q=t["q"], k=t["k"], v=t["v"], g=t["g"], beta=t["beta"], o=o, q_strides=strides(t["q"]),
-                          k_strides=strides(t["k"]), v_strides=strides(t["v"]), g_strides=strides(t["g"]),
-                          beta_strides=strides(t["beta"].unsqueeze(-1)), o_strides=strides(o), B=B, T=T, N=N, H=H,
-                          HV=HV, K=K, V=K, cu_seqlens=t["cu_seqlens"], A_log=t["A_log"], dt_bias=t["dt_bias"],
-                          scale=0.125, lower_bound=-5.0, use_qk_l2norm=True, allow_neg_eigval=False,
-                          initial_state=t["initial_state"], final_state=fs, state_kv=False, chunk_states=None,
-                          chunk_offsets=None, max_len=43 if varlen else T, workspace=ws)
+        return _call_of(t["q"], t["k"], t["v"], t["g"], t["beta"], t["A_log"], t["dt_bias"], t["initial_state"],
+                        cu=t["cu_seqlens"], max_len=43 if varlen else T, ws=ws)
 
     t, B, N = make(0)
     ws_bytes = ((B * T) // 16 + N + 1) * HV * rec
@@ -368,17 +363,11 @@ def test_sm90_bound_launch_passes_the_general_paths_struct(varlen, shim):
         qq = r(B, T, H, K).bfloat16() if q is None else q
         kk, vv, gg = r(B, T, H, K).bfloat16(), r(B, T, HV, K).bfloat16(), r(B, T, HV, K)
         beta, h0 = r(B, T, HV), r(N, HV, K, K)
-        o, fs = torch.empty_like(vv), torch.empty_like(h0)
         cs = torch.empty(12, HV, K, K)
         co = torch.tensor([0, 1, 1, 4] if varlen else [0, 3, 6], dtype=torch.int32)
-        st = lambda t: (t.stride(0), t.stride(1), t.stride(2))  # noqa: E731
-        return rt.KdaCall(q=qq, k=kk, v=vv, g=gg, beta=beta, o=o, q_strides=st(qq), k_strides=st(kk),
-                          v_strides=st(vv), g_strides=st(gg), beta_strides=st(beta.unsqueeze(-1)), o_strides=st(o),
-                          B=B, T=T, N=N, H=H, HV=HV, K=K, V=K,
-                          cu_seqlens=torch.tensor([0, 5, 5, 48], dtype=torch.int32) if varlen else None,
-                          A_log=r(HV), dt_bias=r(HV, K), scale=0.125, lower_bound=-5.0, use_qk_l2norm=True,
-                          allow_neg_eigval=False, initial_state=h0, final_state=fs, state_kv=False, chunk_states=cs,
-                          chunk_offsets=co, max_len=(max_len or 43) if varlen else T, workspace=None)
+        return _call_of(qq, kk, vv, gg, beta, r(HV), r(HV, K), h0,
+                        cu=torch.tensor([0, 5, 5, 48], dtype=torch.int32) if varlen else None,
+                        max_len=(max_len or 43) if varlen else T, cs=cs, co=co)
 
     with fake_cuda.sm90_on_cpu(var, shim=shim) as (la, drv):
         bound = la.bind(call_of(0))
