@@ -22,6 +22,8 @@ from kdagen.variant import Variant
 
 from kdagen.cases import errors, make_case, run_and_compare, run_poisoned
 
+from .emulation import bf, emulation_errors, emulation_problem, hl, split
+
 ROOT = Path(__file__).resolve().parents[1]
 HAS_CUDA = torch.cuda.is_available()
 # The issue's accuracy bar (rel RMSE of o and state against the float64 reference) for the gate
@@ -368,46 +370,6 @@ def test_sm90_out_with_unaligned_rows(va):
     assert torch.isnan(wide[..., v.v]).all()
 
 
-def _bf(x):
-    return x.bfloat16().float()
-
-
-def _split(x):  # (hi, lo) bf16 parts
-    return _bf(x), _bf(x - _bf(x))
-
-
-def _hl(x, t):  # x t^T in hi + lo: hi hi + hi lo + lo hi
-    return x[0] @ (t[0] + t[1]).T + x[1] @ t[0].T
-
-
-def _emulation_problem(T: int, K: int, gs: float):
-    """One head's inputs for the emulation tests (seed 3; g shifted by gs, bounded gate, lower bound -5) as
-    the kernels see them: normalized q and k, v, the activated gate a, beta's b and S0 [V, K] in fp32; and
-    the float64 reference (o, final state, chunk states every 16 tokens)."""
-    from kdagen.reference import activate_gate, kda_reference
-
-    torch.manual_seed(3)
-    q, k, v = (torch.randn(1, T, 1, K).bfloat16() for _ in range(3))
-    g, beta = torch.randn(1, T, 1, K) + gs, torch.randn(1, T, 1)
-    A_log, dt_bias = torch.tensor([0.3]), torch.randn(1, K) * 0.5
-    S0 = torch.randn(1, 1, K, K) * 0.5  # [N, HV, V, K]
-    ref = kda_reference(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0, gate="bounded",
-                        initial_state=S0, output_final_state=True, chunk_states_size=16)
-    a = activate_gate(g, gate="bounded", A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0).float()[0, :, 0]
-    nrm = lambda x: x / torch.sqrt((x * x).sum(-1, keepdim=True) + 1e-6)  # noqa: E731
-    return (nrm(q.float()[0, :, 0]), nrm(k.float()[0, :, 0]), v.float()[0, :, 0], a, torch.sigmoid(beta[0, :, 0]),
-            S0[0, 0].clone(), ref)
-
-
-def _emulation_errors(ref, o, S, states, chunk: int) -> tuple[float, float, float]:
-    """rel RMSE of o, the final state and the chunk states (entering each `chunk`-token chunk) against ref."""
-    from kdagen.reference import rel_rmse
-
-    ro, rs, rcs = ref
-    return (rel_rmse(o[None, :, None].double(), ro), rel_rmse(S[None, None].double(), rs),
-            rel_rmse(torch.stack(states)[:, None].double(), rcs[::chunk // 16]))
-
-
 @pytest.mark.parametrize("mode,gs", [("w", 0.0), ("kg", 0.0), ("kg", -4.0)])
 def test_sm90_algorithm_emulation(mode: str, gs: float):
     """The kernel's chunk-16 algorithm in torch, with the kernel's record (Qd, W, Kr, Mqk in
@@ -421,8 +383,8 @@ def test_sm90_algorithm_emulation(mode: str, gs: float):
     ~2.5, so S0 and the state carried between chunks weigh in (at 0 the state forgets a chunk's past
     within a few tokens). The chunk states are checked too."""
     T, K = 70, 64
-    qh, kh, vv, a, b, S, ref = _emulation_problem(T, K, gs)
-    bf, split, hl, scale = _bf, _split, _hl, K ** -0.5
+    qh, kh, vv, a, b, S, ref = emulation_problem(T, K, gs)
+    scale = K ** -0.5
     o = torch.zeros(T, K)
     states = []
     for c0 in range(0, T, 16):
@@ -452,7 +414,7 @@ def test_sm90_algorithm_emulation(mode: str, gs: float):
         ot = (Sb + bf(S - Sb) if mode == "w" else Sb) @ Qd.T + hl(U, M)  # (w: K = 64, o from S in hi + lo)
         S = S * torch.exp(G[-1])[None, :] + U[0] @ Kr
         o[c0:c0 + rows] = bf(ot.T[:rows])
-    e_o, e_s, e_c = _emulation_errors(ref, o, S, states, 16)
+    e_o, e_s, e_c = emulation_errors(ref, o, S, states, 16)
     # measured (o, state, chunk states): w 1.84e-3, 2.11e-3, 0.67e-3; kg 1.92e-3, 2.11e-3, 0.67e-3; kg at gs = -4
     # 3.08e-3, 2.49e-3, 1.53e-3 (K = 64: scale 1/8, so bf16(scale x) = scale bf16(x) and the Kg record's Mqk
     # operand rounds as the W record's)
@@ -470,8 +432,8 @@ def test_sm90_chunk32_record_emulation(gs: float):
     composed from 16 x 16 blocks, T_10 = -T_11 L_10 T_00 in fp32; the consumer's products over k = 32
     (U^T = Y^T A^T with a 32 x 32 A, S += U^T Kr, o^T += U^T Mqk^T), hi + lo as today's step."""
     T, K, C = 90, 64, 32
-    qh, kh, vv, a, b, S, ref = _emulation_problem(T, K, gs)
-    bf, split, hl, scale = _bf, _split, _hl, K ** -0.5
+    qh, kh, vv, a, b, S, ref = emulation_problem(T, K, gs)
+    scale = K ** -0.5
     o = torch.zeros(T, K)
     states = []
     for c0 in range(0, T, C):
@@ -502,7 +464,7 @@ def test_sm90_chunk32_record_emulation(gs: float):
         ot = Sb @ Qd.T + hl(U, M)
         S = S * torch.exp(G[-1])[None, :] + U[0] @ Kr
         o[c0:c0 + rows] = bf(ot.T[:rows])
-    e_o, e_s, e_c = _emulation_errors(ref, o, S, states, 32)
+    e_o, e_s, e_c = emulation_errors(ref, o, S, states, 32)
     # measured (o, state, chunk states): gs 0 1.81e-3, 2.37e-3, 0.33e-3; gs -4 3.05e-3, 2.82e-3, 1.35e-3 (the
     # chunk-16 step: 3.08e-3, 2.49e-3, 1.53e-3). Without the cross block A_10 or M_10 both cases fail.
     bound = 2.5e-3 if gs == 0 else 3.5e-3

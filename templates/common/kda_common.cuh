@@ -68,6 +68,18 @@ __device__ __forceinline__ void acc_to_a(const float (&lo)[4], const float (&hi)
   a[2] = pack_bf16(hi[0], hi[1]);
   a[3] = pack_bf16(hi[2], hi[3]);
 }
+// The part of the same two accumulators that acc_to_a's bf16 fragment a drops, as bf16 A fragments
+// (x = a + l to about 16 mantissa bits: the hi + lo operands of a split product).
+__device__ __forceinline__ void acc_lo_to_a(const float (&lo)[4], const float (&hi)[4], const uint32_t (&a)[4],
+                                            uint32_t (&l)[4]) {
+  auto rest = [](float x0, float x1, uint32_t pr) {
+    return pack_bf16(x0 - __uint_as_float(pr << 16), x1 - __uint_as_float(pr & 0xffff0000u));
+  };
+  l[0] = rest(lo[0], lo[1], a[0]);
+  l[1] = rest(lo[2], lo[3], a[1]);
+  l[2] = rest(hi[0], hi[1], a[2]);
+  l[3] = rest(hi[2], hi[3], a[3]);
+}
 
 // Eight consecutive 16-bit (bf16 / fp16) or 32-bit values -> float[8]; 16-byte aligned loads.
 template <typename T>

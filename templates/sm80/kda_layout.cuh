@@ -12,13 +12,25 @@ static_assert(C == 16 || C == 64, "chunk");
 static_assert(K % 16 == 0 && V % 16 == 0 && V % BV == 0 && BV % 16 == 0, "dims");
 
 // ---- workspace record (one per chunk and value head), bytes ----
+// PRECISE carries what the o product loses in bf16 (sm90's scheme, measured in torch:
+// tests/test_sm80.py::test_sm80_precise_emulation): Mqk's strictly lower part and U0 in hi + lo
+// bf16, and Mqk's diagonal in fp32, which kda_recur applies to U in fp32. Chunk 16 only: chunk
+// 64's larger stage leaves block_v 32 no room for two (an A100's 163 KB). KDA_PRECISE=0 rebuilds
+// the earlier record (Mqk incl. diagonal and U0 in bf16 only), kept to time one against the other.
+#ifndef KDA_PRECISE
+#define KDA_PRECISE (KDA_C == 16)
+#endif
+constexpr bool PRECISE = KDA_PRECISE != 0;
+constexpr int MQ_TILES = PRECISE ? 2 : 1;               // Mqk: hi [+ lo]
 constexpr long long OFF_W = 0;                         // bf16 [C][K]  W = A^-1 diag(b) Kd
 constexpr long long OFF_Q = 1LL * C * K * 2;           // bf16 [C][K]  Qd (scale folded in)
 constexpr long long OFF_R = 2LL * C * K * 2;           // bf16 [C][K]  Kr = k Gamma_C / Gamma
-constexpr long long OFF_M = 3LL * C * K * 2;           // bf16 [C][C]  Mqk (lower incl. diagonal)
-constexpr long long OFF_U = OFF_M + 1LL * C * C * 2;   // bf16 [V][C]  U0^T = (A^-1 (b v))^T
-constexpr long long OFF_GM = OFF_U + 1LL * V * C * 2;  // f32  [K]     Gamma_C
-constexpr long long REC = OFF_GM + 4LL * K;
+constexpr long long OFF_M = 3LL * C * K * 2;           // bf16 [C][C]  Mqk (PRECISE: strictly lower, hi; then lo)
+constexpr long long OFF_U = OFF_M + 2LL * MQ_TILES * C * C;  // bf16 [V][C]  U0^T = (A^-1 (b v))^T (PRECISE: hi)
+constexpr long long OFF_UL = OFF_U + 1LL * V * C * 2;  // bf16 [V][C]  PRECISE: U0^T's lo part
+constexpr long long OFF_GM = OFF_UL + (PRECISE ? 1LL * V * C * 2 : 0);  // f32 [K] Gamma_C
+constexpr long long OFF_D = OFF_GM + 4LL * K;          // f32  [C]     PRECISE: Mqk's diagonal, scale <q^_i, k^_i>
+constexpr long long REC = OFF_D + (PRECISE ? 4LL * C : 0);
 
 // Shared memory per block: an A100's opt-in maximum. Every image of the fatbin (sm_80, sm_90,
 // compute_80 PTX) comes from the same compute_80 source, so one budget holds for all of them;
@@ -75,10 +87,13 @@ constexpr int NW2 = NWV * KSPLIT;  // compute warps
 // Plus one copy warp that issues every cp.async of the workspace stream: it takes the copies'
 // instructions and address stalls off the compute warps' in-order streams (NOTES.md).
 constexpr int NT2 = (NW2 + 1) * 32;
-// A stage: W, Qd, Kr [C][K], Mqk [C][C], this block's U0^T [BV][C] (16-bit, rows unpadded,
-// 16-byte chunks swizzled: see tile_at), Gamma_C [K] (fp32).
-constexpr int STAGE = (3 * C * K + C * C + BV * C) * 2 + K * 4;
-constexpr int STAGE_U = (3 * C * K + C * C) * 2;  // bytes before the U tile
+// A stage: W, Qd, Kr [C][K], Mqk [MQ_TILES][C][C], this block's U0^T [1 + PRECISE][BV][C]
+// (16-bit, rows unpadded, 16-byte chunks swizzled: see tile_at), Gamma_C [K] and (PRECISE) the
+// diagonal [C] (fp32).
+constexpr int NUT = PRECISE ? 2 : 1;  // U0^T tiles: hi [+ lo]
+constexpr int STAGE = (3 * C * K + MQ_TILES * C * C + NUT * BV * C) * 2 + K * 4 + (PRECISE ? C * 4 : 0);
+constexpr int STAGE_U = (3 * C * K + MQ_TILES * C * C) * 2;  // bytes before the U tiles
+constexpr int STAGE_GM = STAGE_U + NUT * BV * C * 2;        // Gamma_C, then the diagonal
 // Split-K exchange, per warp and 16-row tile: its partial U^T [16 v, C] (C/8 float4 per lane) and
 // the partial S Qd^T n-tiles its partner finishes (C/16 float4 per lane). Float4 j of tile m of
 // lane l of warp w sits at ((w * MT + m) * XW4 + j) * 32 + l: conflict-free.

@@ -15,6 +15,8 @@ static_assert(KDA_C == 16, "kda_prep_c16.cuh is the chunk-16 prep");
 //   4. (I + L)^-1 by forward substitution, 16 threads, one column each, split into hi + lo.
 //   5. [W | U0] = (I + L)^-1 X on tensor cores with split operands (hi hi + hi lo + lo hi:
 //      about 16 mantissa bits, as good as the fp32 substitution for bf16 outputs).
+// PRECISE (kda_layout.cuh) also writes Mqk's diagonal in fp32 (phase 0), its strictly lower part
+// in hi + lo (phase 3) and U0's lo part (phase 5).
 extern "C" __global__ void __launch_bounds__(kda::NT1, kda::MINB1) kda_prep(const KdaParams p) {
   using namespace kda;
   extern __shared__ __align__(16) float smem1[];
@@ -142,6 +144,14 @@ extern "C" __global__ void __launch_bounds__(kda::NT1, kda::MINB1) kda_prep(cons
       srq[ri] = aq;
       srk[ri] = ak;
     }
+    if constexpr (PRECISE) {  // Mqk's diagonal, scale <q^_i, k^_i> in fp32 (the gates cancel on it)
+      float qk = 0.f;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) qk += xq[e] * xk[e];
+#pragma unroll
+      for (int o = GPR / 2; o > 0; o >>= 1) qk += __shfl_xor_sync(0xffffffffu, qk, o);
+      if (d == 0) reinterpret_cast<float*>(wsr + OFF_D)[ri] = p.scale * qk;
+    }
   }
   __syncthreads();
 
@@ -250,7 +260,14 @@ extern "C" __global__ void __launch_bounds__(kda::NT1, kda::MINB1) kda_prep(cons
       m += spart[w * 512 + 256 + u];
     }
     if (i > j) sLT[j * CP + i] = sb[i] * l;
-    reinterpret_cast<bf16*>(wsr + OFF_M)[u] = __float2bfloat16_rn(i >= j ? p.scale * m : 0.f);
+    if constexpr (PRECISE) {  // strictly lower, hi + lo (the diagonal went out in fp32)
+      const bf16 hi = __float2bfloat16_rn(i > j ? p.scale * m : 0.f);
+      reinterpret_cast<bf16*>(wsr + OFF_M)[u] = hi;
+      reinterpret_cast<bf16*>(wsr + OFF_M)[C * C + u] =
+          __float2bfloat16_rn(i > j ? p.scale * m - __bfloat162float(hi) : 0.f);
+    } else {
+      reinterpret_cast<bf16*>(wsr + OFF_M)[u] = __float2bfloat16_rn(i >= j ? p.scale * m : 0.f);
+    }
   }
   __syncthreads();
 
@@ -299,10 +316,16 @@ extern "C" __global__ void __launch_bounds__(kda::NT1, kda::MINB1) kda_prep(cons
           *reinterpret_cast<uint32_t*>(sWst + (g8 + 8) * KB1 + col) = pack_bf16(acc[hh][2], acc[hh][3]);
         } else {
           const int vv = col - K;
-          sUst[vv * UP1 + g8] = __float2bfloat16_rn(acc[hh][0]);
-          sUst[(vv + 1) * UP1 + g8] = __float2bfloat16_rn(acc[hh][1]);
-          sUst[vv * UP1 + g8 + 8] = __float2bfloat16_rn(acc[hh][2]);
-          sUst[(vv + 1) * UP1 + g8 + 8] = __float2bfloat16_rn(acc[hh][3]);
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int at = (vv + (e & 1)) * UP1 + g8 + 8 * (e >> 1);
+            const bf16 hi = __float2bfloat16_rn(acc[hh][e]);
+            sUst[at] = hi;
+            // PRECISE: U0^T's lo part straight to the record (2-byte stores; no staging room left)
+            if constexpr (PRECISE)
+              reinterpret_cast<bf16*>(wsr + OFF_UL)[(vv + (e & 1)) * C + g8 + 8 * (e >> 1)] =
+                  __float2bfloat16_rn(acc[hh][e] - __bfloat162float(hi));
+          }
         }
       }
     }

@@ -66,17 +66,22 @@ __device__ __forceinline__ void copy_rows(char* dst, const char* src, int lane) 
 }
 
 // Issue the cp.async copies of one chunk record (this block's V slice of U0^T) into a stage.
-// zero_u: a twin run (v = 0) keeps the stage's U tile at the zeros written before the loop.
+// zero_u: a twin run (v = 0) keeps the stage's U tiles at the zeros written before the loop.
 __device__ __forceinline__ void prefetch_chunk(char* stage, const char* rec, int vb, int lane, bool zero_u) {
   // W, Qd, Kr rows back to back: [3C][K] in the record and in shared memory (C % 8 == 0, so a
-  // row's swizzle is the same counted from W or from its own tile).
+  // row's swizzle is the same counted from W or from its own tile); likewise Mqk's hi and lo.
   copy_tile<3 * C, K / 8>(stage, rec, lane);
-  copy_tile<C, C / 8>(stage + 3 * C * K * 2, rec + OFF_M, lane);
+  copy_tile<MQ_TILES * C, C / 8>(stage + 3 * C * K * 2, rec + OFF_M, lane);
   char* su = stage + STAGE_U;
-  if (!zero_u) copy_tile<BV, C / 8>(su, rec + OFF_U + (long long)vb * BV * C * 2, lane);
-  // Gamma_C: K / 4 16-byte pieces, in rows of at most 32 (one pass of the warp).
-  if constexpr (K / 4 <= 32) copy_rows<1, K / 4, 0, 0>(su + BV * C * 2, rec + OFF_GM, lane);
-  else copy_rows<K / 128, 32, 512, 512>(su + BV * C * 2, rec + OFF_GM, lane);
+  if (!zero_u) {
+    copy_tile<BV, C / 8>(su, rec + OFF_U + (long long)vb * BV * C * 2, lane);
+    if constexpr (PRECISE) copy_tile<BV, C / 8>(su + BV * C * 2, rec + OFF_UL + (long long)vb * BV * C * 2, lane);
+  }
+  // Gamma_C: K / 4 16-byte pieces, in rows of at most 32 (one pass of the warp); the diagonal C / 4.
+  char* sg = stage + STAGE_GM;
+  if constexpr (K / 4 <= 32) copy_rows<1, K / 4, 0, 0>(sg, rec + OFF_GM, lane);
+  else copy_rows<K / 128, 32, 512, 512>(sg, rec + OFF_GM, lane);
+  if constexpr (PRECISE) copy_rows<1, C / 4, 0, 0>(sg + K * 4, rec + OFF_D, lane);
 }
 
 // Store one chunk's staged o (OSLOT elements; see OROWS) with the copy warp: 16-byte pieces,
@@ -200,8 +205,8 @@ __device__ __forceinline__ void recur_block(const KdaParams& p) {
     in_t* ob = (in_t*)p.o + bidx * p.o_s[0] + hs * p.o_s[2] + vb * BV + tb * p.o_s[1];
     const long long ostride = p.o_s[1];
     if (zero_u) {  // every stage's U tile, once: published to the compute warps by the first block barrier
-      for (int i = lane; i < NSTAGE * BV * C / 8; i += 32) {
-        const int st = i / (BV * C / 8), e = i % (BV * C / 8);
+      for (int i = lane; i < NSTAGE * NUT * BV * C / 8; i += 32) {
+        const int st = i / (NUT * BV * C / 8), e = i % (NUT * BV * C / 8);
         reinterpret_cast<uint4*>(smem2 + st * STAGE + STAGE_U)[e] = make_uint4(0, 0, 0, 0);
       }
     }
@@ -286,8 +291,8 @@ __device__ __forceinline__ void recur_block(const KdaParams& p) {
     const bf16* sQ = sW + C * K;
     const bf16* sR = sQ + C * K;
     const bf16* sMq = sR + C * K;
-    const bf16* sU = sMq + C * C;
-    const float* sGam = reinterpret_cast<const float*>(sU + BV * C);
+    const bf16* sU = sMq + MQ_TILES * C * C;
+    const float* sGam = reinterpret_cast<const float*>(sU + NUT * BV * C);
 
     // Issue order matters: one warp per scheduler issues in program order, so the step is laid
     // out along its dependency chain (S -> S W^T -> exchange -> U -> S update); independent work
@@ -371,21 +376,29 @@ __device__ __forceinline__ void recur_block(const KdaParams& p) {
     constexpr int NU0 = C == 16 ? C / 8 : 1;  // preloaded U0 n-tiles (registers allow at C = 16)
     float u0r[MT][NU0][4];
     auto u0_at = [&](int m, int nt, int e) {
-      return __bfloat162float(sU[tile_at<C / 8>(vw + 16 * m + g8 + 8 * (e >> 1), 8 * nt + 2 * t4 + (e & 1))]);
+      const int at = tile_at<C / 8>(vw + 16 * m + g8 + 8 * (e >> 1), 8 * nt + 2 * t4 + (e & 1));
+      if constexpr (PRECISE) return __bfloat162float(sU[at]) + __bfloat162float(sU[BV * C + at]);
+      else return __bfloat162float(sU[at]);
     };
     if constexpr (C == 16) {
       // One ldmatrix per 16-row tile: its four 8x8 matrices in A-fragment order hold the bf16
       // pairs of the accumulator layout (register 2 nt + e / 2, low half for even e).
 #pragma unroll
       for (int m = 0; m < MT; ++m) {
-        uint32_t b[4];
-        ldsm_x4(b, sU + tile_at<C / 8>(vw + 16 * m + (lane & 15), 8 * (lane >> 4)));
+        const int at = tile_at<C / 8>(vw + 16 * m + (lane & 15), 8 * (lane >> 4));
+        uint32_t b[4], bl[4];
+        ldsm_x4(b, sU + at);
+        if constexpr (PRECISE) ldsm_x4(bl, sU + BV * C + at);
 #pragma unroll
         for (int nt = 0; nt < C / 8; ++nt)
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const uint32_t pr = b[2 * nt + (e >> 1)];
             u0r[m][nt][e] = __uint_as_float((e & 1) ? (pr & 0xffff0000u) : (pr << 16));
+            if constexpr (PRECISE) {
+              const uint32_t pl = bl[2 * nt + (e >> 1)];
+              u0r[m][nt][e] += __uint_as_float((e & 1) ? (pl & 0xffff0000u) : (pl << 16));
+            }
           }
       }
     }
@@ -477,8 +490,35 @@ __device__ __forceinline__ void recur_block(const KdaParams& p) {
           mma_bf16(s[m][2 * ntp + 1], ua[m][kc], b[2], b[3]);
         }
       }
+    // PRECISE, off the chain (after the S update's issue): what bf16 dropped of U^T, as A fragments
+    // for the o product, and o^T += U^T diag(Mqk) in fp32. Each o^T n-tile of this warp is n-tile
+    // 2 ntp + (hh or kh) of U^T, in the same accumulator layout.
+    uint32_t ul[PRECISE ? MT : 1][PRECISE ? C / 16 : 1][4];
+    if constexpr (PRECISE) {
+#pragma unroll
+      for (int m = 0; m < MT; ++m)
+#pragma unroll
+        for (int kc = 0; kc < C / 16; ++kc) acc_lo_to_a(ut[m][2 * kc], ut[m][2 * kc + 1], ua[m][kc], ul[m][kc]);
+      const float* sD = sGam + K;
+#pragma unroll
+      for (int ntp = 0; ntp < C / 16; ++ntp)
+#pragma unroll
+        for (int hh = 0; hh < NH; ++hh) {
+          const int nt = 2 * ntp + (KSPLIT == 1 ? hh : kh);
+          const float2 dg = *reinterpret_cast<const float2*>(sD + 8 * nt + 2 * t4);
+#pragma unroll
+          for (int m = 0; m < MT; ++m)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const float u = KSPLIT == 1 ? ut[m][2 * ntp + hh][e] : (kh ? ut[m][2 * ntp + 1][e] : ut[m][2 * ntp][e]);
+              ok[m][ntp][hh][e] = fmaf((e & 1) ? dg.y : dg.x, u, ok[m][ntp][hh][e]);
+            }
+        }
+    }
     // o^T += U^T Mqk^T on this warp's n-tiles (Mqk lower triangular: blocks kc <= ntp), staged in
     // this warp's slice of the chunk's o slot ([MT][OROWS][OP]) for the copy warp to store.
+    // PRECISE: Mqk's strictly lower part in hi + lo (hi hi + lo hi + hi lo; its diagonal went in
+    // above): o's error against float64 halves (bf16 Mqk and U^T were the largest part of it).
     in_t* so = so_all + (O_BY_COPY ? (c & 1) * OSLOT : 0) + warp * MT * OROWS * OP;
 #pragma unroll
     for (int ntp = 0; ntp < C / 16; ++ntp) {
@@ -493,12 +533,32 @@ __device__ __forceinline__ void recur_block(const KdaParams& p) {
             mma_bf16(ok[m][ntp][0], ua[m][kc], b[0], b[1]);
             mma_bf16(ok[m][ntp][NH - 1], ua[m][kc], b[2], b[3]);
           }
+          if constexpr (PRECISE) {
+            uint32_t bl[4];
+            ldsm_x4(bl, sMq + C * C + tile_at<C / 8>(row, col));
+#pragma unroll
+            for (int m = 0; m < MT; ++m) {
+              mma_bf16(ok[m][ntp][0], ul[m][kc], b[0], b[1]);
+              mma_bf16(ok[m][ntp][NH - 1], ul[m][kc], b[2], b[3]);
+              mma_bf16(ok[m][ntp][0], ua[m][kc], bl[0], bl[1]);
+              mma_bf16(ok[m][ntp][NH - 1], ua[m][kc], bl[2], bl[3]);
+            }
+          }
         } else {
           const int row = 16 * ntp + 8 * kh + lr, col = 16 * kc + 8 * (lm & 1);
           uint32_t b[2];
           ldsm_x2(b, sMq + tile_at<C / 8>(row, col));
 #pragma unroll
           for (int m = 0; m < MT; ++m) mma_bf16(ok[m][ntp][0], ua[m][kc], b[0], b[1]);
+          if constexpr (PRECISE) {
+            uint32_t bl[2];
+            ldsm_x2(bl, sMq + C * C + tile_at<C / 8>(row, col));
+#pragma unroll
+            for (int m = 0; m < MT; ++m) {
+              mma_bf16(ok[m][ntp][0], ul[m][kc], b[0], b[1]);
+              mma_bf16(ok[m][ntp][0], ua[m][kc], bl[0], bl[1]);
+            }
+          }
         }
       }
 #pragma unroll
@@ -542,10 +602,12 @@ __device__ __forceinline__ void recur_block(const KdaParams& p) {
 // Register budgets, found per build (ptxas 13.0, sm_80 and sm_90 images), not derived: left to
 // itself ptxas caps chunk 64 and block_v 16 too low and spills; at chunk 64, K = 64 only an
 // explicit 255 avoids spills (NOTES.md; the ptxas-report test guards every variant). K = 256
-// (chunk 16) needs no bound of its own: block_v 16/32 take 159-168, block_v 64 (MT 2) 254.
+// (chunk 16) needs no bound of its own: block_v 16/32 take 159-168, block_v 64 (MT 2) 254. With the
+// PRECISE record, K = 64 (one warp per V tile) at block_v 32 spilled in kda_recur_twins' sm_80 image
+// (capped at 96) without an explicit bound.
 #if KDA_C == 64 && KDA_K == 64
 #define KDA_RECUR_BOUNDS __maxnreg__(255)
-#elif KDA_C == 64 || KDA_BV == 16
+#elif KDA_C == 64 || KDA_BV == 16 || KDA_K == 64
 #define KDA_RECUR_BOUNDS __launch_bounds__(kda::NT2, 1)
 #else
 #define KDA_RECUR_BOUNDS __launch_bounds__(kda::NT2)
