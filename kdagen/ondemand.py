@@ -21,8 +21,8 @@ from .variant import Variant
 
 _TAG_GATES = {tag: gate for gate, tag in GATE_TAGS.items()}
 NAME_RE = re.compile(r"kda_fwd_(?P<target>[a-z0-9_]+?)_c(?P<chunk>\d+)_k(?P<k>\d+)_v(?P<v>\d+)_(?P<dtype>[a-z0-9]+)"
-                     r"_(?P<gate>g[a-z])_s(?P<state>[a-z0-9]+)_bv(?P<bv>\d+)")
-NAME_FORMAT = "kda_fwd_<target>_c<chunk>_k<K>_v<V>_<dtype>_<gb|gu|gp>_s<fp32|bf16|none>_bv<block_v>"
+                     r"_(?P<gate>g[a-z])_s(?P<state>[a-z0-9]+)_bv(?P<bv>\d+)(?P<hl>_hl)?")
+NAME_FORMAT = "kda_fwd_<target>_c<chunk>_k<K>_v<V>_<dtype>_<gb|gu|gp>_s<fp32|bf16|none>_bv<block_v>[_hl]"
 
 
 def unsupported(v: Variant) -> str | None:
@@ -33,7 +33,7 @@ def unsupported(v: Variant) -> str | None:
     for what, val, allowed in (("chunk", v.chunk, info.chunks), ("head dim K", v.k, info.head_dims),
                                ("head dim V", v.v, info.head_dims), ("dtype", v.dtype, info.dtypes),
                                ("gate", v.gate, info.gates), ("state", v.state, info.states),
-                               ("block_v", v.block_v, info.block_v)):
+                               ("block_v", v.block_v, info.block_v), ("precise", v.precise, info.precise)):
         if val not in allowed:
             return f"{v.target} has no {what} {val} (it has {', '.join(str(a) for a in allowed)})"
     return _builtin_rejection(v)
@@ -48,7 +48,8 @@ def parse_name(name: str) -> Variant:
     if info is None:
         raise KdagenError(f"{name}: unknown target {m['target']!r} (targets: {', '.join(sorted(TARGETS))})")
     v = Variant(target=m["target"], chunk=int(m["chunk"]), k=int(m["k"]), v=int(m["v"]), dtype=m["dtype"],
-                gate=_TAG_GATES[m["gate"]], state=m["state"], block_v=int(m["bv"]), layouts=info.layouts,
+                gate=_TAG_GATES[m["gate"]], state=m["state"], block_v=int(m["bv"]), precise=m["hl"] is not None,
+                layouts=info.layouts,
                 varlen=info.varlen, gqa=info.gqa, hardware_validated=info.hardware_validated)
     why = unsupported(v)
     if why:

@@ -12,6 +12,7 @@ A spec is the only place the kernel matrix is written. Format::
         gate: [bounded, unbounded, precomputed]
         state: [fp32, bf16]
         block_v: 32
+        precise: [false, true]    # optional axis: o's products in hi + lo bf16 (sm80 chunk 16); default false
         layouts: [bsnd, bnsd]     # optional run-time features; default: all the target has
         varlen: true
         gqa: true
@@ -36,8 +37,9 @@ from .variant import Variant
 
 TOP_KEYS = ("name", "description", "variants", "exclude")
 GROUP_AXES = ("target", "chunk", "head_dim", "dtype", "gate", "state", "block_v")
+GROUP_OPTIONAL_AXES = ("precise",)  # default: [false]
 GROUP_FEATURES = ("layouts", "varlen", "gqa")
-EXCLUDE_AXES = ("target", "chunk", "k", "v", "dtype", "gate", "state", "block_v")
+EXCLUDE_AXES = ("target", "chunk", "k", "v", "dtype", "gate", "state", "block_v", "precise")
 
 
 @dataclass(frozen=True)
@@ -101,8 +103,9 @@ def _check_group(p: str, i: int, g: Any) -> dict[str, Any]:
     if not isinstance(g, dict):
         raise SpecError(p, where, f"expected a mapping, found {type(g).__name__}")
     for key in g:
-        if key not in GROUP_AXES + GROUP_FEATURES:
-            raise SpecError(p, f"{where}.{key}", f"unknown key; allowed: {_fmt(GROUP_AXES + GROUP_FEATURES)}")
+        if key not in GROUP_AXES + GROUP_OPTIONAL_AXES + GROUP_FEATURES:
+            raise SpecError(p, f"{where}.{key}",
+                            f"unknown key; allowed: {_fmt(GROUP_AXES + GROUP_OPTIONAL_AXES + GROUP_FEATURES)}")
     for key in GROUP_AXES:
         if key not in g:
             raise SpecError(p, f"{where}.{key}", "missing; every group names " + _fmt(GROUP_AXES))
@@ -126,6 +129,15 @@ def _check_group(p: str, i: int, g: Any) -> dict[str, Any]:
     out["gate"] = check_values("gate", info.gates, str)
     out["state"] = check_values("state", info.states, str)
     out["block_v"] = check_values("block_v", info.block_v, int)
+    precise = _as_list(g.get("precise", False))
+    for v in precise:
+        if not isinstance(v, bool):
+            raise SpecError(p, f"{where}.precise", f"expected true or false, found {v!r}")
+        if v not in info.precise:
+            raise SpecError(p, f"{where}.precise", f"{v!r} is not allowed for target {target}; allowed: {_fmt(info.precise)}")
+    if not precise:
+        raise SpecError(p, f"{where}.precise", f"empty list; allowed: {_fmt(info.precise)}")
+    out["precise"] = sorted(set(precise))
     dims = []
     for hd in _as_list(g["head_dim"]):
         pair = (hd, hd) if isinstance(hd, int) and not isinstance(hd, bool) else hd
@@ -184,12 +196,12 @@ def expand_all(spec: Spec) -> tuple[list[Variant], list[Dropped]]:
     dropped: dict[str, Dropped] = {}
     for g in spec.groups:
         info = TARGETS[g["target"]]
-        for chunk, (k, v), dtype, gate, state, bv in itertools.product(
-            g["chunk"], g["head_dim"], g["dtype"], g["gate"], g["state"], g["block_v"]
+        for chunk, (k, v), dtype, gate, state, bv, precise in itertools.product(
+            g["chunk"], g["head_dim"], g["dtype"], g["gate"], g["state"], g["block_v"], g["precise"]
         ):
             var = Variant(
                 target=g["target"], chunk=chunk, k=k, v=v, dtype=dtype, gate=gate, state=state,
-                block_v=bv, layouts=g["layouts"], varlen=g["varlen"], gqa=g["gqa"],
+                block_v=bv, precise=precise, layouts=g["layouts"], varlen=g["varlen"], gqa=g["gqa"],
                 hardware_validated=info.hardware_validated,
             )
             reason = _builtin_rejection(var)

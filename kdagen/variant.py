@@ -26,6 +26,9 @@ class Variant:
     gate: str
     state: str  # "fp32" | "bf16" | "none": precision of the carried state and of state in/out
     block_v: int  # V columns of the state per program/thread block (the V-split width)
+    # o's products carried in hi + lo bf16 (sm80 chunk 16: Mqk and U0; o's error against float64 halves,
+    # the call takes 2-14% longer): named "_hl", chosen by dispatch only where no plain twin is built.
+    precise: bool = False
     layouts: tuple[str, ...] = ("bnsd", "bsnd")
     varlen: bool = True
     gqa: bool = True
@@ -35,12 +38,14 @@ class Variant:
     def name(self) -> str:
         return (
             f"kda_fwd_{self.target}_c{self.chunk}_k{self.k}_v{self.v}_{self.dtype}"
-            f"_{GATE_TAGS[self.gate]}_s{self.state}_bv{self.block_v}"
+            f"_{GATE_TAGS[self.gate]}_s{self.state}_bv{self.block_v}{'_hl' if self.precise else ''}"
         )
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["layouts"] = list(self.layouts)
+        if not self.precise:  # absent means plain: manifests and caches written before the field stay valid
+            del d["precise"]
         d["name"] = self.name
         return d
 

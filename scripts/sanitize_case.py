@@ -27,12 +27,13 @@ LENS = [0, 1, 17, 70, 0, 33]
 
 def picked(targets: set[str]) -> list:
     """One variant per kernel shape of the CUDA targets (chunk, head dims, V-split, state form, input
-    dtype: the gate form changes only the activation arithmetic) and one per Triton chunk size."""
+    dtype, record: the gate form changes only the activation arithmetic) and one per Triton chunk size."""
     seen, out = set(), []
     for v in registry().variants():
         if v.target not in targets:
             continue
-        key = (v.target, v.chunk, v.k, v.v, v.block_v, v.state, v.dtype) if v.target != "triton" else (v.target, v.chunk)
+        key = ((v.target, v.chunk, v.k, v.v, v.block_v, v.state, v.dtype, v.precise) if v.target != "triton"
+               else (v.target, v.chunk))
         if key not in seen:
             seen.add(key)
             out.append(v)

@@ -169,3 +169,14 @@ def test_choice_is_logged_once(caplog):
         rt.kda_prefill(**kw)
     lines = [r.getMessage() for r in caplog.records if r.name == "kdagen"]
     assert len(lines) == 1 and lines[0].startswith("kdagen: kda_fwd_triton_") and "T=20" in lines[0]
+
+
+def test_plain_variant_before_its_precise_twin(any_device):
+    """A precise variant (o's products in hi + lo: slower) is taken only where no plain variant fits as well:
+    its plain twin wins the tie, a better-fitting precise variant still wins over a worse plain one, and a
+    precise variant alone is taken."""
+    plain, precise = var(chunk=16, bv=32), var(chunk=16, bv=32, precise=True)
+    assert precise.name == plain.name + "_hl"
+    assert sel.select([precise, plain], info()) == plain
+    assert sel.select([precise], info()) == precise
+    assert sel.select([precise, var(chunk=64, bv=32)], info()) == precise  # sm80 measured chunk 16 faster

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import textwrap
 from pathlib import Path
 
@@ -123,3 +124,40 @@ def test_shipped_specs_load_and_expand(spec_file):
     variants = expand(spec)
     assert variants, spec_file
     assert len(variants) < 200, "a spec should not need hundreds of instantiations"
+
+
+PRECISE = """
+name: p
+variants:
+  - target: sm80
+    chunk: [16, 64]
+    head_dim: 128
+    dtype: bf16
+    gate: bounded
+    state: fp32
+    block_v: 32
+    precise: [false, true]
+"""
+
+
+def test_precise_axis_names_expands_and_is_checked(tmp_path):
+    """The optional `precise` axis (sm80: o's products in hi + lo) adds "_hl" variants; chunk 64 has no room for
+    them (dropped with the reason), a target without it and a non-boolean are errors naming the key; the
+    manifest entry of a plain variant is what it was before the field existed."""
+    from kdagen.ondemand import parse_name
+    from kdagen.variant import Variant
+
+    kept, dropped = expand_all(load_spec(write(tmp_path, PRECISE)))
+    names = [v.name for v in kept]
+    assert names == ["kda_fwd_sm80_c16_k128_v128_bf16_gb_sfp32_bv32", "kda_fwd_sm80_c16_k128_v128_bf16_gb_sfp32_bv32_hl",
+                     "kda_fwd_sm80_c64_k128_v128_bf16_gb_sfp32_bv32"]
+    assert [d.variant.name for d in dropped] == ["kda_fwd_sm80_c64_k128_v128_bf16_gb_sfp32_bv32_hl"]
+    assert "chunk 16 only" in dropped[0].reason
+    for v in kept:
+        assert parse_name(v.name) == dataclasses.replace(v, layouts=parse_name(v.name).layouts)
+        assert Variant.from_dict(v.to_dict()) == v
+    assert "precise" not in kept[0].to_dict() and kept[1].to_dict()["precise"] is True
+    with pytest.raises(SpecError, match=r"variants\[0\]\.precise.*not allowed for target sm90; allowed: False"):
+        load_spec(write(tmp_path, PRECISE.replace("sm80", "sm90").replace("[16, 64]", "16").replace("block_v: 32", "block_v: 64")))
+    with pytest.raises(SpecError, match=r"variants\[0\]\.precise.*expected true or false, found 1"):
+        load_spec(write(tmp_path, PRECISE.replace("[false, true]", "1")))

@@ -39,6 +39,8 @@ class TargetInfo:
     vsplit_min_waves: float = 2.0
     # block_v measured best on this target wherever it gives vsplit_min_waves programs per SM.
     preferred_block_v: int | None = None
+    # Values of the spec's optional `precise` axis (Variant.precise) the target implements.
+    precise: tuple[bool, ...] = (False,)
     # Combinations this target cannot build: ({field: value}, reason), shown by `kdagen list -v`.
     rejects: tuple[tuple[tuple[tuple[str, Any], ...], str], ...] = ()
     # A target whose numerics cannot be run here names a twin target implementing the
@@ -127,8 +129,12 @@ TARGETS: dict[str, TargetInfo] = {
                                                        "A100 block's 163 KB of shared memory"),
             ((("k", 256), ("block_v", 128)), "K = 256 with block_v 128: a block of 9 warps leaves 168 registers per "
                                              "thread and its two 16-row V tiles per warp need 254 (ptxas spills)"),
+            ((("chunk", 64), ("precise", True)), "precise at chunk 64: the hi + lo tiles leave block_v 32 no room for "
+                                                 "two stages in an A100 block's 163 KB (chunk 16 only)"),
         ) + tuple(((("chunk", 16), ("k", a), ("v", b)), "the chunk-16 prep implements K == V")
                   for a in (64, 128, 256) for b in (64, 128, 256) if a != b),
+        # kda_layout.cuh's PRECISE record (templates/sm80): the o products in hi + lo bf16.
+        precise=(False, True),
         # H200: chunk 16 beat chunk 64 at B1 T8192 H96 (2026-11-30: 1.89 vs 5.08 ms) and at
         # B1 T65536 H24 (5.77 vs 11.45 ms): the chunk-64 prep kernel dominates.
         preferred_chunk=16,

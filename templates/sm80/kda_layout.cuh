@@ -2,7 +2,7 @@
 // kda_prep writes and kda_recur reads, and both kernels' block shapes and shared-memory budgets
 // (exported to the launcher through kda_meta, their one source of truth).
 // The including translation unit defines KDA_C, KDA_K, KDA_V, KDA_BV, KDA_IN_T, KDA_GATE,
-// KDA_STATE (see kda_fwd.cu.j2).
+// KDA_STATE, KDA_PRECISE (see kda_fwd.cu.j2).
 #pragma once
 #include "kda_variant.cuh"
 
@@ -12,15 +12,12 @@ static_assert(C == 16 || C == 64, "chunk");
 static_assert(K % 16 == 0 && V % 16 == 0 && V % BV == 0 && BV % 16 == 0, "dims");
 
 // ---- workspace record (one per chunk and value head), bytes ----
-// PRECISE carries what the o product loses in bf16 (sm90's scheme, measured in torch:
-// tests/test_sm80.py::test_sm80_precise_emulation): Mqk's strictly lower part and U0 in hi + lo
-// bf16, and Mqk's diagonal in fp32, which kda_recur applies to U in fp32. Chunk 16 only: chunk
-// 64's larger stage leaves block_v 32 no room for two (an A100's 163 KB). KDA_PRECISE=0 rebuilds
-// the earlier record (Mqk incl. diagonal and U0 in bf16 only), kept to time one against the other.
-#ifndef KDA_PRECISE
-#define KDA_PRECISE (KDA_C == 16)
-#endif
+// PRECISE (a variant's `precise`, name suffix _hl) carries what the o product loses in bf16 (sm90's
+// scheme, measured in torch: tests/test_sm80.py::test_sm80_precise_emulation): Mqk's strictly lower
+// part and U0 in hi + lo bf16, and Mqk's diagonal in fp32, which kda_recur applies to U in fp32.
+// Chunk 16 only: chunk 64's larger stage leaves block_v 32 no room for two (an A100's 163 KB).
 constexpr bool PRECISE = KDA_PRECISE != 0;
+static_assert(!PRECISE || C == 16, "the precise record is chunk 16's");
 constexpr int MQ_TILES = PRECISE ? 2 : 1;               // Mqk: hi [+ lo]
 constexpr long long OFF_W = 0;                         // bf16 [C][K]  W = A^-1 diag(b) Kd
 constexpr long long OFF_Q = 1LL * C * K * 2;           // bf16 [C][K]  Qd (scale folded in)

@@ -308,6 +308,7 @@ extern "C" __global__ void __launch_bounds__(kda::NT1, kda::MINB1) kda_prep(cons
         mma_bf16(acc[hh], ah, bl[2 * hh], bl[2 * hh + 1]);
         mma_bf16(acc[hh], ah, bh[2 * hh], bh[2 * hh + 1]);
       }
+      if (PRECISE) __syncwarp();  // this warp's columns of X are read: its U0 lo part is staged there
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
         const int col = n0 + 8 * hh + 2 * t4;  // warp-uniform side: n0 + 16 <= K or n0 >= K
@@ -316,15 +317,18 @@ extern "C" __global__ void __launch_bounds__(kda::NT1, kda::MINB1) kda_prep(cons
           *reinterpret_cast<uint32_t*>(sWst + (g8 + 8) * KB1 + col) = pack_bf16(acc[hh][2], acc[hh][3]);
         } else {
           const int vv = col - K;
+          uint32_t hi[2], lo[2];
+          split_bf16(acc[hh][0], acc[hh][1], hi[0], lo[0]);
+          split_bf16(acc[hh][2], acc[hh][3], hi[1], lo[1]);
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
-            const int at = (vv + (e & 1)) * UP1 + g8 + 8 * (e >> 1);
-            const bf16 hi = __float2bfloat16_rn(acc[hh][e]);
-            sUst[at] = hi;
-            // PRECISE: U0^T's lo part straight to the record (2-byte stores; no staging room left)
-            if constexpr (PRECISE)
-              reinterpret_cast<bf16*>(wsr + OFF_UL)[(vv + (e & 1)) * C + g8 + 8 * (e >> 1)] =
-                  __float2bfloat16_rn(acc[hh][e] - __bfloat162float(hi));
+            const uint32_t pr = hi[e >> 1];
+            sUst[(vv + (e & 1)) * UP1 + g8 + 8 * (e >> 1)] = __ushort_as_bfloat16((e & 1) ? pr >> 16 : pr & 0xffffu);
+          }
+          // PRECISE: U0's lo part in X's layout ([C][XB1], this warp's own columns of sXl), for the copy below
+          if constexpr (PRECISE) {
+            *reinterpret_cast<uint32_t*>(sXl + g8 * XB1 + col) = lo[0];
+            *reinterpret_cast<uint32_t*>(sXl + (g8 + 8) * XB1 + col) = lo[1];
           }
         }
       }
@@ -339,6 +343,13 @@ extern "C" __global__ void __launch_bounds__(kda::NT1, kda::MINB1) kda_prep(cons
       const int vv = u >> 1, hf = u & 1;
       *reinterpret_cast<uint4*>(wsr + OFF_U + (vv * C + hf * 8) * 2) =
           *reinterpret_cast<const uint4*>(sUst + vv * UP1 + hf * 8);
+      if constexpr (PRECISE) {  // U0^T's lo part: 8 time steps of column K + vv
+        const unsigned short* xl = reinterpret_cast<const unsigned short*>(sXl) + (hf * 8) * XB1 + K + vv;
+        uint32_t w[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) w[i] = (uint32_t)xl[(2 * i) * XB1] | ((uint32_t)xl[(2 * i + 1) * XB1] << 16);
+        *reinterpret_cast<uint4*>(wsr + OFF_UL + (vv * C + hf * 8) * 2) = make_uint4(w[0], w[1], w[2], w[3]);
+      }
     }
   }
 }

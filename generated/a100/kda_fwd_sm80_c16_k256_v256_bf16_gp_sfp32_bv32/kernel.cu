@@ -7,6 +7,7 @@
 #define KDA_K 256
 #define KDA_V 256
 #define KDA_BV 32
+#define KDA_PRECISE 0
 #define KDA_IN_T __nv_bfloat16
 #define KDA_GATE 2
 #define KDA_STATE 1

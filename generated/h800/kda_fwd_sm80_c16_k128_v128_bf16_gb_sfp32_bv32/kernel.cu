@@ -7,6 +7,7 @@
 #define KDA_K 128
 #define KDA_V 128
 #define KDA_BV 32
+#define KDA_PRECISE 0
 #define KDA_IN_T __nv_bfloat16
 #define KDA_GATE 0
 #define KDA_STATE 1
