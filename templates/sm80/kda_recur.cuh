@@ -375,10 +375,8 @@ __device__ __forceinline__ void recur_block(const KdaParams& p) {
     // V rows and, at chunk 16, the Kr fragments of the S update.
     constexpr int NU0 = C == 16 ? C / 8 : 1;  // preloaded U0 n-tiles (registers allow at C = 16)
     float u0r[MT][NU0][4];
-    auto u0_at = [&](int m, int nt, int e) {
-      const int at = tile_at<C / 8>(vw + 16 * m + g8 + 8 * (e >> 1), 8 * nt + 2 * t4 + (e & 1));
-      if constexpr (PRECISE) return __bfloat162float(sU[at]) + __bfloat162float(sU[BV * C + at]);
-      else return __bfloat162float(sU[at]);
+    auto u0_at = [&](int m, int nt, int e) {  // chunk 64 (never PRECISE)
+      return __bfloat162float(sU[tile_at<C / 8>(vw + 16 * m + g8 + 8 * (e >> 1), 8 * nt + 2 * t4 + (e & 1))]);
     };
     if constexpr (C == 16) {
       // One ldmatrix per 16-row tile: its four 8x8 matrices in A-fragment order hold the bf16
