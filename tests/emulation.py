@@ -45,3 +45,11 @@ def emulation_errors(ref, o, S, states, chunk: int) -> tuple[float, float, float
     ro, rs, rcs = ref
     return (rel_rmse(o[None, :, None].double(), ro), rel_rmse(S[None, None].double(), rs),
             rel_rmse(torch.stack(states)[:, None].double(), rcs[::chunk // 16]))
+
+
+def chunks(C: int, *xs: torch.Tensor):
+    """Per C-token chunk of the per-token tensors xs: (first token, live rows, each x's rows zero-padded to C)."""
+    T = xs[0].shape[0]
+    for c0 in range(0, T, C):
+        rows = min(C, T - c0)
+        yield c0, rows, [torch.cat([x[c0:c0 + rows], x.new_zeros(C - rows, *x.shape[1:])]) for x in xs]

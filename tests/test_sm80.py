@@ -108,7 +108,8 @@ SEGMENT_VARIANTS = [v for v in Registry.load().variants() if v.target == "sm80" 
                     and v.k == 128 and v.gate == "bounded" and v.dtype == "bf16"][:3]
 
 
-PRECISE_VARIANTS = [v for v in Registry.load().variants() if v.target == "sm80" and v.precise]
+_REGISTRY = Registry.load()
+PRECISE_VARIANTS = [v for v in _REGISTRY.variants() if v.target == "sm80" and v.precise]
 
 
 @pytest.mark.gpu
@@ -122,7 +123,7 @@ def test_sm80_precise_record_halves_o_error(v):
     errs = run_and_compare(v, kw)
     if v.dtype == "bf16":
         assert errs["o"] < 2.5e-3, errs
-    twin = Registry.load().entries.get(v.name.removesuffix("_hl"))
+    twin = _REGISTRY.entries.get(v.name.removesuffix("_hl"))
     if twin is not None and twin.built is not None:
         twin_errs = run_and_compare(twin.variant, kw)
         assert errs["o"] < 0.75 * twin_errs["o"], (errs, twin_errs)
@@ -263,15 +264,12 @@ def _sm80_emulation(T: int, K: int, gs: float, precise: bool) -> tuple[float, fl
     reference (errors of o, final state, chunk states). precise: the record as kda_layout.cuh's PRECISE
     writes it (Mqk's strictly lower part and U0 in hi + lo bf16, Mqk's diagonal in fp32) and kda_recur's
     use of it (o^T += U^T diag in fp32 + U^T Mqk^T in hi + lo); else the earlier bf16 record."""
-    from .emulation import bf, emulation_errors, emulation_problem, split
+    from .emulation import bf, chunks, emulation_errors, emulation_problem, split
 
     qh, kh, vv, a, b, S, ref = emulation_problem(T, K, gs)
     scale = K ** -0.5
     o, states = torch.zeros(T, K), []
-    for c0 in range(0, T, 16):
-        rows = min(16, T - c0)
-        pad = lambda x: torch.cat([x[c0:c0 + rows], torch.zeros(16 - rows, *x.shape[1:])])  # noqa: E731
-        qc, kc, vc, ac, bc = pad(qh), pad(kh), pad(vv), pad(a), pad(b)
+    for c0, rows, (qc, kc, vc, ac, bc) in chunks(16, qh, kh, vv, a, b):
         G = torch.cumsum(ac, 0)
         Gam = torch.exp(G)
         # prep: Qd, Kr in bf16; L and Mqk from bf16 operands (fp32 sums); W and U0 from split operands

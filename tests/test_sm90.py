@@ -22,7 +22,7 @@ from kdagen.variant import Variant
 
 from kdagen.cases import errors, make_case, run_and_compare, run_poisoned
 
-from .emulation import bf, emulation_errors, emulation_problem, hl, split
+from .emulation import bf, chunks, emulation_errors, emulation_problem, hl, split
 
 ROOT = Path(__file__).resolve().parents[1]
 HAS_CUDA = torch.cuda.is_available()
@@ -387,10 +387,7 @@ def test_sm90_algorithm_emulation(mode: str, gs: float):
     scale = K ** -0.5
     o = torch.zeros(T, K)
     states = []
-    for c0 in range(0, T, 16):
-        rows = min(16, T - c0)
-        pad = lambda x: torch.cat([x[c0:c0 + rows], torch.zeros(16 - rows, *x.shape[1:])])  # noqa: E731
-        qc, kc, vc, ac, bc = pad(qh), pad(kh), pad(vv), pad(a), pad(b)
+    for c0, rows, (qc, kc, vc, ac, bc) in chunks(16, qh, kh, vv, a, b):
         G = torch.cumsum(ac, 0)
         Gam = torch.exp(G)
         Qd, Kr = bf(scale * qc * Gam), bf(kc * torch.exp(G[-1] - G))
@@ -436,10 +433,7 @@ def test_sm90_chunk32_record_emulation(gs: float):
     scale = K ** -0.5
     o = torch.zeros(T, K)
     states = []
-    for c0 in range(0, T, C):
-        rows = min(C, T - c0)
-        pad = lambda x: torch.cat([x[c0:c0 + rows], torch.zeros(C - rows, *x.shape[1:])])  # noqa: E731
-        qc, kc, vc, ac, bc = pad(qh), pad(kh), pad(vv), pad(a), pad(b)
+    for c0, rows, (qc, kc, vc, ac, bc) in chunks(C, qh, kh, vv, a, b):
         G = torch.cumsum(ac, 0)
         Qd, Kg, Kr = bf(scale * qc * torch.exp(G)), bf(kc * torch.exp(G)), bf(kc * torch.exp(G[-1] - G))
         s0, s1 = slice(0, 16), slice(16, 32)

@@ -218,38 +218,17 @@ extern "C" __global__ void __launch_bounds__(kda::NT1, kda::MINB1) kda_prep(cons
     }
   }
   }
-  if constexpr (PRECISE) {  // Mqk's diagonal (read q and k before 6 reuses the q tile)
-    for (int i = warp; i < C; i += NW1) {
-      float qk = 0.f;
-      for (int d = lane; d < K; d += 32) qk += sq[i * KP + d] * sk[i * KP + d];
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) qk += __shfl_xor_sync(0xffffffffu, qk, o);
-      if (lane == 0) reinterpret_cast<float*>(wsr + OFF_D)[i] = p.scale * qk;
-    }
-  }
-
   __syncthreads();
 
-  // 5. Mqk -> workspace. PRECISE: its strictly lower part in hi + lo (its diagonal went out above,
-  //    in fp32 from q and k directly: scale <q^_i, k^_i>, the gates cancel on it).
+  // 5. Mqk -> workspace.
   for (int u = tid; u < C * C / 8; u += NT1) {
     const int i = u / (C / 8), d = (u % (C / 8)) * 8;
     const float* src = sM + i * CP + d;
-    if constexpr (PRECISE) {
-      float x[8];
-      uint32_t hi[4], lo[4];
-#pragma unroll
-      for (int e = 0; e < 8; ++e) x[e] = d + e < i ? src[e] : 0.f;
-#pragma unroll
-      for (int e = 0; e < 8; e += 2) split_bf16(x[e], x[e + 1], hi[e / 2], lo[e / 2]);
-      *reinterpret_cast<uint4*>(wsr + OFF_M + (i * C + d) * 2) = make_uint4(hi[0], hi[1], hi[2], hi[3]);
-      *reinterpret_cast<uint4*>(wsr + OFF_M + (C * C + i * C + d) * 2) = make_uint4(lo[0], lo[1], lo[2], lo[3]);
-    } else {
-      *reinterpret_cast<uint4*>(wsr + OFF_M + (i * C + d) * 2) =
-          make_uint4(pack_bf16(src[0], src[1]), pack_bf16(src[2], src[3]), pack_bf16(src[4], src[5]),
-                     pack_bf16(src[6], src[7]));
-    }
+    *reinterpret_cast<uint4*>(wsr + OFF_M + (i * C + d) * 2) =
+        make_uint4(pack_bf16(src[0], src[1]), pack_bf16(src[2], src[3]), pack_bf16(src[4], src[5]),
+                   pack_bf16(src[6], src[7]));
   }
+
   // 6. X = (I + L)^-1 [b Kd | b v], one column per thread, right-looking forward substitution.
   {
     const int col = tid;
@@ -270,14 +249,10 @@ extern "C" __global__ void __launch_bounds__(kda::NT1, kda::MINB1) kda_prep(cons
     } else {
       char* u = wsr + OFF_U + (long long)(col - K) * C * 2;
 #pragma unroll
-      for (int i = 0; i < C; i += 8) {
-        uint32_t hi[4], lo[4];
-#pragma unroll
-        for (int e = 0; e < 8; e += 2) split_bf16(x[i + e], x[i + e + 1], hi[e / 2], lo[e / 2]);
-        *reinterpret_cast<uint4*>(u + i * 2) = make_uint4(hi[0], hi[1], hi[2], hi[3]);
-        if constexpr (PRECISE)  // U0^T's lo part
-          *reinterpret_cast<uint4*>(u + (OFF_UL - OFF_U) + i * 2) = make_uint4(lo[0], lo[1], lo[2], lo[3]);
-      }
+      for (int i = 0; i < C; i += 8)
+        *reinterpret_cast<uint4*>(u + i * 2) =
+            make_uint4(pack_bf16(x[i], x[i + 1]), pack_bf16(x[i + 2], x[i + 3]),
+                       pack_bf16(x[i + 4], x[i + 5]), pack_bf16(x[i + 6], x[i + 7]));
     }
     __syncthreads();
     for (int u = tid; u < C * K / 8; u += NT1)
