@@ -258,6 +258,9 @@ def test_twin_launch_is_declined_without_one_and_bad_state_is_named():
     ("kda_fwd_sm80_c16_k128_v128_bf16_gb_sfp32_bv64", dict(lens=[300, 129])),
     ("kda_fwd_sm80_c64_k128_v128_bf16_gb_sfp32_bv32", dict(B=2, T=333, layout="BNSD")),
     ("kda_fwd_sm80_c16_k256_v256_bf16_gb_sfp32_bv32", dict(lens=[200, 77])),
+    # the precise record: U0 = P v in the recurrence, whose twin heads must not read v (one and two warps per V tile)
+    ("kda_fwd_sm80_c16_k128_v128_bf16_gb_sfp32_bv32_hl", dict(lens=[1000, 37, 0, 2048])),
+    ("kda_fwd_sm80_c16_k64_v64_bf16_gb_sfp32_bv32_hl", dict(B=2, T=333, layout="BNSD")),
 ], ids=lambda x: x if isinstance(x, str) else None)
 def test_gpu_twin_launch_equals_two_calls(variant, shape):
     # One prep, twice the recurrence's heads: heads [:HV] must be kda_prefill from h0 bit for bit,

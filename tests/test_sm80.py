@@ -263,7 +263,8 @@ def _sm80_emulation(T: int, K: int, gs: float, precise: bool) -> tuple[float, fl
     """sm80's chunk-16 record and step in torch with its rounding points, one head, against the float64
     reference (errors of o, final state, chunk states). precise: the record as kda_layout.cuh's PRECISE
     writes it (Mqk's strictly lower part and U0 in hi + lo bf16, Mqk's diagonal in fp32) and kda_recur's
-    use of it (o^T += U^T diag in fp32 + U^T Mqk^T in hi + lo); else the earlier bf16 record."""
+    use of it (o^T += U^T diag in fp32 + U^T Mqk^T in hi + lo; U0 = P v with P = A^-1 diag(b) in hi + lo
+    and v exact, in fp32); else the earlier bf16 record."""
     from .emulation import bf, chunks, emulation_errors, emulation_problem, split
 
     qh, kh, vv, a, b, S, ref = emulation_problem(T, K, gs)
@@ -278,14 +279,13 @@ def _sm80_emulation(T: int, K: int, gs: float, precise: bool) -> tuple[float, fl
         M = scale * (bf(qc * Gam) @ bf(kc / Gam).T)
         Ai = torch.linalg.inv(torch.eye(16) + L)
         W = bf(Ai @ (bc[:, None] * kc * Gam))
-        U0 = Ai @ (bc[:, None] * vc)
         if precise:
             Mh, Ml = split(torch.tril(M, -1))
             dg = scale * (qc * kc).sum(-1)
-            U0h, U0l = split(U0)
-            U0 = U0h + U0l
+            Ph, Pl = split(Ai * bc[None, :])
+            U0 = Pl @ vc + Ph @ vc
         else:
-            Mh, Ml, dg, U0 = bf(torch.tril(M)), None, None, bf(U0)
+            Mh, Ml, dg, U0 = bf(torch.tril(M)), None, None, bf(Ai @ (bc[:, None] * vc))
         states.append(S.clone())
         # step: U^T in fp32 from bf16(S); S's update takes U^T in bf16
         Sb = bf(S)

@@ -153,6 +153,11 @@ def test_precise_axis_names_expands_and_is_checked(tmp_path):
                      "kda_fwd_sm80_c64_k128_v128_bf16_gb_sfp32_bv32"]
     assert [d.variant.name for d in dropped] == ["kda_fwd_sm80_c64_k128_v128_bf16_gb_sfp32_bv32_hl"]
     assert "chunk 16 only" in dropped[0].reason
+    kept16, dropped16 = expand_all(load_spec(write(tmp_path, PRECISE.replace("dtype: bf16", "dtype: [bf16, fp16]"))))
+    assert "kda_fwd_sm80_c16_k128_v128_fp16_gb_sfp32_bv32" in [v.name for v in kept16]
+    assert [d.variant.name for d in dropped16 if "fp16" in d.variant.name] == [
+        "kda_fwd_sm80_c16_k128_v128_fp16_gb_sfp32_bv32_hl", "kda_fwd_sm80_c64_k128_v128_fp16_gb_sfp32_bv32_hl"]
+    assert "bf16 only" in [d for d in dropped16 if d.variant.name.startswith("kda_fwd_sm80_c16_k128_v128_fp16")][0].reason
     for v in kept:
         assert parse_name(v.name) == dataclasses.replace(v, layouts=parse_name(v.name).layouts)
         assert Variant.from_dict(v.to_dict()) == v

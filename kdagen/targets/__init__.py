@@ -131,6 +131,8 @@ TARGETS: dict[str, TargetInfo] = {
                                              "thread and its two 16-row V tiles per warp need 254 (ptxas spills)"),
             ((("chunk", 64), ("precise", True)), "precise at chunk 64: the hi + lo tiles leave block_v 32 no room for "
                                                  "two stages in an A100 block's 163 KB (chunk 16 only)"),
+            ((("dtype", "fp16"), ("precise", True)), "precise with fp16: the recurrence forms U0 = P v on bf16 tensor "
+                                                     "cores (P in hi + lo), which fp16 v cannot enter (bf16 only)"),
         ) + tuple(((("chunk", 16), ("k", a), ("v", b)), "the chunk-16 prep implements K == V")
                   for a in (64, 128, 256) for b in (64, 128, 256) if a != b),
         # kda_layout.cuh's PRECISE record (templates/sm80): the o products in hi + lo bf16.

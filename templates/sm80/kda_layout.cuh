@@ -4,6 +4,8 @@
 // The including translation unit defines KDA_C, KDA_K, KDA_V, KDA_BV, KDA_IN_T, KDA_GATE,
 // KDA_STATE, KDA_PRECISE (see kda_fwd.cu.j2).
 #pragma once
+#include <type_traits>
+
 #include "kda_variant.cuh"
 
 namespace kda {
@@ -14,20 +16,25 @@ static_assert(K % 16 == 0 && V % 16 == 0 && V % BV == 0 && BV % 16 == 0, "dims")
 // ---- workspace record (one per chunk and value head), bytes ----
 // PRECISE (a variant's `precise`, name suffix _hl) carries what the o product loses in bf16 (sm90's
 // scheme, measured in torch: tests/test_sm80.py::test_sm80_precise_emulation): Mqk's strictly lower
-// part and U0 in hi + lo bf16, and Mqk's diagonal in fp32, which kda_recur applies to U in fp32.
-// Chunk 16 only: chunk 64's larger stage leaves block_v 32 no room for two (an A100's 163 KB).
+// part in hi + lo bf16 and its diagonal in fp32, which kda_recur applies to U in fp32; and in place
+// of U0 (bf16 in the plain record) P^T = (A^-1 diag(b))^T in hi + lo, from which kda_recur forms
+// U0 = P v in fp32 with the block's own v rows (the record shrinks by 2 V C bytes: the prep neither
+// reads v nor writes U0). Bf16 only: fp16 v cannot enter a bf16 MMA. Chunk 16 only: chunk 64's
+// larger stage leaves block_v 32 no room for two (an A100's 163 KB).
 constexpr bool PRECISE = KDA_PRECISE != 0;
 static_assert(!PRECISE || C == 16, "the precise record is chunk 16's");
-constexpr int MQ_TILES = PRECISE ? 2 : 1;               // Mqk: hi [+ lo]
+static_assert(!PRECISE || std::is_same<in_t, __nv_bfloat16>::value, "the precise record is bf16's");
+constexpr int MQ_TILES = PRECISE ? 2 : 1;              // Mqk: hi [+ lo]
 constexpr long long OFF_W = 0;                         // bf16 [C][K]  W = A^-1 diag(b) Kd
 constexpr long long OFF_Q = 1LL * C * K * 2;           // bf16 [C][K]  Qd (scale folded in)
 constexpr long long OFF_R = 2LL * C * K * 2;           // bf16 [C][K]  Kr = k Gamma_C / Gamma
 constexpr long long OFF_M = 3LL * C * K * 2;           // bf16 [C][C]  Mqk (PRECISE: strictly lower, hi; then lo)
-constexpr long long OFF_U = OFF_M + 2LL * MQ_TILES * C * C;  // bf16 [V][C]  U0^T = (A^-1 (b v))^T (PRECISE: hi)
-constexpr long long OFF_UL = OFF_U + 1LL * V * C * 2;  // bf16 [V][C]  PRECISE: U0^T's lo part
-constexpr long long OFF_GM = OFF_UL + (PRECISE ? 1LL * V * C * 2 : 0);  // f32 [K] Gamma_C
+constexpr long long OFF_P = OFF_M + 2LL * MQ_TILES * C * C;  // bf16 [C][C] PRECISE: P^T, hi; then lo
+constexpr long long OFF_U = OFF_P + (PRECISE ? 4LL * C * C : 0);  // bf16 [V][C] plain: U0^T = (A^-1 (b v))^T
+constexpr long long OFF_GM = OFF_U + (PRECISE ? 0 : 2LL * V * C);  // f32 [K] Gamma_C
 constexpr long long OFF_D = OFF_GM + 4LL * K;          // f32  [C]     PRECISE: Mqk's diagonal, scale <q^_i, k^_i>
 constexpr long long REC = OFF_D + (PRECISE ? 4LL * C : 0);
+static_assert(REC % 16 == 0 && OFF_GM % 16 == 0, "records are copied in 16-byte pieces");
 
 // Shared memory per block: an A100's opt-in maximum. Every image of the fatbin (sm_80, sm_90,
 // compute_80 PTX) comes from the same compute_80 source, so one budget holds for all of them;
@@ -84,13 +91,12 @@ constexpr int NW2 = NWV * KSPLIT;  // compute warps
 // Plus one copy warp that issues every cp.async of the workspace stream: it takes the copies'
 // instructions and address stalls off the compute warps' in-order streams (NOTES.md).
 constexpr int NT2 = (NW2 + 1) * 32;
-// A stage: W, Qd, Kr [C][K], Mqk [MQ_TILES][C][C], this block's U0^T [1 + PRECISE][BV][C]
-// (16-bit, rows unpadded, 16-byte chunks swizzled: see tile_at), Gamma_C [K] and (PRECISE) the
-// diagonal [C] (fp32).
-constexpr int NUT = PRECISE ? 2 : 1;  // U0^T tiles: hi [+ lo]
-constexpr int STAGE = (3 * C * K + MQ_TILES * C * C + NUT * BV * C) * 2 + K * 4 + (PRECISE ? C * 4 : 0);
-constexpr int STAGE_U = (3 * C * K + MQ_TILES * C * C) * 2;  // bytes before the U tiles
-constexpr int STAGE_GM = STAGE_U + NUT * BV * C * 2;        // Gamma_C, then the diagonal
+// A stage: W, Qd, Kr [C][K], Mqk [MQ_TILES][C][C], (PRECISE) P^T [2][C][C], this block's U tile
+// (plain: U0^T [BV][C]; PRECISE: v [C][BV]) (16-bit, rows unpadded, 16-byte chunks swizzled: see
+// tile_at), Gamma_C [K] and (PRECISE) the diagonal [C] (fp32).
+constexpr int STAGE_U = (3 * C * K + MQ_TILES * C * C + (PRECISE ? 2 * C * C : 0)) * 2;  // bytes before the U tile
+constexpr int STAGE_GM = STAGE_U + BV * C * 2;  // Gamma_C, then the diagonal
+constexpr int STAGE = STAGE_GM + K * 4 + (PRECISE ? C * 4 : 0);
 // Split-K exchange, per warp and 16-row tile: its partial U^T [16 v, C] (C/8 float4 per lane) and
 // the partial S Qd^T n-tiles its partner finishes (C/16 float4 per lane). Float4 j of tile m of
 // lane l of warp w sits at ((w * MT + m) * XW4 + j) * 32 + l: conflict-free.

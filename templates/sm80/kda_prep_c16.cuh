@@ -15,8 +15,9 @@ static_assert(KDA_C == 16, "kda_prep_c16.cuh is the chunk-16 prep");
 //   4. (I + L)^-1 by forward substitution, 16 threads, one column each, split into hi + lo.
 //   5. [W | U0] = (I + L)^-1 X on tensor cores with split operands (hi hi + hi lo + lo hi:
 //      about 16 mantissa bits, as good as the fp32 substitution for bf16 outputs).
-// PRECISE (kda_layout.cuh) also writes Mqk's diagonal in fp32 (phase 0), its strictly lower part
-// in hi + lo (phase 3) and U0's lo part (phase 5).
+// PRECISE (kda_layout.cuh) writes Mqk's diagonal in fp32 (phase 0), its strictly lower part in
+// hi + lo (phase 3) and P^T = (diag(b) (I + L)^-T) in hi + lo (phase 4) in place of U0: it reads
+// no v, and phase 5 forms W alone.
 extern "C" __global__ void __launch_bounds__(kda::NT1, kda::MINB1) kda_prep(const KdaParams p) {
   using namespace kda;
   extern __shared__ __align__(16) float smem1[];
@@ -48,7 +49,9 @@ extern "C" __global__ void __launch_bounds__(kda::NT1, kda::MINB1) kda_prep(cons
   const long long t = t0 + (live ? ri : rows - 1);  // rows past the end load a live row, zeroed below
   const uint4 rq = __ldg(reinterpret_cast<const uint4*>(qp + t * p.q_s[1] + d));
   const uint4 rk = __ldg(reinterpret_cast<const uint4*>(kp + t * p.k_s[1] + d));
-  const uint4 rv = __ldg(reinterpret_cast<const uint4*>((const in_t*)p.v + bidx * p.v_s[0] + h * p.v_s[2] + t * p.v_s[1] + d));
+  uint4 rv = make_uint4(0, 0, 0, 0);
+  if constexpr (!PRECISE)
+    rv = __ldg(reinterpret_cast<const uint4*>((const in_t*)p.v + bidx * p.v_s[0] + h * p.v_s[2] + t * p.v_s[1] + d));
   const long long bo = bidx * p.b_s[0] + t * p.b_s[1] + h * p.b_s[2];
   const uint32_t rb = p.beta_fp32 ? __ldg(reinterpret_cast<const unsigned*>(p.beta) + bo)
                                   : (uint32_t)__ldg(reinterpret_cast<const unsigned short*>(p.beta) + bo);
@@ -175,15 +178,17 @@ extern "C" __global__ void __launch_bounds__(kda::NT1, kda::MINB1) kda_prep(cons
       pb[e / 2] = pack_bf16(xk[e] * i0, xk[e + 1] * i1);
       pkr[e / 2] = pack_bf16(xk[e] * __expf(GL[e] - G[e]), xk[e + 1] * __expf(GL[e + 1] - G[e + 1]));
       split_bf16(b * k0, b * k1, xkh[e / 2], xkl[e / 2]);
-      split_bf16(b * xv[e], b * xv[e + 1], xvh[e / 2], xvl[e / 2]);
+      if constexpr (!PRECISE) split_bf16(b * xv[e], b * xv[e + 1], xvh[e / 2], xvl[e / 2]);
     }
     *reinterpret_cast<uint4*>(sAK + ri * KB1 + d) = make_uint4(pk[0], pk[1], pk[2], pk[3]);
     *reinterpret_cast<uint4*>(sAQ + ri * KB1 + d) = make_uint4(pq[0], pq[1], pq[2], pq[3]);
     *reinterpret_cast<uint4*>(sBK + ri * KB1 + d) = make_uint4(pb[0], pb[1], pb[2], pb[3]);
     *reinterpret_cast<uint4*>(sXh + ri * XB1 + d) = make_uint4(xkh[0], xkh[1], xkh[2], xkh[3]);
     *reinterpret_cast<uint4*>(sXl + ri * XB1 + d) = make_uint4(xkl[0], xkl[1], xkl[2], xkl[3]);
-    *reinterpret_cast<uint4*>(sXh + ri * XB1 + K + d) = make_uint4(xvh[0], xvh[1], xvh[2], xvh[3]);
-    *reinterpret_cast<uint4*>(sXl + ri * XB1 + K + d) = make_uint4(xvl[0], xvl[1], xvl[2], xvl[3]);
+    if constexpr (!PRECISE) {
+      *reinterpret_cast<uint4*>(sXh + ri * XB1 + K + d) = make_uint4(xvh[0], xvh[1], xvh[2], xvh[3]);
+      *reinterpret_cast<uint4*>(sXl + ri * XB1 + K + d) = make_uint4(xvl[0], xvl[1], xvl[2], xvl[3]);
+    }
     *reinterpret_cast<uint4*>(wsr + OFF_Q + (ri * K + d) * 2) = make_uint4(pqd[0], pqd[1], pqd[2], pqd[3]);
     *reinterpret_cast<uint4*>(wsr + OFF_R + (ri * K + d) * 2) = make_uint4(pkr[0], pkr[1], pkr[2], pkr[3]);
   }
@@ -272,6 +277,7 @@ extern "C" __global__ void __launch_bounds__(kda::NT1, kda::MINB1) kda_prep(cons
   __syncthreads();
 
   // ---- 4. (I + L)^-1, column j on thread j: right-looking forward substitution on e_j.
+  // PRECISE: column j times b_j is row j of P^T, C contiguous elements: hi and lo out in 16 bytes.
   if (tid < C) {
     const int j = tid;
     float x[C];
@@ -284,14 +290,28 @@ extern "C" __global__ void __launch_bounds__(kda::NT1, kda::MINB1) kda_prep(cons
       sIh[i * IP1 + j] = hi;
       sIl[i * IP1 + j] = __float2bfloat16_rn(x[i] - __bfloat162float(hi));
     }
+    if constexpr (PRECISE) {
+      const float bj = sb[j];
+      uint32_t ph[C / 2], pl[C / 2];
+#pragma unroll
+      for (int i = 0; i < C; i += 2) split_bf16(bj * x[i], bj * x[i + 1], ph[i / 2], pl[i / 2]);
+      uint4* dst = reinterpret_cast<uint4*>(wsr + OFF_P + j * C * 2);
+#pragma unroll
+      for (int u = 0; u < C / 8; ++u) {
+        dst[u] = make_uint4(ph[4 * u], ph[4 * u + 1], ph[4 * u + 2], ph[4 * u + 3]);
+        dst[C * C / 8 + u] = make_uint4(pl[4 * u], pl[4 * u + 1], pl[4 * u + 2], pl[4 * u + 3]);
+      }
+    }
   }
   __syncthreads();
 
-  // ---- 5. [W | U0] = (I + L)^-1 X: each warp takes 32 of the 2K columns (4 n-tiles of 8).
+  // ---- 5. [W | U0] = (I + L)^-1 X: each warp takes 32 of the 2K columns (4 n-tiles of 8);
+  // PRECISE: W alone, on the first half of the warps.
   {
     static_assert(2 * K == 32 * NW1, "chunk 16: 32 columns of [Kd | v] per warp");
     bf16* sWst = sAK;  // [C][KB1]  W rows
     bf16* sUst = sAQ;  // [V][UP1]  U0^T rows (C time steps each)
+    if (!PRECISE || 32 * warp < K) {
     uint32_t ah[4], al[4];
     ldsm_x4(ah, sIh + (lr + 8 * (lm & 1)) * IP1 + 8 * (lm >> 1));
     ldsm_x4(al, sIl + (lr + 8 * (lm & 1)) * IP1 + 8 * (lm >> 1));
@@ -308,30 +328,23 @@ extern "C" __global__ void __launch_bounds__(kda::NT1, kda::MINB1) kda_prep(cons
         mma_bf16(acc[hh], ah, bl[2 * hh], bl[2 * hh + 1]);
         mma_bf16(acc[hh], ah, bh[2 * hh], bh[2 * hh + 1]);
       }
-      if (PRECISE) __syncwarp();  // this warp's columns of X are read: its U0 lo part is staged there
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
         const int col = n0 + 8 * hh + 2 * t4;  // warp-uniform side: n0 + 16 <= K or n0 >= K
         if (n0 < K) {
           *reinterpret_cast<uint32_t*>(sWst + g8 * KB1 + col) = pack_bf16(acc[hh][0], acc[hh][1]);
           *reinterpret_cast<uint32_t*>(sWst + (g8 + 8) * KB1 + col) = pack_bf16(acc[hh][2], acc[hh][3]);
-        } else {
+        } else if constexpr (!PRECISE) {
           const int vv = col - K;
-          uint32_t hi[2], lo[2];
-          split_bf16(acc[hh][0], acc[hh][1], hi[0], lo[0]);
-          split_bf16(acc[hh][2], acc[hh][3], hi[1], lo[1]);
+          const uint32_t hi[2] = {pack_bf16(acc[hh][0], acc[hh][1]), pack_bf16(acc[hh][2], acc[hh][3])};
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const uint32_t pr = hi[e >> 1];
             sUst[(vv + (e & 1)) * UP1 + g8 + 8 * (e >> 1)] = __ushort_as_bfloat16((e & 1) ? pr >> 16 : pr & 0xffffu);
           }
-          // PRECISE: U0's lo part in X's layout ([C][XB1], this warp's own columns of sXl), for the copy below
-          if constexpr (PRECISE) {
-            *reinterpret_cast<uint32_t*>(sXl + g8 * XB1 + col) = lo[0];
-            *reinterpret_cast<uint32_t*>(sXl + (g8 + 8) * XB1 + col) = lo[1];
-          }
         }
       }
+    }
     }
     __syncthreads();
     for (int u = tid; u < C * K / 8; u += NT1) {
@@ -339,17 +352,10 @@ extern "C" __global__ void __launch_bounds__(kda::NT1, kda::MINB1) kda_prep(cons
       *reinterpret_cast<uint4*>(wsr + OFF_W + (i * K + ch * 8) * 2) =
           *reinterpret_cast<const uint4*>(sWst + i * KB1 + ch * 8);
     }
-    for (int u = tid; u < V * 2; u += NT1) {
+    for (int u = tid; u < (PRECISE ? 0 : V * 2); u += NT1) {
       const int vv = u >> 1, hf = u & 1;
       *reinterpret_cast<uint4*>(wsr + OFF_U + (vv * C + hf * 8) * 2) =
           *reinterpret_cast<const uint4*>(sUst + vv * UP1 + hf * 8);
-      if constexpr (PRECISE) {  // U0^T's lo part: 8 time steps of column K + vv
-        const unsigned short* xl = reinterpret_cast<const unsigned short*>(sXl) + (hf * 8) * XB1 + K + vv;
-        uint32_t w[4];
-#pragma unroll
-        for (int i = 0; i < 4; ++i) w[i] = (uint32_t)xl[(2 * i) * XB1] | ((uint32_t)xl[(2 * i + 1) * XB1] << 16);
-        *reinterpret_cast<uint4*>(wsr + OFF_UL + (vv * C + hf * 8) * 2) = make_uint4(w[0], w[1], w[2], w[3]);
-      }
     }
   }
 }

@@ -65,17 +65,35 @@ __device__ __forceinline__ void copy_rows(char* dst, const char* src, int lane) 
   }
 }
 
-// Issue the cp.async copies of one chunk record (this block's V slice of U0^T) into a stage.
-// zero_u: a twin run (v = 0) keeps the stage's U tiles at the zeros written before the loop.
-__device__ __forceinline__ void prefetch_chunk(char* stage, const char* rec, int vb, int lane, bool zero_u) {
+// cp.async the C rows of this block's v slice (BV columns; PRECISE) into a swizzled [C][BV] tile; rows
+// past the sequence's end (row >= rows) are zero-filled without a read. vsrc: the chunk's first row.
+__device__ __forceinline__ void copy_v_tile(char* dst, const char* vsrc, long long vpitch, int rows, int lane) {
+  constexpr int NCH = BV / 8, RSTEP = 32 / NCH;
+  static_assert(32 % NCH == 0 && (C * NCH) % 32 == 0, "copy_v_tile: whole rows per pass");
+  const int r = lane / NCH, ch = lane % NCH;
+#pragma unroll
+  for (int i = 0; i < C * NCH / 32; ++i) {
+    const int row = r + i * RSTEP;
+    const bool in = row < rows;
+    cp_async16_zfill(smem_u32(dst) + row * NCH * 16 + swz<NCH>(row, ch) * 16,
+                     vsrc + (in ? row * vpitch : 0) + ch * 16, in ? 16 : 0);
+  }
+}
+
+// Issue the cp.async copies of one chunk record (this block's V slice of U0^T; PRECISE: of v, from
+// the input, vsrc its first row) into a stage. zero_u: a twin run (v = 0) keeps the stage's U tiles
+// at the zeros written before the loop.
+__device__ __forceinline__ void prefetch_chunk(char* stage, const char* rec, int vb, int lane, bool zero_u,
+                                               const char* vsrc, long long vpitch, int rows) {
   // W, Qd, Kr rows back to back: [3C][K] in the record and in shared memory (C % 8 == 0, so a
-  // row's swizzle is the same counted from W or from its own tile); likewise Mqk's hi and lo.
+  // row's swizzle is the same counted from W or from its own tile); likewise Mqk's hi and lo and
+  // (PRECISE) P^T's hi and lo.
   copy_tile<3 * C, K / 8>(stage, rec, lane);
-  copy_tile<MQ_TILES * C, C / 8>(stage + 3 * C * K * 2, rec + OFF_M, lane);
+  copy_tile<(MQ_TILES + (PRECISE ? 2 : 0)) * C, C / 8>(stage + 3 * C * K * 2, rec + OFF_M, lane);
   char* su = stage + STAGE_U;
   if (!zero_u) {
-    copy_tile<BV, C / 8>(su, rec + OFF_U + (long long)vb * BV * C * 2, lane);
-    if constexpr (PRECISE) copy_tile<BV, C / 8>(su + BV * C * 2, rec + OFF_UL + (long long)vb * BV * C * 2, lane);
+    if constexpr (PRECISE) copy_v_tile(su, vsrc, vpitch, rows, lane);
+    else copy_tile<BV, C / 8>(su, rec + OFF_U + (long long)vb * BV * C * 2, lane);
   }
   // Gamma_C: K / 4 16-byte pieces, in rows of at most 32 (one pass of the warp); the diagonal C / 4.
   char* sg = stage + STAGE_GM;
@@ -205,22 +223,29 @@ __device__ __forceinline__ void recur_block(const KdaParams& p) {
     in_t* ob = (in_t*)p.o + bidx * p.o_s[0] + hs * p.o_s[2] + vb * BV + tb * p.o_s[1];
     const long long ostride = p.o_s[1];
     if (zero_u) {  // every stage's U tile, once: published to the compute warps by the first block barrier
-      for (int i = lane; i < NSTAGE * NUT * BV * C / 8; i += 32) {
-        const int st = i / (NUT * BV * C / 8), e = i % (NUT * BV * C / 8);
+      for (int i = lane; i < NSTAGE * BV * C / 8; i += 32) {
+        const int st = i / (BV * C / 8), e = i % (BV * C / 8);
         reinterpret_cast<uint4*>(smem2 + st * STAGE + STAGE_U)[e] = make_uint4(0, 0, 0, 0);
       }
     }
+    // PRECISE: this block's v columns at the sequence's first token (16-bit rows, vpitch bytes apart).
+    const long long vpitch = PRECISE ? p.v_s[1] * 2 : 0;
+    const char* vsrc = PRECISE ? reinterpret_cast<const char*>((const in_t*)p.v + bidx * p.v_s[0] + h * p.v_s[2] +
+                                                               tb * p.v_s[1] + vb * BV)
+                               : nullptr;
+    auto prefetch = [&](int j) {
+      prefetch_chunk(smem2 + (j % NSTAGE) * STAGE, rec_c + j * rstride, vb, lane, zero_u,
+                     vsrc + (PRECISE ? (long long)j * C * vpitch : 0), vpitch, len - j * C);
+    };
 #pragma unroll
     for (int j = 0; j < NSTAGE - 1; ++j) {
-      if (j < nc) prefetch_chunk(smem2 + j * STAGE, rec_c + j * rstride, vb, lane, zero_u);
+      if (j < nc) prefetch(j);
       cp_async_commit();
     }
     for (int c = 0; c < nc; ++c) {
       cp_async_wait<NSTAGE - 2>();
       block_sync();
-      if (c + NSTAGE - 1 < nc)
-        prefetch_chunk(smem2 + ((c + NSTAGE - 1) % NSTAGE) * STAGE, rec_c + (c + NSTAGE - 1) * rstride, vb, lane,
-                       zero_u);
+      if (c + NSTAGE - 1 < nc) prefetch(c + NSTAGE - 1);
       cp_async_commit();
       if (O_BY_COPY && c > 0)
         store_o_chunk(so_all + ((c - 1) & 1) * OSLOT, ob + (long long)(c - 1) * C * ostride, ostride, C, lane);
@@ -291,8 +316,9 @@ __device__ __forceinline__ void recur_block(const KdaParams& p) {
     const bf16* sQ = sW + C * K;
     const bf16* sR = sQ + C * K;
     const bf16* sMq = sR + C * K;
-    const bf16* sU = sMq + MQ_TILES * C * C;
-    const float* sGam = reinterpret_cast<const float*>(sU + NUT * BV * C);
+    const bf16* sP = sMq + MQ_TILES * C * C;  // PRECISE: P^T, hi then lo
+    const bf16* sU = sP + (PRECISE ? 2 * C * C : 0);  // plain: U0^T [BV][C]; PRECISE: v [C][BV]
+    const float* sGam = reinterpret_cast<const float*>(sU + BV * C);
 
     // Issue order matters: one warp per scheduler issues in program order, so the step is laid
     // out along its dependency chain (S -> S W^T -> exchange -> U -> S update); independent work
@@ -333,6 +359,40 @@ __device__ __forceinline__ void recur_block(const KdaParams& p) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) ut[0][nt][e] += ut2[nt][e];
     }
+    // PRECISE: U0^T = v^T P^T on the tensor cores, in fp32 (v exact, P in hi + lo), off the chain.
+    // At split K a warp forms only the n-tile (8 time steps) kh it finishes, and folds it into the
+    // partial it sends: the pair's sum then holds U0 once (see xu).
+    constexpr int NU0P = KSPLIT == 1 ? C / 8 : 1;
+    float u0p[PRECISE ? MT : 1][NU0P][4] = {};
+    if constexpr (PRECISE) {
+      uint32_t bp[2][4];  // P^T's B fragments: KSPLIT 1: [hi, lo] x (n-tiles 0, 1); else hi, lo of n-tile kh
+      if constexpr (KSPLIT == 1) {
+        ldsm_x4_t(bp[0], sP + tile_at<C / 8>(lr + 8 * (lm & 1), 8 * (lm >> 1)));
+        ldsm_x4_t(bp[1], sP + C * C + tile_at<C / 8>(lr + 8 * (lm & 1), 8 * (lm >> 1)));
+      } else {
+        ldsm_x4_t(bp[0], sP + (lm >> 1) * C * C + tile_at<C / 8>(lr + 8 * (lm & 1), 8 * kh));
+      }
+#pragma unroll
+      for (int m = 0; m < MT; ++m) {
+        uint32_t va[4];  // v^T's A fragment: [16 V rows][C time steps]
+        ldsm_x4_t(va, sU + tile_at<BV / 8>(lr + 8 * (lm >> 1), vw + 16 * m + 8 * (lm & 1)));
+        if constexpr (KSPLIT == 1) {
+#pragma unroll
+          for (int hl = 1; hl >= 0; --hl) {
+            mma_bf16(u0p[m][0], va, bp[hl][0], bp[hl][1]);
+            mma_bf16(u0p[m][NU0P - 1], va, bp[hl][2], bp[hl][3]);
+          }
+        } else {
+          mma_bf16(u0p[m][0], va, bp[0][2], bp[0][3]);
+          mma_bf16(u0p[m][0], va, bp[0][0], bp[0][1]);
+        }
+      }
+    }
+    // What this warp sends of its partial U^T (PRECISE at split K: less its n-tile of U0).
+    auto xu = [&](int m, int nt, int e) {
+      if constexpr (PRECISE && KSPLIT > 1) return ut[m][nt][e] - (nt == kh ? u0p[m][0][e] : 0.f);
+      else return ut[m][nt][e];
+    };
     // Partial S Qd^T over this warp's K slice (off the chain: o only).
     float oq[MT][C / 16][2][4] = {};
 #pragma unroll
@@ -356,7 +416,7 @@ __device__ __forceinline__ void recur_block(const KdaParams& p) {
       float4* xw = xbuf + (warp * MT + m) * XW4 * 32 + lane;
 #pragma unroll
       for (int nt = 0; nt < C / 8; ++nt)
-        xw[nt * 32] = make_float4(ut[m][nt][0], ut[m][nt][1], ut[m][nt][2], ut[m][nt][3]);
+        xw[nt * 32] = make_float4(xu(m, nt, 0), xu(m, nt, 1), xu(m, nt, 2), xu(m, nt, 3));
     };
     if constexpr (XCH_EARLY) {
 #pragma unroll
@@ -373,35 +433,31 @@ __device__ __forceinline__ void recur_block(const KdaParams& p) {
     // Operands of the chain's second half, loaded before the exchange barrier (a barrier also
     // fences shared-memory loads, so after it they would sit on the chain): U0^T of this warp's
     // V rows and, at chunk 16, the Kr fragments of the S update.
-    constexpr int NU0 = C == 16 ? C / 8 : 1;  // preloaded U0 n-tiles (registers allow at C = 16)
+    constexpr int NU0 = C == 16 && !PRECISE ? C / 8 : 1;  // preloaded U0 n-tiles (registers allow at C = 16)
     float u0r[MT][NU0][4];
     auto u0_at = [&](int m, int nt, int e) {  // chunk 64 (never PRECISE)
       return __bfloat162float(sU[tile_at<C / 8>(vw + 16 * m + g8 + 8 * (e >> 1), 8 * nt + 2 * t4 + (e & 1))]);
     };
-    if constexpr (C == 16) {
+    if constexpr (C == 16 && !PRECISE) {
       // One ldmatrix per 16-row tile: its four 8x8 matrices in A-fragment order hold the bf16
       // pairs of the accumulator layout (register 2 nt + e / 2, low half for even e).
 #pragma unroll
       for (int m = 0; m < MT; ++m) {
         const int at = tile_at<C / 8>(vw + 16 * m + (lane & 15), 8 * (lane >> 4));
-        uint32_t b[4], bl[4];
+        uint32_t b[4];
         ldsm_x4(b, sU + at);
-        if constexpr (PRECISE) ldsm_x4(bl, sU + BV * C + at);
 #pragma unroll
         for (int nt = 0; nt < C / 8; ++nt)
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const uint32_t pr = b[2 * nt + (e >> 1)];
             u0r[m][nt][e] = __uint_as_float((e & 1) ? (pr & 0xffff0000u) : (pr << 16));
-            if constexpr (PRECISE) {
-              const uint32_t pl = bl[2 * nt + (e >> 1)];
-              u0r[m][nt][e] += __uint_as_float((e & 1) ? (pl & 0xffff0000u) : (pl << 16));
-            }
           }
       }
     }
-    auto u0 = [&](int m, int nt, int e) {
-      if constexpr (C == 16) return u0r[m][nt][e];
+    auto u0 = [&](int m, int nt, int e) {  // plain, and PRECISE with one warp per V tile (all of U0)
+      if constexpr (PRECISE) return u0p[m][nt][e];
+      else if constexpr (C == 16) return u0r[m][nt][e];
       else return u0_at(m, nt, e);
     };
     constexpr int NKR = C == 16 ? KH / 16 : 1;  // preloaded Kr fragments (registers allow at C = 16)
@@ -443,8 +499,8 @@ __device__ __forceinline__ void recur_block(const KdaParams& p) {
         }
       }
       pair_sync(pair_bars, vt, c);  // the two warps of this V tile
-      // U = U0 - (own partial + partner's): floating-point addition commutes, so both warps hold
-      // the same U bit for bit.
+      // U = U0 - (own partial + partner's), PRECISE -(own sent + partner's sent): floating-point
+      // addition commutes, so both warps hold the same U bit for bit.
 #pragma unroll
       for (int m = 0; m < MT; ++m) {
         const float4* xp = xbuf + (((1 - kh) * NWV + vt) * MT + m) * XW4 * 32 + lane;
@@ -453,7 +509,10 @@ __device__ __forceinline__ void recur_block(const KdaParams& p) {
           const float4 b = xp[nt * 32];
           const float o4[4] = {b.x, b.y, b.z, b.w};
 #pragma unroll
-          for (int e = 0; e < 4; ++e) ut[m][nt][e] = u0(m, nt, e) - (ut[m][nt][e] + o4[e]);
+          for (int e = 0; e < 4; ++e) {
+            if constexpr (PRECISE) ut[m][nt][e] = -(xu(m, nt, e) + o4[e]);
+            else ut[m][nt][e] = u0(m, nt, e) - (ut[m][nt][e] + o4[e]);
+          }
         }
 #pragma unroll
         for (int ntp = 0; ntp < C / 16; ++ntp) {
