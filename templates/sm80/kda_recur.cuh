@@ -353,20 +353,16 @@ __device__ __forceinline__ void recur_block(const KdaParams& p) {
           }
         }
       }
-    if constexpr (NACC > 1) {
-#pragma unroll
-      for (int nt = 0; nt < C / 8; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) ut[0][nt][e] += ut2[nt][e];
-    }
     // PRECISE: U0^T = v^T P^T on the tensor cores, in fp32 (v exact, P in hi + lo), off the chain.
-    // At split K a warp forms only the n-tile (8 time steps) kh it finishes, and folds it into the
-    // partial it sends: the pair's sum then holds U0 once (see xu).
-    constexpr int NU0P = KSPLIT == 1 ? C / 8 : 1;
+    // U0_FOLD (split K only): a warp forms just the n-tile (8 time steps) kh it finishes and folds it
+    // into the partial it sends (the pair's sum then holds U0 once; see xu); else every warp forms
+    // all of U0 and subtracts it after the exchange, so the send does not wait for these MMAs.
+    constexpr bool U0_FOLD = PRECISE && KSPLIT > 1 && KDA_U0_FOLD;
+    constexpr int NU0P = U0_FOLD ? 1 : C / 8;
     float u0p[PRECISE ? MT : 1][NU0P][4] = {};
     if constexpr (PRECISE) {
-      uint32_t bp[2][4];  // P^T's B fragments: KSPLIT 1: [hi, lo] x (n-tiles 0, 1); else hi, lo of n-tile kh
-      if constexpr (KSPLIT == 1) {
+      uint32_t bp[2][4];  // P^T's B fragments: [hi, lo] x (n-tiles 0, 1); U0_FOLD: hi, lo of n-tile kh
+      if constexpr (!U0_FOLD) {
         ldsm_x4_t(bp[0], sP + tile_at<C / 8>(lr + 8 * (lm & 1), 8 * (lm >> 1)));
         ldsm_x4_t(bp[1], sP + C * C + tile_at<C / 8>(lr + 8 * (lm & 1), 8 * (lm >> 1)));
       } else {
@@ -376,7 +372,7 @@ __device__ __forceinline__ void recur_block(const KdaParams& p) {
       for (int m = 0; m < MT; ++m) {
         uint32_t va[4];  // v^T's A fragment: [16 V rows][C time steps]
         ldsm_x4_t(va, sU + tile_at<BV / 8>(lr + 8 * (lm >> 1), vw + 16 * m + 8 * (lm & 1)));
-        if constexpr (KSPLIT == 1) {
+        if constexpr (!U0_FOLD) {
 #pragma unroll
           for (int hl = 1; hl >= 0; --hl) {
             mma_bf16(u0p[m][0], va, bp[hl][0], bp[hl][1]);
@@ -388,9 +384,15 @@ __device__ __forceinline__ void recur_block(const KdaParams& p) {
         }
       }
     }
+    if constexpr (NACC > 1) {
+#pragma unroll
+      for (int nt = 0; nt < C / 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) ut[0][nt][e] += ut2[nt][e];
+    }
     // What this warp sends of its partial U^T (PRECISE at split K: less its n-tile of U0).
     auto xu = [&](int m, int nt, int e) {
-      if constexpr (PRECISE && KSPLIT > 1) return ut[m][nt][e] - (nt == kh ? u0p[m][0][e] : 0.f);
+      if constexpr (U0_FOLD) return ut[m][nt][e] - (nt == kh ? u0p[m][0][e] : 0.f);
       else return ut[m][nt][e];
     };
     // Partial S Qd^T over this warp's K slice (off the chain: o only).
@@ -455,8 +457,8 @@ __device__ __forceinline__ void recur_block(const KdaParams& p) {
           }
       }
     }
-    auto u0 = [&](int m, int nt, int e) {  // plain, and PRECISE with one warp per V tile (all of U0)
-      if constexpr (PRECISE) return u0p[m][nt][e];
+    auto u0 = [&](int m, int nt, int e) {  // all of U0 (not U0_FOLD)
+      if constexpr (PRECISE) return u0p[m][U0_FOLD ? 0 : nt][e];
       else if constexpr (C == 16) return u0r[m][nt][e];
       else return u0_at(m, nt, e);
     };
@@ -499,7 +501,7 @@ __device__ __forceinline__ void recur_block(const KdaParams& p) {
         }
       }
       pair_sync(pair_bars, vt, c);  // the two warps of this V tile
-      // U = U0 - (own partial + partner's), PRECISE -(own sent + partner's sent): floating-point
+      // U = U0 - (own partial + partner's), U0_FOLD -(own sent + partner's sent): floating-point
       // addition commutes, so both warps hold the same U bit for bit.
 #pragma unroll
       for (int m = 0; m < MT; ++m) {
@@ -510,7 +512,7 @@ __device__ __forceinline__ void recur_block(const KdaParams& p) {
           const float o4[4] = {b.x, b.y, b.z, b.w};
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
-            if constexpr (PRECISE) ut[m][nt][e] = -(xu(m, nt, e) + o4[e]);
+            if constexpr (U0_FOLD) ut[m][nt][e] = -(xu(m, nt, e) + o4[e]);
             else ut[m][nt][e] = u0(m, nt, e) - (ut[m][nt][e] + o4[e]);
           }
         }
