@@ -97,12 +97,6 @@ constexpr int NT2 = (NW2 + 1) * 32;
 constexpr int STAGE_U = (3 * C * K + MQ_TILES * C * C + (PRECISE ? 2 * C * C : 0)) * 2;  // bytes before the U tile
 constexpr int STAGE_GM = STAGE_U + BV * C * 2;  // Gamma_C, then the diagonal
 constexpr int STAGE = STAGE_GM + K * 4 + (PRECISE ? C * 4 : 0);
-// PRECISE at split K: 1 folds each warp's n-tile of U0 into the partial it sends (2 MMAs a tile, but
-// the send waits for them); 0 (default) has every warp form all of U0 (4 MMAs) for use after the
-// exchange (kept for A/B timing, benchmarks/NOTES.md).
-#ifndef KDA_U0_FOLD
-#define KDA_U0_FOLD 0
-#endif
 // Split-K exchange, per warp and 16-row tile: its partial U^T [16 v, C] (C/8 float4 per lane) and
 // the partial S Qd^T n-tiles its partner finishes (C/16 float4 per lane). Float4 j of tile m of
 // lane l of warp w sits at ((w * MT + m) * XW4 + j) * 32 + l: conflict-free.

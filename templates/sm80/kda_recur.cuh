@@ -353,34 +353,23 @@ __device__ __forceinline__ void recur_block(const KdaParams& p) {
           }
         }
       }
-    // PRECISE: U0^T = v^T P^T on the tensor cores, in fp32 (v exact, P in hi + lo), off the chain.
-    // U0_FOLD (split K only): a warp forms just the n-tile (8 time steps) kh it finishes and folds it
-    // into the partial it sends (the pair's sum then holds U0 once; see xu); else every warp forms
-    // all of U0 and subtracts it after the exchange, so the send does not wait for these MMAs.
-    constexpr bool U0_FOLD = PRECISE && KSPLIT > 1 && KDA_U0_FOLD;
-    constexpr int NU0P = U0_FOLD ? 1 : C / 8;
-    float u0p[PRECISE ? MT : 1][NU0P][4] = {};
+    // PRECISE: U0^T = v^T P^T on the tensor cores, in fp32 (v exact, P in hi + lo), off the chain:
+    // every warp forms all of U0 for use after the split-K exchange. (Each warp forming only its own
+    // n-tile and folding it into the partial it sends halves these MMAs, but the send then waits
+    // for them: recur +8-12% at block_v 32, T65536 H24 and T8192 H64; benchmarks/NOTES.md, session 36.)
+    float u0p[PRECISE ? MT : 1][C / 8][4] = {};
     if constexpr (PRECISE) {
-      uint32_t bp[2][4];  // P^T's B fragments: [hi, lo] x (n-tiles 0, 1); U0_FOLD: hi, lo of n-tile kh
-      if constexpr (!U0_FOLD) {
-        ldsm_x4_t(bp[0], sP + tile_at<C / 8>(lr + 8 * (lm & 1), 8 * (lm >> 1)));
-        ldsm_x4_t(bp[1], sP + C * C + tile_at<C / 8>(lr + 8 * (lm & 1), 8 * (lm >> 1)));
-      } else {
-        ldsm_x4_t(bp[0], sP + (lm >> 1) * C * C + tile_at<C / 8>(lr + 8 * (lm & 1), 8 * kh));
-      }
+      uint32_t bp[2][4];  // P^T's B fragments, hi and lo: n-tiles 0 (regs 0, 1) and 1 (regs 2, 3)
+      ldsm_x4_t(bp[0], sP + tile_at<C / 8>(lr + 8 * (lm & 1), 8 * (lm >> 1)));
+      ldsm_x4_t(bp[1], sP + C * C + tile_at<C / 8>(lr + 8 * (lm & 1), 8 * (lm >> 1)));
 #pragma unroll
       for (int m = 0; m < MT; ++m) {
         uint32_t va[4];  // v^T's A fragment: [16 V rows][C time steps]
         ldsm_x4_t(va, sU + tile_at<BV / 8>(lr + 8 * (lm >> 1), vw + 16 * m + 8 * (lm & 1)));
-        if constexpr (!U0_FOLD) {
 #pragma unroll
-          for (int hl = 1; hl >= 0; --hl) {
-            mma_bf16(u0p[m][0], va, bp[hl][0], bp[hl][1]);
-            mma_bf16(u0p[m][NU0P - 1], va, bp[hl][2], bp[hl][3]);
-          }
-        } else {
-          mma_bf16(u0p[m][0], va, bp[0][2], bp[0][3]);
-          mma_bf16(u0p[m][0], va, bp[0][0], bp[0][1]);
+        for (int hl = 1; hl >= 0; --hl) {
+          mma_bf16(u0p[m][0], va, bp[hl][0], bp[hl][1]);
+          mma_bf16(u0p[m][1], va, bp[hl][2], bp[hl][3]);
         }
       }
     }
@@ -390,11 +379,6 @@ __device__ __forceinline__ void recur_block(const KdaParams& p) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) ut[0][nt][e] += ut2[nt][e];
     }
-    // What this warp sends of its partial U^T (PRECISE at split K: less its n-tile of U0).
-    auto xu = [&](int m, int nt, int e) {
-      if constexpr (U0_FOLD) return ut[m][nt][e] - (nt == kh ? u0p[m][0][e] : 0.f);
-      else return ut[m][nt][e];
-    };
     // Partial S Qd^T over this warp's K slice (off the chain: o only).
     float oq[MT][C / 16][2][4] = {};
 #pragma unroll
@@ -418,7 +402,7 @@ __device__ __forceinline__ void recur_block(const KdaParams& p) {
       float4* xw = xbuf + (warp * MT + m) * XW4 * 32 + lane;
 #pragma unroll
       for (int nt = 0; nt < C / 8; ++nt)
-        xw[nt * 32] = make_float4(xu(m, nt, 0), xu(m, nt, 1), xu(m, nt, 2), xu(m, nt, 3));
+        xw[nt * 32] = make_float4(ut[m][nt][0], ut[m][nt][1], ut[m][nt][2], ut[m][nt][3]);
     };
     if constexpr (XCH_EARLY) {
 #pragma unroll
@@ -457,8 +441,8 @@ __device__ __forceinline__ void recur_block(const KdaParams& p) {
           }
       }
     }
-    auto u0 = [&](int m, int nt, int e) {  // all of U0 (not U0_FOLD)
-      if constexpr (PRECISE) return u0p[m][U0_FOLD ? 0 : nt][e];
+    auto u0 = [&](int m, int nt, int e) {
+      if constexpr (PRECISE) return u0p[m][nt][e];
       else if constexpr (C == 16) return u0r[m][nt][e];
       else return u0_at(m, nt, e);
     };
@@ -501,8 +485,8 @@ __device__ __forceinline__ void recur_block(const KdaParams& p) {
         }
       }
       pair_sync(pair_bars, vt, c);  // the two warps of this V tile
-      // U = U0 - (own partial + partner's), U0_FOLD -(own sent + partner's sent): floating-point
-      // addition commutes, so both warps hold the same U bit for bit.
+      // U = U0 - (own partial + partner's): floating-point addition commutes, so both warps hold
+      // the same U bit for bit.
 #pragma unroll
       for (int m = 0; m < MT; ++m) {
         const float4* xp = xbuf + (((1 - kh) * NWV + vt) * MT + m) * XW4 * 32 + lane;
@@ -511,10 +495,7 @@ __device__ __forceinline__ void recur_block(const KdaParams& p) {
           const float4 b = xp[nt * 32];
           const float o4[4] = {b.x, b.y, b.z, b.w};
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            if constexpr (U0_FOLD) ut[m][nt][e] = -(xu(m, nt, e) + o4[e]);
-            else ut[m][nt][e] = u0(m, nt, e) - (ut[m][nt][e] + o4[e]);
-          }
+          for (int e = 0; e < 4; ++e) ut[m][nt][e] = u0(m, nt, e) - (ut[m][nt][e] + o4[e]);
         }
 #pragma unroll
         for (int ntp = 0; ntp < C / 16; ++ntp) {
