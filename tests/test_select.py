@@ -171,12 +171,16 @@ def test_choice_is_logged_once(caplog):
     assert len(lines) == 1 and lines[0].startswith("kdagen: kda_fwd_triton_") and "T=20" in lines[0]
 
 
-def test_plain_variant_before_its_precise_twin(any_device):
-    """A precise variant (o's products in hi + lo: slower) is taken only where no plain variant fits as well:
-    its plain twin wins the tie, a better-fitting precise variant still wins over a worse plain one, and a
-    precise variant alone is taken."""
+def test_precise_variant_before_its_plain_twin(any_device):
+    """A precise variant (o's products in hi + lo) wins the tie with its plain twin, in either order, and only
+    the tie: a plain variant that fits better (chunk, block_v) still wins over a precise one, and a plain
+    variant alone is taken."""
     plain, precise = var(chunk=16, bv=32), var(chunk=16, bv=32, precise=True)
     assert precise.name == plain.name + "_hl"
-    assert sel.select([precise, plain], info()) == plain
-    assert sel.select([precise], info()) == precise
-    assert sel.select([precise, var(chunk=64, bv=32)], info()) == precise  # sm80 measured chunk 16 faster
+    assert sel.select([plain, precise], info()) == precise
+    assert sel.select([precise, plain], info()) == precise
+    assert sel.select([plain], info()) == plain
+    assert sel.select([var(chunk=64, bv=32, precise=True), plain], info()) == plain  # sm80 measured chunk 16 faster
+    bv16 = var(chunk=16, bv=16)
+    assert sel.select([bv16, plain], info()) == bv16  # the block_v dispatch prefers for this call ...
+    assert sel.select([precise, bv16], info()) == bv16  # ... outranks precision
