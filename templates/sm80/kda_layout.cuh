@@ -132,10 +132,6 @@ constexpr int NSTAGE = KDA_NSTAGE;
 #else
 constexpr int NSTAGE = K < 256 && 4 * STAGE + XOB <= SMEM_MAX ? 4 : 3 * STAGE + XOB <= SMEM_MAX ? 3 : 2;
 #endif
-#ifndef KDA_U0_AHEAD
-#define KDA_U0_AHEAD 0
-#endif
-constexpr bool U0_AHEAD = PRECISE && NSTAGE >= 4 && KDA_U0_AHEAD;  // see kda_recur's form_u0
 constexpr int OFF_PAIRBAR = NSTAGE * STAGE + XBUF + OBUF;
 constexpr int SMEM2 = NSTAGE * STAGE + XOB;
 static_assert(STAGE % 16 == 0 && XBUF % 16 == 0 && OFF_PAIRBAR % 8 == 0 && SMEM2 <= SMEM_MAX,

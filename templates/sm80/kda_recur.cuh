@@ -243,7 +243,7 @@ __device__ __forceinline__ void recur_block(const KdaParams& p) {
       cp_async_commit();
     }
     for (int c = 0; c < nc; ++c) {
-      cp_async_wait<U0_AHEAD ? NSTAGE - 3 : NSTAGE - 2>();
+      cp_async_wait<NSTAGE - 2>();
       block_sync();
       if (c + NSTAGE - 1 < nc) prefetch(c + NSTAGE - 1);
       cp_async_commit();
@@ -293,38 +293,6 @@ __device__ __forceinline__ void recur_block(const KdaParams& p) {
   const long long ostride = p.o_s[1];
   const int coff = p.hc ? p.chunk_offsets[n] : 0;
 
-  // PRECISE: U0^T = v^T P^T of chunk cc on the tensor cores, in fp32 (v exact, P in hi + lo), off the
-  // chain: every warp forms all of U0 for use after the split-K exchange. (Each warp forming only its
-  // own n-tile and folding it into the partial it sends halves these MMAs, but the send then waits
-  // for them: recur +8-12% at block_v 32, T65536 H24 and T8192 H64; benchmarks/NOTES.md, session 36.)
-  // U0_AHEAD: chunk c + 1's U0 is formed in step c, after the S update's issue (the copy warp then
-  // publishes two chunks at each barrier); else in step c, among the S W^T MMAs.
-  float u0p[PRECISE ? MT : 1][C / 8][4] = {};
-  auto form_u0 = [&](int cc) {
-    if constexpr (PRECISE) {
-      const bf16* sP = reinterpret_cast<const bf16*>(smem2 + (cc % NSTAGE) * STAGE + STAGE_U) - 2 * C * C;
-      const bf16* sV = sP + 2 * C * C;
-#pragma unroll
-      for (int m = 0; m < MT; ++m)
-#pragma unroll
-        for (int nt = 0; nt < C / 8; ++nt)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) u0p[m][nt][e] = 0.f;
-      uint32_t bp[2][4];  // P^T's B fragments, hi and lo: n-tiles 0 (regs 0, 1) and 1 (regs 2, 3)
-      ldsm_x4_t(bp[0], sP + tile_at<C / 8>(lr + 8 * (lm & 1), 8 * (lm >> 1)));
-      ldsm_x4_t(bp[1], sP + C * C + tile_at<C / 8>(lr + 8 * (lm & 1), 8 * (lm >> 1)));
-#pragma unroll
-      for (int m = 0; m < MT; ++m) {
-        uint32_t va[4];  // v^T's A fragment: [16 V rows][C time steps]
-        ldsm_x4_t(va, sV + tile_at<BV / 8>(lr + 8 * (lm >> 1), vw + 16 * m + 8 * (lm & 1)));
-#pragma unroll
-        for (int hl = 1; hl >= 0; --hl) {
-          mma_bf16(u0p[m][0], va, bp[hl][0], bp[hl][1]);
-          mma_bf16(u0p[m][1], va, bp[hl][2], bp[hl][3]);
-        }
-      }
-    }
-  };
 
   for (int c = 0; c < nc; ++c) {
     if (p.hc) {
@@ -351,7 +319,6 @@ __device__ __forceinline__ void recur_block(const KdaParams& p) {
     const bf16* sP = sMq + MQ_TILES * C * C;  // PRECISE: P^T, hi then lo
     const bf16* sU = sP + (PRECISE ? 2 * C * C : 0);  // plain: U0^T [BV][C]; PRECISE: v [C][BV]
     const float* sGam = reinterpret_cast<const float*>(sU + BV * C);
-    if (U0_AHEAD && c == 0) form_u0(0);
 
     // Issue order matters: one warp per scheduler issues in program order, so the step is laid
     // out along its dependency chain (S -> S W^T -> exchange -> U -> S update); independent work
@@ -386,7 +353,26 @@ __device__ __forceinline__ void recur_block(const KdaParams& p) {
           }
         }
       }
-    if (!U0_AHEAD) form_u0(c);
+    // PRECISE: U0^T = v^T P^T on the tensor cores, in fp32 (v exact, P in hi + lo), off the chain:
+    // every warp forms all of U0 for use after the split-K exchange. (Each warp forming only its own
+    // n-tile and folding it into the partial it sends halves these MMAs, but the send then waits
+    // for them: recur +8-12% at block_v 32, T65536 H24 and T8192 H64; benchmarks/NOTES.md, session 36.)
+    float u0p[PRECISE ? MT : 1][C / 8][4] = {};
+    if constexpr (PRECISE) {
+      uint32_t bp[2][4];  // P^T's B fragments, hi and lo: n-tiles 0 (regs 0, 1) and 1 (regs 2, 3)
+      ldsm_x4_t(bp[0], sP + tile_at<C / 8>(lr + 8 * (lm & 1), 8 * (lm >> 1)));
+      ldsm_x4_t(bp[1], sP + C * C + tile_at<C / 8>(lr + 8 * (lm & 1), 8 * (lm >> 1)));
+#pragma unroll
+      for (int m = 0; m < MT; ++m) {
+        uint32_t va[4];  // v^T's A fragment: [16 V rows][C time steps]
+        ldsm_x4_t(va, sU + tile_at<BV / 8>(lr + 8 * (lm >> 1), vw + 16 * m + 8 * (lm & 1)));
+#pragma unroll
+        for (int hl = 1; hl >= 0; --hl) {
+          mma_bf16(u0p[m][0], va, bp[hl][0], bp[hl][1]);
+          mma_bf16(u0p[m][1], va, bp[hl][2], bp[hl][3]);
+        }
+      }
+    }
     if constexpr (NACC > 1) {
 #pragma unroll
       for (int nt = 0; nt < C / 8; ++nt)
@@ -544,7 +530,6 @@ __device__ __forceinline__ void recur_block(const KdaParams& p) {
           mma_bf16(s[m][2 * ntp + 1], ua[m][kc], b[2], b[3]);
         }
       }
-    if (U0_AHEAD && c + 1 < nc) form_u0(c + 1);
     // PRECISE, off the chain (after the S update's issue): what bf16 dropped of U^T, as A fragments
     // for the o product, and o^T += U^T diag(Mqk) in fp32. Each o^T n-tile of this warp is n-tile
     // 2 ntp + (hh or kh) of U^T, in the same accumulator layout.
