@@ -100,14 +100,15 @@ def test_covering_choice_target_rank_then_least_padding(any_device):
 def test_head_dims_above_128_are_served_by_sm80_k256_on_sm90(K, V, monkeypatch):
     """On an sm_90 device with the shipped specs' variants (all taken as built): a D = 256 call is
     the sm80 K = 256 variant's own, and K or V above 128 is zero-padded to it (not to Triton's
-    exact size: a CUDA kernel padded ranks first); B1 H16 takes block_v 32 (128 programs)."""
+    exact size: a CUDA kernel padded ranks first); B1 H16 takes block_v 32 (128 programs), with the precise
+    record (specs/h800.yaml builds both records: dispatch takes the precise one)."""
     from kdagen.registry import Registry
 
     monkeypatch.setattr(sel, "_capability", lambda index: (9, 0))
     monkeypatch.setattr(sel, "_sm_count", lambda device: 132)
     cands = [Candidate(v) for v in Registry.load().variants()]
     best, binfo, _ = choose_covering(cands, info(K=K, V=V, H=16, HV=16))
-    assert best.variant.name == "kda_fwd_sm80_c16_k256_v256_bf16_gb_sfp32_bv32"
+    assert best.variant.name == "kda_fwd_sm80_c16_k256_v256_bf16_gb_sfp32_bv32_hl"
     assert (binfo.K, binfo.V) == (256, 256)
     best, binfo, _ = choose_covering(cands, info(K=100, V=128, H=16, HV=16))
     assert (best.variant.target, best.variant.k, best.variant.v) == ("sm80", 128, 128)  # 128 stays 128
