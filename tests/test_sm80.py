@@ -262,9 +262,9 @@ def test_sm80_recur_shared_memory_leaves_room_for_k_prep_blocks(total, optin, k)
 def _sm80_emulation(T: int, K: int, gs: float, precise: bool) -> tuple[float, float, float]:
     """sm80's chunk-16 record and step in torch with its rounding points, one head, against the float64
     reference (errors of o, final state, chunk states). precise: the record as kda_layout.cuh's PRECISE
-    writes it (Mqk's strictly lower part and U0 in hi + lo bf16, Mqk's diagonal in fp32) and kda_recur's
-    use of it (o^T += U^T diag in fp32 + U^T Mqk^T in hi + lo; U0 = P v with P = A^-1 diag(b) in hi + lo
-    and v exact, in fp32); else the earlier bf16 record."""
+    writes it (Mqk's strictly lower part in hi + lo bf16, its diagonal in fp32, P = A^-1 diag(b) in hi + lo)
+    and kda_recur's use of it (U0 = P v in fp32, v exact; o^T += U^T diag in fp32 + U^T Mqk^T in hi + lo);
+    else the plain bf16 record."""
     from .emulation import bf, chunks, emulation_errors, emulation_problem, split
 
     qh, kh, vv, a, b, S, ref = emulation_problem(T, K, gs)
@@ -304,7 +304,7 @@ def test_sm80_precise_emulation(gs: float):
     """The record's PRECISE fields (templates/sm80/kda_layout.cuh) and kda_recur's use of them, in torch:
     o's error against float64 falls by ~half at the bench-like gate (it is then sm90's, whose scheme it
     follows) and by less where the state carries (gs -4: the gate decays ~0.1 per token); the state, which
-    takes U^T in bf16 as before, keeps its error or (U0 in hi + lo) lowers it."""
+    takes U^T in bf16 as before, keeps its error or (U0 in fp32) lowers it."""
     e_new = _sm80_emulation(160, 128, gs, precise=True)
     e_old = _sm80_emulation(160, 128, gs, precise=False)
     print(f"gs {gs}: precise {e_new}, earlier {e_old}")
