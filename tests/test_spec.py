@@ -158,6 +158,10 @@ def test_precise_axis_names_expands_and_is_checked(tmp_path):
     assert [d.variant.name for d in dropped16 if "fp16" in d.variant.name] == [
         "kda_fwd_sm80_c16_k128_v128_fp16_gb_sfp32_bv32_hl", "kda_fwd_sm80_c64_k128_v128_fp16_gb_sfp32_bv32_hl"]
     assert "bf16 only" in [d for d in dropped16 if d.variant.name.startswith("kda_fwd_sm80_c16_k128_v128_fp16")][0].reason
+    _, dropped256 = expand_all(load_spec(write(tmp_path, PRECISE.replace("head_dim: 128", "head_dim: 256").replace(
+        "chunk: [16, 64]", "chunk: 16").replace("block_v: 32", "block_v: [32, 64]"))))
+    assert [d.variant.name for d in dropped256] == ["kda_fwd_sm80_c16_k256_v256_bf16_gb_sfp32_bv64_hl"]
+    assert "more than 255 registers" in dropped256[0].reason
     for v in kept:
         assert parse_name(v.name) == dataclasses.replace(v, layouts=parse_name(v.name).layouts)
         assert Variant.from_dict(v.to_dict()) == v

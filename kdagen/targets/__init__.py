@@ -133,6 +133,9 @@ TARGETS: dict[str, TargetInfo] = {
                                                  "two stages in an A100 block's 163 KB (chunk 16 only)"),
             ((("dtype", "fp16"), ("precise", True)), "precise with fp16: the recurrence forms U0 = P v on bf16 tensor "
                                                      "cores (P in hi + lo), which fp16 v cannot enter (bf16 only)"),
+            ((("k", 256), ("block_v", 64), ("precise", True)), "precise at K = 256 with block_v 64: two 16-row "
+                                                                  "tiles per warp and their U0 need more than 255 "
+                                                                  "registers (ptxas spills in the sm_80 image)"),
         ) + tuple(((("chunk", 16), ("k", a), ("v", b)), "the chunk-16 prep implements K == V")
                   for a in (64, 128, 256) for b in (64, 128, 256) if a != b),
         # kda_layout.cuh's PRECISE record (templates/sm80): the o products in hi + lo bf16.

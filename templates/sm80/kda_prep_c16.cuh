@@ -312,39 +312,39 @@ extern "C" __global__ void __launch_bounds__(kda::NT1, kda::MINB1) kda_prep(cons
     bf16* sWst = sAK;  // [C][KB1]  W rows
     bf16* sUst = sAQ;  // [V][UP1]  U0^T rows (C time steps each)
     if (!PRECISE || 32 * warp < K) {
-    uint32_t ah[4], al[4];
-    ldsm_x4(ah, sIh + (lr + 8 * (lm & 1)) * IP1 + 8 * (lm >> 1));
-    ldsm_x4(al, sIl + (lr + 8 * (lm & 1)) * IP1 + 8 * (lm >> 1));
+      uint32_t ah[4], al[4];
+      ldsm_x4(ah, sIh + (lr + 8 * (lm & 1)) * IP1 + 8 * (lm >> 1));
+      ldsm_x4(al, sIl + (lr + 8 * (lm & 1)) * IP1 + 8 * (lm >> 1));
 #pragma unroll
-    for (int pr = 0; pr < 2; ++pr) {
-      const int n0 = 32 * warp + 16 * pr;
-      uint32_t bh[4], bl[4];
-      ldsm_x4_t(bh, sXh + (lr + 8 * (lm & 1)) * XB1 + n0 + 8 * (lm >> 1));
-      ldsm_x4_t(bl, sXl + (lr + 8 * (lm & 1)) * XB1 + n0 + 8 * (lm >> 1));
-      float acc[2][4] = {};
+      for (int pr = 0; pr < 2; ++pr) {
+        const int n0 = 32 * warp + 16 * pr;
+        uint32_t bh[4], bl[4];
+        ldsm_x4_t(bh, sXh + (lr + 8 * (lm & 1)) * XB1 + n0 + 8 * (lm >> 1));
+        ldsm_x4_t(bl, sXl + (lr + 8 * (lm & 1)) * XB1 + n0 + 8 * (lm >> 1));
+        float acc[2][4] = {};
 #pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        mma_bf16(acc[hh], al, bh[2 * hh], bh[2 * hh + 1]);
-        mma_bf16(acc[hh], ah, bl[2 * hh], bl[2 * hh + 1]);
-        mma_bf16(acc[hh], ah, bh[2 * hh], bh[2 * hh + 1]);
-      }
+        for (int hh = 0; hh < 2; ++hh) {
+          mma_bf16(acc[hh], al, bh[2 * hh], bh[2 * hh + 1]);
+          mma_bf16(acc[hh], ah, bl[2 * hh], bl[2 * hh + 1]);
+          mma_bf16(acc[hh], ah, bh[2 * hh], bh[2 * hh + 1]);
+        }
 #pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        const int col = n0 + 8 * hh + 2 * t4;  // warp-uniform side: n0 + 16 <= K or n0 >= K
-        if (n0 < K) {
-          *reinterpret_cast<uint32_t*>(sWst + g8 * KB1 + col) = pack_bf16(acc[hh][0], acc[hh][1]);
-          *reinterpret_cast<uint32_t*>(sWst + (g8 + 8) * KB1 + col) = pack_bf16(acc[hh][2], acc[hh][3]);
-        } else if constexpr (!PRECISE) {
-          const int vv = col - K;
-          const uint32_t hi[2] = {pack_bf16(acc[hh][0], acc[hh][1]), pack_bf16(acc[hh][2], acc[hh][3])};
+        for (int hh = 0; hh < 2; ++hh) {
+          const int col = n0 + 8 * hh + 2 * t4;  // warp-uniform side: n0 + 16 <= K or n0 >= K
+          if (n0 < K) {
+            *reinterpret_cast<uint32_t*>(sWst + g8 * KB1 + col) = pack_bf16(acc[hh][0], acc[hh][1]);
+            *reinterpret_cast<uint32_t*>(sWst + (g8 + 8) * KB1 + col) = pack_bf16(acc[hh][2], acc[hh][3]);
+          } else if constexpr (!PRECISE) {
+            const int vv = col - K;
+            const uint32_t hi[2] = {pack_bf16(acc[hh][0], acc[hh][1]), pack_bf16(acc[hh][2], acc[hh][3])};
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const uint32_t pr = hi[e >> 1];
-            sUst[(vv + (e & 1)) * UP1 + g8 + 8 * (e >> 1)] = __ushort_as_bfloat16((e & 1) ? pr >> 16 : pr & 0xffffu);
+            for (int e = 0; e < 4; ++e) {
+              const uint32_t pr = hi[e >> 1];
+              sUst[(vv + (e & 1)) * UP1 + g8 + 8 * (e >> 1)] = __ushort_as_bfloat16((e & 1) ? pr >> 16 : pr & 0xffffu);
+            }
           }
         }
       }
-    }
     }
     __syncthreads();
     for (int u = tid; u < C * K / 8; u += NT1) {
