@@ -26,8 +26,8 @@ class Variant:
     gate: str
     state: str  # "fp32" | "bf16" | "none": precision of the carried state and of state in/out
     block_v: int  # V columns of the state per program/thread block (the V-split width)
-    # o's products carried in hi + lo bf16 (sm80 chunk 16: Mqk and U0; o's error against float64 halves,
-    # the call takes 2-13% longer): named "_hl"; dispatch takes it only where no plain variant fits as well.
+    # o's products carried in hi + lo bf16 (sm80 chunk 16: Mqk in hi + lo, U0 = P v in fp32; o's error against
+    # float64 halves for ~1% more time): named "_hl"; dispatch takes it over a plain twin that fits as well.
     precise: bool = False
     layouts: tuple[str, ...] = ("bnsd", "bsnd")
     varlen: bool = True
