@@ -647,6 +647,12 @@ def _plan_case(case: Case, opts: Options, device: str) -> dict:
         p = rt.prepare(kw["q"], kw["k"], kw["v"], kw["g"], kw["beta"], **call_kwargs(case, kw, cu))
         plan["auto"] = p.entry.name
         plan["candidates"] = candidates(p.info, p.entry.name, opts.variants, opts.top)
+        route = rt.route_of(kw["q"], kw["k"], kw["v"], kw["g"], kw["beta"], **call_kwargs(case, kw, cu))
+        if route is not None:
+            # the call a user makes runs as the scan: timed beside its variant in one piece (forced)
+            e = p.entry.variant
+            plan["auto"] = f"{p.entry.name} ({route})"
+            plan["candidates"].insert(0, Candidate(plan["auto"], e.target, e.chunk, e.block_v, e.state))
         del kw, cu
     except Exception as e:  # noqa: BLE001  (the row says why; the other cases still run)
         plan["error"] = f"{type(e).__name__}: {e}"
@@ -829,21 +835,23 @@ def tune_measurements(results: dict) -> list[dict]:
 
 def tune(cases: Sequence[Case], opts: Options, out: Optional[Path], echo: Callable[[str], None] = print,
          progress: Optional[Progress] = None, **run_kw: Any) -> tuple[Path, dict]:
-    """Measure every candidate of `cases` (tuning off, so the defaults pick the auto ones) and
-    write the tuning file of this GPU; returns its path and the results."""
+    """Measure every candidate of `cases` (tuning and the scan off) and write the tuning file of
+    this GPU; returns its path and the results."""
     from . import runtime as rt
     from . import tuning
 
-    saved = os.environ.get(tuning.ENV)
-    os.environ[tuning.ENV] = "off"
+    # tuning off, so the defaults pick the auto ones; the scan off, so every time is one piece's
+    saved = {n: os.environ.get(n) for n in (tuning.ENV, "KDAGEN_SCAN")}
+    os.environ.update({tuning.ENV: "off", "KDAGEN_SCAN": "0"})
     try:
         rt.reset()
         results = run(cases, opts, echo, progress, **run_kw)
     finally:
-        if saved is None:
-            os.environ.pop(tuning.ENV, None)
-        else:
-            os.environ[tuning.ENV] = saved
+        for n, val in saved.items():
+            if val is None:
+                os.environ.pop(n, None)
+            else:
+                os.environ[n] = val
         rt.reset()
     env = results["env"]
     rules = tuning.derive_rules(tune_measurements(results))

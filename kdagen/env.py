@@ -21,6 +21,8 @@ VARIABLES = {
     "KDAGEN_TUNING": "the tuning file dispatch reads (default <cache>/tuning/<GPU>.json from `kdagen tune`, else the "
                      "one shipped with kdagen for the GPU); off: none",
     "KDAGEN_COMMIT": "the commit `kdagen bench` reports (default: git rev-parse of the source tree, when there is one)",
+    "KDAGEN_SCAN": "0: kda_prefill always runs one piece; default 1: a long call with few heads runs as the segment "
+                   "scan where its cost model says that pays (kdagen/scan/route.py)",
     "KDAGEN_LAUNCH_SHIM": "0: sm80 launches through cuda-bindings, not the C launch shim built on first use (default 1)",
     "KDAGEN_LOGLEVEL": "0 warnings, 1 each choice and build (default), 2 also every rejected candidate and the "
                        "tuning file read",
@@ -52,6 +54,10 @@ def fla_backend() -> bool:
 
 def launch_shim() -> bool:
     return "KDAGEN_LAUNCH_SHIM" not in os.environ or _flag("KDAGEN_LAUNCH_SHIM")
+
+
+def scan_route() -> bool:
+    return "KDAGEN_SCAN" not in os.environ or _flag("KDAGEN_SCAN")
 
 
 def force_variant() -> Optional[str]:

@@ -28,6 +28,7 @@ from .dtypes import torch_dtype
 from .errors import KdaInputError, NoVariantError
 from .inputs import CallInfo, check_offsets, check_signature
 from .registry import Entry, Registry
+from .scan import route as scan_route
 from .padding import PaddedPlan, at_dims, choose_covering, coverage_note, target_dims
 from .select import GENERATE, Candidate, miss_message, preference, rejection
 from .signature_guard import make_check
@@ -292,9 +293,13 @@ def _plan_of(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seq
         key = None
     plan = _PLANS.get(key)
     if plan is None:
-        plan = _make_plan(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, initial_state=initial_state,
-                          cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, out=out, final_state=final_state,
-                          chunk_states=chunk_states, workspace=workspace, **dict(zip(_FLAGS, flags)))
+        kw = dict(A_log=A_log, dt_bias=dt_bias, initial_state=initial_state, cu_seqlens=cu_seqlens,
+                  cu_seqlens_cpu=cu_seqlens_cpu, out=out, final_state=final_state, chunk_states=chunk_states,
+                  workspace=workspace, **dict(zip(_FLAGS, flags)))
+        plan = _make_plan(q, k, v, g, beta, **kw)
+        segments = scan_route.segments_for(plan, kw) if key is not None else None
+        if segments is not None:  # a long call with few heads: the segment scan (kdagen/scan/route.py)
+            plan = scan_route.ScanRoute(plan, segments, kw)
         if len(_PLANS) >= _PLAN_LIMIT:
             _PLANS.pop(next(iter(_PLANS)))
         if key is not None:
@@ -331,6 +336,8 @@ def kda_prefill_twins(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
                    "return_chunk_states": return_chunk_states}[n] for n in _FLAGS)
     plan, _ = _plan_of(q, k, v, g, beta, A_log, dt_bias, initial_state[:, :HV], cu_seqlens, cu_seqlens_cpu, None,
                        None, None, None, flags)
+    if isinstance(plan, scan_route.ScanRoute):
+        plan = plan.inner
     if type(plan) is not Plan or not getattr(plan.launcher, "supports_twins", False) \
             or plan.st_dtype != torch.float32 or plan.state_kv or plan.info.state == "none":
         return None
@@ -448,6 +455,19 @@ def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
         beta = torch.empty(beta.shape, dtype=torch.float32, device=beta.device)
         kw["allow_neg_eigval"] = True
     return _make_plan(q, k, v, g, beta, **_with_defaults(kw))
+
+
+def route_of(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+             **kwargs: Any) -> Optional[str]:
+    """How kda_prefill(q, k, v, g, beta, **kwargs) runs besides its variant: "scan correct xS"
+    where the call runs as the segment scan at up to S segments a sequence
+    (kdagen/scan/route.py), None where it runs in one piece."""
+    if not env.scan_route():
+        return None
+    plan = prepare(q, k, v, g, beta, **kwargs)
+    kw = _with_defaults({n: x for n, x in kwargs.items() if n != "beta_is_logit"})
+    segments = scan_route.segments_for(plan, kw)
+    return None if segments is None else scan_route.ScanRoute.label(segments)
 
 
 def workspace_size(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,

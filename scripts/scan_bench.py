@@ -9,6 +9,7 @@ times over rotated input sets). Per row: kdagen's one-piece call (runtime's choi
 composed of kda_prefill calls (kdagen.scan.engine) at each segment count, what the planner picks
 under each cost set, and at the fastest count the time of step 1 (its two calls, B and A), the
 chain (torch and Triton) and step 3 (the rerun), with per-chunk-step figures for the planner.
+--routed times kda_prefill's route to the scan against one piece instead (KDAGEN_SCAN).
 --accuracy adds the checks of issue 17: T = 1,048,576 H = 2 and a gate that barely decays
 (lower_bound -1e-3) against the one-piece call, and T = 8192 H = 4 against the float64 reference.
 """
@@ -43,6 +44,10 @@ ROWS = {
     "varlen 4x8192 H4": dict(lens=[8192] * 4, H=4),
     "B1 T8192 H96": dict(T=8192, H=96),
     "B1 T2048 H8": dict(T=2048, H=8),
+    # longer few-head calls, a batch of two and one varlen sequence (kda_prefill's route to the scan)
+    "B1 T262144 H4": dict(T=1 << 18, H=4),
+    "B2 T65536 H4": dict(B=2, T=65536, H=4),
+    "varlen 1x65536 H8": dict(lens=[65536], H=8),
     # a context-parallel rank's piece and issue 19's whole call (the one-GPU baseline)
     "B1 T524288 H8": dict(T=1 << 19, H=8),
     "B1 T1048576 H8": dict(T=1 << 20, H=8),
@@ -120,6 +125,59 @@ def pieces(s, segments) -> dict:
     return res
 
 
+def routed(names, iters) -> list[str]:
+    """kda_prefill as a user calls it (the route to the scan on, kdagen/scan/route.py) against the
+    same call with KDAGEN_SCAN=0 (one piece), in alternating rounds, and both against the float64
+    chunked reference with the bench gate and with one that barely decays."""
+    import os
+
+    from kdagen import runtime as rt
+    from kdagen.reference import kda_chunked_reference
+
+    lines = ["", "kda_prefill with the route to the scan (KDAGEN_SCAN=1, the default) against KDAGEN_SCAN=0 "
+             "(one piece); median ms per round (on / off, on / off); o and final state against float64:", "",
+             "| case | route | on ms | off ms | on / off | lower_bound | o on | o off | state on | state off |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+
+    def setting(on: bool) -> None:
+        os.environ["KDAGEN_SCAN"] = "1" if on else "0"
+
+    for name in names:
+        c = ROWS[name]
+        sets = [make_inputs(**c, seed=i) for i in range(2)]
+        kw, cu = sets[0]
+        label = rt.route_of(kw["q"], kw["k"], kw["v"], kw["g"], kw["beta"], **call_kw(kw, cu)) or "one piece"
+        ms = {True: [], False: []}
+        for _ in range(2):
+            for on in (True, False):
+                setting(on)
+                ms[on].append(median_ms(one_piece, sets, iters=iters))
+        setting(True)
+        on_ms, off_ms = min(ms[True]), min(ms[False])
+        timing = (f"{' / '.join(f'{x:.3f}' for x in ms[True])} | {' / '.join(f'{x:.3f}' for x in ms[False])} | "
+                  f"{on_ms / off_ms:.2f}x")
+        del sets
+        for lb in (-5.0, -1e-3):
+            s = make_inputs(**c, seed=7)
+            kw, cu = s
+            ref = kda_chunked_reference(kw["q"], kw["k"], kw["v"], kw["g"], kw["beta"], A_log=kw["A_log"],
+                                        dt_bias=kw["dt_bias"], lower_bound=lb, initial_state=kw["initial_state"],
+                                        output_final_state=True, cu_seqlens=cu)
+            errs = {}
+            for on in (True, False):
+                setting(on)
+                out = one_piece(s, lb)
+                errs[on] = (rel_rmse(out[0], ref[0]), rel_rmse(out[1], ref[1]))
+            setting(True)
+            lines.append(f"| {name} | {label} | {timing} | {lb:g} | {errs[True][0]:.2e} | {errs[False][0]:.2e} | "
+                         f"{errs[True][1]:.2e} | {errs[False][1]:.2e} |")
+            print(lines[-1], flush=True)
+            timing = " | | "
+            del s, ref
+            torch.cuda.empty_cache()
+    return lines
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="issue17", help="issue17 | all | comma-separated row names")
@@ -129,9 +187,18 @@ def main() -> int:
     ap.add_argument("--modes", default="rerun", help="scan modes to time: rerun, correct or both")
     ap.add_argument("--kernels", action="store_true",
                     help="also print each call's device ms by kernel role (KERN lines, for the planner's costs)")
+    ap.add_argument("--routed", action="store_true",
+                    help="only kda_prefill's route to the scan against one piece (time, accuracy against float64)")
     ap.add_argument("--out", default=None, help="write the markdown report here too")
     a = ap.parse_args()
     names = {"issue17": ISSUE17, "all": list(ROWS)}.get(a.rows) or a.rows.split(",")
+    if a.routed:
+        torch.backends.cuda.matmul.allow_tf32 = False
+        text = "\n".join([f"# Route to the scan ({torch.cuda.get_device_name(0)})"] + routed(names, a.iters)) + "\n"
+        print(text)
+        if a.out:
+            Path(a.out).write_text(text)
+        return 0
     counts = [int(x) for x in a.segments.split(",") if x]
     modes = [m for m in a.modes.split(",") if m]
     torch.backends.cuda.matmul.allow_tf32 = False

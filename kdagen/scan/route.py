@@ -1,0 +1,106 @@
+"""Whether kda_prefill serves a call signature as the segment scan instead of one piece, and the
+plan that does.
+
+One piece runs each (sequence, value head, V block) as one serial chain of chunk steps: a long
+sequence with few heads keeps a few dozen SMs busy and leaves the rest idle. The scan in mode
+"correct" (kdagen.scan.engine) cuts it into segments that run side by side and adds each
+segment's entering state to o afterwards. On the H200 it took B1 T131072 H4 from 3.9 to 1.8 ms
+and T32768 H8 from 1.35 to 1.03 (benchmarks/NOTES.md, session 33). Its o is step 1's o plus
+o_A S_in^T with o_A in the input dtype: about 0.8e-3 of relative RMSE on top of one piece's,
+where the state carries far (session 28).
+
+The choice is made once per signature (the runtime caches the plan) by the scan's planner; a
+signature is offered to it only where the planner's cost model applies and the scan returns what
+one piece would: sm80 one piece at the call's own head dims, bf16, K == V, one sequence per
+batch row (varlen with several sequences: lengths change per call), no chunk states, no forced
+variant, no workspace, host-readable offsets. KDAGEN_SCAN=0 turns it off; a call under CUDA
+graph capture, or made by the scan itself, always runs one piece.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, Optional
+
+import torch
+
+from .. import env
+
+log = logging.getLogger("kdagen")
+
+# Tokens per sequence below which a signature is not offered to the planner: it never split
+# shorter sequences on the H200 (T16384 H2-H64, both cost sets), and planning costs host time.
+MIN_TOKENS = 16384
+MODE = "correct"
+
+_STATE = threading.local()  # .depth: > 0 while this thread runs a routed call
+
+
+def _inside() -> bool:
+    return getattr(_STATE, "depth", 0) > 0
+
+
+def offered(info: Any, target: str, kw: dict) -> bool:
+    """Whether a signature (CallInfo `info`, its one-piece variant's `target`, kda_prefill
+    keywords `kw`) is one the planner may route: see the module's docstring for why each."""
+    return (not _inside() and target == "sm80" and info.device.type == "cuda" and info.dtype == "bf16"
+            and info.K == info.V and info.N >= 1 and (not info.varlen or info.N == 1) and info.T >= MIN_TOKENS
+            and kw.get("variant") is None and not env.force_variant() and kw.get("workspace") is None
+            and not kw.get("return_chunk_states") and kw.get("chunk_states") is None and not kw.get("assume_valid"))
+
+
+def segments_for(plan: Any, kw: dict) -> Optional[tuple[int, ...]]:
+    """The planner's segments per sequence for the signature of `plan` (a runtime Plan) called
+    with kda_prefill keywords `kw`; None where the signature is not offered or the planner keeps
+    it whole."""
+    from ..runtime import Plan
+    from .engine import planned_segments
+
+    info = plan.info
+    if type(plan) is not Plan or not offered(info, plan.variant.target, kw):
+        return None
+    cu = [0, info.T] if info.varlen else [i * info.T for i in range(info.B + 1)]
+    segs = planned_segments(info, cu, mode=MODE, align=kw.get("chunk_size") or 64)
+    return tuple(segs) if max(segs, default=1) > 1 else None
+
+
+# kda_prefill's keyword flags the routed call passes on (the rest are the call's tensors, or
+# settings segments_for only offers at their defaults)
+_PASSED = ("scale", "lower_bound", "gate", "output_final_state", "layout", "state_layout", "state_dtype",
+           "use_qk_l2norm", "allow_neg_eigval", "chunk_size")
+
+
+class ScanRoute:
+    """A signature the scan serves: calling it runs kdagen.scan.engine.scan_prefill at the
+    planned segments; `inner` (the one-piece plan) serves it where the scan must not run."""
+
+    def __init__(self, inner: Any, segments: tuple[int, ...], kw: dict) -> None:
+        self.inner, self.segments = inner, segments
+        self.entry, self.variant, self.info = inner.entry, inner.variant, inner.info
+        self.flags = {n: kw[n] for n in _PASSED}
+        self.run = self.__call__
+        self.guard, self.guard_builds = None, 0  # what the runtime's fast path expects of a plan
+        i = self.info
+        log.info("kdagen: B=%d T=%d H=%d HV=%d runs as the scan (mode %s, %d segments per sequence) over %s; "
+                 "KDAGEN_SCAN=0 runs it in one piece", i.B, i.T, i.H, i.HV, MODE, max(segments), inner.entry.name)
+
+    def workspace_bytes(self) -> int:
+        return self.inner.workspace_bytes()
+
+    @staticmethod
+    def label(segments: tuple[int, ...]) -> str:
+        return f"scan {MODE} x{max(segments)}"
+
+    def __call__(self, q, k, v, g, beta, A_log, dt_bias, h0, cu, cu_cpu, out, fs, cs, ws):
+        if _inside() or not env.scan_route() or (q.is_cuda and torch.cuda.is_current_stream_capturing()):
+            return self.inner.run(q, k, v, g, beta, A_log, dt_bias, h0, cu, cu_cpu, out, fs, cs, ws)
+        from .engine import scan_prefill
+
+        _STATE.depth = getattr(_STATE, "depth", 0) + 1
+        try:
+            return scan_prefill(q, k, v, g, beta, segments=self.segments, mode=MODE, A_log=A_log, dt_bias=dt_bias,
+                                initial_state=h0, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu, out=out, final_state=fs,
+                                **self.flags)
+        finally:
+            _STATE.depth -= 1
