@@ -46,8 +46,10 @@ test: setup
 # cache, and a CPU call against the float64 reference.
 WHEEL_DIR ?= /tmp/kdagen-wheel-check
 WHEEL_RUN := cd $(WHEEL_DIR) && KDAGEN_CACHE_DIR=$(WHEEL_DIR)/cache TRITON_INTERPRET=1
+# setuptools stages the package in build/lib and build/bdist.* and never removes what the tree
+# no longer has (a deleted spec shipped again): both are cleared first.
 wheel-check: setup
-	rm -rf $(WHEEL_DIR) && mkdir -p $(WHEEL_DIR)
+	rm -rf $(WHEEL_DIR) build/lib build/bdist.* && mkdir -p $(WHEEL_DIR)
 	$(BIN)/python -m pip wheel -q --no-deps -w $(WHEEL_DIR)/dist .
 	$(PYTHON) -m venv $(WHEEL_DIR)/venv
 	@if [ -n "$(TORCH)" ]; then $(WHEEL_DIR)/venv/bin/python -m pip install -q "$(TORCH)"; fi
