@@ -59,15 +59,19 @@ def parse_name(name: str) -> Variant:
 
 def variants_for(target: str, *, dtype: str, k: int, v: int, gate: str, state: str,
                  chunk: int | None = None) -> list[Variant]:
-    """Every variant `target` could build for a call with these functional fields (each chunk and
-    V-split width it has, or only `chunk`); empty when the target supports none."""
+    """Every variant `target` could build for a call with these functional fields (each chunk,
+    V-split width and record it has, or only `chunk`); empty when the target supports none.
+    Precise twins are offered where the target builds them (the refusals in
+    targets/__init__.py apply), so dispatch's precise-first tie-break holds for generated
+    variants as for listed ones."""
     info = TARGETS[target]
     if not info.on_demand:
         return []
     states = [state] if state != "none" else ["none", "fp32"]
     out = []
-    for c, bv, st in itertools.product(info.chunks if chunk is None else (chunk,), info.block_v, states):
-        var = Variant(target=target, chunk=c, k=k, v=v, dtype=dtype, gate=gate, state=st, block_v=bv,
+    for c, bv, st, hl in itertools.product(info.chunks if chunk is None else (chunk,), info.block_v, states,
+                                           info.precise):
+        var = Variant(target=target, chunk=c, k=k, v=v, dtype=dtype, gate=gate, state=st, block_v=bv, precise=hl,
                       layouts=info.layouts, varlen=info.varlen, gqa=info.gqa,
                       hardware_validated=info.hardware_validated)
         if unsupported(var) is None:

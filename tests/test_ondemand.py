@@ -55,6 +55,18 @@ def test_variants_a_target_could_make_for_a_call():
     assert "kda_fwd_triton_c16_k64_v64_fp32_gu_snone_bv64" in names and len(names) == 2 * 3 * 2  # c x bv x state
     assert variants_for("sm80", dtype="fp32", k=64, v=64, gate="bounded", state="fp32") == []
     assert variants_for("triton_twin", dtype="bf16", k=64, v=64, gate="bounded", state="fp32") == []  # a twin
+    # sm80 offers the precise twin of every chunk-16 variant but where the target refuses it
+    # (fp16; K = 256 with block_v 64; block_v 128), so dispatch's precise-first tie-break holds for them too
+    sm80 = {v.name for v in variants_for("sm80", dtype="bf16", k=128, v=128, gate="unbounded", state="fp32")}
+    assert {n for n in sm80 if n.endswith("_hl")} == \
+        {f"kda_fwd_sm80_c16_k128_v128_bf16_gu_sfp32_bv{bv}_hl" for bv in (16, 32, 64)}
+    assert {n[:-3] for n in sm80 if n.endswith("_hl")} <= sm80  # each beside its plain twin
+    k256 = {v.name for v in variants_for("sm80", dtype="bf16", k=256, v=256, gate="precomputed", state="fp32")}
+    assert {n for n in k256 if n.endswith("_hl")} == \
+        {f"kda_fwd_sm80_c16_k256_v256_bf16_gp_sfp32_bv{bv}_hl" for bv in (16, 32)}
+    assert not any(v.precise for v in variants_for("sm80", dtype="fp16", k=128, v=128, gate="bounded", state="fp32"))
+    assert not any(v.precise for v in variants_for("triton", dtype="bf16", k=128, v=128, gate="bounded",
+                                                   state="fp32"))
     assert unsupported(Variant("triton", 16, 24, 24, "fp32", "bounded", "fp32", 16)) == \
         "triton has no head dim K 24 (it has 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, " \
         "224, 240, 256)"

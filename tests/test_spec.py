@@ -162,6 +162,11 @@ def test_precise_axis_names_expands_and_is_checked(tmp_path):
         "chunk: [16, 64]", "chunk: 16").replace("block_v: 32", "block_v: [32, 64]"))))
     assert [d.variant.name for d in dropped256] == ["kda_fwd_sm80_c16_k256_v256_bf16_gb_sfp32_bv64_hl"]
     assert "more than 255 registers" in dropped256[0].reason
+    kept128, dropped128 = expand_all(load_spec(write(tmp_path, PRECISE.replace("chunk: [16, 64]", "chunk: 16").replace(
+        "block_v: 32", "block_v: [64, 128]"))))
+    assert [d.variant.name for d in dropped128] == ["kda_fwd_sm80_c16_k128_v128_bf16_gb_sfp32_bv128_hl"]
+    assert "spill 8 bytes" in dropped128[0].reason
+    assert "kda_fwd_sm80_c16_k128_v128_bf16_gb_sfp32_bv128" in [v.name for v in kept128]
     for v in kept:
         assert parse_name(v.name) == dataclasses.replace(v, layouts=parse_name(v.name).layouts)
         assert Variant.from_dict(v.to_dict()) == v

@@ -136,6 +136,9 @@ TARGETS: dict[str, TargetInfo] = {
             ((("k", 256), ("block_v", 64), ("precise", True)), "precise at K = 256 with block_v 64: two 16-row "
                                                                   "tiles per warp and their U0 need more than 255 "
                                                                   "registers (ptxas spills in the sm_80 image)"),
+            ((("block_v", 128), ("precise", True)), "precise with block_v 128: two 16-row tiles per warp and their U0 "
+                                                     "spill 8 bytes at the 168 registers a 9-warp block leaves (ptxas, "
+                                                     "sm_90 image at K = 128)"),
         ) + tuple(((("chunk", 16), ("k", a), ("v", b)), "the chunk-16 prep implements K == V")
                   for a in (64, 128, 256) for b in (64, 128, 256) if a != b),
         # kda_layout.cuh's PRECISE record (templates/sm80): the o products in hi + lo bf16.
