@@ -116,13 +116,14 @@ PRECISE_VARIANTS = [v for v in _REGISTRY.variants() if v.target == "sm80" and v.
 @pytest.mark.parametrize("v", PRECISE_VARIANTS, ids=[v.name for v in PRECISE_VARIANTS])
 def test_sm80_precise_record_halves_o_error(v):
     """The precise record (kda_layout.cuh; test_sm80_precise_emulation has its scheme in torch): o within
-    2.5e-3 of float64 on the default gate (bf16), where the plain record gave 3.7e-3 on the H200 and the
-    emulation gives 1.8e-3, and below 0.75x the error of the plain twin on the same inputs; the final state
-    no further from float64 than the plain twin's (+5%)."""
+    2.5e-3 of float64 on the bounded and precomputed gates (bf16), where the plain record gave 3.7e-3 on the
+    H200 and the emulation gives 1.8e-3; within 3e-3 on the unbounded gate, whose stronger decay leaves more
+    (H200: 2.35-2.47e-3 against the plain record's 3.93-3.97e-3, session 37); below 0.75x the error of the
+    plain twin on the same inputs; the final state no further from float64 than the plain twin's (+5%)."""
     kw = make_case(v, "cuda", T=1000, H=2, HV=2, seed=7)
     errs = run_and_compare(v, kw)
     if v.dtype == "bf16":
-        assert errs["o"] < 2.5e-3, errs
+        assert errs["o"] < (3e-3 if v.gate == "unbounded" else 2.5e-3), errs
     twin = _REGISTRY.entries.get(v.name.removesuffix("_hl"))
     if twin is not None and twin.built is not None:
         twin_errs = run_and_compare(twin.variant, kw)
