@@ -827,7 +827,7 @@ def tune_measurements(results: dict) -> list[dict]:
             times = by_target.setdefault(cell["target"], {})
             times[key] = min(times.get(key, math.inf), cell["timing"]["median"])
         for target, times in by_target.items():
-            out.append({"case": case.name, "target": target, "dtype": case.dtype, "head_dim": case.D,
+            out.append({"case": case.name, "target": target, "dtype": case.dtype, "head_dim": case.D, "gate": case.gate,
                         "tokens_per_seq": case.tokens / case.N, "seq_heads_per_sm": case.N * case.hv / sms,
                         "times": times})
     return out

@@ -13,11 +13,11 @@ Format (JSON, versioned)::
 
     {"format": "kdagen-tuning", "version": 1, "gpu": "NVIDIA H200", "sm_count": 132,
      "made_by": "kdagen tune", "date": "...", "commit": "...",
-     "rules": [{"target": "sm80", "dtype": "bf16", "head_dim": 128,
+     "rules": [{"target": "sm80", "dtype": "bf16", "head_dim": 128, "gate": "bounded",
                 "tokens_per_seq": [2048, 8192], "seq_heads_per_sm": [0.25, 1.0],
                 "chunk": 16, "block_v": 32, "rank": 0, "evidence": {...}}]}
 
-A rule applies to a call of its target (dtype and head_dim: null matches any) whose average
+A rule applies to a call of its target (dtype, head_dim and gate: null matches any) whose average
 tokens per sequence (T * B / N) and sequences x value heads per SM (N * HV / SMs) lie in its
 ranges [lo, hi) (hi null: no bound); the first matching rule of a target wins. `chunk` and
 `block_v` (null: the default rule) become that target's preference for the call. `rank` (optional)
@@ -68,14 +68,19 @@ class Rule:
     chunk: Optional[int] = None
     block_v: Optional[int] = None
     rank: Optional[int] = None  # order among the targets measured in this regime (0: fastest)
+    # The gate form measured (null: any). The forms' kernels differ in speed by up to 5x on one target
+    # (sm90's unbounded gate, H200, session 37), so a rule measured on one gate says nothing of another.
+    gate: Optional[str] = None
     evidence: dict = field(default_factory=dict, compare=False)
 
-    def matches(self, target: str, dtype: str, head_dim: int, tokens_per_seq: float, seq_heads_per_sm: float) -> bool:
+    def matches(self, target: str, dtype: str, head_dim: int, tokens_per_seq: float, seq_heads_per_sm: float,
+                gate: Optional[str] = None) -> bool:
         return (self.target == target and self.dtype in (None, dtype) and self.head_dim in (None, head_dim)
+                and self.gate in (None, gate)
                 and _inside(tokens_per_seq, self.tokens_per_seq) and _inside(seq_heads_per_sm, self.seq_heads_per_sm))
 
     def as_dict(self) -> dict:
-        return {"target": self.target, "dtype": self.dtype, "head_dim": self.head_dim,
+        return {"target": self.target, "dtype": self.dtype, "head_dim": self.head_dim, "gate": self.gate,
                 "tokens_per_seq": [_num(x) for x in self.tokens_per_seq],
                 "seq_heads_per_sm": [_num(x) for x in self.seq_heads_per_sm],
                 "chunk": self.chunk, "block_v": self.block_v, "rank": self.rank, "evidence": self.evidence}
@@ -89,9 +94,9 @@ class Tuning:
     meta: dict = field(default_factory=dict, compare=False)  # made_by, date, commit
 
     def rule_for(self, target: str, dtype: str, head_dim: int, tokens_per_seq: float,
-                 seq_heads_per_sm: float) -> Optional[Rule]:
+                 seq_heads_per_sm: float, gate: Optional[str] = None) -> Optional[Rule]:
         for r in self.rules:
-            if r.matches(target, dtype, head_dim, tokens_per_seq, seq_heads_per_sm):
+            if r.matches(target, dtype, head_dim, tokens_per_seq, seq_heads_per_sm, gate):
                 return r
         return None
 
@@ -214,8 +219,8 @@ def parse(data: Any, path: Path) -> Tuning:
         where = f"rules[{i}]"
         if not isinstance(r, dict):
             raise TuningError(f"{path}: {where}: expected an object, found {type(r).__name__}")
-        unknown = sorted(set(r) - {"target", "dtype", "head_dim", "tokens_per_seq", "seq_heads_per_sm", "chunk",
-                                   "block_v", "rank", "evidence"})
+        unknown = sorted(set(r) - {"target", "dtype", "head_dim", "gate", "tokens_per_seq", "seq_heads_per_sm",
+                                   "chunk", "block_v", "rank", "evidence"})
         if unknown:
             raise TuningError(f"{path}: {where}: unknown key(s) {', '.join(unknown)}")
         target = r.get("target")
@@ -231,12 +236,15 @@ def parse(data: Any, path: Path) -> Tuning:
         dtype = r.get("dtype")
         if dtype is not None and dtype not in info.dtypes:
             raise TuningError(f"{path}: {where}.dtype: expected null or one of {info.dtypes}, found {dtype!r}")
+        gate = r.get("gate")
+        if gate is not None and gate not in info.gates:
+            raise TuningError(f"{path}: {where}.gate: expected null or one of {info.gates}, found {gate!r}")
         rules.append(Rule(target=target, dtype=dtype, head_dim=_opt_int(path, f"{where}.head_dim", r.get("head_dim")),
                           tokens_per_seq=_range(path, f"{where}.tokens_per_seq", r.get("tokens_per_seq", [0, None])),
                           seq_heads_per_sm=_range(path, f"{where}.seq_heads_per_sm",
                                                   r.get("seq_heads_per_sm", [0, None])),
                           chunk=chunk, block_v=bv, rank=_opt_int(path, f"{where}.rank", r.get("rank"), least=0),
-                          evidence=dict(r.get("evidence") or {})))
+                          gate=gate, evidence=dict(r.get("evidence") or {})))
     meta = {k: data[k] for k in ("made_by", "date", "commit") if k in data}
     return Tuning(gpu=gpu, sm_count=sms, rules=tuple(rules), meta=meta)
 
@@ -343,7 +351,7 @@ def rule_for_call(target: str, c, sms: int) -> Optional[Rule]:
     if t is None or not t.rules:
         return None
     tps, shs = regime(c.T, c.B, c.N, c.HV, sms)
-    return t.rule_for(target, c.dtype, c.K, tps, shs)
+    return t.rule_for(target, c.dtype, c.K, tps, shs, c.gate)
 
 
 def memo_key(c) -> tuple:
@@ -356,7 +364,7 @@ def memo_key(c) -> tuple:
 
     tps, shs = regime(c.T, c.B, c.N, c.HV, _sm_count(c.device))
     return tuple(i for i, r in enumerate(t.rules)
-                 if r.dtype in (None, c.dtype) and r.head_dim in (None, c.K)
+                 if r.dtype in (None, c.dtype) and r.head_dim in (None, c.K) and r.gate in (None, c.gate)
                  and _inside(tps, r.tokens_per_seq) and _inside(shs, r.seq_heads_per_sm))
 
 
@@ -371,9 +379,9 @@ def bucket(x: float, edges: Sequence[float]) -> tuple[float, float]:
 
 
 def derive_rules(measurements: Iterable[dict]) -> list[Rule]:
-    """Rules from measured cases. Each measurement: {"case", "target", "dtype", "head_dim",
+    """Rules from measured cases. Each measurement: {"case", "target", "dtype", "head_dim", "gate",
     "tokens_per_seq", "seq_heads_per_sm", "times": {(chunk, block_v): ms}}. Cases are grouped by
-    (target, dtype, head dim, regime bucket of TOKEN_EDGES x SEQ_HEAD_EDGES); each group's rule
+    (target, dtype, head dim, gate, regime bucket of TOKEN_EDGES x SEQ_HEAD_EDGES); each group's rule
     takes the (chunk, block_v) with the least geometric mean of time / the case's best time over
     the group's cases (among the settings measured on all of them). The targets of one regime are
     then ranked (see rank_targets)."""
@@ -381,11 +389,11 @@ def derive_rules(measurements: Iterable[dict]) -> list[Rule]:
     for m in measurements:
         if not m["times"]:
             continue
-        key = (m["target"], m["dtype"], m["head_dim"], bucket(m["tokens_per_seq"], TOKEN_EDGES),
+        key = (m["target"], m["dtype"], m["head_dim"], m.get("gate"), bucket(m["tokens_per_seq"], TOKEN_EDGES),
                bucket(m["seq_heads_per_sm"], SEQ_HEAD_EDGES))
         groups.setdefault(key, []).append(m)
     rules = []
-    for (target, dtype, hd, tok, sh), ms in sorted(groups.items(), key=lambda kv: str(kv[0])):
+    for (target, dtype, hd, gate, tok, sh), ms in sorted(groups.items(), key=lambda kv: str(kv[0])):
         common = set.intersection(*(set(m["times"]) for m in ms))
         if not common:
             continue
@@ -398,7 +406,7 @@ def derive_rules(measurements: Iterable[dict]) -> list[Rule]:
                     "ms": {m["case"]: {f"c{c}_bv{b}": round(t, 4) for (c, b), t in sorted(m["times"].items())}
                            for m in ms}}
         rules.append(Rule(target=target, dtype=dtype, head_dim=hd, tokens_per_seq=tok, seq_heads_per_sm=sh,
-                          chunk=best[0], block_v=best[1], evidence=evidence))
+                          chunk=best[0], block_v=best[1], gate=gate, evidence=evidence))
     return rank_targets(rules)
 
 
@@ -414,7 +422,7 @@ def rank_targets(rules: Sequence[Rule]) -> list[Rule]:
 
     regimes: dict[tuple, list[int]] = {}
     for i, r in enumerate(rules):
-        regimes.setdefault((r.dtype, r.head_dim, r.tokens_per_seq, r.seq_heads_per_sm), []).append(i)
+        regimes.setdefault((r.dtype, r.head_dim, r.gate, r.tokens_per_seq, r.seq_heads_per_sm), []).append(i)
     out = list(rules)
     for idx in regimes.values():
         group = [rules[i] for i in idx]

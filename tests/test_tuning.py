@@ -400,3 +400,29 @@ def test_issue16_rows_fall_in_their_own_regimes():
              for T, H in [(8192, 96), (8192, 64), (16384, 48)]}
     assert len(set(cells.values())) == 3, cells
     assert cells[8192, 64] == ((8192, 16384), (0.25, 0.5))
+
+
+def test_a_rule_measured_on_one_gate_form_leaves_the_others_to_the_defaults(gpu, tmp_path):
+    # On the H200 sm90's unbounded gate took 2.2-5x sm80's time where its bounded gate was the faster
+    # (session 37): a rule ranks only the gate form it was measured on.
+    cands = SM80 + [triton(16, 32), triton(64, 16)]
+    rules = (Rule(target="triton", tokens_per_seq=(2048, 32768), seq_heads_per_sm=(0.25, 1.0), chunk=64, block_v=16,
+                  rank=0, gate="bounded"),)
+    tuning.save(a_tuning(rules=rules), gpu)
+    assert tuning.load(gpu).rules[0].gate == "bounded"
+    assert sel.select(cands, info()).target == "triton"
+    gu = [dataclasses.replace(x, gate="unbounded") for x in cands]
+    assert sel.select(gu, info(gate="unbounded")).target == "sm80"  # no rule: the targets' own order
+    assert tuning.memo_key(info()) == (0,) and tuning.memo_key(info(gate="unbounded")) == ()
+    # tune keeps the forms apart: one regime, one target, two gates -> two rules
+    ms = [{"case": c, "target": "sm80", "dtype": "bf16", "head_dim": 128, "gate": g, "tokens_per_seq": 8192,
+           "seq_heads_per_sm": 0.7, "times": t} for c, g, t in
+          (("a", "bounded", {(16, 32): 1.0, (16, 64): 0.9}), ("b", "unbounded", {(16, 32): 0.8, (16, 64): 0.9}))]
+    got = {r.gate: r.block_v for r in tuning.derive_rules(ms)}
+    assert got == {"bounded": 64, "unbounded": 32}
+    data = a_tuning(rules=rules).as_dict()
+    data["rules"][0]["gate"] = "softplus"
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(data))
+    with pytest.raises(TuningError, match=r"rules\[0\]\.gate: expected null or one of"):
+        tuning.load(bad)
