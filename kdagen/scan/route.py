@@ -4,10 +4,10 @@ plan that does.
 One piece runs each (sequence, value head, V block) as one serial chain of chunk steps: a long
 sequence with few heads keeps a few dozen SMs busy and leaves the rest idle. The scan in mode
 "correct" (kdagen.scan.engine) cuts it into segments that run side by side and adds each
-segment's entering state to o afterwards. On the H200 it took B1 T131072 H4 from 3.9 to 1.8 ms
-and T32768 H8 from 1.35 to 1.03 (benchmarks/NOTES.md, session 33). Its o is step 1's o plus
-o_A S_in^T with o_A in the input dtype: about 0.8e-3 of relative RMSE on top of one piece's,
-where the state carries far (session 28).
+segment's entering state to o afterwards. Routed against one piece on the H200 (session 37):
+B1 T131072 H4 0.51x, T262144 H4 0.40x, B2 T65536 H4 0.83x, T65536 H8 0.89x. Its o is step 1's o
+plus o_A S_in^T with o_A in the input dtype; against float64 that moved o's error by at most
+0.03e-3 (4.24e-3 against 4.22e-3 with a gate that barely decays).
 
 The choice is made once per signature (the runtime caches the plan) by the scan's planner; a
 signature is offered to it only where the planner's cost model applies and the scan returns what
