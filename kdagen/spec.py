@@ -115,12 +115,14 @@ def _check_group(p: str, i: int, g: Any) -> dict[str, Any]:
     info: TargetInfo = TARGETS[target]
     out: dict[str, Any] = {"target": target}
 
-    def check_values(key: str, allowed: tuple, kind: type) -> list[Any]:
-        vals = _as_list(g[key])
+    def check_values(key: str, allowed: tuple, kind: type, default: Any = None) -> list[Any]:
+        vals = _as_list(g[key] if default is None else g.get(key, default))
         if not vals:
             raise SpecError(p, f"{where}.{key}", f"empty list; allowed: {_fmt(allowed)}")
         for v in vals:
-            if not isinstance(v, kind) or isinstance(v, bool) or v not in allowed:
+            if kind is bool and not isinstance(v, bool):
+                raise SpecError(p, f"{where}.{key}", f"expected true or false, found {v!r}")
+            if not isinstance(v, kind) or (kind is not bool and isinstance(v, bool)) or v not in allowed:
                 raise SpecError(p, f"{where}.{key}", f"{v!r} is not allowed for target {target}; allowed: {_fmt(allowed)}")
         return sorted(set(vals))
 
@@ -129,15 +131,7 @@ def _check_group(p: str, i: int, g: Any) -> dict[str, Any]:
     out["gate"] = check_values("gate", info.gates, str)
     out["state"] = check_values("state", info.states, str)
     out["block_v"] = check_values("block_v", info.block_v, int)
-    precise = _as_list(g.get("precise", False))
-    for v in precise:
-        if not isinstance(v, bool):
-            raise SpecError(p, f"{where}.precise", f"expected true or false, found {v!r}")
-        if v not in info.precise:
-            raise SpecError(p, f"{where}.precise", f"{v!r} is not allowed for target {target}; allowed: {_fmt(info.precise)}")
-    if not precise:
-        raise SpecError(p, f"{where}.precise", f"empty list; allowed: {_fmt(info.precise)}")
-    out["precise"] = sorted(set(precise))
+    out["precise"] = check_values("precise", info.precise, bool, default=False)
     dims = []
     for hd in _as_list(g["head_dim"]):
         pair = (hd, hd) if isinstance(hd, int) and not isinstance(hd, bool) else hd

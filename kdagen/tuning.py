@@ -363,9 +363,7 @@ def memo_key(c) -> tuple:
     from .select import _sm_count
 
     tps, shs = regime(c.T, c.B, c.N, c.HV, _sm_count(c.device))
-    return tuple(i for i, r in enumerate(t.rules)
-                 if r.dtype in (None, c.dtype) and r.head_dim in (None, c.K) and r.gate in (None, c.gate)
-                 and _inside(tps, r.tokens_per_seq) and _inside(shs, r.seq_heads_per_sm))
+    return tuple(i for i, r in enumerate(t.rules) if r.matches(r.target, c.dtype, c.K, tps, shs, c.gate))
 
 
 # ----------------------------------------------------------------------------- kdagen tune

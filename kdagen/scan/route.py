@@ -85,9 +85,6 @@ class ScanRoute:
         log.info("kdagen: B=%d T=%d H=%d HV=%d runs as the scan (mode %s, %d segments per sequence) over %s; "
                  "KDAGEN_SCAN=0 runs it in one piece", i.B, i.T, i.H, i.HV, MODE, max(segments), inner.entry.name)
 
-    def workspace_bytes(self) -> int:
-        return self.inner.workspace_bytes()
-
     @staticmethod
     def label(segments: tuple[int, ...]) -> str:
         return f"scan {MODE} x{max(segments)}"
