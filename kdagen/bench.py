@@ -212,23 +212,32 @@ CASE_SETS["default"] = [c for name in ("issue16", "issue17", "short", "shapes") 
 
 
 def load_cases(spec: str) -> list[Case]:
-    """--cases: set names (default, issue15, issue16, issue17, issue21, short, shapes) or case
-    names of the default set, comma-separated, or a YAML/JSON file: a list of cases or
+    """--cases: comma-separated items, each a set name (default, issue15, issue16, issue17, issue21,
+    short, shapes), a case name of the default set, or a YAML/JSON file: a list of cases or
     {"cases": [...]}, each a mapping of name, H, and T (with B) or lens; optional HV, D, dtype,
-    gate, compare."""
-    p = Path(spec)
-    if p.suffix.lower() in (".yaml", ".yml", ".json") or p.is_file():
-        return _cases_file(p)
-    names = [n.strip() for n in spec.split(",") if n.strip()]
-    if names and all(n in CASE_SETS for n in names):  # one or more sets, in turn
-        return [c for n in names for c in CASE_SETS[n]]
+    gate, compare. Case names must be unique over the whole list."""
+    items = [spec] if Path(spec).is_file() else [n.strip() for n in spec.split(",") if n.strip()]
     known = {c.name: c for c in CASE_SETS["default"]}
-    missing = [n for n in names if n not in known]
-    if missing or not names:
+    cases: list[Case] = []
+    missing = []
+    for item in items:
+        p = Path(item)
+        if p.suffix.lower() in (".yaml", ".yml", ".json") or p.is_file():
+            cases += _cases_file(p)
+        elif item in CASE_SETS:
+            cases += CASE_SETS[item]
+        elif item in known:
+            cases.append(known[item])
+        else:
+            missing.append(item)
+    if missing or not items:
         raise BenchError(f"--cases: expected a set ({', '.join(sorted(CASE_SETS))}), case names of the sets, "
-                         f"or a .yaml/.json file, found {spec!r}"
+                         f"or a .yaml/.json file, comma-separated, found {spec!r}"
                          + (f" (unknown: {', '.join(missing)})" if missing else ""))
-    return [known[n] for n in names]
+    dup = sorted({c.name for c in cases if sum(x.name == c.name for x in cases) > 1})
+    if dup:
+        raise BenchError(f"--cases {spec}: case names must be unique, found {', '.join(dup)} more than once")
+    return cases
 
 
 def _cases_file(p: Path) -> list[Case]:
@@ -247,11 +256,7 @@ def _cases_file(p: Path) -> list[Case]:
     if not isinstance(data, list) or not data:
         raise BenchError(f"--cases {p}: expected a non-empty list of cases (or a mapping with 'cases'), "
                          f"found {type(data).__name__}")
-    cases = [case_from_dict(d, f"--cases {p}: case {i}") for i, d in enumerate(data)]
-    dup = sorted({c.name for c in cases if sum(x.name == c.name for x in cases) > 1})
-    if dup:
-        raise BenchError(f"--cases {p}: case names must be unique, found {', '.join(dup)} more than once")
-    return cases
+    return [case_from_dict(d, f"--cases {p}: case {i}") for i, d in enumerate(data)]
 
 
 def parse_compare(text: str) -> tuple[str, ...]:

@@ -247,8 +247,8 @@ def _bench_options(compare: str, compare_all: bool, variants: str | None, top: i
 def _bench_common(f):
     for opt in reversed([
         click.option("--cases", "cases", default="default", show_default=True,
-                     help="a case set (default, issue15, issue16, issue17, issue21, short, shapes), comma-separated case names, "
-                          "or a .yaml/.json file of cases"),
+                     help="comma-separated case sets (default, issue15, issue16, issue17, issue21, short, shapes), case "
+                          "names of the default set and .yaml/.json files of cases"),
         click.option("--variants", default=None, help="glob on variant names: time the matching candidates "
                      "(all of them unless --top is given); the auto-selected one is always timed"),
         click.option("--top", type=int, default=None,

@@ -28,6 +28,8 @@ def main() -> int:
     ap.add_argument("--H", type=int, default=24)
     ap.add_argument("--B", type=int, default=1, help="batch (with --T; issue 16's B4 T4096 H32 row)")
     ap.add_argument("--iters", type=int, default=15)
+    ap.add_argument("--g-scale", type=float, default=1.0,
+                    help="multiply the gate input g by this (data-dependent paths: the span fallback)")
     ap.add_argument("--lens", help="varlen: comma-separated sequence lengths (instead of --T)")
     ap.add_argument("--recur-only", type=int, default=0, help="run kda_recur this many times (for ncu)")
     ap.add_argument("--build", metavar="OUT", help="compile the variant with -D flags into OUT and exit")
@@ -54,7 +56,9 @@ def main() -> int:
     T, H, D = (sum(lens) if lens else a.T), a.H, var0.k
     if lens and a.B != 1:
         raise SystemExit("--B is for --T; --lens is one packed batch")
-    inp = bench_case(None if lens else T, H, lens=lens, D=D, B=a.B)
+    inp = bench_case(None if lens else T, H, lens=lens, D=D, B=a.B, gate=var0.gate)  # (the variant's gate form)
+    if a.g_scale != 1.0:
+        inp["g"] = (inp["g"].float() * a.g_scale).to(inp["g"].dtype)
     first = FirstResult()
     shape = f"varlen {lens}" if lens else f"B{a.B} T{T}"
     print(f"{a.variant} {shape} H{H} D{D} on {torch.cuda.get_device_name()}", flush=True)

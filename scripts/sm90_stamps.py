@@ -38,7 +38,7 @@ def main() -> int:
     from kdagen_dev.sm90_stamps import EVENTS, segments
 
     var = entry(a.variant).variant
-    call = capture_call(bench_case(a.T, a.H, D=var.k), var.name)
+    call = capture_call(bench_case(a.T, a.H, D=var.k, gate=var.gate), var.name)
     la = Sm90Launcher(var, Path(a.fatbin))
     mod = la._module(call.q.device)[0]
     C0, N, CTAS, nev = struct.unpack("<4i", mod.read_global("kda_stamp_meta", 16))  # (not a stamps build: raises)

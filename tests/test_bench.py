@@ -235,6 +235,13 @@ def test_cases_files(tmp_path):
     assert [c.name for c in both] == [c.name for c in b.CASE_SETS["issue21"] + b.CASE_SETS["issue15"]]
     assert (both[3].dtype, both[3].gate, both[4].D, both[4].gate, both[-1].D) == ("fp16", "unbounded", 64,
                                                                                  "precomputed", 256)
+    # sets and files mix (tune measures the default set and the gate forms' file in one run); names stay unique
+    mixed = b.load_cases(f"issue15,{y}")
+    assert [c.name for c in mixed] == [c.name for c in b.CASE_SETS["issue15"]] + ["a", "b"]
+    with pytest.raises(b.BenchError, match="case names must be unique, found a, b more than once"):
+        b.load_cases(f"{y},{y}")
+    with pytest.raises(b.BenchError, match=r"\(unknown: nope\)"):
+        b.load_cases(f"{y},nope")
 
 
 @pytest.mark.parametrize("text, message", [

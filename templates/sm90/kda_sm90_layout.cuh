@@ -166,15 +166,26 @@ constexpr bool GFOLD = KDA_GATE == 0 && PREP_PIPE;
 #else
 constexpr bool GFOLD = false;
 #endif
-// KDA_SM90_G2 (GFOLD only; =0 turns it off): the cumulative gate in log2 units (lb log2(e) in phase 0's FFMA), so phase
+// KDA_SM90_G2 (GFOLD or GSOFT; =0 turns it off): the cumulative gate in log2 units (lb log2(e) in phase 0's FFMA), so phase
 // 1's three exponentials per element are bare ex2 (no multiply by log2(e)); phase 2's span bar scales with it.
 // KDA_SM90_QFOLD (the Kg record with GFOLD; =0 turns it off): the attention scale folded into q's norm factor in phase 0, so phase 1
 // stores Qd without a multiply per element and phase 3 takes the fp32 diagonal as it is.
 // Both together (H200 2026-12-03, session 24 call 2, three passes): the pair -0.75% geomean over issue 16's six rows
 // (varlen 8x1024 and B4 T4096 -2%, T8192 H96 and varlen H96 -1%, T16384 H48 flat, T8192 H64 +2%); bv128 -2.2%; o within
 // 7e-5 of the unfolded prep's. About 70 fewer fp32 instructions per prep group and chunk.
+// KDA_SM90_GSOFT (the unbounded gate; =0 turns it off): phase 0's softplus in log2 units from two MUFU ops,
+// -e^A_log (max(t, 0) + log2(1 + 2^-|t|)) with t = (x + dt_bias) log2(e), instead of log1pf(e^x), a software routine
+// (H200 2026-12-04 stamps, bv128 T8192 H64: group A's phase 0 took 4760 cycles per chunk against the bounded gate's
+// 2390, and group A is the ring's chain; T8192 H64 bv128 1.79 -> 1.22 ms, the pair 0.73 -> 0.55, K = 64 1.84 -> 1.54 at
+// H32; o within 1e-4 of log1pf's). With it the unbounded gate is in log2 units too (G2). The precomputed gate in log2
+// units (g log2(e) in phase 0) measured flat (bv128 -1%, the pair +0.4%): not taken.
+#if !defined(KDA_SM90_GSOFT) || KDA_SM90_GSOFT
+constexpr bool GSOFT = KDA_GATE == 1;
+#else
+constexpr bool GSOFT = false;
+#endif
 #if !defined(KDA_SM90_G2) || KDA_SM90_G2
-constexpr bool G2 = GFOLD;
+constexpr bool G2 = GFOLD || GSOFT;
 #else
 constexpr bool G2 = false;
 #endif

@@ -187,6 +187,14 @@ __device__ __forceinline__ float gexp(float x) {
   }
 }
 constexpr float SPAN_MAX = G2 ? 80.f * LOG2E : 80.f;
+// m softplus(t) in log2 units for t in log2 units: m (max(t, 0) + log2(1 + 2^-|t|)) (GSOFT). The MUFU ops' error is
+// ~2^-22 absolute in the log term; 2^-|t| flushes to 0 past |t| = 126, where softplus is t or 0 in fp32 anyway.
+__device__ __forceinline__ float softplus2(float t, float m) {
+  float e, l;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(-fabsf(t)));
+  asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(l) : "f"(1.f + e));
+  return m * (fmaxf(t, 0.f) + l);
+}
 #define KDA_PREP_SCRATCH(base, c)                                                         \
   char* const scr = (base) + SM_SCR;                                                       \
   char* const scs = scr + scr_set(c);                                                      \
@@ -258,8 +266,10 @@ __device__ __forceinline__ void prep_phase0(const KdaParams& p, char* base, int 
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
       // activated unconditionally, then selected: rows past the end do not decay
-      const float act = GFOLD ? lbg * (1.f / (1.f + exp2f(fmaf(ld.gx[j], aexp, bias))))
-                              : gate_act(ld.gx[j] + bias, aexp, p.lower_bound);
+      float act;
+      if constexpr (GFOLD) act = lbg * (1.f / (1.f + exp2f(fmaf(ld.gx[j], aexp, bias))));
+      else if constexpr (GSOFT && G2) act = softplus2(fmaf(ld.gx[j], LOG2E, bias), aexp);
+      else act = gate_act(ld.gx[j] + bias, aexp, p.lower_bound);
       run += 8 * half + j < rows ? act : 0.f;
       a[j] = run;
     }
@@ -560,11 +570,12 @@ __device__ __forceinline__ void prep_w16(char* base, int c, const uint32_t (&ah)
 }
 
 // Gate constants of column col (A_log's exponent; dt_bias or 0). GFOLD: the bounded gate's affine part folded for
-// phase 0's one FFMA, act = lb / (1 + 2^(x m + a)) with m = -e^A_log log2(e), a = m dt_bias.
+// phase 0's one FFMA, act = lb / (1 + 2^(x m + a)) with m = -e^A_log log2(e), a = m dt_bias. GSOFT: m = -e^A_log and
+// a = dt_bias log2(e), act = softplus2(x log2(e) + a, m).
 __device__ __forceinline__ float gate_aexp(const KdaParams& p, const SeqInfo& si) {
 #if KDA_GATE != 2
   const float e = __expf(__ldg(p.A_log + si.h));
-  return GFOLD ? -e * LOG2E : e;
+  return GFOLD ? -e * LOG2E : GSOFT && G2 ? -e : e;
 #else
   return 0.f;
 #endif
@@ -572,7 +583,7 @@ __device__ __forceinline__ float gate_aexp(const KdaParams& p, const SeqInfo& si
 __device__ __forceinline__ float gate_bias(const KdaParams& p, const SeqInfo& si, int col) {
 #if KDA_GATE != 2
   const float b = p.dt_bias ? __ldg(p.dt_bias + si.h * K + col) : 0.f;
-  return GFOLD ? gate_aexp(p, si) * b : b;
+  return GFOLD ? gate_aexp(p, si) * b : GSOFT && G2 ? b * LOG2E : b;
 #else
   return 0.f;
 #endif
