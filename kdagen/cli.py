@@ -340,7 +340,8 @@ def tune(cases: str, variants: str | None, top: int | None, warm_procs: int, bud
         for r in t.rules:
             hi_t = "inf" if r.tokens_per_seq[1] == float("inf") else f"{r.tokens_per_seq[1]:g}"
             hi_s = "inf" if r.seq_heads_per_sm[1] == float("inf") else f"{r.seq_heads_per_sm[1]:g}"
-            click.echo(f"  {r.target} {r.dtype} D{r.head_dim}: tokens/seq [{r.tokens_per_seq[0]:g}, {hi_t}) "
+            gate = "" if r.gate is None else f" {r.gate} gate"
+            click.echo(f"  {r.target} {r.dtype} D{r.head_dim}{gate}: tokens/seq [{r.tokens_per_seq[0]:g}, {hi_t}) "
                        f"seq x heads/SM [{r.seq_heads_per_sm[0]:g}, {hi_s}): chunk {r.chunk} block_v {r.block_v} "
                        f"{'' if r.rank is None else f'rank {r.rank} '}"
                        f"({', '.join(r.evidence.get('cases', []))})")
