@@ -25,12 +25,13 @@ from kdagen.runtime import registry
 LENS = [0, 1, 17, 70, 0, 33]
 
 
-def picked(targets: set[str]) -> list:
+def picked(targets: set[str], match: str = "*") -> list:
     """One variant per kernel shape of the CUDA targets (chunk, head dims, V-split, state form, input
-    dtype, record: the gate form changes only the activation arithmetic) and one per Triton chunk size."""
+    dtype, record: the gate form changes only the activation arithmetic) and one per Triton chunk size,
+    among those whose name matches the glob `match` (matched first: `*_gu_*` picks the unbounded gate's)."""
     seen, out = set(), []
     for v in registry().variants():
-        if v.target not in targets:
+        if v.target not in targets or not fnmatch.fnmatchcase(v.name, match):
             continue
         key = ((v.target, v.chunk, v.k, v.v, v.block_v, v.state, v.dtype, v.precise) if v.target != "triton"
                else (v.target, v.chunk))
@@ -49,9 +50,8 @@ def main() -> int:
     ap.add_argument("--fatbin", help="with --variant: load this build of it (scripts/fatbin_ab.py --build)")
     a = ap.parse_args()
     if a.list:
-        for v in picked(set(a.targets.split(","))):
-            if fnmatch.fnmatchcase(v.name, a.match):
-                print(v.name)
+        for v in picked(set(a.targets.split(",")), a.match):
+            print(v.name)
         return 0
     if not a.variant or a.variant not in registry().entries:
         print(f"--variant: expected a registered variant name, found {a.variant!r}", file=sys.stderr)

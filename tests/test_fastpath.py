@@ -676,9 +676,13 @@ SM90_PAIR = "kda_fwd_sm90_c16_k128_v128_bf16_gb_sfp32_bv64"
 @pytest.mark.parametrize("target", ["sm80", "sm90"])
 @pytest.mark.parametrize("how", ["batch", "varlen_host_offsets", "varlen_assume_valid", "chunk_states",
                                  "owned_buffers"])
-def test_gpu_bound_launch_equals_the_general_path(how, target):
+def test_gpu_bound_launch_equals_the_general_path(how, target, monkeypatch):
     from kdagen.targets.sm80 import Sm80Bound
     from kdagen.targets.sm90 import Sm90Bound
+
+    # sm80: dispatch by the targets' constants, which rank sm80 first (the H200's tuning file ranks sm90 first for
+    # these small shapes since session 38)
+    monkeypatch.setenv("KDAGEN_TUNING", "off")
 
     if target == "sm90" and torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("sm90 variants need an sm_90 GPU")
