@@ -56,6 +56,7 @@ class Case:
     dtype: str = "bf16"
     gate: str = "bounded"
     compare: bool = True  # time the peers (--compare) on this case
+    gate_fp32: bool = False  # g and beta in fp32 (how engines pass them after fla's fused_kda_gate), else in dtype
 
     @property
     def hv(self) -> int:
@@ -82,14 +83,15 @@ class Case:
         from .cases import bench_inputs
 
         return bench_inputs(self.T, self.H, list(self.lens) if self.lens else None, self.D, seed, dev, self.B,
-                            self.dtype, self.gate, self.HV)
+                            self.dtype, self.gate, self.HV, gate_fp32=self.gate_fp32)
 
     def compulsory_bytes(self) -> int:
         """Bytes any implementation must move: q, k, v, g, beta in, o out (input dtype), the fp32
         state in and out; A_log and dt_bias are negligible."""
         el = 4 if self.dtype == "fp32" else 2
+        gel = 4 if self.gate_fp32 else el
         t, H, HV, D = self.tokens, self.H, self.hv, self.D
-        return t * el * (2 * H * D + 2 * HV * D + HV + HV * D) + 2 * self.N * HV * D * D * 4
+        return t * (el * (2 * H * D + 2 * HV * D) + gel * (HV + HV * D)) + 2 * self.N * HV * D * D * 4
 
     def as_dict(self) -> dict:
         d = asdict(self)
@@ -97,7 +99,7 @@ class Case:
         return {k: v for k, v in d.items() if v is not None}
 
 
-_CASE_KEYS = {"name", "H", "T", "B", "lens", "HV", "D", "dtype", "gate", "compare"}
+_CASE_KEYS = {"name", "H", "T", "B", "lens", "HV", "D", "dtype", "gate", "compare", "gate_fp32"}
 
 
 def case_from_dict(d: Any, where: str) -> Case:
@@ -141,11 +143,12 @@ def case_from_dict(d: Any, where: str) -> Case:
         raise BenchError(f"{where}: dtype: expected bf16, fp16 or fp32, found {dtype!r}")
     if gate not in GATES:
         raise BenchError(f"{where}: gate: expected one of {', '.join(GATES)}, found {gate!r}")
-    compare = d.get("compare", True)
-    if not isinstance(compare, bool):
-        raise BenchError(f"{where}: compare: expected true or false, found {compare!r}")
+    flags = {key: d.get(key, default) for key, default in (("compare", True), ("gate_fp32", False))}
+    for key, val in flags.items():
+        if not isinstance(val, bool):
+            raise BenchError(f"{where}: {key}: expected true or false, found {val!r}")
     return Case(name=name.strip(), H=H, T=pos_int("T"), B=pos_int("B", 1), lens=tuple(lens) if lens else None,
-                HV=HV, D=pos_int("D", 128), dtype=dtype, gate=gate, compare=compare)
+                HV=HV, D=pos_int("D", 128), dtype=dtype, gate=gate, **flags)
 
 
 def _c(name: str, compare: bool = False, **kw: Any) -> Case:
@@ -317,8 +320,8 @@ def _fla_call(case: Case):
 
 
 def _flashkda_call(case: Case):
-    if (case.D, case.dtype, case.gate, case.hv) != (128, "bf16", "bounded", case.H):
-        raise BenchError("FlashKDA takes K = V = 128, bf16, the bounded gate and no GQA")
+    if (case.D, case.dtype, case.gate, case.hv, case.gate_fp32) != (128, "bf16", "bounded", case.H, False):
+        raise BenchError("FlashKDA takes K = V = 128, bf16 (g and beta too), the bounded gate and no GQA")
     import flash_kda
     import torch
 

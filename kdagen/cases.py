@@ -356,12 +356,13 @@ def run_and_compare(v: Variant, kw: dict, tol: Optional[float | dict[str, float]
 
 def bench_inputs(T: Optional[int] = None, H: int = 8, lens: Optional[list[int]] = None, D: int = 128, seed: int = 0,
                  dev="cuda", B: int = 1, dtype: str = "bf16", gate: str = "bounded",
-                 HV: Optional[int] = None) -> tuple[dict, Any]:
+                 HV: Optional[int] = None, gate_fp32: bool = False) -> tuple[dict, Any]:
     """The benchmarks' tensors and cu_seqlens apart: q, k [B, T, H, D], v, g [B, T, HV, D] and
     beta [B, T, HV] in `dtype` (HV: value heads, default H; more than H is GQA), A_log and dt_bias
     (None for the precomputed gate, whose g is then a log-decay in the bounded gate's range), an
-    fp32 initial state [N, HV, D, D] and the gate form (DESIGN.md section 5's setting). Drawn on
-    `dev`; callers pass the other arguments themselves."""
+    fp32 initial state [N, HV, D, D] and the gate form (DESIGN.md section 5's setting). gate_fp32: g and
+    beta in fp32 instead (engines pass fla's fused_kda_gate output so). Drawn on `dev`; callers pass the
+    other arguments themselves."""
     gen = torch.Generator(device=dev).manual_seed(seed)
     if lens is not None:
         T = sum(lens)
@@ -374,8 +375,9 @@ def bench_inputs(T: Optional[int] = None, H: int = 8, lens: Optional[list[int]] 
     g = r(B, T, HV, D)
     if gate == "precomputed":
         g = -5.0 * torch.sigmoid(g)
-    kw = dict(q=r(B, T, H, D).to(dt), k=r(B, T, H, D).to(dt), v=r(B, T, HV, D).to(dt), g=g.to(dt),
-              beta=r(B, T, HV).to(dt),
+    gdt = torch.float32 if gate_fp32 else dt
+    kw = dict(q=r(B, T, H, D).to(dt), k=r(B, T, H, D).to(dt), v=r(B, T, HV, D).to(dt), g=g.to(gdt),
+              beta=r(B, T, HV).to(gdt),
               A_log=torch.rand(HV, generator=gen, device=dev) if gate != "precomputed" else None,
               dt_bias=r(HV, D) * 0.1 if gate != "precomputed" else None,
               initial_state=r(len(lens) if lens else B, HV, D, D) * 0.1, gate=gate)

@@ -229,6 +229,16 @@ def test_cases_files(tmp_path):
     j = tmp_path / "c.json"
     j.write_text(json.dumps({"cases": [{"name": "x", "H": 1, "T": 5, "B": 2, "gate": "unbounded"}]}))
     assert b.load_cases(str(j))[0].tokens == 10
+    # gate_fp32: g and beta in fp32 (an engine's call after fused_kda_gate); their bytes count 4 each
+    f = tmp_path / "f.yaml"
+    f.write_text("- {name: e, H: 2, T: 16, gate: precomputed, gate_fp32: true}\n- {name: d, H: 2, T: 16}\n")
+    e, d = b.load_cases(str(f))
+    assert (e.gate_fp32, d.gate_fp32) == (True, False)
+    assert e.compulsory_bytes() - d.compulsory_bytes() == 16 * 2 * (1 + 128) * 2
+    import torch
+
+    kw, _ = e.inputs(dev="cpu")
+    assert (kw["g"].dtype, kw["beta"].dtype, kw["q"].dtype) == (torch.float32, torch.float32, torch.bfloat16)
     assert [c.name for c in b.load_cases("B1 T64 H32,B1 T8192 H96")] == ["B1 T64 H32", "B1 T8192 H96"]
     assert b.load_cases("issue17") == b.CASE_SETS["issue17"]
     both = b.load_cases("issue21, issue15")
@@ -251,6 +261,7 @@ def test_cases_files(tmp_path):
     ("- {name: a, H: 3, HV: 4, T: 8}\n", "case 0: HV: expected a multiple of H=3"),
     ("- {name: a, H: 4, T: 8, gate: soft}\n", "case 0: gate: expected one of"),
     ("- {name: a, H: 4, T: 8, heads: 2}\n", "case 0: unknown key(s) heads"),
+    ("- {name: a, H: 4, T: 8, gate_fp32: 1}\n", "case 0: gate_fp32: expected true or false, found 1"),
     ("- {name: a, H: 4, T: 8}\n- {name: a, H: 4, T: 9}\n", "case names must be unique, found a"),
     ("{}\n", "expected a non-empty list of cases"),
     ("- [unclosed\n", "not valid YAML"),
