@@ -68,8 +68,9 @@ class Rule:
     chunk: Optional[int] = None
     block_v: Optional[int] = None
     rank: Optional[int] = None  # order among the targets measured in this regime (0: fastest)
-    # The gate form measured (null: any). The forms' kernels differ in speed by up to 5x on one target
-    # (sm90's unbounded gate, H200, session 37), so a rule measured on one gate says nothing of another.
+    # The gate form measured (null: any). The forms' kernels can differ in speed on one target (sm90's
+    # unbounded gate took 1.5x its bounded gate's time per chunk until session 38), so a rule measured on
+    # one gate says nothing certain of another.
     gate: Optional[str] = None
     evidence: dict = field(default_factory=dict, compare=False)
 

@@ -180,15 +180,16 @@ constexpr bool GFOLD = false;
 // H32; o within 1e-4 of log1pf's). With it the unbounded gate is in log2 units too (G2). The precomputed gate in log2
 // units (g log2(e) in phase 0) measured flat (bv128 -1%, the pair +0.4%): not taken.
 #if !defined(KDA_SM90_GSOFT) || KDA_SM90_GSOFT
-constexpr bool GSOFT = KDA_GATE == 1;
+#define KDA_SM90_GSOFT_ON (KDA_GATE == 1)
 #else
-constexpr bool GSOFT = false;
+#define KDA_SM90_GSOFT_ON 0
 #endif
 #if !defined(KDA_SM90_G2) || KDA_SM90_G2
-constexpr bool G2 = GFOLD || GSOFT;
+constexpr bool G2 = GFOLD || KDA_SM90_GSOFT_ON;
 #else
 constexpr bool G2 = false;
 #endif
+constexpr bool GSOFT = KDA_SM90_GSOFT_ON && G2;  // (its softplus is in log2 units: KDA_SM90_G2=0 turns it off too)
 #if !defined(KDA_SM90_QFOLD) || KDA_SM90_QFOLD
 constexpr bool QFOLD = UKG && GFOLD;  // (where it was measured; with GSOFT: no spill, the pair +2%, bv128 flat)
 #else

@@ -190,9 +190,8 @@ constexpr float SPAN_MAX = G2 ? 80.f * LOG2E : 80.f;
 // m softplus(t) in log2 units for t in log2 units: m (max(t, 0) + log2(1 + 2^-|t|)) (GSOFT). The MUFU ops' error is
 // ~2^-22 absolute in the log term; 2^-|t| flushes to 0 past |t| = 126, where softplus is t or 0 in fp32 anyway.
 __device__ __forceinline__ float softplus2(float t, float m) {
-  float e, l;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(-fabsf(t)));
-  asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(l) : "f"(1.f + e));
+  float l;
+  asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(l) : "f"(1.f + gexp(-fabsf(t))));  // (GSOFT implies G2: gexp is ex2)
   return m * (fmaxf(t, 0.f) + l);
 }
 #define KDA_PREP_SCRATCH(base, c)                                                         \
@@ -268,7 +267,7 @@ __device__ __forceinline__ void prep_phase0(const KdaParams& p, char* base, int 
       // activated unconditionally, then selected: rows past the end do not decay
       float act;
       if constexpr (GFOLD) act = lbg * (1.f / (1.f + exp2f(fmaf(ld.gx[j], aexp, bias))));
-      else if constexpr (GSOFT && G2) act = softplus2(fmaf(ld.gx[j], LOG2E, bias), aexp);
+      else if constexpr (GSOFT) act = softplus2(fmaf(ld.gx[j], LOG2E, bias), aexp);
       else act = gate_act(ld.gx[j] + bias, aexp, p.lower_bound);
       run += 8 * half + j < rows ? act : 0.f;
       a[j] = run;
@@ -575,7 +574,7 @@ __device__ __forceinline__ void prep_w16(char* base, int c, const uint32_t (&ah)
 __device__ __forceinline__ float gate_aexp(const KdaParams& p, const SeqInfo& si) {
 #if KDA_GATE != 2
   const float e = __expf(__ldg(p.A_log + si.h));
-  return GFOLD ? -e * LOG2E : GSOFT && G2 ? -e : e;
+  return GFOLD ? -e * LOG2E : GSOFT ? -e : e;
 #else
   return 0.f;
 #endif
@@ -583,7 +582,7 @@ __device__ __forceinline__ float gate_aexp(const KdaParams& p, const SeqInfo& si
 __device__ __forceinline__ float gate_bias(const KdaParams& p, const SeqInfo& si, int col) {
 #if KDA_GATE != 2
   const float b = p.dt_bias ? __ldg(p.dt_bias + si.h * K + col) : 0.f;
-  return GFOLD ? gate_aexp(p, si) * b : GSOFT && G2 ? b * LOG2E : b;
+  return GFOLD ? gate_aexp(p, si) * b : GSOFT ? b * LOG2E : b;
 #else
   return 0.f;
 #endif
