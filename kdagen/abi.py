@@ -64,3 +64,12 @@ class KdaCall:
     # same chunks with v = 0 as state head HV + h, so o, the states and the chunk states carry
     # 2 HV heads (the scan's transition maps share the prep of its from-zero maps).
     twins: int = 1
+    # beta as the caller passed it: a logit (b = sigmoid(beta), x2 with allow_neg_eigval), or
+    # the coefficient b itself (kda_prefill's beta_is_logit=False: fla's and the engines' call).
+    beta_is_logit: bool = True
+
+    @property
+    def beta_mode(self) -> int:
+        """How the kernels form b from beta (KdaParams.beta_mode, Triton's BETA_MODE): 0 sigmoid,
+        1 twice sigmoid (negative eigenvalues), 2 beta as given."""
+        return int(self.allow_neg_eigval) if self.beta_is_logit else 2

@@ -57,6 +57,9 @@ class Case:
     gate: str = "bounded"
     compare: bool = True  # time the peers (--compare) on this case
     gate_fp32: bool = False  # g and beta in fp32 (how engines pass them after fla's fused_kda_gate), else in dtype
+    # beta passed as sigmoid(logits) with beta_is_logit=False (vLLM's and SGLang's call; fla's
+    # use_beta_sigmoid_in_kernel=False), else as logits
+    beta_prob: bool = False
 
     @property
     def hv(self) -> int:
@@ -83,7 +86,7 @@ class Case:
         from .cases import bench_inputs
 
         return bench_inputs(self.T, self.H, list(self.lens) if self.lens else None, self.D, seed, dev, self.B,
-                            self.dtype, self.gate, self.HV, gate_fp32=self.gate_fp32)
+                            self.dtype, self.gate, self.HV, gate_fp32=self.gate_fp32, beta_prob=self.beta_prob)
 
     def compulsory_bytes(self) -> int:
         """Bytes any implementation must move: q, k, v, g, beta in, o out (input dtype), the fp32
@@ -99,7 +102,7 @@ class Case:
         return {k: v for k, v in d.items() if v is not None}
 
 
-_CASE_KEYS = {"name", "H", "T", "B", "lens", "HV", "D", "dtype", "gate", "compare", "gate_fp32"}
+_CASE_KEYS = {"name", "H", "T", "B", "lens", "HV", "D", "dtype", "gate", "compare", "gate_fp32", "beta_prob"}
 
 
 def case_from_dict(d: Any, where: str) -> Case:
@@ -143,7 +146,8 @@ def case_from_dict(d: Any, where: str) -> Case:
         raise BenchError(f"{where}: dtype: expected bf16, fp16 or fp32, found {dtype!r}")
     if gate not in GATES:
         raise BenchError(f"{where}: gate: expected one of {', '.join(GATES)}, found {gate!r}")
-    flags = {key: d.get(key, default) for key, default in (("compare", True), ("gate_fp32", False))}
+    flags = {key: d.get(key, default) for key, default in (("compare", True), ("gate_fp32", False),
+                                                         ("beta_prob", False))}
     for key, val in flags.items():
         if not isinstance(val, bool):
             raise BenchError(f"{where}: {key}: expected true or false, found {val!r}")
@@ -281,7 +285,8 @@ def call_kwargs(case: Case, kw: dict, cu) -> dict:
     """kda_prefill's keyword arguments for one input set (host offsets passed: no device read)."""
     return dict(A_log=kw["A_log"], dt_bias=kw["dt_bias"], gate=kw["gate"],
                 lower_bound=-5.0 if kw["gate"] == "bounded" else None, initial_state=kw["initial_state"],
-                output_final_state=True, cu_seqlens=cu, cu_seqlens_cpu=cu.cpu() if cu is not None else None)
+                output_final_state=True, cu_seqlens=cu, cu_seqlens_cpu=cu.cpu() if cu is not None else None,
+                **({"beta_is_logit": False} if case.beta_prob else {}))
 
 
 def run_kdagen(case: Case, s: tuple, variant: Optional[str]):
@@ -312,7 +317,7 @@ def _fla_call(case: Case):
         extra = dict(A_log=kw["A_log"], dt_bias=kw["dt_bias"].reshape(-1)) if gate != "precomputed" else {}
         return chunk_kda(kw["q"], kw["k"], kw["v"], kw["g"], kw["beta"], initial_state=kw["initial_state"],
                          output_final_state=True, use_qk_l2norm_in_kernel=True,
-                         use_gate_in_kernel=gate != "precomputed", use_beta_sigmoid_in_kernel=True,
+                         use_gate_in_kernel=gate != "precomputed", use_beta_sigmoid_in_kernel=not case.beta_prob,
                          safe_gate=gate == "bounded", lower_bound=-5.0 if gate == "bounded" else None,
                          state_v_first=True, cu_seqlens=cu.long() if cu is not None else None,
                          cu_seqlens_cpu=s[2]["cu_seqlens_cpu"].long() if cu is not None else None, **extra)
@@ -320,8 +325,10 @@ def _fla_call(case: Case):
 
 
 def _flashkda_call(case: Case):
-    if (case.D, case.dtype, case.gate, case.hv, case.gate_fp32) != (128, "bf16", "bounded", case.H, False):
-        raise BenchError("FlashKDA takes K = V = 128, bf16 (g and beta too), the bounded gate and no GQA")
+    if (case.D, case.dtype, case.gate, case.hv, case.gate_fp32, case.beta_prob) != (128, "bf16", "bounded", case.H,
+                                                                                     False, False):
+        raise BenchError("FlashKDA takes K = V = 128, bf16 (g and beta too), beta as logits, the bounded gate and no "
+                         "GQA")
     import flash_kda
     import torch
 

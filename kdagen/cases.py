@@ -52,6 +52,8 @@ PATHS: dict[str, dict[str, Any]] = {
     "custom_scale": dict(scale=0.37),
     "no_l2norm": dict(use_qk_l2norm=False),
     "neg_eigval": dict(allow_neg_eigval=True),
+    # beta passed as the coefficient b itself (fla's and the engines' call), some of it above 1
+    "beta_prob": dict(beta_prob=True),
     # Nearly parallel keys, beta near 1, decay near 1: L's entries near 1, so every factor of
     # the chunk inverse matters (random keys make the system almost first order).
     "ill_conditioned": dict(keys="correlated"),
@@ -107,13 +109,14 @@ def make_case(v: Variant, device, *, B: int = 1, T: int = 37, H: int = 1, HV: in
               with_state: bool = True, chunk_states: bool = False, A_log_scale: float = 0.5,
               fused: bool = False, gb_dtype: str = "fp32", dt_bias: bool = True, lower_bound: float = -5.0,
               scale: Optional[float] = None, use_qk_l2norm: bool = True, allow_neg_eigval: bool = False,
-              keys: str = "random", seed: int = 0) -> dict:
+              keys: str = "random", beta_prob: bool = False, seed: int = 0) -> dict:
     """kda_prefill kwargs for variant `v`: random, never zero, deterministic in `seed`.
 
     Chunk states are asked for only where the variant has state I/O ("none" variants have none).
     `gb_dtype` is the dtype of g and beta ("fp32", or "input": the variant's); `fused` makes
     every input a view of one projection buffer (so g and beta take the input dtype).
-    `keys="correlated"` gives the ill-conditioned problem (see PATHS). Without the L2 norm,
+    `keys="correlated"` gives the ill-conditioned problem (see PATHS). `beta_prob` passes b
+    itself (1.5 sigmoid of the logits: in (0, 1.5)) with beta_is_logit=False. Without the L2 norm,
     q and k are drawn with norms near 1, as a model would give them (b |k|^2 < 2 keeps the
     delta rule stable). The gate form is left for kda_prefill to infer from A_log/lower_bound.
     """
@@ -159,6 +162,9 @@ def make_case(v: Variant, device, *, B: int = 1, T: int = 37, H: int = 1, HV: in
         k = k / k.norm(dim=-1, keepdim=True) * (torch.rand(B, T, H, 1, generator=gen) * 0.5 + 0.5)
     vv = r(B, T, HV, V)
     beta = r(B, T, HV) if keys != "correlated" else 4.0 + 0.3 * r(B, T, HV)
+    if beta_prob:
+        beta = 1.5 * torch.sigmoid(beta)
+        kw["beta_is_logit"] = False
     gb_t = dt if (fused or gb_dtype == "input") else torch.float32
     tensors = dict(q=q.to(dt), k=k.to(dt), v=vv.to(dt), g=g.to(gb_t), beta=beta.to(gb_t))
     if fused:  # built where the kernel runs: a copy across devices would not keep the strides
@@ -356,13 +362,13 @@ def run_and_compare(v: Variant, kw: dict, tol: Optional[float | dict[str, float]
 
 def bench_inputs(T: Optional[int] = None, H: int = 8, lens: Optional[list[int]] = None, D: int = 128, seed: int = 0,
                  dev="cuda", B: int = 1, dtype: str = "bf16", gate: str = "bounded",
-                 HV: Optional[int] = None, gate_fp32: bool = False) -> tuple[dict, Any]:
+                 HV: Optional[int] = None, gate_fp32: bool = False, beta_prob: bool = False) -> tuple[dict, Any]:
     """The benchmarks' tensors and cu_seqlens apart: q, k [B, T, H, D], v, g [B, T, HV, D] and
     beta [B, T, HV] in `dtype` (HV: value heads, default H; more than H is GQA), A_log and dt_bias
     (None for the precomputed gate, whose g is then a log-decay in the bounded gate's range), an
     fp32 initial state [N, HV, D, D] and the gate form (DESIGN.md section 5's setting). gate_fp32: g and
     beta in fp32 instead (engines pass fla's fused_kda_gate output so). Drawn on `dev`; callers pass the
-    other arguments themselves."""
+    other arguments themselves. beta_prob: beta as sigmoid(logits), for beta_is_logit=False."""
     gen = torch.Generator(device=dev).manual_seed(seed)
     if lens is not None:
         T = sum(lens)
@@ -377,7 +383,7 @@ def bench_inputs(T: Optional[int] = None, H: int = 8, lens: Optional[list[int]] 
         g = -5.0 * torch.sigmoid(g)
     gdt = torch.float32 if gate_fp32 else dt
     kw = dict(q=r(B, T, H, D).to(dt), k=r(B, T, H, D).to(dt), v=r(B, T, HV, D).to(dt), g=g.to(gdt),
-              beta=r(B, T, HV).to(gdt),
+              beta=(torch.sigmoid(r(B, T, HV)) if beta_prob else r(B, T, HV)).to(gdt),
               A_log=torch.rand(HV, generator=gen, device=dev) if gate != "precomputed" else None,
               dt_bias=r(HV, D) * 0.1 if gate != "precomputed" else None,
               initial_state=r(len(lens) if lens else B, HV, D, D) * 0.1, gate=gate)

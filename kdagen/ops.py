@@ -37,13 +37,13 @@ def _impl(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlen
     # The schema's keyword arguments are positional-or-keyword here (the dispatcher passes them by
     # name, only those not at their defaults): a keyword-only default costs a dict lookup per call.
     if state_pool is None and state_indices is None and checkpoints is None and checkpoint_offsets is None \
-            and checkpoint_every is None and beta_is_logit is True:
+            and checkpoint_every is None:
         # kda_prefill's positional entry, skipping its keyword handling; the flags are the ones
         # kda_prefill would pass for these arguments (in runtime._FLAGS order), so both share plans.
         _prefill(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, out, final_state,
                  chunk_states, workspace,
                  (scale, lower_bound, gate, final_state is not None, layout, state_layout, None, use_qk_l2norm,
-                  allow_neg_eigval, chunk_size, chunk_states is not None, variant, assume_valid))
+                  allow_neg_eigval, chunk_size, chunk_states is not None, variant, assume_valid, beta_is_logit))
         return
     from .errors import KdaInputError
     from .runtime import kda_prefill
@@ -88,9 +88,8 @@ def traced_prefill(q, k, v, g, beta, *, A_log, dt_bias, scale, lower_bound, gate
                    output_final_state, cu_seqlens, cu_seqlens_cpu, layout, state_layout, state_dtype,
                    use_qk_l2norm, allow_neg_eigval, chunk_size, return_chunk_states, variant, out, final_state,
                    chunk_states, workspace, assume_valid, state_pool=None, state_indices=None, checkpoint_every=None,
-                   checkpoints=None, checkpoint_offsets=None):
-    """kda_prefill as torch.compile traces it: outputs from shapes only, then the op (beta
-    already a logit)."""
+                   checkpoints=None, checkpoint_offsets=None, beta_is_logit=True):
+    """kda_prefill as torch.compile traces it: outputs from shapes only, then the op."""
     from .errors import KdaInputError
 
     bsnd = layout.upper() == "BSND"
@@ -124,5 +123,5 @@ def traced_prefill(q, k, v, g, beta, *, A_log, dt_bias, scale, lower_bound, gate
                                  lower_bound=lower_bound, gate=gate, layout=layout, state_layout=state_layout,
                                  use_qk_l2norm=use_qk_l2norm, allow_neg_eigval=allow_neg_eigval,
                                  chunk_size=chunk_size, assume_valid=assume_valid, variant=variant,
-                                 checkpoint_every=checkpoint_every)
+                                 checkpoint_every=checkpoint_every, beta_is_logit=beta_is_logit)
     return (o, fs, *((cs,) if cs is not None else ()), *((ck,) if ck is not None else ()))

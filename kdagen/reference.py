@@ -217,7 +217,7 @@ class _Problem:
 
 def _prepare(
     q, k, v, g, beta, *, A_log, dt_bias, scale, lower_bound, gate, initial_state, cu_seqlens,
-    layout, state_layout, use_qk_l2norm, allow_neg_eigval,
+    layout, state_layout, use_qk_l2norm, allow_neg_eigval, beta_is_logit=True,
 ) -> _Problem:
     if layout not in LAYOUTS:
         raise ValueError(f"layout: expected one of {LAYOUTS}, found {layout!r}")
@@ -282,7 +282,7 @@ def _prepare(
     # GQA/GVA: value head h reads q/k head h // (HV // H).
     q64 = q64.repeat_interleave(HV // H, dim=2)
     k64 = k64.repeat_interleave(HV // H, dim=2)
-    b = torch.sigmoid(beta64) * (2.0 if allow_neg_eigval else 1.0)
+    b = torch.sigmoid(beta64) * (2.0 if allow_neg_eigval else 1.0) if beta_is_logit else beta64
 
     st_dims = [("N", N), ("HV", HV)] + ([("V", V), ("K", K)] if state_layout == "VK" else [("K", K), ("V", V)])
     if initial_state is None:
@@ -335,6 +335,7 @@ def kda_reference(
     state_layout: str = "VK",
     use_qk_l2norm: bool = True,
     allow_neg_eigval: bool = False,
+    beta_is_logit: bool = True,
     chunk_states_size: int | None = None,
 ) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """Token-by-token float64 KDA: returns (o, final_state or None, chunk_states or None)."""
@@ -342,7 +343,8 @@ def kda_reference(
         raise ValueError(f"chunk_states_size: expected one of {CHUNK_SIZES} or None, found {chunk_states_size!r}")
     p = _prepare(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, scale=scale, lower_bound=lower_bound,
                  gate=gate, initial_state=initial_state, cu_seqlens=cu_seqlens, layout=layout,
-                 state_layout=state_layout, use_qk_l2norm=use_qk_l2norm, allow_neg_eigval=allow_neg_eigval)
+                 state_layout=state_layout, use_qk_l2norm=use_qk_l2norm, allow_neg_eigval=allow_neg_eigval,
+                 beta_is_logit=beta_is_logit)
     o = torch.zeros_like(p.v)
     finals: list[Tensor] = []
     chunk_states: list[Tensor] | None = [] if chunk_states_size is not None else None
@@ -442,6 +444,7 @@ def kda_chunked_reference(
     state_layout: str = "VK",
     use_qk_l2norm: bool = True,
     allow_neg_eigval: bool = False,
+    beta_is_logit: bool = True,
     chunk_states_size: int | None = None,
     chunk_size: int = 64,
 ) -> tuple[Tensor, Tensor | None, Tensor | None]:
@@ -454,7 +457,8 @@ def kda_chunked_reference(
         )
     p = _prepare(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, scale=scale, lower_bound=lower_bound,
                  gate=gate, initial_state=initial_state, cu_seqlens=cu_seqlens, layout=layout,
-                 state_layout=state_layout, use_qk_l2norm=use_qk_l2norm, allow_neg_eigval=allow_neg_eigval)
+                 state_layout=state_layout, use_qk_l2norm=use_qk_l2norm, allow_neg_eigval=allow_neg_eigval,
+                 beta_is_logit=beta_is_logit)
     C = chunk_size
     o = torch.zeros_like(p.v)
     finals: list[Tensor] = []

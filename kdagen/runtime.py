@@ -160,8 +160,8 @@ def kda_prefill(
     Gate: bounded lower_bound*sigmoid(exp(A_log)*(g+dt_bias)) (default), unbounded
     -exp(A_log)*softplus(g+dt_bias) (lower_bound=None), or precomputed log-decay g
     (A_log=None); `gate` names one explicitly. beta is a logit (b = sigmoid(beta), x2 with
-    allow_neg_eigval), or with beta_is_logit=False the coefficient b itself (in [0, 2];
-    values outside give NaN). Head dims K and V (which may differ) up to 256: sizes no variant
+    allow_neg_eigval), or with beta_is_logit=False the coefficient b itself, used as given
+    (fla's use_beta_sigmoid_in_kernel=False; allow_neg_eigval then changes nothing). Head dims K and V (which may differ) up to 256: sizes no variant
     has are zero-padded to larger ones a registered variant has, else to the next a target
     builds on demand (exact; see kdagen.padding).
     States are [N, HV, V, K] (state_layout "VK") or [N, HV, K, V] ("KV"), float32
@@ -197,10 +197,8 @@ def kda_prefill(
     cp_context (kdagen.cp.build_cp_context): context-parallel across a torch.distributed group;
     q..beta are this rank's tokens and every rank calls (kdagen.cp.kda_prefill_cp says more).
     """
-    if beta_is_logit is not True:
-        if beta_is_logit is not False:
-            raise KdaInputError(f"beta_is_logit: expected True or False, found {beta_is_logit!r}")
-        beta, allow_neg_eigval = _beta_logits(beta), True
+    if beta_is_logit is not True and beta_is_logit is not False:
+        raise KdaInputError(f"beta_is_logit: expected True or False, found {beta_is_logit!r}")
     engine_io = state_pool is not None or state_indices is not None or checkpoint_every is not None \
         or checkpoints is not None or checkpoint_offsets is not None
     if cp_context is not None:
@@ -223,19 +221,20 @@ def kda_prefill(
                               final_state=final_state, chunk_states=chunk_states, workspace=workspace,
                               assume_valid=assume_valid, state_pool=state_pool, state_indices=state_indices,
                               checkpoint_every=checkpoint_every, checkpoints=checkpoints,
-                              checkpoint_offsets=checkpoint_offsets)
+                              checkpoint_offsets=checkpoint_offsets, beta_is_logit=beta_is_logit)
     if engine_io:
         return _engine_call(q, k, v, g, beta, {n: val for n, val in locals().items() if n in _DEFAULTS},
                             state_pool, state_indices, checkpoint_every, checkpoints, checkpoint_offsets)
     return _prefill(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, out, final_state,
                     chunk_states, workspace,
                     (scale, lower_bound, gate, output_final_state, layout, state_layout, state_dtype, use_qk_l2norm,
-                     allow_neg_eigval, chunk_size, return_chunk_states, variant, assume_valid))
+                     allow_neg_eigval, chunk_size, return_chunk_states, variant, assume_valid, beta_is_logit))
 
 
 # The order of _prefill's `flags`: kda_prefill's keyword arguments that are no tensors.
 _FLAGS = ("scale", "lower_bound", "gate", "output_final_state", "layout", "state_layout", "state_dtype",
-          "use_qk_l2norm", "allow_neg_eigval", "chunk_size", "return_chunk_states", "variant", "assume_valid")
+          "use_qk_l2norm", "allow_neg_eigval", "chunk_size", "return_chunk_states", "variant", "assume_valid",
+          "beta_is_logit")
 
 
 def _prefill(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, out, final_state,
@@ -366,15 +365,6 @@ def _remember(plan: "Plan", flags: tuple, tensors: tuple, failed: bool) -> None:
     _LAST = (flags, torch.is_grad_enabled(), guard, plan) if guard is not None else _NO_PLAN
 
 
-def _beta_logits(beta) -> torch.Tensor:
-    """Logits the kernels' 2 * sigmoid turns back into the coefficient b: logit(b / 2), float32
-    (b in [0, 2]; b = 0 and 2 give -inf and +inf, which the kernels' sigmoid maps exactly)."""
-    if not isinstance(beta, torch.Tensor) or not beta.is_floating_point():
-        raise KdaInputError(f"beta: expected a floating-point tensor, found "
-                            f"{beta.dtype if isinstance(beta, torch.Tensor) else type(beta).__name__}")
-    return (beta.to(torch.float32) * 0.5).logit_()
-
-
 def _engine_call(q, k, v, g, beta, kw: dict, state_pool, state_indices, checkpoint_every, checkpoints,
                  checkpoint_offsets):
     """kda_prefill with a state pool and/or checkpoints: gathers and scatters around one call."""
@@ -449,12 +439,7 @@ def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
     """Validate the call kda_prefill(q, k, v, g, beta, **kwargs) and select (generating and
     building if need be) its variant, without running it: raises what the call would raise
     before its launch. State pools and checkpoints are not taken here."""
-    kw = dict(kwargs)
-    if not kw.pop("beta_is_logit", True):
-        # the call would pass float32 logits
-        beta = torch.empty(beta.shape, dtype=torch.float32, device=beta.device)
-        kw["allow_neg_eigval"] = True
-    return _make_plan(q, k, v, g, beta, **_with_defaults(kw))
+    return _make_plan(q, k, v, g, beta, **_with_defaults(dict(kwargs)))
 
 
 def route_of(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -465,7 +450,7 @@ def route_of(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
     if not env.scan_route():
         return None
     plan = prepare(q, k, v, g, beta, **kwargs)
-    kw = _with_defaults({n: x for n, x in kwargs.items() if n != "beta_is_logit"})
+    kw = _with_defaults(dict(kwargs))
     segments = scan_route.segments_for(plan, kw)
     return None if segments is None else scan_route.ScanRoute.label(segments)
 
@@ -508,7 +493,7 @@ _DEFAULTS = dict(A_log=None, dt_bias=None, scale=None, lower_bound=-5.0, gate=No
                  output_final_state=False, cu_seqlens=None, cu_seqlens_cpu=None, layout="BSND", state_layout="VK",
                  state_dtype=None, use_qk_l2norm=True, allow_neg_eigval=False, chunk_size=None,
                  return_chunk_states=False, variant=None, out=None, final_state=None, chunk_states=None,
-                 workspace=None, assume_valid=False)
+                 workspace=None, assume_valid=False, beta_is_logit=True)
 
 
 def _with_defaults(kwargs: dict) -> dict:
@@ -718,6 +703,7 @@ class Plan:
         self.lower_bound = float(kw["lower_bound"]) if kw["lower_bound"] is not None else 0.0
         self.use_l2 = bool(kw["use_qk_l2norm"])
         self.neg_eig = bool(kw["allow_neg_eigval"])
+        self.beta_logit = bool(kw["beta_is_logit"])
         self.assume_valid = bool(kw["assume_valid"])
         self.precomputed = info.gate == "precomputed"
         A, dt = kw["A_log"], kw["dt_bias"]
@@ -770,7 +756,7 @@ class Plan:
                        A_log=None, dt_bias=None, scale=self.scale,
                        lower_bound=self.lower_bound, use_qk_l2norm=self.use_l2, allow_neg_eigval=self.neg_eig,
                        initial_state=None, final_state=None, state_kv=self.state_kv, chunk_states=None,
-                       chunk_offsets=None, max_len=i.T)
+                       chunk_offsets=None, max_len=i.T, beta_is_logit=self.beta_logit)
 
     def _offsets(self, cu, cu_cpu) -> tuple[int, Optional[list[int]]]:
         """(longest sequence or its bound T, host offsets or None) for a varlen call."""
@@ -849,7 +835,7 @@ class Plan:
                        cu_seqlens=cu32, A_log=A, dt_bias=dt, scale=self.scale, lower_bound=self.lower_bound,
                        use_qk_l2norm=self.use_l2, allow_neg_eigval=self.neg_eig, initial_state=h0, final_state=fs,
                        state_kv=self.state_kv, chunk_states=cs, chunk_offsets=co, max_len=max_len, workspace=ws,
-                       twins=twins)
+                       twins=twins, beta_is_logit=self.beta_logit)
 
     def twins(self, q, k, v, g, beta, A_log, dt_bias, h2, cu, cu_cpu) -> tuple:
         """kda_prefill_twins' launch: the launcher's KdaCall with twins=2, h2 [N, 2 HV, V, K] fp32,

@@ -44,6 +44,9 @@ CASES = {
                                        LOWER_BOUND_MIN, False, AscendSettings(blocks=2)),
     "bsnd_uniform_gates_no_h0_negeig": (dict(B=1, T=192, H=1, HV=1, layout="BSND", gate_scenario="U(-8,8)",
                                              with_state=False), -5.0, True, AscendSettings(group_chunks=2, blocks=4)),
+    # beta as the coefficient b itself (beta_is_logit=False), some of it above 1
+    "bsnd_gqa_beta_prob": (dict(B=1, T=128, H=1, HV=2, layout="BSND", beta_prob=True), -5.0, False,
+                           AscendSettings(blocks=2)),
 }
 
 

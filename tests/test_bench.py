@@ -239,6 +239,12 @@ def test_cases_files(tmp_path):
 
     kw, _ = e.inputs(dev="cpu")
     assert (kw["g"].dtype, kw["beta"].dtype, kw["q"].dtype) == (torch.float32, torch.float32, torch.bfloat16)
+    # beta_prob: beta as sigmoid(logits), passed with beta_is_logit=False (vLLM's call)
+    f.write_text("- {name: p, H: 2, T: 16, gate_fp32: true, beta_prob: true}\n")
+    (p,) = b.load_cases(str(f))
+    kp, _ = p.inputs(dev="cpu")
+    assert 0 < float(kp["beta"].min()) and float(kp["beta"].max()) < 1 and float(kw["beta"].min()) < 0
+    assert b.call_kwargs(p, kp, None)["beta_is_logit"] is False and "beta_is_logit" not in b.call_kwargs(e, kw, None)
     assert [c.name for c in b.load_cases("B1 T64 H32,B1 T8192 H96")] == ["B1 T64 H32", "B1 T8192 H96"]
     assert b.load_cases("issue17") == b.CASE_SETS["issue17"]
     both = b.load_cases("issue21, issue15")
@@ -262,6 +268,7 @@ def test_cases_files(tmp_path):
     ("- {name: a, H: 4, T: 8, gate: soft}\n", "case 0: gate: expected one of"),
     ("- {name: a, H: 4, T: 8, heads: 2}\n", "case 0: unknown key(s) heads"),
     ("- {name: a, H: 4, T: 8, gate_fp32: 1}\n", "case 0: gate_fp32: expected true or false, found 1"),
+    ("- {name: a, H: 4, T: 8, beta_prob: yes please}\n", "case 0: beta_prob: expected true or false, found 'yes please'"),
     ("- {name: a, H: 4, T: 8}\n- {name: a, H: 4, T: 9}\n", "case names must be unique, found a"),
     ("{}\n", "expected a non-empty list of cases"),
     ("- [unclosed\n", "not valid YAML"),

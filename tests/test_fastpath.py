@@ -134,6 +134,28 @@ def test_plan_uses_the_launchers_bound_launch_after_the_first_call(monkeypatch):
     assert (o1 == 2).all() and (o2 == 1).all()
 
 
+def test_beta_probabilities_reach_the_kernel_as_given(monkeypatch):
+    """beta_is_logit=False: the launcher gets the caller's beta tensor itself with beta_mode 2
+    (no logit pass on the host), on its own plan; b above 1 is used as given, allow_neg_eigval
+    changes nothing, and b = sigmoid(x) gives the logit call's result."""
+    kw = inputs()
+    b = torch.sigmoid(kw["beta"])
+    want, _ = kdagen.kda_prefill(**kw)
+    seen = []
+    real = rt.Plan._kda_call
+    monkeypatch.setattr(rt.Plan, "_kda_call", lambda self, *a, **k: seen.append(real(self, *a, **k)) or seen[-1])
+    got, _ = kdagen.kda_prefill(**dict(kw, beta=b), beta_is_logit=False)
+    assert seen and seen[-1].beta is b and seen[-1].beta_mode == 2 and len(rt._PLANS) == 2
+    assert rel_rmse(got, want) < 1e-6
+    monkeypatch.undo()
+    b2 = 1.8 * b  # some of it above 1: a coefficient no logit call reaches without allow_neg_eigval
+    o1, _ = kdagen.kda_prefill(**dict(kw, beta=b2), beta_is_logit=False)
+    o2, _ = kdagen.kda_prefill(**dict(kw, beta=b2), beta_is_logit=False, allow_neg_eigval=True)
+    ro, _, _ = kda_reference(**dict(kw, beta=b2), beta_is_logit=False)
+    assert torch.equal(o1, o2) and rel_rmse(o1, ro) < 1e-5
+    assert rel_rmse(ro, kda_reference(**dict(kw, beta=b))[0]) > 1e-2  # the coefficient matters
+
+
 # ----------------------------------------------------------------------------- the sm80 bound launch
 
 def _call_of(q, k, v, g, beta, A_log, dt_bias, h0, *, cu, max_len: int, ws=None, cs=None, co=None) -> rt.KdaCall:

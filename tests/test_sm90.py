@@ -340,6 +340,18 @@ def _sm80_twin(v: Variant):
 
 @gpu
 @needs_cuda
+@pytest.mark.parametrize("va", VARIANTS, ids=VIDS)
+def test_sm90_beta_prob(va):
+    """beta passed as the coefficient b (beta_is_logit=False, b in (0, 1.5)): the kernel takes it
+    as given (beta_mode 2)."""
+    v, _ = va
+    kw = make_case(v, "cuda", T=200, H=2, HV=4, beta_prob=True, chunk_states=v.state != "none", seed=13)
+    assert kw["beta_is_logit"] is False and float(kw["beta"].max()) > 1.0
+    run_and_compare(v, kw)
+
+
+@gpu
+@needs_cuda
 @pytest.mark.parametrize("lens", [[1300, 547, 2048, 963, 271, 3063], [0, 5, 0, 64, 0, 130, 1, 0]],
                          ids=["varlen6", "empty"])
 @pytest.mark.parametrize("va", VARIANTS, ids=VIDS)

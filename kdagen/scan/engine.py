@@ -41,7 +41,8 @@ __all__ = ["Packed", "validate", "pack", "scan_prefill", "maps_step", "rerun_ste
 Prefill = Callable[..., Any]
 
 # kda_prefill keywords that pass through unchanged to every call the scan makes.
-_PASS = ("scale", "lower_bound", "gate", "use_qk_l2norm", "allow_neg_eigval", "chunk_size", "variant")
+_PASS = ("scale", "lower_bound", "gate", "use_qk_l2norm", "allow_neg_eigval", "chunk_size", "variant",
+         "beta_is_logit")
 
 
 def _default_prefill() -> Prefill:

@@ -68,7 +68,7 @@ def segments_for(plan: Any, kw: dict) -> Optional[tuple[int, ...]]:
 # kda_prefill's keyword flags the routed call passes on (the rest are the call's tensors, or
 # settings segments_for only offers at their defaults)
 _PASSED = ("scale", "lower_bound", "gate", "output_final_state", "layout", "state_layout", "state_dtype",
-           "use_qk_l2norm", "allow_neg_eigval", "chunk_size")
+           "use_qk_l2norm", "allow_neg_eigval", "chunk_size", "beta_is_logit")
 
 
 class ScanRoute:

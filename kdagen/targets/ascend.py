@@ -323,7 +323,7 @@ class AscendLauncher:
         ht = torch.empty(B * HV * V, K, **f32)   # the fp32 state carried between groups; final state at the end
         h0 = call.initial_state.reshape(B * HV * V, K).float() if call.initial_state is not None else ht
         eye = torch.eye(C, 64, **f32)
-        key = (H, HV, call.scale, call.lower_bound, bsnd, call.allow_neg_eigval, call.initial_state is not None)
+        key = (H, HV, call.scale, call.lower_bound, bsnd, call.beta_mode, call.initial_state is not None)
         if key not in self._hosts:
             self._hosts[key] = mod.make_host(*key, self.settings.blocks)
         self._hosts[key](q2, k2, v2, g2, beta2, o2, a_log, dt_bias, h0, ht, eye, *ws)
@@ -334,7 +334,7 @@ class AscendLauncher:
 def model_prefill(variant, source, q, k, v, g, beta, *, settings: Optional[AscendSettings] = None,
                   A_log=None, dt_bias=None, scale=None, lower_bound=-5.0, gate=None, initial_state=None,
                   output_final_state=False, layout="BSND", state_layout="VK", use_qk_l2norm=True,
-                  allow_neg_eigval=False, poison=True, **unsupported):
+                  allow_neg_eigval=False, beta_is_logit=True, poison=True, **unsupported):
     """kda_prefill on the CPU model of the DSL: validates the call like kda_prefill, runs the
     generated kernel ``source`` of ``variant`` through AscendLauncher(backend="model") and returns
     (o, final_state). Outputs start as NaN (``poison``), so an element the kernel skips shows."""
@@ -374,7 +374,7 @@ def model_prefill(variant, source, q, k, v, g, beta, *, settings: Optional[Ascen
         use_qk_l2norm=bool(use_qk_l2norm), allow_neg_eigval=bool(allow_neg_eigval),
         initial_state=initial_state.contiguous() if initial_state is not None else None,
         final_state=final_state, state_kv=state_layout == "KV", chunk_states=None, chunk_offsets=None,
-        max_len=info.max_len,
+        max_len=info.max_len, beta_is_logit=bool(beta_is_logit),
     )
     settings = dataclasses.replace(settings or AscendSettings(), backend="model")
     AscendLauncher(variant, source, settings)(call)

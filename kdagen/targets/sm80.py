@@ -141,7 +141,7 @@ class Sm80Launcher:
         p.B, p.T, p.N, p.H, p.HV = call.B, call.T, call.N, call.H, call.HV
         p.group, p.max_len = call.HV // call.H, max_len
         p.scale, p.lower_bound = float(call.scale), float(call.lower_bound)
-        p.use_l2norm, p.neg_eigval, p.state_kv = int(call.use_qk_l2norm), int(call.allow_neg_eigval), int(call.state_kv)
+        p.use_l2norm, p.beta_mode, p.state_kv = int(call.use_qk_l2norm), call.beta_mode, int(call.state_kv)
         p.g_fp32, p.beta_fp32 = int(g_dtype == torch.float32), int(beta_dtype == torch.float32)
         p.twins = call.twins
         return p

@@ -105,7 +105,7 @@ class TritonTwinLauncher:
                 call.q, call.k, call.v, call.g, call.beta, A_log, dt_bias, info, *ws,
                 *call.q_strides, *call.k_strides, *call.v_strides, *call.g_strides, *call.beta_strides,
                 HV, HV // call.H, float(call.scale), float(call.lower_bound), g0,
-                GATE_ID=GATE_IDS[v.gate], USE_L2=bool(call.use_qk_l2norm), NEG_EIG=bool(call.allow_neg_eigval),
+                GATE_ID=GATE_IDS[v.gate], USE_L2=bool(call.use_qk_l2norm), BETA_MODE=call.beta_mode,
                 K=K, V=V,
             )
             mod.kda_stage2[(N, HV, V // v.block_v)](

@@ -30,7 +30,9 @@ struct KdaParams {
   int B, T, N, H, HV, group, max_len;
   float scale;
   float lower_bound;
-  int use_l2norm, neg_eigval, state_kv, g_fp32, beta_fp32;
+  int use_l2norm;
+  int beta_mode;  // b from beta: 0 sigmoid(beta), 1 2 sigmoid(beta) (negative eigenvalues), 2 beta itself
+  int state_kv, g_fp32, beta_fp32;
   // State runs per value head in sm80's kda_recur (0 or 1: one). At 2, state head HV + h reruns
   // head h's records with U = 0 (v = 0), so the scan's transition run shares one kda_prep.
   int twins;
@@ -193,6 +195,11 @@ __device__ __forceinline__ void mbar_wait_parity_poll(uint64_t* bar, uint32_t pa
 }
 
 __device__ __forceinline__ float sigmoidf_(float x) { return 1.f / (1.f + __expf(-x)); }
+// beta's coefficient b as beta_mode (KdaParams) says; mode 2 takes b as given (fla's and the engines'
+// call passes sigmoid(beta) already), which spares the caller a logit pass.
+__device__ __forceinline__ float beta_coef(int mode, float x) {
+  return mode == 2 ? x : sigmoidf_(x) * (mode ? 2.f : 1.f);
+}
 __device__ __forceinline__ float softplusf_(float x) { return x > 20.f ? x : log1pf(__expf(x)); }
 
 // Sequence n's first token (in the flattened B*T token axis) and length.

@@ -93,7 +93,7 @@ extern "C" __global__ void __launch_bounds__(kda::NT1, kda::MINB1) kda_prep(cons
   float b = 0.f;
   if (live) {
     const float x = p.beta_fp32 ? __uint_as_float(rb) : to_f(bits_as<in_t>(rb));
-    b = sigmoidf_(x) * (p.neg_eigval ? 2.f : 1.f);
+    b = beta_coef(p.beta_mode, x);
   }
   {
 #if KDA_GATE != 2

@@ -72,7 +72,7 @@ extern "C" __global__ void __launch_bounds__(kda::NT1, kda::MINB1) kda_prep(cons
     if (tid < rows) {
       const long long bo = bidx * p.b_s[0] + (t0 + tid) * p.b_s[1] + h * p.b_s[2];
       const float x = p.beta_fp32 ? ((const float*)p.beta)[bo] : to_f(((const in_t*)p.beta)[bo]);
-      b = sigmoidf_(x) * (p.neg_eigval ? 2.f : 1.f);
+      b = beta_coef(p.beta_mode, x);
     }
     sb[tid] = b;
   }

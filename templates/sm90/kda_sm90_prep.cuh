@@ -256,7 +256,7 @@ __device__ __forceinline__ void prep_phase0(const KdaParams& p, char* base, int 
   b = 0.f;
   if (live) {
     const float x = p.beta_fp32 ? __uint_as_float(rb) : to_f(bits_as<in_t>(rb));
-    b = sigmoidf_(x) * (p.neg_eigval ? 2.f : 1.f);
+    b = beta_coef(p.beta_mode, x);
   }
   {
     const float lbg = G2 ? p.lower_bound * LOG2E : p.lower_bound;  // (G2: log2 units)

@@ -28,7 +28,7 @@ def _dot(a, b):
 @triton.jit
 def _sub_tile(q_ptr, k_ptr, g_ptr, beta_ptr, A_log_ptr, dt_bias_ptr, t0, clen, hq, h, j,
               sqb, sqt, sqh, skb, skt, skh, sgb, sgt, sgh, sbb, sbt, sbh, bidx, carry, lower_bound,
-              GATE_ID: tl.constexpr, USE_L2: tl.constexpr, NEG_EIG: tl.constexpr, K: tl.constexpr):
+              GATE_ID: tl.constexpr, USE_L2: tl.constexpr, BETA_MODE: tl.constexpr, K: tl.constexpr):
     """Rows 16 j .. 16 j + 15 of the chunk: normalised q, k, cumulative gate G and beta."""
     r = 16 * j + tl.arange(0, 16)
     c = tl.arange(0, K)
@@ -53,9 +53,10 @@ def _sub_tile(q_ptr, k_ptr, g_ptr, beta_ptr, A_log_ptr, dt_bias_ptr, t0, clen, h
         a = g
     a = tl.where(m2, a, 0.0)
     G = carry[None, :] + tl.cumsum(a, 0)
-    b = tl.sigmoid(bt)
-    if NEG_EIG:
-        b = b * 2.0
+    if BETA_MODE == 2:  # b as the caller passed it
+        b = bt
+    else:
+        b = tl.sigmoid(bt) * (1.0 + BETA_MODE)
     b = tl.where(ok, b, 0.0)
     return q, k, G, b
 
@@ -127,7 +128,7 @@ def kda_stage1(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, A_log_ptr, dt_bias_ptr, chu
                ws_qd, ws_kr, ws_w, ws_u, ws_m, ws_gc,
                sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sgb, sgt, sgh, sbb, sbt, sbh,
                HV, GROUP, scale, lower_bound, g0,
-               GATE_ID: tl.constexpr, USE_L2: tl.constexpr, NEG_EIG: tl.constexpr,
+               GATE_ID: tl.constexpr, USE_L2: tl.constexpr, BETA_MODE: tl.constexpr,
                K: tl.constexpr, V: tl.constexpr):
     cl = tl.program_id(0)               # chunk within the group [g0, g0 + gn)
     h = tl.program_id(1)
@@ -142,19 +143,19 @@ def kda_stage1(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, A_log_ptr, dt_bias_ptr, chu
     zero = tl.zeros([K], dtype=tl.float32)
     q0, k0, G0, b0 = _sub_tile(q_ptr, k_ptr, g_ptr, beta_ptr, A_log_ptr, dt_bias_ptr, t0, clen, hq, h, 0,
                                sqb, sqt, sqh, skb, skt, skh, sgb, sgt, sgh, sbb, sbt, sbh, bidx, zero, lower_bound,
-                               GATE_ID, USE_L2, NEG_EIG, K)
+                               GATE_ID, USE_L2, BETA_MODE, K)
     q1, k1, G1, b1 = _sub_tile(q_ptr, k_ptr, g_ptr, beta_ptr, A_log_ptr, dt_bias_ptr, t0, clen, hq, h, 1,
                                sqb, sqt, sqh, skb, skt, skh, sgb, sgt, sgh, sbb, sbt, sbh, bidx,
                                tl.sum(tl.where((tl.arange(0, 16) == 15)[:, None], G0, 0.0), 0), lower_bound,
-                               GATE_ID, USE_L2, NEG_EIG, K)
+                               GATE_ID, USE_L2, BETA_MODE, K)
     q2, k2, G2, b2 = _sub_tile(q_ptr, k_ptr, g_ptr, beta_ptr, A_log_ptr, dt_bias_ptr, t0, clen, hq, h, 2,
                                sqb, sqt, sqh, skb, skt, skh, sgb, sgt, sgh, sbb, sbt, sbh, bidx,
                                tl.sum(tl.where((tl.arange(0, 16) == 15)[:, None], G1, 0.0), 0), lower_bound,
-                               GATE_ID, USE_L2, NEG_EIG, K)
+                               GATE_ID, USE_L2, BETA_MODE, K)
     q3, k3, G3, b3 = _sub_tile(q_ptr, k_ptr, g_ptr, beta_ptr, A_log_ptr, dt_bias_ptr, t0, clen, hq, h, 3,
                                sqb, sqt, sqh, skb, skt, skh, sgb, sgt, sgh, sbb, sbt, sbh, bidx,
                                tl.sum(tl.where((tl.arange(0, 16) == 15)[:, None], G2, 0.0), 0), lower_bound,
-                               GATE_ID, USE_L2, NEG_EIG, K)
+                               GATE_ID, USE_L2, BETA_MODE, K)
     # per-sub-tile anchors: row 16 i of the chunk
     r0 = _row0(G0)
     r1 = _row0(G1)

@@ -161,14 +161,14 @@ def _diag_exact(q, k, a):
 # are left to Triton's divisibility specialisation: without it no row start is known to be
 # aligned and every element is loaded on its own (2-byte loads instead of 16-byte ones).
 @triton.jit(do_not_specialize=[
-    "sbb", "sbt", "sbh", "T", "H", "HV", "IS_VARLEN", "HAS_DT", "USE_L2NORM", "NEG_EIGVAL",
+    "sbb", "sbt", "sbh", "T", "H", "HV", "IS_VARLEN", "HAS_DT", "USE_L2NORM", "BETA_MODE",
 ])
 def kda_prep_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, ws_ptr, gam_ptr, flag_ptr,
     sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sgb, sgt, sgh, sbb, sbt, sbh,
     a_log_ptr, dt_bias_ptr, cu_ptr,
     T, H, HV, scale, lower_bound,
-    IS_VARLEN, HAS_DT, USE_L2NORM, NEG_EIGVAL,
+    IS_VARLEN, HAS_DT, USE_L2NORM, BETA_MODE,
     C: tl.constexpr, K: tl.constexpr, V: tl.constexpr, KP: tl.constexpr, VP: tl.constexpr,
     EMU: tl.constexpr,
 ):
@@ -225,9 +225,10 @@ def kda_prep_kernel(
         if USE_L2NORM:
             q = q * (1.0 / tl.sqrt(tl.sum(q * q, axis=1) + 1e-6))[:, None]
             k = k * (1.0 / tl.sqrt(tl.sum(k * k, axis=1) + 1e-6))[:, None]
-        bt = _sigmoid(beta)
-        if NEG_EIGVAL:
-            bt = bt * 2.0
+        if BETA_MODE == 2:  # b as the caller passed it
+            bt = beta
+        else:
+            bt = _sigmoid(beta) * (1.0 + BETA_MODE)
         bt = tl.where(m, bt, 0.0)
         # Within-sub-block sums as products with triangular 0/1 matrices (the rows of a tile are
         # spread over warps: a scan along them would cost barriers): P = G - G(sub-block start)
@@ -295,14 +296,14 @@ def kda_prep_kernel(
 # kda_prep_kernel flagged, redone with every diagonal decay summed directly. CPP chunks per
 # program; a program with no flagged chunk stops after one load.
 @triton.jit(do_not_specialize=[
-    "sbb", "sbt", "sbh", "T", "H", "HV", "IS_VARLEN", "HAS_DT", "USE_L2NORM", "NEG_EIGVAL",
+    "sbb", "sbt", "sbh", "T", "H", "HV", "IS_VARLEN", "HAS_DT", "USE_L2NORM", "BETA_MODE",
 ])
 def kda_prep_exact_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, ws_ptr, gam_ptr, flag_ptr,
     sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sgb, sgt, sgh, sbb, sbt, sbh,
     a_log_ptr, dt_bias_ptr, cu_ptr,
     T, H, HV, scale, lower_bound,
-    IS_VARLEN, HAS_DT, USE_L2NORM, NEG_EIGVAL,
+    IS_VARLEN, HAS_DT, USE_L2NORM, BETA_MODE,
     C: tl.constexpr, K: tl.constexpr, V: tl.constexpr, KP: tl.constexpr, VP: tl.constexpr,
     EMU: tl.constexpr,
     CPP: tl.constexpr,
@@ -364,9 +365,10 @@ def kda_prep_exact_kernel(
                     if USE_L2NORM:
                         q = q * (1.0 / tl.sqrt(tl.sum(q * q, axis=1) + 1e-6))[:, None]
                         k = k * (1.0 / tl.sqrt(tl.sum(k * k, axis=1) + 1e-6))[:, None]
-                    bt = _sigmoid(beta)
-                    if NEG_EIGVAL:
-                        bt = bt * 2.0
+                    if BETA_MODE == 2:  # b as the caller passed it
+                        bt = beta
+                    else:
+                        bt = _sigmoid(beta) * (1.0 + BETA_MODE)
                     bt = tl.where(m, bt, 0.0)
                     # Within-sub-block sums as products with triangular 0/1 matrices (the rows of a tile are
                     # spread over warps: a scan along them would cost barriers): P = G - G(sub-block start)
@@ -587,7 +589,7 @@ def launch(call, ws, gam, flags, dummies, prep_warps: int = PREP_WARPS, prep_sta
                 call.dt_bias if call.dt_bias is not None else f32,
                 cu, call.T, call.H, call.HV, float(call.scale), float(call.lower_bound),
                 int(call.cu_seqlens is not None), int(call.dt_bias is not None), int(call.use_qk_l2norm),
-                int(call.allow_neg_eigval))
+                call.beta_mode)
         n_chunks = triton.cdiv(max_len, CHUNK)
         kda_prep_kernel[(n_chunks, call.N, call.HV)](
             *args, C=CHUNK, K=HEAD_K, V=HEAD_V, KP=KP, VP=VP, EMU=EMU, **_opts(prep_warps, prep_stages, prep_maxnreg))
