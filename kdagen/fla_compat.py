@@ -27,7 +27,7 @@ from .checkpoints import host_lengths, kernel_chunks, rows
 from .errors import KdaInputError, NoVariantError
 
 FLA_CHUNK_SIZES = (32, 64)
-_KWARGS = ("A_log", "dt_bias", "chunk_size", "transpose_state_layout")
+_KWARGS = frozenset(("A_log", "dt_bias", "chunk_size", "transpose_state_layout"))
 
 
 @dataclass
@@ -49,8 +49,8 @@ def translate(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
               return_intermediate_states=False, state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None,
               cp_context=None, use_graph=False, max_num_seqs=None, **kwargs) -> Translated:
     """Check a chunk_kda call against what kdagen implements and translate it (no kernel runs)."""
-    unknown = sorted(set(kwargs) - set(_KWARGS))
-    if unknown:
+    if not _KWARGS.issuperset(kwargs):
+        unknown = sorted(set(kwargs) - _KWARGS)
         raise KdaInputError(f"{', '.join(unknown)}: expected only fla-core 0.6's chunk_kda keywords, found "
                             "unknown keyword(s) (kdagen rejects what it does not implement)")
     if "transpose_state_layout" in kwargs:
@@ -100,7 +100,8 @@ def translate(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
                                 f"use_graph=True, found {cu_seqlens.shape[0]}")
         assume_valid = True
     # fla's input_guard makes inputs contiguous; kdagen needs only a unit last stride
-    q, k, v, g = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, g))
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1 or g.stride(-1) != 1:
+        q, k, v, g = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, g))
     kw = dict(A_log=A_log, dt_bias=dt_bias, scale=scale, lower_bound=lower_bound if gate == "bounded" else None,
               gate=gate, initial_state=initial_state, output_final_state=bool(output_final_state),
               cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, layout="BSND",

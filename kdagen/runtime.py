@@ -710,6 +710,8 @@ class Plan:
         # Conversions the launchers need, decided once: fp32 contiguous A_log [HV] and dt_bias [HV, K].
         self.A_ready = A is not None and A.dtype == torch.float32 and A.is_contiguous() and A.dim() == 1
         self.dt_ready = dt is not None and dt.dtype == torch.float32 and dt.is_contiguous() and dt.dim() == 2
+        # The bound launch reads dt_bias's HV*K values in place: fla's flat [HV*K] form serves as it is
+        dt_in_place = self.dt_ready or (dt is not None and dt.dtype == torch.float32 and dt.is_contiguous())
         h0 = kw["initial_state"]
         self.h0_ready = h0 is None or h0.is_contiguous()
         self.h0_like = h0 is not None and h0.is_contiguous() and h0.dtype == self.st_dtype
@@ -721,7 +723,7 @@ class Plan:
         self._static_offsets: Optional[torch.Tensor] = None
         # Calls a bound launch serves whole (_run_bound): no per-call conversion, no chunk states.
         gate_args = (A is None and dt is None) if self.precomputed else \
-            (self.A_ready and (dt is None or self.dt_ready))
+            (self.A_ready and (dt is None or dt_in_place))
         self.bound_whole = gate_args and self.h0_ready and self.cu_ready and not self.want_chunks and info.N > 0
         self.empty, self.empty_general, self.current_device, self.device_index = _allocator(q.device)
         self.o_alloc = (self.o_shape, self.o_cstrides, self.o_dtype)

@@ -466,6 +466,23 @@ def _fields(raw: bytes) -> dict:
             for n, _ in KdaParams._fields_}
 
 
+def test_flat_dt_bias_runs_through_the_bound_launch():
+    """fla's flat dt_bias [HV * K] (fp32, contiguous) is the memory the kernels read: its signature
+    binds like [HV, K] does, and the bound launch passes its own pointer (no per-call reshape)."""
+    from .fake_cuda import route_launcher
+
+    var, kw = _sm80_case(None)
+    flat = kw["dt_bias"].reshape(-1).clone()
+    with sm80_on_cpu(var) as (la, drv), route_launcher(la):
+        kdagen.kda_prefill(**dict(kw, dt_bias=flat))
+        plan = list(rt._PLANS.values())[-1]
+        assert plan.run == plan._run_bound
+        drv.launches.clear()
+        flat2 = flat.clone()
+        kdagen.kda_prefill(**dict(kw, dt_bias=flat2))
+        assert drv.launches and all(_fields(x[5])["dt_bias"] == flat2.data_ptr() for x in drv.launches)
+
+
 @pytest.mark.parametrize("lens", [None, [5, 0, 27]], ids=["batch", "varlen"])
 def test_runtime_runs_a_bound_signature_through_the_bound_launch(lens):
     """kda_prefill end to end over the sm80 launcher (fake driver): the first call of a
