@@ -210,10 +210,11 @@ def main() -> int:
         ref = kdagen.kda_prefill(*t, **call, initial_state=kw["initial_state"])
         single["one GPU, one piece"] = wall_ms(lambda: kdagen.kda_prefill(*t, **call, initial_state=kw["initial_state"]),
                                                a.iters, False)
-        single["one GPU, scan (planner)"] = wall_ms(
-            lambda: scan_prefill(*t, **call, initial_state=kw["initial_state"]), a.iters, False)
-        single["one GPU, scan S=16"] = wall_ms(
-            lambda: scan_prefill(*t, **call, initial_state=kw["initial_state"], segments=16), a.iters, False)
+        single["one GPU, scan rerun (planner)"] = wall_ms(
+            lambda: scan_prefill(*t, **call, initial_state=kw["initial_state"], mode="rerun"), a.iters, False)
+        single["one GPU, scan rerun S=16"] = wall_ms(
+            lambda: scan_prefill(*t, **call, initial_state=kw["initial_state"], segments=16, mode="rerun"), a.iters,
+            False)
         # the one-GPU scan in the modes timed below: the same rounding as the ranks' runs
         for mode in (m for m in a.modes.split(",") if m and m != "rerun"):
             for segs in (int(x) for x in a.baseline_segments.split(",")):

@@ -8,6 +8,8 @@ and on a GPU the same cases with `pytest -m gpu`.
 
 from __future__ import annotations
 
+import inspect
+
 import math
 
 import pytest
@@ -209,8 +211,9 @@ def test_kernels_varlen_split_with_states_and_chunk_states(dev):
     # 90 tokens cut in 3 (6 chunks of 16: 2 + 2 + 2, the last ragged), a short sequence whole,
     # an empty one, 30 tokens cut in 2; fp32, a gate that barely decays.
     kw = make_kw(6, lens=[90, 5, 0, 30], K=32, device=dev)
-    out = scan_prefill(**kw, chunk_size=16, return_chunk_states=True, segments=[3, 1, 1, 2])
+    out = scan_prefill(**kw, chunk_size=16, return_chunk_states=True, segments=[3, 1, 1, 2], mode="rerun")
     check(out, kw, 16, 1e-5)
+    assert inspect.signature(scan_prefill).parameters["mode"].default == "correct"  # the route's and cp's mode
 
 
 @pytest.mark.parametrize("dev", DEVICES)
@@ -225,7 +228,7 @@ def test_kernels_gqa_correct_mode(dev):
 def test_kernels_bf16_inputs_bf16_state_bnsd(dev):
     kw = make_kw(8, B=2, T=48, K=32, dtype=torch.bfloat16, state_dtype=torch.bfloat16, layout="BNSD",
                  state_layout="KV", device=dev)
-    out = scan_prefill(**kw, chunk_size=16, segments=2)
+    out = scan_prefill(**kw, chunk_size=16, segments=2, mode="rerun")
     check(out, kw, None, 5e-3)
 
 
@@ -299,13 +302,14 @@ def test_gpu_twin_launch_equals_two_calls(variant, shape):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["rerun", "correct"])
 @pytest.mark.parametrize("T,segs", [(8192, 7), (65536, 16)])
-def test_gpu_long_sequence_against_one_piece(T, segs):
+def test_gpu_long_sequence_against_one_piece(T, segs, mode):
     # bf16, D = 128, gates that barely decay; the scan against the one-piece call and the
     # float64 reference of a shorter prefix is too slow here: the one-piece call is the check.
     kw = make_kw(9, B=1, T=T, H=2, HV=2, K=128, dtype=torch.bfloat16, device="cuda")
     one = kdagen.kda_prefill(**kw)
-    out = scan_prefill(**kw, segments=segs)
+    out = scan_prefill(**kw, segments=segs, mode=mode)
     assert rel_rmse(out[0], one[0]) < 5e-3 and rel_rmse(out[1], one[1]) < 5e-3
 
 

@@ -10,9 +10,10 @@ Segments become varlen sequences, so today's kernels run every step:
    runs twins (kdagen.runtime.kda_prefill_twins: sm80), both runs share one prep; elsewhere they
    are two calls, A's v a stride-0 zero view (nothing materialised).
 2. Chain: S_in of every segment from the sequence's initial state (kdagen.scan.chain).
-3. Rerun: one call over all segments from their true entering states (o, chunk states, final
-   states); or, mode="correct", o = o_B + o_A S_in^T from step 1's outputs with no rerun (o_A is
-   rounded to the input dtype: keep it for fp32 inputs or where measured accurate enough).
+3. Correct (mode "correct", the default): o = o_B + o_A S_in^T from step 1's outputs with no rerun
+   (o_A is rounded to the input dtype; on the H200, bf16, that moved o's error against float64 by
+   0.02-0.03e-3, benchmarks/NOTES.md session 37); or, mode "rerun", one call over all segments
+   from their true entering states (o, chunk states, final states), slower where it runs at all.
 
 States between the steps are fp32 [*, HV, V, K]; the caller's layouts and dtypes are converted at
 the edges. Dedicated kernels (step 1 without o and with the prep shared with step 3) replace the
@@ -380,14 +381,17 @@ def _whole_key(q, k, v, g, beta, mode: str, costs: str, prefill: Prefill, kw: di
 
 
 def scan_prefill(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *,
-                 segments: int | Sequence[int] | None = None, mode: str = "rerun",
+                 segments: int | Sequence[int] | None = None, mode: str = "correct",
                  prefill: Optional[Prefill] = None, chain_impl: str = "auto", costs: str = "h200-engine",
                  **kw: Any):
     """kda_prefill (same arguments and results) through the three-step scan.
 
     segments: per sequence (or one count for all) how many segments to cut it into; None asks
     the planner (kdagen.scan.planner), which leaves the call whole where the scan does not pay.
-    mode: "rerun" (step 3 reruns every segment) or "correct" (o corrected from step 1's outputs).
+    mode: "correct" (o corrected from step 1's outputs; kda_prefill's route and kdagen.cp use it) or
+    "rerun" (step 3 reruns every segment). On the H200 (session 33) the planner's pick in "correct"
+    ran B1 T1048576 H8 in 20.95 ms and T131072 H4 in 1.73, against 30.03 (left whole) and 2.54 in
+    "rerun".
     prefill: the kda_prefill to compose (default kdagen.kda_prefill)."""
     if mode not in ("rerun", "correct"):
         raise KdaInputError(f"mode: expected 'rerun' or 'correct', found {mode!r}")
