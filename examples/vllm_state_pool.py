@@ -1,7 +1,9 @@
 """A serving engine's prefill step (vLLM/SGLang style): recurrent states live in a pool
 [P, HV, V, K]; each sequence of the packed batch names its slot (int32, -1 = a padding
 sequence, neither read nor written); cu_seqlens (query_start_loc) is int32 with its host copy;
-the output buffer is preallocated; the pool is updated in place.
+the output buffer is preallocated; the pool is updated in place. As vLLM's KDA layer passes
+them: g is the log-decay the layer's fused gate already computed (fp32, the precomputed gate)
+and beta is sigmoid(b) in fp32 (beta_is_logit=False: the kernels read it as given).
 
     python examples/vllm_state_pool.py     (CPU: runs on Triton's interpreter)
 """
@@ -28,21 +30,22 @@ def main() -> None:
     qsl = qsl_cpu.to(dev)
     q, k = (torch.randn(1, T, H, D, device=dev, dtype=torch.bfloat16) for _ in range(2))
     v = torch.randn(1, T, HV, D, device=dev, dtype=torch.bfloat16)
-    g = torch.randn(1, T, HV, D, device=dev, dtype=torch.bfloat16)
-    beta = torch.randn(1, T, HV, device=dev, dtype=torch.bfloat16)  # logits (beta_is_logit=True)
+    # the layer's own gate: -exp(A_log) * softplus(g_raw + dt_bias), a log-decay per channel
     A_log, dt_bias = torch.randn(HV, device=dev), torch.randn(HV, D, device=dev)
+    g_raw = torch.randn(1, T, HV, D, device=dev)
+    g = -A_log.exp()[:, None] * torch.nn.functional.softplus(g_raw + dt_bias)
+    beta = torch.sigmoid(torch.randn(1, T, HV, device=dev))  # probabilities
+    call = dict(gate="precomputed", beta_is_logit=False, cu_seqlens=qsl, cu_seqlens_cpu=qsl_cpu)
     out = torch.empty_like(v)
     before = pool.clone()
     # assume_valid: the engine promises valid slots and offsets, so nothing is read on the host
-    kdagen.kda_prefill(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0, cu_seqlens=qsl,
-                       cu_seqlens_cpu=qsl_cpu, state_pool=pool, state_indices=slots, out=out, assume_valid=True)
+    kdagen.kda_prefill(q, k, v, g, beta, **call, state_pool=pool, state_indices=slots, out=out, assume_valid=True)
     untouched = [s for s in range(P) if s not in (5, 2, 7)]
     assert all(torch.equal(pool[s], before[s]) for s in untouched)
     # the same step as a plain call on the gathered states
     h0 = before[slots.clamp(min=0).long()].clone()
     h0[1] = 0
-    o2, fs = kdagen.kda_prefill(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0, cu_seqlens=qsl,
-                                cu_seqlens_cpu=qsl_cpu, initial_state=h0, output_final_state=True)
+    o2, fs = kdagen.kda_prefill(q, k, v, g, beta, **call, initial_state=h0, output_final_state=True)
     assert torch.equal(out, o2) and all(torch.equal(pool[s], fs[n]) for n, s in enumerate([5, -1, 2, 7]) if s >= 0)
     print(f"pool updated in place: slots 5, 2, 7 written, {len(untouched)} slots untouched; o {tuple(out.shape)}")
 
