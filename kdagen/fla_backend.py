@@ -100,6 +100,41 @@ def _meta(t) -> Any:
     return (t.dtype, tuple(t.shape), tuple(t.stride()), t.device, t.requires_grad)
 
 
+# The latest verified call: (keyword names, its non-tensor values, a check of its tensors'
+# signatures (kdagen.signature_guard), verdict). A model's layers repeat one call, and this check
+# costs a third of building _MEMO's key.
+_LATEST: list = [None]
+
+
+def _latest_verdict(args: tuple, kwargs: dict) -> Optional[tuple[bool, Optional[str]]]:
+    latest = _LATEST[0]
+    if latest is None:
+        return None
+    import torch
+
+    names, others, check, verdict = latest
+    if tuple(kwargs) != names:
+        return None
+    vals = args + tuple(kwargs.values())
+    try:
+        same = others == tuple(None if isinstance(x, torch.Tensor) else x for x in vals) and \
+            check(*(x if isinstance(x, torch.Tensor) else None for x in vals))
+    except Exception:  # a value that does not compare: the key below decides
+        return None
+    return verdict if same is True else None
+
+
+def _remember(args: tuple, kwargs: dict, verdict: tuple[bool, Optional[str]]) -> None:
+    import torch
+
+    from .signature_guard import make_check
+
+    vals = args + tuple(kwargs.values())
+    check = make_check(tuple(x if isinstance(x, torch.Tensor) else None for x in vals))
+    _LATEST[0] = None if check is None else \
+        (tuple(kwargs), tuple(None if isinstance(x, torch.Tensor) else x for x in vals), check, verdict)
+
+
 def verify(*args, **kwargs) -> tuple[bool, Optional[str]]:
     """fla's verifier protocol: (True, None), or (False, why kdagen declines this call)."""
     import torch
@@ -107,13 +142,16 @@ def verify(*args, **kwargs) -> tuple[bool, Optional[str]]:
     if torch.is_grad_enabled():
         hit = (False, "kdagen serves inference only (grad mode is on: run under torch.inference_mode())")
     else:
-        key = (tuple(_meta(a) for a in args), tuple(sorted((n, _meta(a)) for n, a in kwargs.items())))
-        hit = _MEMO.get(key)
+        hit = _latest_verdict(args, kwargs)
         if hit is None:
-            hit = _verify(args, kwargs)
-            if len(_MEMO) >= _MEMO_LIMIT:
-                _MEMO.pop(next(iter(_MEMO)))
-            _MEMO[key] = hit
+            key = (tuple(_meta(a) for a in args), tuple(sorted((n, _meta(a)) for n, a in kwargs.items())))
+            hit = _MEMO.get(key)
+            if hit is None:
+                hit = _verify(args, kwargs)
+                if len(_MEMO) >= _MEMO_LIMIT:
+                    _MEMO.pop(next(iter(_MEMO)))
+                _MEMO[key] = hit
+            _remember(args, kwargs, hit)
     if not hit[0] and hit[1] not in _DECLINED:
         _DECLINED.add(hit[1])
         log.info("kdagen: fla chunk_kda falls back to fla: %s", hit[1])

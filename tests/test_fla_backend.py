@@ -37,6 +37,7 @@ def fresh_backend(monkeypatch):
     """Each test sees fla's first-time log lines and kdagen's verifier memo afresh."""
     monkeypatch.setattr(_registry(), "_logged", set())
     fla_backend._MEMO.clear()
+    fla_backend._LATEST[0] = None
     fla_backend._DECLINED.clear()
     monkeypatch.delenv("KDAGEN_FLA_BACKEND", raising=False)
 
@@ -118,7 +119,19 @@ def test_verifier_answers_are_kept_per_signature(monkeypatch):
         assert fla_backend.verify(*args, **fkw) == (True, None)
         args2, fkw2 = fla_chunk_kda_args(fla_case(D=32, T=5))
         assert fla_backend.verify(*args2, **fkw2) == (True, None)
-    assert len(calls) == 2
+        assert len(calls) == 2
+        # the latest call's shortcut answers only calls of its own signature and values: not
+        # another scale, nor a q of other strides, nor the first signature again (_MEMO)
+        built = []
+        monkeypatch.setattr(fla_backend, "_meta", lambda a, real=fla_backend._meta: built.append(1) or real(a))
+        assert fla_backend.verify(*args2, **fkw2) == (True, None) and built == []
+        assert fla_backend.verify(*args2, **dict(fkw2, scale=0.5)) == (True, None) and built
+        built.clear()
+        q2 = args2[0]
+        qt = q2.new_empty((*q2.shape[:-1], 2 * q2.shape[-1]))[..., :q2.shape[-1]].copy_(q2)  # rows 2K apart
+        assert fla_backend.verify(qt, *args2[1:], **fkw2) == (True, None) and built
+        assert fla_backend.verify(*args, **fkw) == (True, None)
+    assert len(calls) == 4
 
 
 def test_switched_off_at_call_time_by_the_environment(monkeypatch, fla_own_path):
