@@ -48,6 +48,20 @@ def test_op_writes_its_outputs_in_place():
     assert rel_rmse(out, ro) < 1e-5 and rel_rmse(fs, rs) < 1e-5
 
 
+def test_op_with_beta_probabilities_matches_kda_prefill():
+    kw, cu, h0 = _case()
+    kw["beta"] = torch.sigmoid(kw["beta"])
+    want_o, want_s = kdagen.kda_prefill(**kw, cu_seqlens=cu, initial_state=h0, output_final_state=True,
+                                        beta_is_logit=False)
+    plans = len(rt._PLANS)
+    out, fs = torch.full_like(kw["v"], float("nan")), torch.full_like(h0, float("nan"))
+    torch.ops.kdagen.kda_prefill(*_op_args(kw, cu, h0, out, fs), beta_is_logit=False)
+    # its own signature (out= and final_state= given), served by the op's positional entry
+    assert torch.equal(out, want_o) and torch.equal(fs, want_s) and len(rt._PLANS) == plans + 1
+    ro, rs, _ = kda_reference(**kw, cu_seqlens=cu, initial_state=h0, output_final_state=True, beta_is_logit=False)
+    assert rel_rmse(out, ro) < 1e-5 and rel_rmse(fs, rs) < 1e-5
+
+
 def test_opcheck_passes():
     kw, cu, h0 = _case()
     args = _op_args(kw, cu, h0, torch.empty_like(kw["v"]), torch.empty_like(h0))
