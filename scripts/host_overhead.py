@@ -10,8 +10,10 @@ For each case (bf16, K = V = 128, bounded gate, fp32 state in and out) and launc
   seen before, in `--rounds` rounds taken in turn over the cases and paths after one uncounted
   round (so no case is measured while the process is new, and both paths see the same
   machine); a sync every 100 calls keeps the launch queue from filling, so a GPU slower than
-  the host does not show up as host time. Also with engine-owned out=/final_state=/workspace=
-  and through torch.ops.kdagen.kda_prefill;
+  the host does not show up as host time. Also with engine-owned out=/final_state=/workspace=,
+  through torch.ops.kdagen.kda_prefill, with beta as probabilities (beta_is_logit=False) and
+  through kdagen.chunk_kda with fla's keywords as fla's callers pass them (flat dt_bias, int64
+  cu_seqlens with their host copy);
 - eager_ms / graph_ms: GPU-timeline time per call of 100 back-to-back eager calls and of 100
   replays of one captured call (CUDA events), and their ratio.
 It first checks that the fast path gives the general path's result bit for bit, says which launch
@@ -111,7 +113,7 @@ def gpu_ms(fn, n: int = 100) -> float:
 
 
 PATHS = ("shim", "bindings")  # launch paths of the sm80 bound launch (Sm80Bound.use_shim)
-COLUMNS = ("host_us", "host_us_owned_buffers", "host_us_torch_op")
+COLUMNS = ("host_us", "host_us_owned_buffers", "host_us_torch_op", "host_us_beta_prob", "host_us_chunk_kda")
 IN_ROUND_SPLIT = ("bound_launch_us", "signature_check_us", "two_allocations_us")
 
 
@@ -145,8 +147,19 @@ class Case:
         op_args = (kw["q"], kw["k"], kw["v"], kw["g"], kw["beta"], kw["A_log"], kw["dt_bias"], kw["initial_state"],
                    kw.get("cu_seqlens"), kw.get("cu_seqlens_cpu"), out, fs, None, ws)
         self.op = lambda: torch.ops.kdagen.kda_prefill(*op_args, gate=kw["gate"], layout=kw["layout"])  # noqa: E731
-        self.owned()
-        self.owned()  # binds the owned buffers' signature (the op shares its plan)
+        # beta as probabilities (beta_is_logit=False: the engines' form), and the same call through
+        # kdagen.chunk_kda with fla's keywords as fla's callers pass them (flat dt_bias, int64 offsets)
+        b = torch.sigmoid(kw["beta"])
+        self.prob = lambda: kdagen.kda_prefill(**dict(kw, beta=b), beta_is_logit=False)  # noqa: E731
+        cu = kw.get("cu_seqlens")
+        fla_kw = dict(initial_state=kw["initial_state"], output_final_state=True, use_qk_l2norm_in_kernel=True,
+                      use_gate_in_kernel=True, lower_bound=-5.0, A_log=kw["A_log"], dt_bias=kw["dt_bias"].reshape(-1),
+                      state_v_first=True, cu_seqlens=cu.long() if cu is not None else None,
+                      cu_seqlens_cpu=kw["cu_seqlens_cpu"].long() if cu is not None else None)
+        self.compat = lambda: kdagen.chunk_kda(kw["q"], kw["k"], kw["v"], kw["g"], b, **fla_kw)  # noqa: E731
+        for fn in (self.owned, self.prob, self.compat):
+            fn()
+            fn()  # binds the signature (the op shares the owned buffers' plan)
         self.bounds = [p.fast for p in rt._PLANS.values() if id(p) not in before and hasattr(p.fast, "use_shim")]
         # path -> column -> every call's seconds; path -> column -> each round's median (us)
         self.times = {path: {col: [] for col in COLUMNS + IN_ROUND_SPLIT} for path in PATHS}
@@ -185,7 +198,8 @@ class Case:
             todo = [("host_us", self.call)]
             if split:
                 todo += list(self.split_calls().items())
-            todo += [("host_us_owned_buffers", self.owned), ("host_us_torch_op", self.op)]
+            todo += [("host_us_owned_buffers", self.owned), ("host_us_torch_op", self.op),
+                     ("host_us_beta_prob", self.prob), ("host_us_chunk_kda", self.compat)]
             for col, fn in todo:
                 times = host_times(fn, calls)
                 if record:
@@ -379,15 +393,17 @@ def _report(rows: list[dict], split: dict, paths: list[str], missing: str, stub:
     head = (f"kdagen host overhead, {time.strftime('%Y-%m-%d')}, commit {commit or 'unknown'}, {where}, "
             f"host CPU {_cpu_model()}, torch {torch.__version__}, median of {args.rounds} x {args.calls} calls "
             "per cell")
-    cols = "| case | variant | launch | host us | host us, owned buffers | host us, torch op |"
-    rule = "|---|---|---|---|---|---|"
+    cols = ("| case | variant | launch | host us | host us, owned buffers | host us, torch op | host us, beta "
+            "probabilities | host us, kdagen.chunk_kda |")
+    rule = "|---|---|---|---|---|---|---|---|"
     if not stub:
         cols += " eager ms | graph ms | eager/graph | fast path = general |"
         rule += "---|---|---|---|"
     lines = [head, "", cols, rule]
     for r in rows:
         line = (f"| {r['case']} | {r['variant']} ({r['fast_path']}) | {r['path']} | {r['host_us']:.1f} | "
-                f"{r['host_us_owned_buffers']:.1f} | {r['host_us_torch_op']:.1f} |")
+                f"{r['host_us_owned_buffers']:.1f} | {r['host_us_torch_op']:.1f} | {r['host_us_beta_prob']:.1f} | "
+                f"{r['host_us_chunk_kda']:.1f} |")
         if not stub:
             line += f" {r['eager_ms']:.4f} | {r['graph_ms']:.4f} | {r['eager_over_graph']:.2f} | " \
                     f"{r['fast_equals_general']} |"

@@ -829,7 +829,7 @@ def test_host_overhead_script_on_the_cpu_stub(capsys, monkeypatch):
     out = capsys.readouterr().out
     rows = re.findall(r"^\| (tiny T64 H4|T64 H32|T1024 H8|T2048 H8|varlen 4x512 H32) \| "
                       r"kda_fwd_sm80_c16_k128_v128_bf16_gb_sfp32_bv(?:16|32) \(Sm80Bound\) \| (shim|bindings) \| "
-                      r"([\d.]+) \| ([\d.]+) \| ([\d.]+) \|$", out, re.M)
+                      r"([\d.]+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \|$", out, re.M)
     assert len(rows) == 10 and all(0 < float(x) < 1000 for r in rows for x in r[2:]), out
     assert [r[1] for r in rows] == ["shim", "bindings"] * 5, out
     assert "- launch path shim: kda_prep + kda_recur through the launch shim kdagen_launch_shim-" in out
