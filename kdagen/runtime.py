@@ -29,6 +29,7 @@ from .errors import KdaInputError, NoVariantError
 from .inputs import CallInfo, check_offsets, check_signature
 from .registry import Entry, Registry
 from .scan import route as scan_route
+from .scan.layout import device_ints
 from .padding import PaddedPlan, at_dims, choose_covering, coverage_note, target_dims
 from .select import GENERATE, Candidate, miss_message, preference, rejection
 from .signature_guard import make_check
@@ -718,13 +719,17 @@ class Plan:
         self.v_contiguous = v.is_contiguous()
         cu = kw["cu_seqlens"]
         self.cu_ready = cu is None or (cu.dtype == torch.int32 and cu.is_contiguous() and cu.device == self.device)
+        # Other offsets (fla's int64 ones) whose host copy the call has: the kernels take an int32
+        # device copy made from it, cached by value (a model's layers pass one batch's offsets).
+        self.cu_via_host = not self.cu_ready and (kw["cu_seqlens_cpu"] is not None or cu.device.type == "cpu")
         self.on_cuda = self.device.type == "cuda"
         self.capturing = capture_query() if self.on_cuda else None
         self._static_offsets: Optional[torch.Tensor] = None
         # Calls a bound launch serves whole (_run_bound): no per-call conversion, no chunk states.
         gate_args = (A is None and dt is None) if self.precomputed else \
             (self.A_ready and (dt is None or dt_in_place))
-        self.bound_whole = gate_args and self.h0_ready and self.cu_ready and not self.want_chunks and info.N > 0
+        self.bound_whole = gate_args and self.h0_ready and (self.cu_ready or self.cu_via_host) and \
+            not self.want_chunks and info.N > 0
         self.empty, self.empty_general, self.current_device, self.device_index = _allocator(q.device)
         self.o_alloc = (self.o_shape, self.o_cstrides, self.o_dtype)
         self.fs_alloc = (self.fs_shape, self.fs_cstrides, self.st_dtype) if self.want_final else None
@@ -798,7 +803,13 @@ class Plan:
     def _run_bound(self, q, k, v, g, beta, A_log, dt_bias, h0, cu, cu_cpu, out, fs, cs, ws):
         """A call of a signature whose bound launch serves it whole: offsets (varlen), outputs,
         launch; the general path only where the launch declines."""
-        max_len = self._offsets(cu, cu_cpu)[0] if self.varlen else self.T
+        max_len = self.T
+        if self.varlen:
+            max_len, host = self._offsets(cu, cu_cpu)
+            if not self.cu_ready:
+                if host is None:  # under capture: the general path converts on the device
+                    return self(q, k, v, g, beta, A_log, dt_bias, h0, cu, cu_cpu, out, fs, cs, ws)
+                cu = device_ints(host, self.device)
         empty = self.empty
         if self.current_device is not None and self.current_device() != self.device_index:
             empty = self.empty_general
@@ -825,7 +836,11 @@ class Plan:
         if not self.info.varlen:
             return self.info.T, None, None
         max_len, host = self._offsets(cu, cu_cpu)
-        return max_len, host, (cu if self.cu_ready else cu.to(device=self.device, dtype=torch.int32).contiguous())
+        if self.cu_ready:
+            return max_len, host, cu
+        if host is not None:
+            return max_len, host, device_ints(host, self.device)
+        return max_len, host, cu.to(device=self.device, dtype=torch.int32).contiguous()
 
     def _kda_call(self, q, k, v, g, beta, o, o_strides, A, dt, cu32, h0, fs, cs, co, max_len, ws,
                   twins: int = 1) -> KdaCall:

@@ -483,6 +483,32 @@ def test_flat_dt_bias_runs_through_the_bound_launch():
         assert drv.launches and all(_fields(x[5])["dt_bias"] == flat2.data_ptr() for x in drv.launches)
 
 
+def test_int64_offsets_with_their_host_copy_run_through_the_bound_launch():
+    """fla's int64 cu_seqlens with cu_seqlens_cpu: the signature binds, and every call's launches
+    read one int32 device copy made from the host offsets and kept for those values (a model's
+    layers repeat one batch's offsets), not a conversion per call; other offsets, another copy."""
+    from kdagen.scan.layout import device_ints
+
+    from .fake_cuda import route_launcher
+
+    var, kw = _sm80_case([5, 0, 27])
+    kw64 = dict(kw, cu_seqlens=kw["cu_seqlens"].long(), cu_seqlens_cpu=kw["cu_seqlens_cpu"].long())
+    with sm80_on_cpu(var) as (la, drv), route_launcher(la):
+        kdagen.kda_prefill(**kw64)
+        plan = list(rt._PLANS.values())[-1]
+        assert plan.run == plan._run_bound
+        want = device_ints([0, 5, 5, 32], "cpu").data_ptr()
+        for _ in range(2):
+            drv.launches.clear()
+            kdagen.kda_prefill(**kw64)
+            assert drv.launches and all(_fields(x[5])["cu_seqlens"] == want for x in drv.launches)
+        other = dict(kw64, cu_seqlens=torch.tensor([0, 9, 9, 32]), cu_seqlens_cpu=torch.tensor([0, 9, 9, 32]))
+        drv.launches.clear()
+        kdagen.kda_prefill(**other)
+        assert all(_fields(x[5])["cu_seqlens"] == device_ints([0, 9, 9, 32], "cpu").data_ptr()
+                   for x in drv.launches)
+
+
 @pytest.mark.parametrize("lens", [None, [5, 0, 27]], ids=["batch", "varlen"])
 def test_runtime_runs_a_bound_signature_through_the_bound_launch(lens):
     """kda_prefill end to end over the sm80 launcher (fake driver): the first call of a
