@@ -215,16 +215,46 @@ CASE_SETS["issue21"] = [
     _peered("varlen [1300,547,2048,963,271,3063] H96"),
 ]
 CASE_SETS["issue15"] = [_peered("B1 T8192 H32 D64"), _peered("B1 T8192 H16 D256")]
+# The other gate forms on the default set's shapes: the unbounded gate is what vLLM's and SGLang's
+# KDA layers compute, the precomputed one fla's use_gate_in_kernel=False. Many heads, the production
+# shape, few heads (routed to the scan) and a varlen batch; the "fp32 gp" rows are vLLM's own call:
+# g from fla's fused_kda_gate (a log-decay in fp32), beta in fp32 as sigmoid(logits) (beta_prob).
+_GP32 = dict(gate="precomputed", gate_fp32=True, beta_prob=True)
+CASE_SETS["gates"] = [
+    _c("gu B1 T8192 H64", T=8192, H=64, gate="unbounded"),
+    _c("gu B1 T65536 H24", T=65536, H=24, gate="unbounded"),
+    _c("gu varlen 8x1024 H64", lens=[1024] * 8, H=64, gate="unbounded"),
+    _c("gu B1 T131072 H4", T=131072, H=4, gate="unbounded"),
+    _c("gp B1 T8192 H64", T=8192, H=64, gate="precomputed"),
+    _c("gp B1 T65536 H24", T=65536, H=24, gate="precomputed"),
+    _c("fp32 gp B1 T8192 H64", T=8192, H=64, **_GP32),
+    _c("fp32 gp varlen 8x1024 H64", lens=[1024] * 8, H=64, **_GP32),
+    _c("fp32 gp B1 T65536 H24", T=65536, H=24, **_GP32),
+]
+# Serving engines' prefill calls: Kimi Linear's 32 KDA heads of D 128 under tensor parallelism (H
+# 32/16/8/4 per GPU) and chunked prefill (vLLM and SGLang cap a step at 2048-16384 tokens): one
+# prompt's chunk, a mix of prompt lengths, many short prompts; in vLLM's argument forms (_GP32).
+CASE_SETS["engine"] = [
+    *(_c(f"eng T8192 H{H}", T=8192, H=H, **_GP32) for H in (32, 16, 8, 4)),
+    _c("eng T2048 H8", T=2048, H=8, **_GP32),
+    _c("eng mix6 H32", lens=[5000, 2000, 700, 300, 150, 42], H=32, **_GP32),
+    _c("eng mix6 H8", lens=[5000, 2000, 700, 300, 150, 42], H=8, **_GP32),
+    _c("eng 32x256 H8", lens=[256] * 32, H=8, **_GP32),
+]
+# What `kdagen tune` measures by default: dispatch's rules are per gate form, and a form whose
+# regimes no case covers gets no rule (benchmarks/NOTES.md, session 38).
+TUNE_CASES = "default,gates,engine"
 CASE_SETS["default"] = [c for name in ("issue16", "issue17", "short", "shapes") for c in CASE_SETS[name]]
 
 
 def load_cases(spec: str) -> list[Case]:
-    """--cases: comma-separated items, each a set name (default, issue15, issue16, issue17, issue21,
-    short, shapes), a case name of the default set, or a YAML/JSON file: a list of cases or
-    {"cases": [...]}, each a mapping of name, H, and T (with B) or lens; optional HV, D, dtype,
-    gate, compare. Case names must be unique over the whole list."""
+    """--cases: comma-separated items, each a set name (CASE_SETS), a case name of a set, or a
+    YAML/JSON file: a list of cases or {"cases": [...]}, each a mapping of name, H, and T (with B)
+    or lens; optional HV, D, dtype, gate, compare, gate_fp32, beta_prob. Case names must be unique
+    over the whole list."""
     items = [spec] if Path(spec).is_file() else [n.strip() for n in spec.split(",") if n.strip()]
-    known = {c.name: c for c in CASE_SETS["default"]}
+    # a name in several sets is the default set's case (issue 21's and 15's copies time the peers)
+    known = {c.name: c for name in [*(n for n in CASE_SETS if n != "default"), "default"] for c in CASE_SETS[name]}
     cases: list[Case] = []
     missing = []
     for item in items:

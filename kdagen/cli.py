@@ -244,11 +244,20 @@ def _bench_options(compare: str, compare_all: bool, variants: str | None, top: i
                    graphs=not no_graphs, warm_procs=warm_procs, budget_ms=budget_ms, rounds=rounds)
 
 
-def _bench_common(f):
+def _bench_common(cases_default: "str | None"):
+    """The options bench and tune share; --cases defaults to `cases_default` (None: the sets
+    `kdagen tune` measures, kdagen.bench.TUNE_CASES)."""
+    from .bench import CASE_SETS, TUNE_CASES  # no torch: the CLI's import stays light
+
+    sets = ", ".join(CASE_SETS)
+    return lambda f: _with_bench_options(f, cases_default or TUNE_CASES, sets)
+
+
+def _with_bench_options(f, cases_default: str, sets: str):
     for opt in reversed([
-        click.option("--cases", "cases", default="default", show_default=True,
-                     help="comma-separated case sets (default, issue15, issue16, issue17, issue21, short, shapes), case "
-                          "names of the default set and .yaml/.json files of cases"),
+        click.option("--cases", "cases", default=cases_default, show_default=True,
+                     help=f"comma-separated case sets ({sets}), case names of the sets and .yaml/.json files of "
+                          "cases"),
         click.option("--variants", default=None, help="glob on variant names: time the matching candidates "
                      "(all of them unless --top is given); the auto-selected one is always timed"),
         click.option("--top", type=int, default=None,
@@ -267,7 +276,7 @@ def _bench_common(f):
 
 
 @main.command()
-@_bench_common
+@_bench_common("default")
 @click.option("--compare", default="fla,flashkda", show_default=True,
               help="peers timed in the same run where importable (fla, flashkda; none)")
 @click.option("--compare-all", is_flag=True, help="time the peers on every case (default: the cases marked "
@@ -313,7 +322,7 @@ def bench(cases: str, compare: str, compare_all: bool, variants: str | None, top
 
 
 @main.command()
-@_bench_common
+@_bench_common(None)
 @click.option("--out", "out_file", type=click.Path(dir_okay=False), default=None,
               help="the tuning file to write (default: KDAGEN_TUNING's file, else <cache>/tuning/<GPU>.json, "
                    "which dispatch then reads before the one shipped with kdagen)")

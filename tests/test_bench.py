@@ -64,6 +64,24 @@ def test_default_cases():
     assert not any(c.short for c in b.CASE_SETS["issue17"])
 
 
+def test_tune_measures_every_gate_form_and_the_engine_rows():
+    """kdagen tune's default cases cover each gate form (rules are per form) and the engines' calls."""
+    from click.testing import CliRunner
+
+    from kdagen.cli import main
+
+    cases = b.load_cases(b.TUNE_CASES)
+    assert {c.gate for c in cases} == {"bounded", "unbounded", "precomputed"}
+    eng = b.CASE_SETS["engine"]
+    assert {c.H for c in eng} == {4, 8, 16, 32} and all(c.gate_fp32 and c.beta_prob for c in eng)
+    assert max(c.tokens for c in eng) <= 16384 and any(c.N > 1 for c in eng)  # chunked-prefill steps
+    vllm = [c for c in b.CASE_SETS["gates"] if c.gate_fp32]
+    assert vllm and all(c.beta_prob and c.gate == "precomputed" for c in vllm)
+    assert b.load_cases("eng mix6 H8") == [c for c in eng if c.name == "eng mix6 H8"]  # a name of any set
+    assert "[default: default,gates,engine]" in CliRunner().invoke(main, ["tune", "--help"]).output
+    assert "[default: default]" in CliRunner().invoke(main, ["bench", "--help"]).output
+
+
 def test_engine_on_the_cpu_and_tune_from_its_results(tmp_path, monkeypatch):
     """The whole run on the CPU: candidates (triton c16 and c64 of the ci spec at K = 32),
     the auto one timed through dispatch, a case no variant serves, the peers left out, then
@@ -251,7 +269,7 @@ def test_cases_files(tmp_path):
     assert [c.name for c in both] == [c.name for c in b.CASE_SETS["issue21"] + b.CASE_SETS["issue15"]]
     assert (both[3].dtype, both[3].gate, both[4].D, both[4].gate, both[-1].D) == ("fp16", "unbounded", 64,
                                                                                  "precomputed", 256)
-    # sets and files mix (tune measures the default set and the gate forms' file in one run); names stay unique
+    # sets and files mix; names stay unique
     mixed = b.load_cases(f"issue15,{y}")
     assert [c.name for c in mixed] == [c.name for c in b.CASE_SETS["issue15"]] + ["a", "b"]
     with pytest.raises(b.BenchError, match="case names must be unique, found a, b more than once"):
@@ -282,7 +300,7 @@ def test_bad_cases_file_names_the_file_and_the_key(tmp_path, text, message):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["bench", "--cases", "nope"], "--cases: expected a set (default, issue15, issue16, issue17, issue21, shapes, short)"),
+    (["bench", "--cases", "nope"], "--cases: expected a set (default, engine, gates, issue15, issue16, issue17, issue21, shapes, short)"),
     (["bench", "--cases", "missing.yaml"], "--cases missing.yaml: cannot be read"),
     (["bench", "--compare", "fla,cudnn"], "--compare: expected a comma-separated list of fla, flashkda"),
     (["bench", "--top", "-1"], "--top: expected 0 (every candidate) or a positive count, found -1"),
