@@ -73,6 +73,22 @@ def test_device_path_without_host_indices(indices, device):
         assert torch.equal(_bits(pool[slot]), _bits(want)), slot
 
 
+def test_host_slots_become_one_cached_device_copy():
+    """Slots known on the host (as engines pass them) are copied to the device once per distinct
+    list, not per call: every layer of a model's step passes the same slots."""
+    from kdagen import state_pool as sp
+
+    pool = torch.randn(6, 2, 4, 4)
+    a = sp.gather(pool, torch.tensor([4, 1], dtype=torch.int32), N=2, HV=2, state_shape=(4, 4),
+                  device=torch.device("cpu"), state_dtype=None, assume_valid=False)
+    b = sp.gather(pool, torch.tensor([4, 1]), N=2, HV=2, state_shape=(4, 4), device=torch.device("cpu"),
+                  state_dtype=None, assume_valid=False)
+    c = sp.gather(pool, torch.tensor([1, 4]), N=2, HV=2, state_shape=(4, 4), device=torch.device("cpu"),
+                  state_dtype=None, assume_valid=False)
+    assert a.index is b.index and a.index.tolist() == [4, 1] and c.index.tolist() == [1, 4]
+    assert torch.equal(a.initial_state, pool[[4, 1]])
+
+
 def test_pool_result_is_none_unless_asked(device):
     kw, pool = _case(device, lens=[4, 3])
     o, fs = kdagen.kda_prefill(**kw, state_pool=pool, state_indices=torch.tensor([2, 0], device=device))
