@@ -80,7 +80,23 @@ def _tuning_line(device) -> str:
     if t.sm_count != sms:
         return (f"{label}: {path} ({where}) ignored: made for {t.sm_count} SMs, the device has {sms}: "
                 "the targets' constants")
-    return f"{label}: {path} ({where}), {len(t.rules)} rule(s){' (' + made + ')' if made else ''}"
+    return f"{label}: {path} ({where}), {len(t.rules)} rule(s){' (' + made + ')' if made else ''}{_gate_cover(t)}"
+
+
+def _gate_cover(t) -> str:
+    """The rules per gate form where they name one, and the forms left with none (their calls get
+    the targets' constants: a rule measured on one gate form says nothing of another)."""
+    from .dtypes import GATES
+
+    if all(r.gate is None for r in t.rules):
+        return ""
+    per = {g: sum(r.gate == g for r in t.rules) for g in GATES}
+    text = "; per gate form: " + ", ".join(f"{g} {n}" for g, n in per.items())
+    bare = [g for g, n in per.items() if n == 0]
+    if bare and not any(r.gate is None for r in t.rules):
+        text += (f"; no rule for the {' and '.join(bare)} gate{'s' if len(bare) > 1 else ''} "
+                 "(`kdagen tune` measures every form by default)")
+    return text
 
 
 def report() -> list[str]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from click.testing import CliRunner
 
 import kdagen
@@ -67,6 +69,16 @@ def test_doctor_names_the_tuning_file_in_use_per_cuda_gpu(monkeypatch, tmp_path)
     assert line() == f"tuning cuda:0: {shipped} (shipped with kdagen), 2 rule(s) (date 2026-12-01, commit abc)"
     tuning.save(a_tuning(gpu=gpu, rules=a_tuning().rules[:1], meta={}), cache)
     assert line() == f"tuning cuda:0: {cache} (the cache's, from `kdagen tune`), 1 rule(s)"
+    cache.unlink()
+    # rules that name their gate form: counted per form, and a form without any is named
+    gated = [dataclasses.replace(r, gate="bounded") for r in a_tuning().rules]
+    tuning.save(a_tuning(gpu=gpu, rules=gated, meta={}), cache)
+    assert line() == (f"tuning cuda:0: {cache} (the cache's, from `kdagen tune`), 2 rule(s); per gate form: bounded 2, "
+                      "unbounded 0, precomputed 0; no rule for the unbounded and precomputed gates (`kdagen tune` "
+                      "measures every form by default)")
+    tuning.save(a_tuning(gpu=gpu, rules=gated + [dataclasses.replace(gated[0], gate="unbounded"),
+                                                 dataclasses.replace(gated[0], gate="precomputed")], meta={}), cache)
+    assert line().endswith("4 rule(s); per gate form: bounded 2, unbounded 1, precomputed 1")
     cache.unlink()
     tuning.save(a_tuning(gpu=gpu, sm_count=66), shipped)
     assert line() == (f"tuning cuda:0: {shipped} (shipped with kdagen) ignored: made for 66 SMs, the device has "
