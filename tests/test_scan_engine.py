@@ -216,6 +216,16 @@ def test_kernels_varlen_split_with_states_and_chunk_states(dev):
     assert inspect.signature(scan_prefill).parameters["mode"].default == "correct"  # the route's and cp's mode
 
 
+@pytest.mark.parametrize("mode", ["rerun", "correct"])
+@pytest.mark.parametrize("dev", DEVICES)
+def test_kernels_beta_probabilities(dev, mode):
+    # beta_is_logit=False reaches every call of the scan (maps, transitions, rerun), b up to 1.5
+    kw = make_kw(11, lens=[70, 30], K=32, device=dev)
+    kw.update(beta=1.5 * torch.sigmoid(kw["beta"]), beta_is_logit=False)
+    out = scan_prefill(**kw, chunk_size=16, segments=[3, 2], mode=mode)
+    check(out, kw, None, 1e-5)
+
+
 @pytest.mark.parametrize("dev", DEVICES)
 def test_kernels_gqa_correct_mode(dev):
     # Both step-1 calls keep the caller's GQA (value head h reads q/k head h // (HV / H)).
