@@ -102,8 +102,10 @@ def _meta(t) -> Any:
 
 # The latest verified call: (keyword names, its non-tensor values, a check of its tensors'
 # signatures (kdagen.signature_guard), verdict). A model's layers repeat one call, and this check
-# costs a third of building _MEMO's key.
+# costs a third of building _MEMO's key. Made once per _MEMO key (_SHORTCUTS): calls that alternate
+# between signatures switch among them instead of building a guard each time.
 _LATEST: list = [None]
+_SHORTCUTS: dict = {}
 
 
 def _latest_verdict(args: tuple, kwargs: dict) -> Optional[tuple[bool, Optional[str]]]:
@@ -124,15 +126,21 @@ def _latest_verdict(args: tuple, kwargs: dict) -> Optional[tuple[bool, Optional[
     return verdict if same is True else None
 
 
-def _remember(args: tuple, kwargs: dict, verdict: tuple[bool, Optional[str]]) -> None:
+def _remember(key: tuple, args: tuple, kwargs: dict, verdict: tuple[bool, Optional[str]]) -> None:
     import torch
 
     from .signature_guard import make_check
 
     vals = args + tuple(kwargs.values())
-    check = make_check(tuple(x if isinstance(x, torch.Tensor) else None for x in vals))
-    _LATEST[0] = None if check is None else \
-        (tuple(kwargs), tuple(None if isinstance(x, torch.Tensor) else x for x in vals), check, verdict)
+    others = tuple(None if isinstance(x, torch.Tensor) else x for x in vals)
+    entry = _SHORTCUTS.get(key)
+    if entry is None or entry[0] != tuple(kwargs) or entry[1] != others:
+        check = make_check(tuple(x if isinstance(x, torch.Tensor) else None for x in vals))
+        entry = None if check is None else (tuple(kwargs), others, check, verdict)
+        if len(_SHORTCUTS) >= _MEMO_LIMIT:
+            _SHORTCUTS.pop(next(iter(_SHORTCUTS)))
+        _SHORTCUTS[key] = entry
+    _LATEST[0] = entry
 
 
 def verify(*args, **kwargs) -> tuple[bool, Optional[str]]:
@@ -151,7 +159,7 @@ def verify(*args, **kwargs) -> tuple[bool, Optional[str]]:
                 if len(_MEMO) >= _MEMO_LIMIT:
                     _MEMO.pop(next(iter(_MEMO)))
                 _MEMO[key] = hit
-            _remember(args, kwargs, hit)
+            _remember(key, args, kwargs, hit)
     if not hit[0] and hit[1] not in _DECLINED:
         _DECLINED.add(hit[1])
         log.info("kdagen: fla chunk_kda falls back to fla: %s", hit[1])

@@ -162,9 +162,10 @@ def kda_prefill(
     -exp(A_log)*softplus(g+dt_bias) (lower_bound=None), or precomputed log-decay g
     (A_log=None); `gate` names one explicitly. beta is a logit (b = sigmoid(beta), x2 with
     allow_neg_eigval), or with beta_is_logit=False the coefficient b itself, used as given
-    (fla's use_beta_sigmoid_in_kernel=False; allow_neg_eigval then changes nothing). Head dims K and V (which may differ) up to 256: sizes no variant
-    has are zero-padded to larger ones a registered variant has, else to the next a target
-    builds on demand (exact; see kdagen.padding).
+    (fla's use_beta_sigmoid_in_kernel=False; allow_neg_eigval then changes nothing). Head dims
+    K and V (which may differ) up to 256: sizes no variant has are zero-padded to larger ones a
+    registered variant has, else to the next a target builds on demand (exact; see
+    kdagen.padding).
     States are [N, HV, V, K] (state_layout "VK") or [N, HV, K, V] ("KV"), float32
     or bfloat16. cu_seqlens (int32/int64, B=1) packs N sequences along T.
 

@@ -38,6 +38,7 @@ def fresh_backend(monkeypatch):
     monkeypatch.setattr(_registry(), "_logged", set())
     fla_backend._MEMO.clear()
     fla_backend._LATEST[0] = None
+    fla_backend._SHORTCUTS.clear()
     fla_backend._DECLINED.clear()
     monkeypatch.delenv("KDAGEN_FLA_BACKEND", raising=False)
 
@@ -131,6 +132,13 @@ def test_verifier_answers_are_kept_per_signature(monkeypatch):
         qt = q2.new_empty((*q2.shape[:-1], 2 * q2.shape[-1]))[..., :q2.shape[-1]].copy_(q2)  # rows 2K apart
         assert fla_backend.verify(qt, *args2[1:], **fkw2) == (True, None) and built
         assert fla_backend.verify(*args, **fkw) == (True, None)
+        # alternating signatures switch among their shortcuts: no guard built again
+        import kdagen.signature_guard as sg
+
+        monkeypatch.setattr(sg, "make_check", lambda *a: pytest.fail("a guard built again"))
+        for _ in range(2):
+            assert fla_backend.verify(*args2, **fkw2) == (True, None)
+            assert fla_backend.verify(*args, **fkw) == (True, None)
     assert len(calls) == 4
 
 
