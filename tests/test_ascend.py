@@ -216,11 +216,12 @@ def test_every_ascend_variant_has_a_twin():
 
 
 @pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("beta_prob", [False, True], ids=["beta_logits", "beta_prob"])
 @pytest.mark.parametrize("v", TWINS_RUN, ids=lambda v: v.name)
-def test_twin_gqa_ragged(v, dev):
+def test_twin_gqa_ragged(v, beta_prob, dev):
     _skip_cuda_k128(v, dev)
-    # GQA, a partial last chunk, two sequences, initial and final state
-    run_and_compare(v, make_case(v, dev, B=2, T=100, H=1, HV=2, seed=11))
+    # GQA, a partial last chunk, two sequences, initial and final state; beta as logits or as b itself
+    run_and_compare(v, make_case(v, dev, B=2, T=100, H=1, HV=2, beta_prob=beta_prob, seed=11))
 
 
 @pytest.mark.parametrize("dev", DEVICES)
