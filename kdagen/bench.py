@@ -254,7 +254,8 @@ def load_cases(spec: str) -> list[Case]:
     over the whole list."""
     items = [spec] if Path(spec).is_file() else [n.strip() for n in spec.split(",") if n.strip()]
     # a name in several sets is the default set's case (issue 21's and 15's copies time the peers)
-    known = {c.name: c for name in [*(n for n in CASE_SETS if n != "default"), "default"] for c in CASE_SETS[name]}
+    known = {c.name: c for cases in CASE_SETS.values() for c in cases}
+    known.update((c.name, c) for c in CASE_SETS["default"])
     cases: list[Case] = []
     missing = []
     for item in items:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import click
 
+from .bench import CASE_SETS, TUNE_CASES  # no torch: the CLI's import stays light
 from .errors import KdagenError, SpecError
 from .paths import DEFAULT_SPEC, SPECS_DIR, generated_dir_for, rel
 
@@ -244,20 +245,12 @@ def _bench_options(compare: str, compare_all: bool, variants: str | None, top: i
                    graphs=not no_graphs, warm_procs=warm_procs, budget_ms=budget_ms, rounds=rounds)
 
 
-def _bench_common(cases_default: "str | None"):
-    """The options bench and tune share; --cases defaults to `cases_default` (None: the sets
-    `kdagen tune` measures, kdagen.bench.TUNE_CASES)."""
-    from .bench import CASE_SETS, TUNE_CASES  # no torch: the CLI's import stays light
-
-    sets = ", ".join(CASE_SETS)
-    return lambda f: _with_bench_options(f, cases_default or TUNE_CASES, sets)
-
-
-def _with_bench_options(f, cases_default: str, sets: str):
-    for opt in reversed([
+def _bench_common(cases_default: str):
+    """The options bench and tune share; --cases defaults to `cases_default`."""
+    opts = [
         click.option("--cases", "cases", default=cases_default, show_default=True,
-                     help=f"comma-separated case sets ({sets}), case names of the sets and .yaml/.json files of "
-                          "cases"),
+                     help=f"comma-separated case sets ({', '.join(CASE_SETS)}), case names of the sets and "
+                          ".yaml/.json files of cases"),
         click.option("--variants", default=None, help="glob on variant names: time the matching candidates "
                      "(all of them unless --top is given); the auto-selected one is always timed"),
         click.option("--top", type=int, default=None,
@@ -270,9 +263,13 @@ def _with_bench_options(f, cases_default: str, sets: str):
                      help="time a case's candidates in this many interleaved rounds, the budget split among them "
                           "(default: bench 1, tune 3): a GPU drifting during the case then ranks no variant by "
                           "its place in the order"),
-    ]):
-        f = opt(f)
-    return f
+    ]
+
+    def add(f):
+        for opt in reversed(opts):
+            f = opt(f)
+        return f
+    return add
 
 
 @main.command()
@@ -322,7 +319,7 @@ def bench(cases: str, compare: str, compare_all: bool, variants: str | None, top
 
 
 @main.command()
-@_bench_common(None)
+@_bench_common(TUNE_CASES)
 @click.option("--out", "out_file", type=click.Path(dir_okay=False), default=None,
               help="the tuning file to write (default: KDAGEN_TUNING's file, else <cache>/tuning/<GPU>.json, "
                    "which dispatch then reads before the one shipped with kdagen)")

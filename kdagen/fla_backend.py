@@ -108,34 +108,38 @@ _LATEST: list = [None]
 _SHORTCUTS: dict = {}
 
 
+def _split(args: tuple, kwargs: dict) -> tuple[tuple, tuple]:
+    """A call's values in order (positional, then keyword) as (the non-tensor values with None in
+    the tensors' slots, the tensors with None in the others' slots)."""
+    import torch
+
+    vals = args + tuple(kwargs.values())
+    return (tuple(None if isinstance(x, torch.Tensor) else x for x in vals),
+            tuple(x if isinstance(x, torch.Tensor) else None for x in vals))
+
+
 def _latest_verdict(args: tuple, kwargs: dict) -> Optional[tuple[bool, Optional[str]]]:
     latest = _LATEST[0]
     if latest is None:
         return None
-    import torch
-
     names, others, check, verdict = latest
     if tuple(kwargs) != names:
         return None
-    vals = args + tuple(kwargs.values())
+    mine, tensors = _split(args, kwargs)
     try:
-        same = others == tuple(None if isinstance(x, torch.Tensor) else x for x in vals) and \
-            check(*(x if isinstance(x, torch.Tensor) else None for x in vals))
+        same = others == mine and check(*tensors)
     except Exception:  # a value that does not compare: the key below decides
         return None
     return verdict if same is True else None
 
 
 def _remember(key: tuple, args: tuple, kwargs: dict, verdict: tuple[bool, Optional[str]]) -> None:
-    import torch
-
     from .signature_guard import make_check
 
-    vals = args + tuple(kwargs.values())
-    others = tuple(None if isinstance(x, torch.Tensor) else x for x in vals)
+    others, tensors = _split(args, kwargs)
     entry = _SHORTCUTS.get(key)
     if entry is None or entry[0] != tuple(kwargs) or entry[1] != others:
-        check = make_check(tuple(x if isinstance(x, torch.Tensor) else None for x in vals))
+        check = make_check(tensors)
         entry = None if check is None else (tuple(kwargs), others, check, verdict)
         if len(_SHORTCUTS) >= _MEMO_LIMIT:
             _SHORTCUTS.pop(next(iter(_SHORTCUTS)))

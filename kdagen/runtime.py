@@ -804,13 +804,7 @@ class Plan:
     def _run_bound(self, q, k, v, g, beta, A_log, dt_bias, h0, cu, cu_cpu, out, fs, cs, ws):
         """A call of a signature whose bound launch serves it whole: offsets (varlen), outputs,
         launch; the general path only where the launch declines."""
-        max_len = self.T
-        if self.varlen:
-            max_len, host = self._offsets(cu, cu_cpu)
-            if not self.cu_ready:
-                if host is None:  # under capture: the general path converts on the device
-                    return self(q, k, v, g, beta, A_log, dt_bias, h0, cu, cu_cpu, out, fs, cs, ws)
-                cu = device_ints(host, self.device)
+        max_len, _, cu = self._varlen_args(cu, cu_cpu) if self.varlen else (self.T, None, cu)
         empty = self.empty
         if self.current_device is not None and self.current_device() != self.device_index:
             empty = self.empty_general
