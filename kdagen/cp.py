@@ -1,17 +1,22 @@
 """Context-parallel KDA prefill across ranks of a torch.distributed process group (issue 19).
 
-Each rank holds a contiguous slice of the packed tokens of a varlen batch; a sequence may span
-ranks. Built from the global cu_seqlens, a `CPContext` tells every rank which pieces of which
-sequences it holds. `kda_prefill_cp` (also reached as `kdagen.kda_prefill(..., cp_context=ctx)`)
-then runs on every rank of the group at once:
+Each rank holds part of the packed tokens of a varlen batch; a sequence may span ranks. The
+global token order is cut into slots: in the "contiguous" layout rank r holds slot r, in the
+"zigzag" layout (what attention layers use to balance causal work, so a hybrid model's KDA
+layers receive it too) rank r holds slots r and 2W - 1 - r, in that order. Built from the global
+cu_seqlens (or from fla's FLACPContext, `from_fla`), a `CPContext` tells every rank which pieces
+of which sequences it holds. `kda_prefill_cp` (also reached as
+`kdagen.kda_prefill(..., cp_context=ctx)` and, with fla's context, `kdagen.chunk_kda`) then runs
+on every rank of the group at once:
 
 1. the rank's pieces through the scan engine's step 1 (kdagen.scan.engine.maps_step): each
    segment's transition A and from-zero state B; a piece whose sequence starts on this rank
    starts from its initial state, so the map the rank sends on for it is (A = 0, B = its true
    exit state);
-2. one all_gather of every rank's outgoing map (its last piece, when that sequence continues on
-   the next rank: [HV, V + K, K] fp32, zeros otherwise), then each rank chains the maps of the
-   ranks before it that hold its first piece's sequence into that piece's entering state;
+2. one all_gather of every slot's outgoing map (its last piece, when that sequence continues in
+   a later slot: [HV, V + K, K] fp32, zeros otherwise), then each piece entering from an
+   earlier slot chains the maps of the slots before it that hold its sequence into its entering
+   state;
 3. o corrected from step 1's outputs and the true entering states (mode "correct", the default),
    or the rank's segments rerun from them (mode "rerun").
 
@@ -21,7 +26,7 @@ NCCL_NVLS_ENABLE=0, NVLink multicast off). Every rank of the group must make the
 
 States: `initial_state` holds one row per sequence that STARTS on this rank (ctx.starts, global
 indices), the returned final state one row per sequence that ENDS here (ctx.ends); an empty
-sequence belongs to the rank whose slice holds its offset (the last rank for offset T).
+sequence belongs to the rank whose slot holds its offset (the last non-empty slot for offset T).
 """
 
 from __future__ import annotations
@@ -36,23 +41,28 @@ from .errors import KdaInputError
 from .scan.chain import chain_states
 from .scan.engine import (_default_prefill, _unpack, correct_step, maps_step, one_piece_v_blocks, pack,
                           planned_segments, rerun_step, scan_launch)
-from .scan.layout import device_ints, split
+from .scan.layout import balanced, device_ints, split
 from .scan.maps import fold, ieee_fp32
 from .scan.planner import COSTS, rounds_cost
 
-__all__ = ["Piece", "CPContext", "build_cp_context", "kda_prefill_cp", "exchange_segments", "twin_segments",
-           "twin_wave_cost"]
+__all__ = ["Piece", "CPContext", "LAYOUTS", "build_cp_context", "from_fla", "kda_prefill_cp", "exchange_segments",
+           "twin_segments", "twin_wave_cost"]
+
+LAYOUTS = ("contiguous", "zigzag")
 
 
 @dataclass(frozen=True)
 class Piece:
-    """The part of global sequence `seq` on this rank: local packed tokens [start, end)."""
+    """The part of sequence `seq` on this rank: local packed tokens [start, end)."""
 
-    seq: int
+    seq: int  # global index (a context made from fla's numbers the rank's pieces instead)
     start: int
     end: int
-    incoming: bool  # the sequence began on an earlier rank
-    outgoing: bool  # the sequence continues on a later rank
+    incoming: bool  # the sequence began in an earlier slot
+    outgoing: bool  # the sequence continues in a later slot
+    part: int = 0  # which of this rank's slots holds it (index into ctx.slots)
+    chain: tuple[int, ...] = ()  # incoming: the earlier slots holding the sequence, in order
+    offset: int = 0  # tokens of the sequence before this piece
 
 
 @dataclass(frozen=True)
@@ -60,88 +70,196 @@ class CPContext:
     group: Any  # torch.distributed ProcessGroup (None: the default group)
     rank: int
     world: int
-    cu: tuple[int, ...]  # global offsets [N + 1]
-    rank_bounds: tuple[int, ...]  # [world + 1]: rank r holds global tokens [rank_bounds[r], rank_bounds[r+1])
-    pieces: tuple[Piece, ...]  # this rank's, in order
-    starts: tuple[int, ...]  # global sequences whose first token (or empty offset) is on this rank
-    ends: tuple[int, ...]  # global sequences whose last token (or empty offset) is on this rank
+    cu: Optional[tuple[int, ...]]  # global offsets [N + 1] (None in a context made from fla's)
+    slot_bounds: tuple[int, ...]  # [slots + 1]: slot s holds global tokens [slot_bounds[s], slot_bounds[s+1])
+    pieces: tuple[Piece, ...]  # this rank's, in its buffer's order
+    starts: tuple[int, ...]  # sequences whose first token (or empty offset) is on this rank
+    ends: tuple[int, ...]  # sequences whose last token (or empty offset) is on this rank
+    layout: str = "contiguous"
+    slots: tuple[int, ...] = ()  # the global slots this rank holds, in its buffer's order
+
+    @property
+    def num_slots(self) -> int:
+        return len(self.slot_bounds) - 1
+
+    @property
+    def rank_bounds(self) -> tuple[int, ...]:
+        """[world + 1]: rank r holds global tokens [rank_bounds[r], rank_bounds[r+1]) (contiguous layout)."""
+        if self.layout != "contiguous":
+            raise KdaInputError(f"rank_bounds: a {self.layout} context's ranks hold {len(self.slots)} intervals "
+                                "each; use local_ranges (or take) instead")
+        return self.slot_bounds
+
+    @property
+    def local_ranges(self) -> tuple[tuple[int, int], ...]:
+        """The global token ranges this rank holds, in its buffer's order."""
+        return tuple((self.slot_bounds[s], self.slot_bounds[s + 1]) for s in self.slots)
 
     @property
     def local_tokens(self) -> int:
-        return self.rank_bounds[self.rank + 1] - self.rank_bounds[self.rank]
+        return sum(b - a for a, b in self.local_ranges)
 
     @property
     def local_cu(self) -> list[int]:
         """The pieces' local packed offsets (a varlen cu_seqlens of the rank's tokens)."""
         return [0] + [p.end for p in self.pieces]
 
+    def take(self, x: Tensor, dim: int = 1) -> Tensor:
+        """This rank's tokens of a global tensor (T on `dim`), in its buffer's order."""
+        parts = [x.narrow(dim, a, b - a) for a, b in self.local_ranges]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
+
     def local_initial_state(self, initial_state: Tensor) -> Tensor:
         """This rank's rows (ctx.starts) of a global [N, ...] initial state."""
         return initial_state[list(self.starts)]
 
+    def slot_owner(self, slot: int) -> tuple[int, int]:
+        """(rank, index into that rank's slots) of global slot `slot`."""
+        if self.layout == "contiguous":
+            return slot, 0
+        return (slot, 0) if slot < self.world else (2 * self.world - 1 - slot, 1)
+
     def holders(self, seq: int) -> list[int]:
-        """Ranks holding tokens of global sequence `seq`, in order."""
-        s, e = self.cu[seq], self.cu[seq + 1]
-        return [r for r in range(self.world)
-                if max(s, self.rank_bounds[r]) < min(e, self.rank_bounds[r + 1])]
+        """Slots holding tokens of global sequence `seq`, in order (the ranks, in the contiguous
+        layout)."""
+        if self.cu is None:
+            raise KdaInputError("holders: this context was made from fla's, which has no global offsets")
+        return _holders(self.cu[seq], self.cu[seq + 1], self.slot_bounds)
+
+
+def _holders(s: int, e: int, bounds: Sequence[int]) -> list[int]:
+    return [x for x in range(len(bounds) - 1) if max(s, bounds[x]) < min(e, bounds[x + 1])]
 
 
 def _owner(pos: int, bounds: Sequence[int]) -> int:
-    """The rank whose slice holds global token `pos` (the last non-empty one for pos = T)."""
-    world = len(bounds) - 1
-    for r in range(world):
+    """The slot holding global token `pos` (the last non-empty one for pos = T)."""
+    n = len(bounds) - 1
+    for r in range(n):
         if bounds[r] <= pos < bounds[r + 1]:
             return r
-    return max([r for r in range(world) if bounds[r + 1] > bounds[r]] or [world - 1])
+    return max([r for r in range(n) if bounds[r + 1] > bounds[r]] or [n - 1])
 
 
-def build_cp_context(cu_seqlens: Sequence[int] | Tensor, group: Any = None, *,
-                     tokens_per_rank: Optional[Sequence[int]] = None, rank: Optional[int] = None,
-                     world: Optional[int] = None) -> CPContext:
-    """The context of this rank. cu_seqlens: the global offsets (host values; a tensor is read
-    once). tokens_per_rank: each rank's token count (default: T split evenly, the remainder to
-    the first ranks). rank/world default to the group's (torch.distributed)."""
+def _my_slots(layout: str, rank: int, world: int) -> tuple[int, ...]:
+    return (rank,) if layout == "contiguous" else (rank, 2 * world - 1 - rank)
+
+
+def _group_rank(group: Any, rank: Optional[int], world: Optional[int], what: str) -> tuple[int, int]:
     if rank is None or world is None:
         import torch.distributed as dist
 
         if not dist.is_available() or not dist.is_initialized():
-            raise KdaInputError("group: torch.distributed is not initialised; call init_process_group first "
-                                "(or pass rank= and world= to build a context without one)")
+            raise KdaInputError(f"group: torch.distributed is not initialised; call init_process_group first "
+                                f"(or pass rank= and world= to {what})")
         rank = dist.get_rank(group) if rank is None else rank
         world = dist.get_world_size(group) if world is None else world
+    if not (0 <= rank < world):
+        raise KdaInputError(f"rank: expected 0 <= rank < world={world}, found {rank}")
+    return rank, world
+
+
+def build_cp_context(cu_seqlens: Sequence[int] | Tensor, group: Any = None, *,
+                     tokens_per_rank: Optional[Sequence[int]] = None, rank: Optional[int] = None,
+                     world: Optional[int] = None, layout: str = "contiguous") -> CPContext:
+    """The context of this rank. cu_seqlens: the global offsets (host values; a tensor is read
+    once). layout: "contiguous" (rank r holds tokens_per_rank[r] tokens after rank r - 1's) or
+    "zigzag" (T cut into 2 x world slots of balanced sizes, rank r holds slots r and
+    2 x world - 1 - r, in that order, as fla's zigzag layout does). tokens_per_rank (contiguous
+    only): each rank's token count (default: T split evenly, the remainder to the first ranks).
+    rank/world default to the group's (torch.distributed)."""
+    if layout not in LAYOUTS:
+        raise KdaInputError(f"layout: expected one of {', '.join(LAYOUTS)}, found {layout!r}")
+    rank, world = _group_rank(group, rank, world, "build a context without one")
     cu = [int(x) for x in (cu_seqlens.tolist() if isinstance(cu_seqlens, Tensor) else cu_seqlens)]
     if len(cu) < 2 or cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])):
         raise KdaInputError(f"cu_seqlens: expected non-decreasing global offsets from 0, found "
                             f"{cu if len(cu) <= 12 else cu[:6] + ['...'] + cu[-3:]}")
-    if not (0 <= rank < world):
-        raise KdaInputError(f"rank: expected 0 <= rank < world={world}, found {rank}")
     T = cu[-1]
-    if tokens_per_rank is None:
-        tokens_per_rank = [T // world + (1 if r < T % world else 0) for r in range(world)]
-    tokens_per_rank = [int(x) for x in tokens_per_rank]
-    if len(tokens_per_rank) != world or any(x < 0 for x in tokens_per_rank) or sum(tokens_per_rank) != T:
-        raise KdaInputError(f"tokens_per_rank: expected {world} counts >= 0 summing to T={T}, found {tokens_per_rank}")
+    if layout == "zigzag":
+        if tokens_per_rank is not None:
+            raise KdaInputError("tokens_per_rank: expected None with layout='zigzag' (its 2 x world slots are "
+                                "balanced)")
+        sizes = balanced(T, 2 * world)
+    else:
+        sizes = balanced(T, world) if tokens_per_rank is None else [int(x) for x in tokens_per_rank]
+        if len(sizes) != world or any(x < 0 for x in sizes) or sum(sizes) != T:
+            raise KdaInputError(f"tokens_per_rank: expected {world} counts >= 0 summing to T={T}, found {sizes}")
     bounds = [0]
-    for x in tokens_per_rank:
+    for x in sizes:
         bounds.append(bounds[-1] + x)
-    r0, r1 = bounds[rank], bounds[rank + 1]
+    slots = _my_slots(layout, rank, world)
     pieces, starts, ends = [], [], []
-    for n, (s, e) in enumerate(zip(cu, cu[1:])):
-        if s == e:
-            if _owner(s, bounds) == rank:
-                pieces.append(Piece(n, s - r0, s - r0, False, False))
+    base = 0
+    for part, slot in enumerate(slots):
+        r0, r1 = bounds[slot], bounds[slot + 1]
+        for n, (s, e) in enumerate(zip(cu, cu[1:])):
+            if s == e:
+                if _owner(s, bounds) == slot:
+                    pieces.append(Piece(n, base + s - r0, base + s - r0, False, False, part))
+                    starts.append(n)
+                    ends.append(n)
+                continue
+            a, b = max(s, r0), min(e, r1)
+            if a >= b:
+                continue
+            chain = tuple(x for x in _holders(s, e, bounds) if x < slot)
+            pieces.append(Piece(n, base + a - r0, base + b - r0, s < r0, e > r1, part, chain, a - s))
+            if s >= r0:
                 starts.append(n)
+            if e <= r1:
                 ends.append(n)
-            continue
-        a, b = max(s, r0), min(e, r1)
-        if a >= b:
-            continue
-        pieces.append(Piece(n, a - r0, b - r0, s < r0, e > r1))
-        if s >= r0:
-            starts.append(n)
-        if e <= r1:
-            ends.append(n)
-    return CPContext(group, rank, world, tuple(cu), tuple(bounds), tuple(pieces), tuple(starts), tuple(ends))
+        base += r1 - r0
+    return CPContext(group, rank, world, tuple(cu), tuple(bounds), tuple(pieces), tuple(starts), tuple(ends),
+                     layout, slots)
+
+
+def _host_offsets(t: Any, name: str) -> list[int]:
+    if isinstance(t, Tensor):
+        return [int(x) for x in t.tolist()]
+    raise KdaInputError(f"cp_context.{name}: expected a tensor of local offsets, found {type(t).__name__}")
+
+
+def from_fla(fla_context: Any, *, rank: Optional[int] = None, world: Optional[int] = None) -> CPContext:
+    """kdagen's context for fla's FLACPContext (fla.ops.cp.build_cp_context; "contiguous" or
+    "zigzag" layout). fla's context holds only this rank's offsets and how many slots before and
+    after share its first and last sequence, which is what the exchange needs; sequences are
+    numbered by the rank's pieces (fla takes no initial or final states with a context)."""
+    ctx = fla_context
+    layout = getattr(ctx, "layout", "contiguous")
+    if layout not in LAYOUTS:
+        raise KdaInputError(f"cp_context.layout: expected one of {', '.join(LAYOUTS)}, found {layout!r}")
+    cu_host = getattr(ctx, "cu_seqlens_cpu", None)
+    cu = _host_offsets(cu_host if cu_host is not None else getattr(ctx, "cu_seqlens", None), "cu_seqlens")
+    rank, world = _group_rank(getattr(ctx, "group", None), rank, world, "from_fla")
+    slots = _my_slots(layout, rank, world)
+    if layout == "contiguous":
+        meta = [(cu, ctx.pre_num_ranks, ctx.post_num_ranks, ctx.pre_num_conv_tokens)]
+        part_len = cu[-1]
+    else:
+        f, part_len = int(ctx.front_num_seqs), int(ctx.part_len)
+        meta = [(cu[:f + 1], ctx.pre_num_ranks_by_part[0], ctx.post_num_ranks_by_part[0],
+                 ctx.pre_num_conv_tokens_by_part[0]),
+                ([x - part_len for x in cu[f:]], ctx.pre_num_ranks_by_part[1], ctx.post_num_ranks_by_part[1],
+                 ctx.pre_num_conv_tokens_by_part[1])]
+    if part_len < 1:
+        raise KdaInputError(f"cp_context.cu_seqlens: expected at least one local token, found {cu}")
+    pieces = []
+    base = 0
+    for part, (slot, (pcu, pre, post, conv)) in enumerate(zip(slots, meta)):
+        if pcu[0] != 0 or pcu[-1] != part_len or any(b <= a for a, b in zip(pcu, pcu[1:])):
+            raise KdaInputError(f"cp_context.cu_seqlens: expected increasing local offsets from 0 to {part_len} "
+                                f"in part {part}, found {pcu}")
+        pre, post, conv = int(pre or 0), int(post or 0), int(conv or 0)
+        last = len(pcu) - 2
+        for i, (a, b) in enumerate(zip(pcu, pcu[1:])):
+            incoming, outgoing = i == 0 and pre > 0, i == last and post > 0
+            pieces.append(Piece(len(pieces), base + a, base + b, incoming, outgoing, part,
+                                tuple(range(slot - pre, slot)) if incoming else (), conv if i == 0 else 0))
+        base += part_len
+    bounds = tuple(range(0, len(slots) * world * part_len + 1, part_len))
+    return CPContext(getattr(ctx, "group", None), rank, world, None, bounds, tuple(pieces),
+                     tuple(i for i, p in enumerate(pieces) if not p.incoming),
+                     tuple(i for i, p in enumerate(pieces) if not p.outgoing), layout, slots)
 
 
 # Segments for a piece on the exchange's path where the twin launch's occupancy is unknown: about
@@ -255,9 +373,10 @@ def _all_gather(x: Tensor, ctx: CPContext) -> list[Tensor]:
 def kda_prefill_cp(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, cp_context: CPContext,
                    segments: int | Sequence[int] | None = None, mode: str = "correct", prefill=None,
                    chain_impl: str = "auto", costs: str = "h200-engine", **kw: Any):
-    """This rank's part of a context-parallel kda_prefill. q, k, v, g, beta: the rank's tokens,
-    B = 1, layout "BSND" ([1, T_local, heads, D]) or "BNSD"; no cu_seqlens (the context has the
-    global ones). Other keywords as kdagen.kda_prefill; initial_state [len(ctx.starts), HV, ...].
+    """This rank's part of a context-parallel kda_prefill. q, k, v, g, beta: the rank's tokens
+    in its buffer's order (ctx.take), B = 1, layout "BSND" ([1, T_local, heads, D]) or "BNSD"; no
+    cu_seqlens (the context has them). cp_context: a CPContext, or fla's FLACPContext (from_fla).
+    Other keywords as kdagen.kda_prefill; initial_state [len(ctx.starts), HV, ...].
     segments: per local piece (or one count) how many scan segments to cut it into; None: the
     one-GPU planner for pieces wholly on this rank, at least exchange_segments for a piece that
     continues on another rank or comes from one. mode: "correct" (default: o corrected from step
@@ -267,8 +386,10 @@ def kda_prefill_cp(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, 
     kda_prefill, and chunk states (the local pieces' chunks) with return_chunk_states."""
     ctx = cp_context
     if not isinstance(ctx, CPContext):
-        raise KdaInputError(f"cp_context: expected a kdagen.cp.CPContext (build_cp_context), found "
-                            f"{type(ctx).__name__}")
+        if not _is_fla_context(ctx):
+            raise KdaInputError(f"cp_context: expected a kdagen.cp.CPContext (build_cp_context) or fla's "
+                                f"FLACPContext, found {type(ctx).__name__}")
+        ctx = from_fla(ctx)
     for name in ("cu_seqlens", "cu_seqlens_cpu", "workspace", "out", "assume_valid"):
         if kw.get(name) is not None and kw.get(name) is not False:
             raise KdaInputError(f"{name}: expected None with cp_context (the context holds the global offsets; "
@@ -293,10 +414,10 @@ def kda_prefill_cp(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, 
         if C is None:
             raise KdaInputError("chunk_size: 16 or 64 required with return_chunk_states")
         for p in pieces:
-            if p.incoming and (ctx.rank_bounds[ctx.rank] - ctx.cu[p.seq]) % C:
-                raise KdaInputError(f"return_chunk_states: rank {ctx.rank} starts inside chunk of sequence {p.seq}; "
-                                    f"chunk states need rank boundaries on multiples of chunk_size={C} from the "
-                                    "sequence's start (tokens_per_rank)")
+            if p.incoming and p.offset % C:
+                raise KdaInputError(f"return_chunk_states: rank {ctx.rank} starts inside a chunk of sequence {p.seq} "
+                                    f"({p.offset} tokens in); chunk states need slot boundaries on multiples of "
+                                    f"chunk_size={C} from the sequence's start (tokens_per_rank)")
 
     # Initial states of the local pieces: the caller's rows for sequences starting here; zeros
     # hold the place of a piece entering from another rank until the exchange.
@@ -311,9 +432,10 @@ def kda_prefill_cp(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, 
         for i, p in enumerate(pieces):
             if not p.incoming:
                 h0[i] = h0_user[row[p.seq]]
+    parts = len(ctx.slots)
     if n_local == 0:  # nothing here, but the collective needs every rank
         HV, K = v.shape[2 if layout == "BSND" else 1], q.shape[-1]
-        _all_gather(torch.zeros(HV, 2 * K, K, dtype=torch.float32, device=q.device), ctx)
+        _all_gather(torch.zeros(parts, HV, 2 * K, K, dtype=torch.float32, device=q.device), ctx)
         return _empty_result(q, v, HV, K, kw, want_final, want_cs, final_buf, chunk_buf)
     cu_cpu, cu_dev = device_ints(ctx.local_cu, "cpu"), device_ints(ctx.local_cu, q.device)
     P = pack(q, k, v, g, beta, cu_seqlens=cu_dev, cu_seqlens_cpu=cu_cpu, initial_state=h0,
@@ -337,32 +459,37 @@ def kda_prefill_cp(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, 
     last_counts = lay.counts
     plain = all(known) and not lay.split_any
 
+    # The piece each slot sends on: its last, where that sequence continues in a later slot.
+    last_of = {p.part: i for i, p in enumerate(pieces)}
+    sends = [(j, i) for j, i in sorted(last_of.items()) if pieces[i].outgoing]
+
     # 1. Maps (or, with nothing to wait for, the whole local call).
-    out_map = torch.zeros(HV, 2 * K, K, dtype=torch.float32, device=dev)
+    out_map = torch.zeros(parts, HV, 2 * K, K, dtype=torch.float32, device=dev)
     if plain:
         res = P.call(prefill, lay, initial_state=P.h0, output_final_state=True, return_chunk_states=want_cs)
         o, finals, cs = res[0], res[1], (res[2] if want_cs else None)
-        if pieces[-1].outgoing:
-            out_map[:, :K] = finals[-1]  # A = 0: the sequence's state leaving this rank, exactly
+        for j, i in sends:
+            out_map[j, :, :K] = finals[i]  # A = 0: the sequence's state leaving this slot, exactly
     else:
         A, B, o_pair, cs_pair = maps_step(P, lay, known, prefill, outputs=(mode == "correct"))
-        if pieces[-1].outgoing:
-            last = slice(lay.first[-1], lay.first[-1] + lay.counts[-1])
+        for j, i in sends:
+            segs = slice(lay.first[i], lay.first[i] + lay.counts[i])
             with ieee_fp32():
-                Ap, Bp = fold(A[last], B[last], dim=0)
-            out_map[:, :K], out_map[:, K:] = Bp, Ap
+                Ap, Bp = fold(A[segs], B[segs], dim=0)
+            out_map[j, :, :K], out_map[j, :, K:] = Bp, Ap
 
-    # 2. Exchange and chain across ranks.
+    # 2. Exchange, and chain the earlier slots' maps into each entering piece's state.
     maps = _all_gather(out_map, ctx)
     S0 = P.h0.clone()
-    if pieces and pieces[0].incoming:
+    for i, p in enumerate(pieces):
+        if not p.incoming:
+            continue
         S = torch.zeros(HV, K, K, dtype=torch.float32, device=dev)
         with ieee_fp32():
-            for r in ctx.holders(pieces[0].seq):
-                if r == ctx.rank:
-                    break
-                S = S @ maps[r][:, K:] + maps[r][:, :K]
-        S0[0] = S
+            for slot in p.chain:
+                r, j = ctx.slot_owner(slot)
+                S = S @ maps[r][j, :, K:] + maps[r][j, :, :K]
+        S0[i] = S
 
     # 3. Every local segment from its true entering state.
     if not plain:
@@ -374,6 +501,11 @@ def kda_prefill_cp(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, 
     ends = device_ints([i for i, p in enumerate(pieces) if not p.outgoing], dev, torch.long)
     return _unpack(P, o, finals[ends], cs, out=None, final_state=final_buf, chunk_states_buf=chunk_buf,
                    want_final=want_final, want_cs=want_cs)
+
+
+def _is_fla_context(x: Any) -> bool:
+    """fla's FLACPContext (duck-typed: fla need not be importable to build or pass one)."""
+    return all(hasattr(x, a) for a in ("cu_seqlens", "pre_num_ranks", "post_num_ranks", "group"))
 
 
 def _empty_result(q: Tensor, v: Tensor, HV: int, K: int, kw: dict, want_final: bool, want_cs: bool,

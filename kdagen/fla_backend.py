@@ -8,9 +8,10 @@ Registered when kdagen is imported: at once if fla is already imported, else rig
 with KDAGEN_FLA_BACKEND=0 (read at import, and by fla on every call). fla orders backends by
 priority, lower first: kdagen takes 2, ahead of FlashKDA (3).
 
-The verifier accepts what kdagen.chunk_kda runs: inference (no grad mode), no context
-parallelism, fla-core 0.6's keywords, and a call a variant can serve (selection runs in the
-verifier, building on demand where that is allowed); its answer is kept per call signature.
+The verifier accepts what kdagen.chunk_kda runs: inference (no grad mode), fla-core 0.6's
+keywords (a cp_context included, run by kdagen.cp), and a call a variant can serve (selection
+runs in the verifier, building on demand where that is allowed); its answer is kept per call
+signature.
 """
 
 from __future__ import annotations
@@ -96,6 +97,8 @@ _DECLINED: set = set()
 
 def _meta(t) -> Any:
     if t is None or not hasattr(t, "dtype"):
+        if _is_context(t):
+            return _context_key(t)
         return t if t is None or isinstance(t, (bool, int, float, str)) else type(t).__name__
     return (t.dtype, tuple(t.shape), tuple(t.stride()), t.device, t.requires_grad)
 
@@ -114,8 +117,18 @@ def _split(args: tuple, kwargs: dict) -> tuple[tuple, tuple]:
     import torch
 
     vals = args + tuple(kwargs.values())
-    return (tuple(None if isinstance(x, torch.Tensor) else x for x in vals),
+    return (tuple(None if isinstance(x, torch.Tensor) else _context_key(x) if _is_context(x) else x for x in vals),
             tuple(x if isinstance(x, torch.Tensor) else None for x in vals))
+
+
+def _is_context(x) -> bool:
+    """A cp_context (fla's or kdagen's): its verdict does not hang on its offsets, and its fields
+    (tensors among them) do not compare as one value."""
+    return hasattr(x, "pre_num_ranks") or type(x).__name__ == "CPContext"
+
+
+def _context_key(x) -> tuple:
+    return ("cp_context", type(x).__name__, getattr(x, "layout", "contiguous"))
 
 
 def _latest_verdict(args: tuple, kwargs: dict) -> Optional[tuple[bool, Optional[str]]]:

@@ -9,8 +9,13 @@ lower_bound is set (A_log None: lower_bound * sigmoid(g + dt_bias)); dt_bias [HV
 [HV, K]; q/k L2 norm only with use_qk_l2norm_in_kernel; intermediate states (the state entering
 every chunk of fla's chunk_size, 64 by default) [B, NT, HV, K, V] in k's dtype.
 
-What kdagen does not implement is rejected with KdaInputError, never ignored: context
-parallelism (cp_context), keywords fla-core 0.6 does not have. Knobs that only shape fla's own
+Context parallelism: cp_context is fla's FLACPContext (fla.ops.cp.build_cp_context, layout
+"contiguous" or "zigzag") or kdagen's (kdagen.cp), run by kdagen.cp; q..beta are this rank's
+tokens and the context's offsets replace cu_seqlens, as in fla. As in fla, no initial or final
+state goes with it.
+
+What kdagen does not implement is rejected with KdaInputError, never ignored: a context with
+return_intermediate_states or use_graph, keywords fla-core 0.6 does not have. Knobs that only shape fla's own
 backward pass (disable_recompute) or its kernels' internals (safe_gate's M=16 path) change no
 forward result and are accepted; their argument checks are fla's.
 """
@@ -38,6 +43,7 @@ class Translated:
     kw: dict[str, Any]
     inter_chunk: Optional[int]  # fla chunk size of the intermediate states, when asked
     output_final_state: bool
+    cp: Any = None  # kdagen.cp.CPContext of a context-parallel call
 
     def kernel_chunks(self) -> tuple[Optional[int], ...]:
         return kernel_chunks(self.inter_chunk, None, "chunk_size") if self.inter_chunk else (None,)
@@ -59,9 +65,10 @@ def translate(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
         warnings.warn("`transpose_state_layout` is deprecated and renamed to `state_v_first`.", DeprecationWarning,
                       stacklevel=3)
         state_v_first = bool(kwargs["transpose_state_layout"])
+    cp = None
     if cp_context is not None:
-        raise KdaInputError("cp_context: expected None: context parallelism across devices is not implemented by "
-                            "kdagen (fla's own chunk_kda serves it)")
+        cp = _cp_context(cp_context, q, initial_state, output_final_state, return_intermediate_states, use_graph)
+        cu_seqlens = cu_seqlens_cpu = None  # the context's offsets replace them, as in fla
     for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
         if not isinstance(t, torch.Tensor):
             raise KdaInputError(f"{name}: expected a torch.Tensor, found {type(t).__name__}")
@@ -112,7 +119,27 @@ def translate(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
         raise KdaInputError("cu_seqlens_cpu: return_intermediate_states with use_graph=True needs the offsets on "
                             "the host (kdagen never reads cu_seqlens in graph mode)")
     return Translated((q, k, v, g, beta), kw, chunk if return_intermediate_states else None,
-                      bool(output_final_state))
+                      bool(output_final_state), cp)
+
+
+def _cp_context(ctx: Any, q: Any, initial_state: Any, output_final_state: bool, return_intermediate_states: bool,
+                use_graph: bool) -> Any:
+    """kdagen's context of a chunk_kda call's cp_context, after fla's rules for one."""
+    from .cp import CPContext, _is_fla_context, from_fla
+
+    if not isinstance(ctx, CPContext) and not _is_fla_context(ctx):
+        raise KdaInputError(f"cp_context: expected fla's FLACPContext (fla.ops.cp.build_cp_context) or a "
+                            f"kdagen.cp.CPContext, found {type(ctx).__name__}")
+    if initial_state is not None or output_final_state:
+        raise KdaInputError("initial_state / output_final_state: expected None / False with cp_context (fla's "
+                            "chunk_kda takes no states with context parallelism; kdagen.kda_prefill does)")
+    if return_intermediate_states or use_graph:
+        raise KdaInputError("cp_context: expected None with return_intermediate_states or use_graph (not "
+                            "implemented by kdagen together)")
+    if isinstance(q, torch.Tensor) and q.dim() == 4 and q.shape[0] != 1:
+        raise KdaInputError(f"q: expected B = 1 with cp_context (the rank's packed tokens), found shape "
+                            f"{tuple(q.shape)}")
+    return ctx if isinstance(ctx, CPContext) else from_fla(ctx)
 
 
 def _kernel_kw(t: Translated, kernel_chunk: Optional[int]) -> dict:
@@ -125,6 +152,8 @@ def run(t: Translated):
     """Run a translated call; returns what fla's chunk_kda returns."""
     from .runtime import kda_prefill
 
+    if t.cp is not None:
+        return kda_prefill(*t.tensors, **t.kw, cp_context=t.cp)[0], None
     chunks = t.kernel_chunks()
     for i, c in enumerate(chunks):
         try:
@@ -144,6 +173,12 @@ def plan(t: Translated) -> None:
     raises NoVariantError / KdaInputError as run() would."""
     from .runtime import prepare
 
+    if t.cp is not None:  # the rank's pieces as one varlen call: the variant the scan's calls take
+        if not t.cp.pieces:
+            return
+        cu = torch.tensor(t.cp.local_cu, dtype=torch.int32)
+        prepare(*t.tensors, **dict(t.kw, cu_seqlens=cu.to(t.tensors[0].device), cu_seqlens_cpu=cu))
+        return
     chunks = t.kernel_chunks()
     for i, c in enumerate(chunks):
         try:

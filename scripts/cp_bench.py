@@ -2,7 +2,7 @@
 
     NCCL_NVLS_ENABLE=0 PYTHONPATH=$PWD torchrun --nproc_per_node 2 scripts/cp_bench.py \
         [--T 1048576 --H 8] [--segments auto,4,8,16] [--modes rerun,correct] [--iters 5]
-        [--lower-bound=-1e-3] [--out benchmarks/results/DATE_cp_h200.md]
+        [--lower-bound=-1e-3] [--layout zigzag] [--out benchmarks/results/DATE_cp_h200.md]
 
 Two runs for a host with fewer GPUs than ranks (neither is a measured speedup; both say so):
 - `--backend gloo` with more ranks than GPUs: the ranks share GPUs and exchange over gloo, which
@@ -165,8 +165,14 @@ def main() -> int:
                     help="with --emulate: each rank's call once under torch.profiler, its kernel table to DIR")
     ap.add_argument("--correct-config", default=None, metavar="BT,GT,BV,WARPS,STAGES",
                     help="the correction kernel's tile and launch (kdagen.scan.correct.CONFIG) for this run")
+    ap.add_argument("--layout", default="contiguous", choices=("contiguous", "zigzag"),
+                    help="how the tokens are split over the ranks (kdagen.cp.build_cp_context)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
+    if a.emulate and a.layout != "contiguous":
+        print("--emulate: only the contiguous layout (its exchange emulation runs the ranks in order)",
+              file=sys.stderr)
+        return 2
     if a.correct_config:
         correct.CONFIG = tuple(int(x) for x in a.correct_config.split(","))
     if a.emulate:
@@ -200,7 +206,7 @@ def main() -> int:
     how = (f"{world} ranks emulated one after another on 1 x {dev_name} (a projection, see below)" if a.emulate
            else f"{world} ranks on {max(gpus, 1) if shared else world} x {dev_name} over {backend}"
            + (" (ranks share GPUs: times are not a speedup)" if shared else ""))
-    say(f"# Context-parallel prefill: B1 T{a.T} H{a.H} D{a.D} bf16, lower_bound {a.lower_bound:g}; {how}; "
+    say(f"# Context-parallel prefill: B1 T{a.T} H{a.H} D{a.D} bf16, lower_bound {a.lower_bound:g}, {a.layout}; {how}; "
         f"correction tile {correct.CONFIG}")
     say("")
     ref = None
@@ -323,9 +329,10 @@ def ranks(kw: dict, call: dict, runs: list, rank: int, world: int, a, base: Opti
           say) -> None:
     """Every (segments, mode) run on this rank of the torch.distributed group; rank 0 reports."""
     dist.barrier()
-    ctx = build_cp_context([0, a.T])
-    lo, hi = ctx.rank_bounds[rank], ctx.rank_bounds[rank + 1]
-    loc = {n: kw[n][:, lo:hi].contiguous() for n in NAMES}
+    ctx = build_cp_context([0, a.T], layout=a.layout)
+    loc = {n: ctx.take(kw[n], 1).contiguous() for n in NAMES}
+    every = [build_cp_context([0, a.T], rank=r, world=world, layout=a.layout) for r in range(world)]
+    ender = next(r for r, c in enumerate(every) if 0 in c.ends)  # the rank holding the sequence's end
     h0 = ctx.local_initial_state(kw["initial_state"])
     kw.clear()
     for seg, mode in runs:
@@ -343,8 +350,13 @@ def ranks(kw: dict, call: dict, runs: list, rank: int, world: int, a, base: Opti
         fparts = [torch.empty_like(fs) for _ in range(world)]
         dist.all_gather(fparts, fs.contiguous())
         if rank == 0:
-            o = torch.cat(parts, dim=1)
-            final = fparts[world - 1]
+            o = torch.empty_like(ref[0])
+            for c, part in zip(every, parts):  # each rank's slots back in global order
+                at = 0
+                for lo, hi in c.local_ranges:
+                    o[:, lo:hi] = part[:, at:at + hi - lo]
+                    at += hi - lo
+            final = fparts[ender]
             speed = f", {base / ms:.2f}x the best single-GPU call" if base and not shared else ""
             say(f"- {world} ranks, {mode}, segments per rank {seg}: {ms:.2f} ms{speed}; o {rel_rmse(o, ref[0]):.2e}, "
                 f"final state {rel_rmse(final, ref[1]):.2e} against the one-GPU one-piece call")

@@ -27,8 +27,11 @@ def problem(case: dict, device: str = "cpu") -> tuple[dict, dict]:
     def r(*s, scale=1.0):
         return torch.randn(*s, generator=gen) * scale
 
-    t = dict(q=r(1, T, H, K).to(dtype), k=r(1, T, H, K).to(dtype), v=r(1, T, HV, K).to(dtype),
-             g=r(1, T, HV, K), beta=r(1, T, HV))
+    # q and k of unit norm, as models feed KDA: with |k|^2 ~ K the delta rule grows o
+    # exponentially along a sequence, and a relative error then sees only the last tokens.
+    unit = torch.nn.functional.normalize
+    t = dict(q=unit(r(1, T, H, K), dim=-1).to(dtype), k=unit(r(1, T, H, K), dim=-1).to(dtype),
+             v=r(1, T, HV, K).to(dtype), g=r(1, T, HV, K), beta=r(1, T, HV))
     if case.get("layout", "BSND") == "BNSD":
         t = {n: x.transpose(1, 2).contiguous() for n, x in t.items()}
     kw: dict[str, Any] = dict(A_log=r(HV, scale=0.5), dt_bias=r(HV, K), lower_bound=case.get("lower_bound", -1e-3),
@@ -47,6 +50,20 @@ def local_slice(t: dict, a: int, b: int, layout: str) -> dict:
     return {n: x.narrow(ax, a, b - a).contiguous() for n, x in t.items()}
 
 
+def local_part(t: dict, ctx, layout: str) -> dict:
+    """The rank's tokens (every slot it holds, in its buffer's order) of each tensor."""
+    ax = 1 if layout == "BSND" else 2
+    return {n: ctx.take(x, ax).contiguous() for n, x in t.items()}
+
+
+def fla_call(case: dict, t: dict, kw: dict) -> tuple[tuple, dict]:
+    """A case as fla's chunk_kda arguments (bounded gate in the kernel, beta logits, no states:
+    fla takes none with a context)."""
+    fkw = dict(A_log=kw["A_log"], dt_bias=kw["dt_bias"], lower_bound=kw["lower_bound"], use_gate_in_kernel=True,
+               use_beta_sigmoid_in_kernel=True, state_v_first=kw["state_layout"] == "VK", chunk_size=64)
+    return (t["q"], t["k"], t["v"], t["g"], t["beta"]), fkw
+
+
 def run_rank(rank: int, world: int, store: str, cases: list[dict], out_dir: str, backend: str = "gloo",
              device: str = "cpu") -> None:
     """torch.multiprocessing.spawn entry: every case on this rank, results to out_dir/r{rank}_{i}.pt."""
@@ -62,9 +79,12 @@ def run_rank(rank: int, world: int, store: str, cases: list[dict], out_dir: str,
     try:
         for i, case in enumerate(cases):
             t, kw = problem(case, device)
-            ctx = build_cp_context(cu_of(case["lens"]), tokens_per_rank=case.get("tokens_per_rank"))
-            a, b = ctx.rank_bounds[rank], ctx.rank_bounds[rank + 1]
-            loc = local_slice(t, a, b, kw["layout"])
+            if case.get("engine") == "fla":  # fla's context, through kdagen.chunk_kda and fla's chunk_kda
+                _fla_rank(rank, case, t, kw, os.path.join(out_dir, f"r{rank}_{i}.pt"))
+                continue
+            ctx = build_cp_context(cu_of(case["lens"]), tokens_per_rank=case.get("tokens_per_rank"),
+                                   layout=case.get("cp_layout", "contiguous"))
+            loc = local_part(t, ctx, kw["layout"])
             kw["initial_state"] = ctx.local_initial_state(kw["initial_state"])
             extra = dict(segments=case.get("segments"), mode=case.get("mode", "correct"))
             if case.get("engine") == "ref":
@@ -73,7 +93,25 @@ def run_rank(rank: int, world: int, store: str, cases: list[dict], out_dir: str,
                 res = kdagen.kda_prefill(**loc, **kw, cp_context=ctx)  # the runtime's pass-through
             else:
                 res = kda_prefill_cp(**loc, **kw, cp_context=ctx, **extra)
-            torch.save(dict(out=[x.cpu() if x is not None else None for x in res], ends=list(ctx.ends), a=a, b=b),
-                       os.path.join(out_dir, f"r{rank}_{i}.pt"))
+            torch.save(dict(out=[x.cpu() if x is not None else None for x in res], ends=list(ctx.ends),
+                            ranges=list(ctx.local_ranges)), os.path.join(out_dir, f"r{rank}_{i}.pt"))
     finally:
         dist.destroy_process_group()
+
+
+def _fla_rank(rank: int, case: dict, t: dict, kw: dict, path: str) -> None:
+    import torch.distributed as dist
+    from fla.ops.cp import build_cp_context as fla_context
+    from fla.ops.kda import chunk_kda as fla_chunk_kda
+
+    import kdagen
+    from kdagen.cp import from_fla
+
+    cu = torch.tensor(cu_of(case["lens"]), dtype=torch.long)
+    fctx = fla_context(cu, dist.group.WORLD, layout=case.get("cp_layout", "contiguous"))
+    ctx = from_fla(fctx)
+    args, fkw = fla_call(case, local_part(t, ctx, "BSND"), kw)
+    with torch.inference_mode():
+        o = kdagen.chunk_kda(*args, **fkw, cp_context=fctx)[0]
+        o_fla = fla_chunk_kda(*args, **fkw, cp_context=fctx)[0]  # served by kdagen's fla backend
+    torch.save(dict(out=[o, o_fla], ranges=list(ctx.local_ranges)), path)

@@ -56,6 +56,55 @@ def test_context_uneven_and_empty_ranks():
         build_cp_context(cu)
 
 
+def test_zigzag_context_holds_two_slots():
+    # W = 2, T = 96 in 4 slots of 24: rank 0 holds slots 0 and 3, rank 1 slots 1 and 2.
+    # Sequence 1 ([8, 78)) runs through all four; sequence 2 is empty at 78 (slot 3).
+    cu = [0, 8, 78, 78, 96]
+    c = [build_cp_context(cu, rank=r, world=2, layout="zigzag") for r in range(2)]
+    assert c[0].slots == (0, 3) and c[1].slots == (1, 2) and c[0].slot_bounds == (0, 24, 48, 72, 96)
+    assert c[0].local_ranges == ((0, 24), (72, 96)) and c[1].local_tokens == 48
+    got = [[(p.seq, p.start, p.end, p.incoming, p.outgoing, p.part, p.chain, p.offset) for p in x.pieces] for x in c]
+    assert got[0] == [(0, 0, 8, False, False, 0, (), 0), (1, 8, 24, False, True, 0, (), 0),
+                      (1, 24, 30, True, False, 1, (0, 1, 2), 64), (2, 30, 30, False, False, 1, (), 0),
+                      (3, 30, 48, False, False, 1, (), 0)]
+    assert got[1] == [(1, 0, 24, True, True, 0, (0,), 16), (1, 24, 48, True, True, 1, (0, 1), 40)]
+    assert (c[0].starts, c[0].ends, c[1].starts, c[1].ends) == ((0, 1, 2, 3), (0, 1, 2, 3), (), ())
+    assert [c[0].slot_owner(s) for s in range(4)] == [(0, 0), (1, 0), (1, 1), (0, 1)]
+    x = torch.arange(96).view(1, 96)
+    assert c[0].take(x).tolist() == [list(range(24)) + list(range(72, 96))]
+    with pytest.raises(KdaInputError, match="rank_bounds: a zigzag context's ranks hold 2 intervals"):
+        c[0].rank_bounds
+    with pytest.raises(KdaInputError, match="tokens_per_rank: expected None with layout='zigzag'"):
+        build_cp_context(cu, rank=0, world=2, layout="zigzag", tokens_per_rank=[48, 48])
+    with pytest.raises(KdaInputError, match="layout: expected one of contiguous, zigzag, found 'ring'"):
+        build_cp_context(cu, rank=0, world=2, layout="ring")
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_fla_contexts_give_the_same_pieces(layout):
+    # fla's context (built without a group: world_size and rank given) against kdagen's for the
+    # same offsets: the same pieces, chains and offsets; fla drops empty sequences and numbers
+    # the rank's pieces itself.
+    get_cp_cu_seqlens = pytest.importorskip("fla.ops.cp.context").get_cp_cu_seqlens
+    from kdagen.cp import from_fla
+
+    gen = torch.Generator().manual_seed(0)
+    for world in (2, 3, 4):
+        for _ in range(6):
+            lens = torch.randint(0, 40, (int(torch.randint(1, 6, (1,), generator=gen)),), generator=gen).tolist()
+            parts = world * (2 if layout == "zigzag" else 1)
+            lens[-1] += -sum(lens) % parts + parts  # fla: T a positive multiple of the slots
+            cu = cp_worker.cu_of(lens)
+            for r in range(world):
+                f = from_fla(get_cp_cu_seqlens(torch.tensor(cu), world_size=world, rank=r, layout=layout),
+                             rank=r, world=world)
+                k = build_cp_context(cu, rank=r, world=world, layout=layout)
+                key = [(p.start, p.end, p.incoming, p.outgoing, p.part, p.chain, p.offset) for p in k.pieces
+                       if p.end > p.start]
+                assert [(p.start, p.end, p.incoming, p.outgoing, p.part, p.chain, p.offset) for p in f.pieces] == key
+                assert (f.slots, f.slot_bounds, f.layout) == (k.slots, k.slot_bounds, k.layout)
+
+
 def test_call_errors_are_named():
     ctx = build_cp_context([0, 8, 16], rank=0, world=2)
     t, kw = cp_worker.problem(dict(lens=[8, 8]))
@@ -146,17 +195,27 @@ def test_auto_segments_use_the_twin_waves_where_known(monkeypatch):
 
 # Cases every rank runs in turn: "kernels" through kdagen.kda_prefill (Triton interpreter here,
 # the GPU kernels with -m gpu), "ref" through the float64 chunked reference (fast plumbing checks).
+# "zigzag": rank r holds slots r and 2W-1-r. At W = 2 and lens [8, 70, 0, 18] (slots of 24 tokens)
+# sequence 1 runs through all four slots: rank 1's own front slot feeds its back slot, and rank
+# 0's back slot chains the maps of slots 0, 1 and 2. "fla": fla's own context (fla.ops.cp), through
+# kdagen.chunk_kda and through fla's chunk_kda served by kdagen's backend.
 CASES = {
     2: [
         dict(lens=[8, 70, 0, 18], engine="kernels"),  # planner's segments; rank 1's first piece enters
         dict(lens=[8, 70, 0, 18], engine="ref", mode="correct", segments=2, layout="BNSD", state_layout="KV",
              state_dtype=torch.bfloat16, seed=1),
         dict(lens=[16, 70, 0, 10], engine="ref", chunk_states=True, segments=2, mode="rerun", seed=2),
+        dict(lens=[8, 70, 0, 18], engine="kernels", cp_layout="zigzag", segments=2, seed=6),
+        dict(lens=[30, 50, 0], engine="ref", cp_layout="zigzag", mode="rerun", seed=7),  # empty at T: slot 3
+        dict(lens=[8, 70, 0, 18], engine="fla", cp_layout="zigzag", seed=8),
+        dict(lens=[8, 70, 0, 18], engine="fla", seed=9),
     ],
     3: [
         dict(lens=[8, 100, 4, 8], engine="kernels", segments=2, seed=3),  # the middle rank: in and out
         dict(lens=[8, 100, 4, 8], engine="ref", tokens_per_rank=[50, 0, 70], mode="rerun", seed=4),
         dict(lens=[8, 100, 4, 8], engine="ref", mode="correct", segments=3, H=1, HV=2, seed=5),
+        dict(lens=[96, 0, 96], engine="ref", cp_layout="zigzag", segments=2, chunk_states=True, seed=10),
+        dict(lens=[8, 100, 4, 8], engine="fla", cp_layout="zigzag", seed=11),
     ],
 }
 
@@ -166,7 +225,37 @@ def single_process(case: dict):
     cu = torch.tensor(cp_worker.cu_of(case["lens"]), dtype=torch.int32)
     if case["engine"] == "ref":
         return reference_prefill(**t, **kw, cu_seqlens=cu)
+    if case["engine"] == "fla":
+        args, fkw = cp_worker.fla_call(case, t, kw)
+        return kdagen.chunk_kda(*args, **fkw, cu_seqlens=cu.long())
     return kdagen.kda_prefill(**t, **kw, cu_seqlens=cu)
+
+
+def chunk_rows(case: dict, ranks: list[dict], world: int) -> torch.Tensor:
+    """Every rank's chunk states in global order: each row sorted by its chunk's first token."""
+    C = case.get("chunk", 16)
+    rows = []
+    for r, x in enumerate(ranks):
+        ctx = build_cp_context(cp_worker.cu_of(case["lens"]), rank=r, world=world,
+                               tokens_per_rank=case.get("tokens_per_rank"), layout=case.get("cp_layout", "contiguous"))
+        firsts = [a - sum(b_ - a_ for a_, b_ in ctx.local_ranges[:j]) for j, (a, _) in enumerate(ctx.local_ranges)]
+        pos = [firsts[p.part] + p.start + c for p in ctx.pieces for c in range(0, p.end - p.start, C)]
+        assert len(pos) == x["out"][2].shape[0]
+        rows += list(zip(pos, x["out"][2]))
+    return torch.stack([row for _, row in sorted(rows, key=lambda t: t[0])])
+
+
+def assemble(parts: list[tuple[torch.Tensor, list]], dim: int) -> torch.Tensor:
+    """The global tensor from every rank's (local tensor, its global token ranges)."""
+    T = max(b for _, ranges in parts for _, b in ranges)
+    x0 = parts[0][0]
+    out = x0.new_full((*x0.shape[:dim], T, *x0.shape[dim + 1:]), float("nan"))
+    for x, ranges in parts:
+        at = 0
+        for a, b in ranges:
+            out.narrow(dim, a, b - a).copy_(x.narrow(dim, at, b - a))
+            at += b - a
+    return out
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="the gloo ranks run the Triton interpreter, which runs only without a GPU")
@@ -178,23 +267,29 @@ def test_gloo_ranks_equal_the_single_process_call(world, tmp_path):
     mp.spawn(cp_worker.run_rank, args=(world, str(tmp_path / "store"), cases, str(tmp_path)), nprocs=world)
     for i, case in enumerate(cases):
         ranks = [torch.load(tmp_path / f"r{r}_{i}.pt") for r in range(world)]
-        layout = case.get("layout", "BSND")
-        o = torch.cat([x["out"][0] for x in ranks], dim=1 if layout == "BSND" else 2)
+        dim = 1 if case.get("layout", "BSND") == "BSND" else 2
+        o = assemble([(x["out"][0], x["ranges"]) for x in ranks], dim)
+        ref = single_process(case)
+        if case["engine"] == "fla":  # fla takes no states with a context: o only, both entries
+            o_fla = assemble([(x["out"][1], x["ranges"]) for x in ranks], dim)
+            errs = {"o": rel_rmse(o, ref[0]), "o via fla": rel_rmse(o_fla, ref[0])}
+            assert max(errs.values()) < 1e-5, (i, case, errs)
+            continue
         fs = torch.cat([x["out"][1] for x in ranks])
         ends = sum((x["ends"] for x in ranks), [])
-        ref = single_process(case)
         tol = 5e-3 if case.get("state_dtype") == torch.bfloat16 else 1e-5
         errs = {"o": rel_rmse(o, ref[0]), "state": rel_rmse(fs, ref[1][ends])}
         assert fs.dtype == ref[1].dtype
-        if case.get("chunk_states"):
-            errs["chunk_states"] = rel_rmse(torch.cat([x["out"][2] for x in ranks]), ref[2])
+        if case.get("chunk_states"):  # rows by (global sequence, chunk) order over the ranks' pieces
+            errs["chunk_states"] = rel_rmse(chunk_rows(case, ranks, world), ref[2])
         assert max(errs.values()) < tol, (i, case, errs)
     # The test can fail: the last rank's first piece from a zero state is far from the true o.
     case = CASES[world][0]
     last = torch.load(tmp_path / f"r{world - 1}_0.pt")
     t, kw = cp_worker.problem(case)
     n_in = build_cp_context(cp_worker.cu_of(case["lens"]), rank=world - 1, world=world).pieces[0].end
-    loc = cp_worker.local_slice(t, last["a"], last["a"] + n_in, "BSND")
+    a = last["ranges"][0][0]
+    loc = cp_worker.local_slice(t, a, a + n_in, "BSND")
     alone = reference_prefill(**loc, **dict(kw, initial_state=None))
     assert rel_rmse(alone[0], last["out"][0][:, :n_in]) > 1e-2
 
@@ -213,7 +308,7 @@ def test_gpu_ranks(tmp_path):
     mp.spawn(_gpu_rank, args=(2, str(tmp_path / "store"), cases, str(tmp_path), backend), nprocs=2)
     for i, case in enumerate(cases):
         ranks = [torch.load(tmp_path / f"r{r}_{i}.pt") for r in range(2)]
-        o = torch.cat([x["out"][0] for x in ranks], dim=1)
+        o = assemble([(x["out"][0], x["ranges"]) for x in ranks], 1)
         fs = torch.cat([x["out"][1] for x in ranks])
         ends = sum((x["ends"] for x in ranks), [])
         t, kw = cp_worker.problem(case)

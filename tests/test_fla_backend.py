@@ -87,8 +87,10 @@ def fla_own_path(monkeypatch):
 
 @pytest.mark.parametrize("over, why", [
     ("grad", "kdagen serves inference only (grad mode is on"),
-    (dict(cp_context=SimpleNamespace(cu_seqlens=torch.tensor([0, 4]), cu_seqlens_cpu=None)),
-     "cp_context: expected None: context parallelism across devices is not implemented"),
+    (dict(cp_context=SimpleNamespace(cu_seqlens=torch.tensor([0, 4]), cu_seqlens_cpu=None, pre_num_ranks=0,
+                                     post_num_ranks=0, group=None, layout="contiguous"),
+          return_intermediate_states=True),
+     "cp_context: expected None with return_intermediate_states or use_graph"),
     (dict(D=192), "no kernel variant fits this call."),
 ], ids=["training", "context-parallel", "D192-not-built-no-jit"])
 def test_declined_calls_fall_back_to_fla_with_the_reason_logged(over, why, caplog, fla_own_path, monkeypatch):

@@ -87,7 +87,8 @@ def test_head_dims_above_256_are_rejected_by_name(device):
 
 
 @pytest.mark.parametrize("over, needle", [
-    (dict(cp_context=object()), "cp_context: expected None: context parallelism across devices is not implemented"),
+    (dict(cp_context=object()), "cp_context: expected fla's FLACPContext (fla.ops.cp.build_cp_context) or a "
+                                "kdagen.cp.CPContext, found object"),
     (dict(cu_seqlens_typo=None), "cu_seqlens_typo: expected only fla-core 0.6's chunk_kda keywords"),
     (dict(use_beta_sigmoid_in_kernel=False, allow_neg_eigval=True), "allow_neg_eigval: expected False unless"),
     (dict(initial_state=torch.zeros(1, 2, 32, 32, dtype=torch.bfloat16)), "initial_state: expected dtype float32"),
@@ -102,6 +103,26 @@ def test_what_kdagen_does_not_implement_is_rejected(over, needle):
     args, fkw = fla_chunk_kda_args(kw)
     with torch.inference_mode(), pytest.raises(KdaInputError) as ei:
         kdagen.chunk_kda(*args, **fkw)
+    assert needle in str(ei.value), str(ei.value)
+
+
+@pytest.mark.parametrize("over, needle", [
+    (dict(), "initial_state / output_final_state: expected None / False with cp_context"),
+    (dict(initial_state=None, output_final_state=True), "initial_state / output_final_state: expected None / False"),
+    (dict(initial_state=None, output_final_state=False, return_intermediate_states=True),
+     "cp_context: expected None with return_intermediate_states or use_graph"),
+    (dict(initial_state=None, output_final_state=False, lens=None, B=2), "q: expected B = 1 with cp_context"),
+])
+def test_fla_context_rules(over, needle):
+    # fla's own rules for a context (no states), and what kdagen does not run with one
+    context = pytest.importorskip("fla.ops.cp.context")
+    over = dict(over)
+    kw = fla_case(D=32, lens=over.pop("lens", [8, 12]), B=over.pop("B", 1))
+    kw.update(over)
+    ctx = context.get_cp_cu_seqlens(torch.tensor([0, 8, 40]), world_size=2, rank=0)
+    args, fkw = fla_chunk_kda_args(kw)
+    with torch.inference_mode(), pytest.raises(KdaInputError) as ei:
+        kdagen.chunk_kda(*args, **fkw, cp_context=ctx)
     assert needle in str(ei.value), str(ei.value)
 
 
