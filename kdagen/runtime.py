@@ -196,8 +196,9 @@ def kda_prefill(
     chunks concatenated; checkpoints, when asked, come last. `variant` (or
     KDAGEN_FORCE_VARIANT) forces a variant by name (it must still fit the call).
 
-    cp_context (kdagen.cp.build_cp_context): context-parallel across a torch.distributed group;
-    q..beta are this rank's tokens and every rank calls (kdagen.cp.kda_prefill_cp says more).
+    cp_context (kdagen.cp.build_cp_context, or fla's FLACPContext): context-parallel across a
+    torch.distributed group; q..beta are this rank's tokens and every rank calls
+    (kdagen.cp.kda_prefill_cp says more).
     """
     if beta_is_logit is not True and beta_is_logit is not False:
         raise KdaInputError(f"beta_is_logit: expected True or False, found {beta_is_logit!r}")

@@ -6,8 +6,8 @@
 # bench: scripts/scan_bench.py (issue 17's rows, accuracy);
 # cp:    issue 19's run: with 2+ GPUs scripts/cp_bench.py over NCCL on 2, 4 and 8 ranks (as many as
 #        there are GPUs), B1 T1048576 H8 D128, the planner's segments, mode "correct", against the
-#        best one-GPU call; with one GPU two ranks share it over gloo (the real collective path at
-#        full size: results, not a speedup).
+#        best one-GPU call, then 2 ranks in the zigzag layout; with one GPU two ranks share it over
+#        gloo (the real collective path at full size: results, not a speedup).
 # Tests use the carried build/ images (KDAGEN_DISABLE_JIT=1: a stale image fails rather than being
 # rebuilt); fla-core travels as a wheel in .whl/. Expected on H200s: tests ~1-2 min, cp ~1-2 min a
 # rank count, bench ~3-4 min.
@@ -39,11 +39,15 @@ for stage in $STAGES; do
       [ "${PIPESTATUS[0]}" = 0 ] || rc=1 ;;
     cp)
       if [ "$n" -ge 2 ]; then
-        for p in 2 4 8; do
+        # one log for every run: $OUT returns at most 8 files
+        for p in 2 4 8 zigzag; do
+          layout=contiguous
+          if [ "$p" = zigzag ]; then layout=zigzag; p=2; fi
           [ "$n" -ge "$p" ] || continue
+          md="$OUT/cp_h200x$p.md"; [ "$layout" = zigzag ] && md="$OUT/cp_h200x2_zigzag.md"
           # shellcheck disable=SC2086
-          torchrun --standalone --nproc_per_node "$p" scripts/cp_bench.py $CP_ARGS --out "$OUT/cp_h200x$p.md" \
-            2>&1 | tee "$OUT/cp_bench_$p.log"
+          torchrun --standalone --nproc_per_node "$p" scripts/cp_bench.py $CP_ARGS --layout "$layout" --out "$md" \
+            2>&1 | tee -a "$OUT/cp_bench.log"
           [ "${PIPESTATUS[0]}" = 0 ] || rc=1
         done
       else
