@@ -372,7 +372,7 @@ def _all_gather(x: Tensor, ctx: CPContext) -> list[Tensor]:
 
 def kda_prefill_cp(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, cp_context: CPContext,
                    segments: int | Sequence[int] | None = None, mode: str = "correct", prefill=None,
-                   chain_impl: str = "auto", costs: str = "h200-engine", **kw: Any):
+                   chain_impl: str = "auto", costs: str = "h200-engine", chunk_grid: str = "sequence", **kw: Any):
     """This rank's part of a context-parallel kda_prefill. q, k, v, g, beta: the rank's tokens
     in its buffer's order (ctx.take), B = 1, layout "BSND" ([1, T_local, heads, D]) or "BNSD"; no
     cu_seqlens (the context has them). cp_context: a CPContext, or fla's FLACPContext (from_fla).
@@ -381,7 +381,9 @@ def kda_prefill_cp(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, 
     one-GPU planner for pieces wholly on this rank, at least exchange_segments for a piece that
     continues on another rank or comes from one. mode: "correct" (default: o corrected from step
     1's outputs in one pass; on the H200 at T1048576 H8 it beat "rerun" at 2 and 4 ranks,
-    benchmarks/NOTES.md) or "rerun".
+    benchmarks/NOTES.md) or "rerun". chunk_grid: where chunk states fall, "sequence" (every
+    chunk_size tokens from the sequence's start, as in the single call: slots must start on that
+    grid) or "piece" (from each local piece's start, as fla's intermediate states with a context).
     Returns (o local, final state [len(ctx.ends), HV, ...] or None) like
     kda_prefill, and chunk states (the local pieces' chunks) with return_chunk_states."""
     ctx = cp_context
@@ -410,11 +412,13 @@ def kda_prefill_cp(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, 
     pieces = ctx.pieces
     n_local = len(pieces)
     C = kw.get("chunk_size")
+    if chunk_grid not in ("sequence", "piece"):
+        raise KdaInputError(f"chunk_grid: expected 'sequence' or 'piece', found {chunk_grid!r}")
     if want_cs:
         if C is None:
             raise KdaInputError("chunk_size: 16 or 64 required with return_chunk_states")
         for p in pieces:
-            if p.incoming and p.offset % C:
+            if chunk_grid == "sequence" and p.incoming and p.offset % C:
                 raise KdaInputError(f"return_chunk_states: rank {ctx.rank} starts inside a chunk of sequence {p.seq} "
                                     f"({p.offset} tokens in); chunk states need slot boundaries on multiples of "
                                     f"chunk_size={C} from the sequence's start (tokens_per_rank)")

@@ -14,8 +14,11 @@ Context parallelism: cp_context is fla's FLACPContext (fla.ops.cp.build_cp_conte
 tokens and the context's offsets replace cu_seqlens, as in fla. As in fla, no initial or final
 state goes with it.
 
+Intermediate states with a context are fla's too: the states entering every chunk of each local
+piece, counted from the piece's start.
+
 What kdagen does not implement is rejected with KdaInputError, never ignored: a context with
-return_intermediate_states or use_graph, keywords fla-core 0.6 does not have. Knobs that only shape fla's own
+use_graph, keywords fla-core 0.6 does not have. Knobs that only shape fla's own
 backward pass (disable_recompute) or its kernels' internals (safe_gate's M=16 path) change no
 forward result and are accepted; their argument checks are fla's.
 """
@@ -133,9 +136,8 @@ def _cp_context(ctx: Any, q: Any, initial_state: Any, output_final_state: bool, 
     if initial_state is not None or output_final_state:
         raise KdaInputError("initial_state / output_final_state: expected None / False with cp_context (fla's "
                             "chunk_kda takes no states with context parallelism; kdagen.kda_prefill does)")
-    if return_intermediate_states or use_graph:
-        raise KdaInputError("cp_context: expected None with return_intermediate_states or use_graph (not "
-                            "implemented by kdagen together)")
+    if use_graph:
+        raise KdaInputError("cp_context: expected None with use_graph (not implemented by kdagen together)")
     if isinstance(q, torch.Tensor) and q.dim() == 4 and q.shape[0] != 1:
         raise KdaInputError(f"q: expected B = 1 with cp_context (the rank's packed tokens), found shape "
                             f"{tuple(q.shape)}")
@@ -152,12 +154,15 @@ def run(t: Translated):
     """Run a translated call; returns what fla's chunk_kda returns."""
     from .runtime import kda_prefill
 
-    if t.cp is not None:
-        return kda_prefill(*t.tensors, **t.kw, cp_context=t.cp)[0], None
     chunks = t.kernel_chunks()
     for i, c in enumerate(chunks):
         try:
-            res = kda_prefill(*t.tensors, **_kernel_kw(t, c))
+            if t.cp is not None:  # chunk states on each local piece's own grid, as fla's with a context
+                from .cp import kda_prefill_cp
+
+                res = kda_prefill_cp(*t.tensors, cp_context=t.cp, chunk_grid="piece", **_kernel_kw(t, c))
+            else:
+                res = kda_prefill(*t.tensors, **_kernel_kw(t, c))
             break
         except NoVariantError:
             if i == len(chunks) - 1:
@@ -173,16 +178,16 @@ def plan(t: Translated) -> None:
     raises NoVariantError / KdaInputError as run() would."""
     from .runtime import prepare
 
-    if t.cp is not None:  # the rank's pieces as one varlen call: the variant the scan's calls take
-        if not t.cp.pieces:
-            return
-        cu = torch.tensor(t.cp.local_cu, dtype=torch.int32)
-        prepare(*t.tensors, **dict(t.kw, cu_seqlens=cu.to(t.tensors[0].device), cu_seqlens_cpu=cu))
+    if t.cp is not None and not t.cp.pieces:
         return
     chunks = t.kernel_chunks()
     for i, c in enumerate(chunks):
+        kw = _kernel_kw(t, c)
+        if t.cp is not None:  # the rank's pieces as one varlen call: the variant the scan's calls take
+            cu = torch.tensor(t.cp.local_cu, dtype=torch.int32)
+            kw = dict(kw, cu_seqlens=cu.to(t.tensors[0].device), cu_seqlens_cpu=cu)
         try:
-            prepare(*t.tensors, **_kernel_kw(t, c))
+            prepare(*t.tensors, **kw)
             return
         except NoVariantError:
             if i == len(chunks) - 1:
@@ -194,6 +199,8 @@ def _intermediate(t: Translated, cs: torch.Tensor, kernel_chunk: int) -> torch.T
     q, k = t.tensors[0], t.tensors[1]
     B, T = q.shape[0], q.shape[1]
     cu, cu_cpu = t.kw["cu_seqlens"], t.kw["cu_seqlens_cpu"]
+    if t.cp is not None:  # the rank's local pieces
+        cu = cu_cpu = torch.tensor(t.cp.local_cu)
     S = t.inter_chunk
     if S != kernel_chunk:
         lens = host_lengths(B, T, cu, cu_cpu, "return_intermediate_states")

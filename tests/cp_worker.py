@@ -111,7 +111,9 @@ def _fla_rank(rank: int, case: dict, t: dict, kw: dict, path: str) -> None:
     fctx = fla_context(cu, dist.group.WORLD, layout=case.get("cp_layout", "contiguous"))
     ctx = from_fla(fctx)
     args, fkw = fla_call(case, local_part(t, ctx, "BSND"), kw)
+    fkw["return_intermediate_states"] = bool(case.get("inter"))
     with torch.inference_mode():
-        o = kdagen.chunk_kda(*args, **fkw, cp_context=fctx)[0]
-        o_fla = fla_chunk_kda(*args, **fkw, cp_context=fctx)[0]  # served by kdagen's fla backend
-    torch.save(dict(out=[o, o_fla], ranges=list(ctx.local_ranges)), path)
+        res = kdagen.chunk_kda(*args, **fkw, cp_context=fctx)
+        res_fla = fla_chunk_kda(*args, **fkw, cp_context=fctx)  # served by kdagen's fla backend
+    torch.save(dict(out=[res[0], res_fla[0]], h=[x[2] for x in (res, res_fla)] if case.get("inter") else None,
+                    ranges=list(ctx.local_ranges), pieces=[(p.part, p.start, p.end) for p in ctx.pieces]), path)

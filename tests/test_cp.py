@@ -207,15 +207,15 @@ CASES = {
         dict(lens=[16, 70, 0, 10], engine="ref", chunk_states=True, segments=2, mode="rerun", seed=2),
         dict(lens=[8, 70, 0, 18], engine="kernels", cp_layout="zigzag", segments=2, seed=6),
         dict(lens=[30, 50, 0], engine="ref", cp_layout="zigzag", mode="rerun", seed=7),  # empty at T: slot 3
-        dict(lens=[8, 70, 0, 18], engine="fla", cp_layout="zigzag", seed=8),
-        dict(lens=[8, 70, 0, 18], engine="fla", seed=9),
+        dict(lens=[8, 70, 0, 18], engine="fla", cp_layout="zigzag", seed=8, inter=True),
+        dict(lens=[8, 70, 0, 18], engine="fla", seed=9, inter=True),
     ],
     3: [
         dict(lens=[8, 100, 4, 8], engine="kernels", segments=2, seed=3),  # the middle rank: in and out
         dict(lens=[8, 100, 4, 8], engine="ref", tokens_per_rank=[50, 0, 70], mode="rerun", seed=4),
         dict(lens=[8, 100, 4, 8], engine="ref", mode="correct", segments=3, H=1, HV=2, seed=5),
         dict(lens=[96, 0, 96], engine="ref", cp_layout="zigzag", segments=2, chunk_states=True, seed=10),
-        dict(lens=[8, 100, 4, 8], engine="fla", cp_layout="zigzag", seed=11),
+        dict(lens=[8, 100, 4, 8], engine="fla", cp_layout="zigzag", seed=11, inter=True),
     ],
 }
 
@@ -229,6 +229,28 @@ def single_process(case: dict):
         args, fkw = cp_worker.fla_call(case, t, kw)
         return kdagen.chunk_kda(*args, **fkw, cu_seqlens=cu.long())
     return kdagen.kda_prefill(**t, **kw, cu_seqlens=cu)
+
+
+def piece_intermediate_states(case: dict, ranks: list[dict]) -> torch.Tensor:
+    """fla's intermediate states with a context, from single-process calls: each rank's pieces in
+    its order, each run alone from its true entering state (the single call's state after the
+    tokens of its sequence before it), with states every 64 tokens from the piece's start."""
+    t, kw = cp_worker.problem(case)
+    args, fkw = cp_worker.fla_call(case, t, kw)
+    cu = cp_worker.cu_of(case["lens"])
+    rows = []
+    for x in ranks:
+        firsts = [a - sum(b_ - a_ for a_, b_ in x["ranges"][:j]) for j, (a, _) in enumerate(x["ranges"])]
+        for part, start, end in x["pieces"]:
+            a, b = firsts[part] + start, firsts[part] + end
+            s = max(c for c in cu if c <= a)  # the sequence's start (pieces are never empty here)
+            part = [y[:, s:b] for y in args]
+            h0 = None
+            if a > s:  # the state entering the piece: the single call's over the sequence's earlier tokens
+                h0 = kdagen.chunk_kda(*[y[:, :a - s] for y in part], **fkw, output_final_state=True)[1]
+            rows.append(kdagen.chunk_kda(*[y[:, a - s:] for y in part], **fkw, initial_state=h0,
+                                         return_intermediate_states=True)[2][0])
+    return torch.cat(rows)
 
 
 def chunk_rows(case: dict, ranks: list[dict], world: int) -> torch.Tensor:
@@ -273,6 +295,9 @@ def test_gloo_ranks_equal_the_single_process_call(world, tmp_path):
         if case["engine"] == "fla":  # fla takes no states with a context: o only, both entries
             o_fla = assemble([(x["out"][1], x["ranges"]) for x in ranks], dim)
             errs = {"o": rel_rmse(o, ref[0]), "o via fla": rel_rmse(o_fla, ref[0])}
+            if case.get("inter"):
+                h_ref = piece_intermediate_states(case, ranks)
+                errs.update({f"h{j}": rel_rmse(torch.cat([x["h"][j][0] for x in ranks]), h_ref) for j in (0, 1)})
             assert max(errs.values()) < 1e-5, (i, case, errs)
             continue
         fs = torch.cat([x["out"][1] for x in ranks])

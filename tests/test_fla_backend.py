@@ -89,8 +89,8 @@ def fla_own_path(monkeypatch):
     ("grad", "kdagen serves inference only (grad mode is on"),
     (dict(cp_context=SimpleNamespace(cu_seqlens=torch.tensor([0, 4]), cu_seqlens_cpu=None, pre_num_ranks=0,
                                      post_num_ranks=0, group=None, layout="contiguous"),
-          return_intermediate_states=True),
-     "cp_context: expected None with return_intermediate_states or use_graph"),
+          use_graph=True),
+     "cp_context: expected None with use_graph"),
     (dict(D=192), "no kernel variant fits this call."),
 ], ids=["training", "context-parallel", "D192-not-built-no-jit"])
 def test_declined_calls_fall_back_to_fla_with_the_reason_logged(over, why, caplog, fla_own_path, monkeypatch):

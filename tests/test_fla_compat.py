@@ -109,8 +109,7 @@ def test_what_kdagen_does_not_implement_is_rejected(over, needle):
 @pytest.mark.parametrize("over, needle", [
     (dict(), "initial_state / output_final_state: expected None / False with cp_context"),
     (dict(initial_state=None, output_final_state=True), "initial_state / output_final_state: expected None / False"),
-    (dict(initial_state=None, output_final_state=False, return_intermediate_states=True),
-     "cp_context: expected None with return_intermediate_states or use_graph"),
+    (dict(initial_state=None, output_final_state=False, use_graph=True), "cp_context: expected None with use_graph"),
     (dict(initial_state=None, output_final_state=False, lens=None, B=2), "q: expected B = 1 with cp_context"),
 ])
 def test_fla_context_rules(over, needle):
