@@ -196,6 +196,20 @@ CATALOGUE: list[Mutation] = [
     M("sm80_recur_smem_margin_dropped", "kdagen/targets/sm80.py", "- k * (smem1 + per_block) - smem1 // 2",
       "- k * (smem1 + per_block)", ("tests/test_sm80.py::test_sm80_recur_shared_memory_leaves_room_for_k_prep_blocks",),
       "the shared-memory claim lets k + 1 prep blocks fit beside a recurrence block"),
+    # ------------------------------------------------------------------ context parallelism (kdagen/cp.py)
+    M("cp_zigzag_back_slot_owner", "kdagen/cp.py",
+      "return (slot, 0) if slot < self.world else (2 * self.world - 1 - slot, 1)",
+      "return (slot % self.world, slot // self.world)",
+      ("tests/test_cp.py::test_zigzag_context_holds_two_slots",
+       "tests/test_cp.py::test_gloo_ranks_equal_the_single_process_call[2]"),
+      "a zigzag back slot's map read from the wrong rank (as if rank r held slots r and W + r)"),
+    M("cp_chain_last_slot_only", "kdagen/cp.py", "for slot in p.chain:", "for slot in p.chain[-1:]:",
+      ("tests/test_cp.py::test_gloo_ranks_equal_the_single_process_call[2]",),
+      "a piece's entering state from the slot just before it only (right where a sequence spans two slots)"),
+    M("cp_fla_chain_off_by_one", "kdagen/cp.py", "tuple(range(slot - pre, slot)) if incoming",
+      "tuple(range(slot - pre + 1, slot)) if incoming",
+      ("tests/test_cp.py::test_fla_contexts_give_the_same_pieces",),
+      "fla's pre_num_ranks read as the slots before, counting this one"),
 ]
 
 # What CI runs (tests/test_mutations.py): the four survivors issue 23 names and one bug of each
