@@ -337,11 +337,27 @@ def _twin_occupancy(P, lay, dev) -> Optional[tuple[int, int]]:
 _AUTO_SEGMENTS: dict[tuple, list[int]] = {}
 
 
+def _shares(total: int, lens: Sequence[int]) -> list[int]:
+    """`total` segments shared among pieces of `lens` tokens in proportion to length (largest
+    remainders), at least one each."""
+    n, tokens = len(lens), max(sum(lens), 1)
+    total = max(total, n)
+    raw = [total * L / tokens for L in lens]
+    c = [max(1, int(r)) for r in raw]
+    while sum(c) < total:
+        c[max(range(n), key=lambda j: raw[j] - c[j])] += 1
+    while sum(c) > total:
+        c[max((j for j in range(n) if c[j] > 1), key=lambda j: c[j] - raw[j])] -= 1
+    return c
+
+
 def _auto_segments(P, pieces: Sequence[Piece], costs: str, align: int, mode: str) -> list[int]:
     """Pieces wholly on this rank: the one-GPU planner's segments. A piece another rank waits for
     (or that waits for one) is cut regardless: step 1 reaches the exchange sooner when its segments
-    fill the GPU, even where the split costs more work in all. With a twin launch the count is
-    twin_segments' (its waves); otherwise at least exchange_segments."""
+    fill the GPU, even where the split costs more work in all. Such pieces (two in the zigzag
+    layout, or one entering and one leaving) share step 1's launch, so their count is chosen
+    for their combined length and shared among them by length: with a twin launch
+    twin_segments' (its waves), otherwise at least exchange_segments."""
     from .select import _sm_count
 
     lens = [p.end - p.start for p in pieces]
@@ -349,17 +365,24 @@ def _auto_segments(P, pieces: Sequence[Piece], costs: str, align: int, mode: str
     sms = _sm_count(dev)
     local_cu = [0] + [p.end for p in pieces]
     segments = list(planned_segments(P.info, local_cu, mode=mode, costs=costs, align=align, variant=P.kw.get("variant")))
-    for i, p in enumerate(pieces):
-        if not (p.incoming or p.outgoing):
-            continue
-        occ = {S: _twin_occupancy(P, split(local_cu, segments[:i] + [S] + segments[i + 1:], align), dev)
-               for S in _exchange_counts(lens[i], EXCHANGE_MAX_SEGMENTS)}
-        if any(o is not None for o in occ.values()):
-            segments[i] = twin_segments(lens[i], occ.get, sms)
-        else:
-            vb = one_piece_v_blocks(P.info, P.kw.get("variant"))
-            segments[i] = max(segments[i], exchange_segments(lens[i], P.HV * vb, sms))
-    return segments
+    path = [i for i, p in enumerate(pieces) if p.incoming or p.outgoing]
+    if not path:
+        return segments
+    total = sum(lens[i] for i in path)
+
+    def cut(S: int, floor: bool = False) -> list[int]:
+        segs = list(segments)
+        for i, c in zip(path, _shares(S, [lens[i] for i in path])):
+            segs[i] = max(segs[i], c) if floor else c
+        return segs
+
+    most = EXCHANGE_MAX_SEGMENTS * len(path)
+    occ = {S: _twin_occupancy(P, split(local_cu, cut(S), align), dev)
+           for S in _exchange_counts(total, most) if S >= len(path)}
+    if any(o is not None for o in occ.values()):
+        return cut(twin_segments(total, occ.get, sms, most))
+    vb = one_piece_v_blocks(P.info, P.kw.get("variant"))
+    return cut(exchange_segments(total, P.HV * vb, sms), floor=True)
 
 
 def _all_gather(x: Tensor, ctx: CPContext) -> list[Tensor]:

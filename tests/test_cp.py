@@ -193,6 +193,29 @@ def test_auto_segments_use_the_twin_waves_where_known(monkeypatch):
     assert cp.last_counts == (1, 6), cp.last_counts
 
 
+def test_exchange_pieces_sharing_a_launch_are_cut_together(monkeypatch):
+    # Rank 1 of 2 in the zigzag layout holds slots 1 and 2 of one sequence: both pieces are on the
+    # exchange path and run in one twin launch, so they share the count the wave model picks for
+    # their combined 600 tokens (6: one round of 3 blocks an SM), not 4 each as two launches.
+    from kdagen import cp
+    import kdagen.select as select
+
+    monkeypatch.setattr(cp, "EXCHANGE_MIN_TOKENS", 64)
+    monkeypatch.setattr(cp, "_twin_occupancy", lambda P, lay, dev: (64, 3))
+    monkeypatch.setattr(select, "_sm_count", lambda dev: 132)
+    monkeypatch.setattr(cp, "_all_gather", lambda x, ctx: [torch.zeros_like(x), x])
+    cp._AUTO_SEGMENTS.clear()
+    case = dict(lens=[1200])
+    t, kw = cp_worker.problem(case)
+    ctx = build_cp_context(cp_worker.cu_of(case["lens"]), rank=1, world=2, layout="zigzag")
+    assert [(p.incoming, p.outgoing) for p in ctx.pieces] == [(True, True), (True, True)]
+    cp.kda_prefill_cp(**cp_worker.local_part(t, ctx, "BSND"), **dict(kw, initial_state=None), cp_context=ctx,
+                      prefill=reference_prefill)
+    cp._AUTO_SEGMENTS.clear()
+    assert cp.last_counts == (3, 3), cp.last_counts
+    assert cp._shares(7, [300, 100, 600]) == [2, 1, 4] and cp._shares(1, [5, 5]) == [1, 1]
+
+
 # Cases every rank runs in turn: "kernels" through kdagen.kda_prefill (Triton interpreter here,
 # the GPU kernels with -m gpu), "ref" through the float64 chunked reference (fast plumbing checks).
 # "zigzag": rank r holds slots r and 2W-1-r. At W = 2 and lens [8, 70, 0, 18] (slots of 24 tokens)
