@@ -79,10 +79,6 @@ class CPContext:
     slots: tuple[int, ...] = ()  # the global slots this rank holds, in its buffer's order
 
     @property
-    def num_slots(self) -> int:
-        return len(self.slot_bounds) - 1
-
-    @property
     def rank_bounds(self) -> tuple[int, ...]:
         """[world + 1]: rank r holds global tokens [rank_bounds[r], rank_bounds[r+1]) (contiguous layout)."""
         if self.layout != "contiguous":
