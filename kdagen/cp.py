@@ -418,6 +418,9 @@ def kda_prefill_cp(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, 
         kw.pop(name, None)
     if mode not in ("rerun", "correct"):
         raise KdaInputError(f"mode: expected 'rerun' or 'correct', found {mode!r}")
+    if _capturing(q.device):
+        raise KdaInputError("cp_context: expected no CUDA graph capture (a context-parallel call plans on the host "
+                            "and copies its offsets in per call; run it eagerly)")
     prefill = prefill or _default_prefill()
     layout = str(kw.get("layout", "BSND")).upper()
     t_axis = 1 if layout == "BSND" else 2
@@ -524,6 +527,10 @@ def kda_prefill_cp(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, 
     ends = device_ints([i for i, p in enumerate(pieces) if not p.outgoing], dev, torch.long)
     return _unpack(P, o, finals[ends], cs, out=None, final_state=final_buf, chunk_states_buf=chunk_buf,
                    want_final=want_final, want_cs=want_cs)
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def _is_fla_context(x: Any) -> bool:

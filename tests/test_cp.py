@@ -115,6 +115,19 @@ def test_call_errors_are_named():
         kdagen.kda_prefill(**t, cp_context=ctx)
     with pytest.raises(KdaInputError, match="initial_state: expected one row per sequence starting on rank 0"):
         kdagen.kda_prefill(**loc, **kw, cp_context=ctx)  # both sequences' rows; only seq 0 starts here
+    with pytest.raises(KdaInputError, match="cp_context: expected a kdagen.cp.CPContext .build_cp_context. or fla's"):
+        kdagen.kda_prefill(**loc, cp_context=[0, 8, 16])
+
+
+def test_graph_capture_is_refused(monkeypatch):
+    # A captured call would replay one call's host plan and offset copies: refused by name.
+    from kdagen import cp
+
+    monkeypatch.setattr(cp, "_capturing", lambda device: True)
+    ctx = build_cp_context([0, 8, 16], rank=0, world=2)
+    t, _ = cp_worker.problem(dict(lens=[8, 8]))
+    with pytest.raises(KdaInputError, match="cp_context: expected no CUDA graph capture"):
+        kdagen.kda_prefill(**cp_worker.local_slice(t, 0, 8, "BSND"), cp_context=ctx)
 
 
 def test_pieces_on_the_exchange_path_are_cut(monkeypatch):
