@@ -8,7 +8,8 @@ Two runs for a host with fewer GPUs than ranks (neither is a measured speedup; b
 - `--backend gloo` with more ranks than GPUs: the ranks share GPUs and exchange over gloo, which
   checks the real collective path and the results at full size;
 - `--emulate W` (no torchrun): one process runs the W ranks' calls one after another on one GPU,
-  the all_gather replaced by the maps of the ranks already run. Results are exact; each rank's
+  the all_gather replaced by every rank's maps, recorded by a first untimed run of each (a rank's
+  maps depend on its own tokens only; a zigzag back slot needs later ranks'). Results are exact; each rank's
   times alone before and after its exchange give the W-GPU time as the slowest before plus the
   slowest after (a projection: the all_gather of 2 HV K K fp32 per rank is not in it). Two ways
   of cutting a rank's time at its exchange, both printed: CUDA events on the stream (the
@@ -80,10 +81,11 @@ def wall_ms(fn: Callable[[], object], iters: int, group_sync: bool) -> float:
 
 @contextlib.contextmanager
 def emulated_exchange(world: int, rank: int, maps: dict, marks: list, host_sync: bool) -> Iterator[None]:
-    """kdagen.cp's all_gather for rank `rank` of an emulated group: the maps recorded from the
-    ranks run before it, its own (recorded), zeros for the later ranks (a rank chains only the
-    ranks before it, so those are never read). Appends the exchange's moment to `marks`: a CUDA
-    event recorded on the stream, or with host_sync the host's clock after a device sync."""
+    """kdagen.cp's all_gather for rank `rank` of an emulated group: the maps recorded from every
+    rank's earlier run (a rank's maps depend on its own inputs only; emulated() records them all
+    before it times anything, since a zigzag back slot chains later ranks' maps too), its own
+    (recorded again). Appends the exchange's moment to `marks`: a CUDA event recorded on the
+    stream, or with host_sync the host's clock after a device sync."""
     real = cp._all_gather
 
     def gather(x: torch.Tensor, ctx) -> list[torch.Tensor]:
@@ -169,10 +171,6 @@ def main() -> int:
                     help="how the tokens are split over the ranks (kdagen.cp.build_cp_context)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    if a.emulate and a.layout != "contiguous":
-        print("--emulate: only the contiguous layout (its exchange emulation runs the ranks in order)",
-              file=sys.stderr)
-        return 2
     if a.correct_config:
         correct.CONFIG = tuple(int(x) for x in a.correct_config.split(","))
     if a.emulate:
@@ -274,12 +272,23 @@ def profile(fn: Callable[[], object], path: Path) -> None:
     path.write_text(f"wall (profiled) {wall:.2f} ms\n{table}\n\n{out.getvalue()}\n")
 
 
+def in_order(parts: list, ctxs: list, like: torch.Tensor) -> torch.Tensor:
+    """The whole o from every rank's local o (its slots in its buffer's order)."""
+    o = torch.empty_like(like)
+    for c, part in zip(ctxs, parts):
+        at = 0
+        for lo, hi in c.local_ranges:
+            o[:, lo:hi] = part[:, at:at + hi - lo]
+            at += hi - lo
+    return o
+
+
 def emulated(kw: dict, call: dict, runs: list, world: int, a, base: float, ref, say) -> None:
     """Every (segments, mode) run with the W ranks emulated one after another (--emulate)."""
-    ctxs = [build_cp_context([0, a.T], rank=r, world=world) for r in range(world)]
-    locs = [{n: kw[n][:, c.rank_bounds[r]:c.rank_bounds[r + 1]].contiguous() for n in NAMES}
-            for r, c in enumerate(ctxs)]
+    ctxs = [build_cp_context([0, a.T], rank=r, world=world, layout=a.layout) for r in range(world)]
+    locs = [{n: c.take(kw[n], 1).contiguous() for n in NAMES} for c in ctxs]
     h0s = [c.local_initial_state(kw["initial_state"]) for c in ctxs]
+    ender = next(r for r, c in enumerate(ctxs) if 0 in c.ends)  # the rank holding the sequence's end
     kw.clear()
     half = wall_ms(lambda: kdagen.kda_prefill(**locs[0], **call, initial_state=h0s[0]), a.iters, False)
     say(f"- one GPU, one piece of rank 0's {ctxs[0].local_tokens} tokens alone: {half:.2f} ms")
@@ -289,6 +298,9 @@ def emulated(kw: dict, call: dict, runs: list, world: int, a, base: float, ref, 
         maps: dict = {}
         outs, counts, syncs = [], [], []
         phases = {True: ([], []), False: ([], [])}  # host_sync -> (before, after) per rank
+        for r, c in enumerate(ctxs):  # every rank's maps first: the timed runs read them all
+            with emulated_exchange(world, r, maps, [], True):
+                kda_prefill_cp(**locs[r], **call, initial_state=h0s[r], cp_context=c, segments=segs, mode=mode)
         for r, c in enumerate(ctxs):
             def run(r=r, c=c):
                 return kda_prefill_cp(**locs[r], **call, initial_state=h0s[r], cp_context=c, segments=segs,
@@ -307,8 +319,8 @@ def emulated(kw: dict, call: dict, runs: list, world: int, a, base: float, ref, 
                     if a.profile and host_sync is cuts[0]:
                         profile(run, Path(a.profile) / f"cp_w{world}_r{r}_{mode}_seg{seg}.txt")
             counts.append(cp.last_counts)
-            outs[-1] = (outs[-1][0], outs[-1][1] if r == world - 1 else None)  # keep only what is compared
-        o = torch.cat([x[0] for x in outs], dim=1)
+            outs[-1] = (outs[-1][0], outs[-1][1] if r == ender else None)  # keep only what is compared
+        o = in_order([x[0] for x in outs], ctxs, ref[0])
         cut = "/".join("+".join(str(x) for x in c) for c in counts)
         # The ranks wait for each other at the exchange: its slowest rank's time before it, then
         # the slowest after it.
@@ -320,7 +332,7 @@ def emulated(kw: dict, call: dict, runs: list, world: int, a, base: float, ref, 
                    else f"CUDA events, host syncs in a rank's call {'/'.join(map(str, syncs))}")
             say(f"- {world} ranks (emulated, {how}), {mode}, segments per rank {seg} ({cut}): {ms:.2f} ms (ranks "
                 f"before+after the exchange {each}), {base / ms:.2f}x the best single-GPU call; o "
-                f"{rel_rmse(o, ref[0]):.2e}, final state {rel_rmse(outs[-1][1], ref[1]):.2e} against the one-GPU "
+                f"{rel_rmse(o, ref[0]):.2e}, final state {rel_rmse(outs[ender][1], ref[1]):.2e} against the one-GPU "
                 "one-piece call")
         del outs, o
 
@@ -350,12 +362,7 @@ def ranks(kw: dict, call: dict, runs: list, rank: int, world: int, a, base: Opti
         fparts = [torch.empty_like(fs) for _ in range(world)]
         dist.all_gather(fparts, fs.contiguous())
         if rank == 0:
-            o = torch.empty_like(ref[0])
-            for c, part in zip(every, parts):  # each rank's slots back in global order
-                at = 0
-                for lo, hi in c.local_ranges:
-                    o[:, lo:hi] = part[:, at:at + hi - lo]
-                    at += hi - lo
+            o = in_order(parts, every, ref[0])
             final = fparts[ender]
             speed = f", {base / ms:.2f}x the best single-GPU call" if base and not shared else ""
             say(f"- {world} ranks, {mode}, segments per rank {seg}: {ms:.2f} ms{speed}; o {rel_rmse(o, ref[0]):.2e}, "
