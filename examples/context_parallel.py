@@ -17,6 +17,9 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before Triton is imported
+# fla's tensor_cache keeps its latest contexts, and their process group, alive past
+# destroy_process_group; a gloo group still alive at interpreter exit can abort the process.
+os.environ.setdefault("FLA_DISABLE_TENSOR_CACHE", "1")
 
 import torch.distributed as dist  # noqa: E402
 

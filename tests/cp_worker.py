@@ -66,8 +66,15 @@ def fla_call(case: dict, t: dict, kw: dict) -> tuple[tuple, dict]:
 
 def run_rank(rank: int, world: int, store: str, cases: list[dict], out_dir: str, backend: str = "gloo",
              device: str = "cpu") -> None:
-    """torch.multiprocessing.spawn entry: every case on this rank, results to out_dir/r{rank}_{i}.pt."""
+    """torch.multiprocessing.spawn entry: every case on this rank, results to out_dir/r{rank}_{i}.pt.
+    Progress goes to stderr (pytest shows it with a failure: where a rank stopped)."""
     torch.set_num_threads(1)  # the ranks share the machine's few cores
+    # fla's tensor_cache keeps its latest contexts, and with them the process group, alive past
+    # destroy_process_group until interpreter exit: a suspect in a rank's one-off SIGABRT
+    # ("terminate called without an active exception") in CI, session 40.
+    os.environ.setdefault("FLA_DISABLE_TENSOR_CACHE", "1")
+    import sys
+
     import torch.distributed as dist
 
     import kdagen
@@ -76,8 +83,13 @@ def run_rank(rank: int, world: int, store: str, cases: list[dict], out_dir: str,
 
     dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=300))
+
+    def say(what: str) -> None:
+        print(f"cp_worker rank {rank}/{world}: {what}", file=sys.stderr, flush=True)
+
     try:
         for i, case in enumerate(cases):
+            say(f"case {i} {case}")
             t, kw = problem(case, device)
             if case.get("engine") == "fla":  # fla's context, through kdagen.chunk_kda and fla's chunk_kda
                 _fla_rank(rank, case, t, kw, os.path.join(out_dir, f"r{rank}_{i}.pt"))
@@ -95,8 +107,10 @@ def run_rank(rank: int, world: int, store: str, cases: list[dict], out_dir: str,
                 res = kda_prefill_cp(**loc, **kw, cp_context=ctx, **extra)
             torch.save(dict(out=[x.cpu() if x is not None else None for x in res], ends=list(ctx.ends),
                             ranges=list(ctx.local_ranges)), os.path.join(out_dir, f"r{rank}_{i}.pt"))
+        say("cases done")
     finally:
         dist.destroy_process_group()
+    say("process group destroyed")
 
 
 def _fla_rank(rank: int, case: dict, t: dict, kw: dict, path: str) -> None:
