@@ -7,6 +7,8 @@ import os
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import kdagen
 from kdagen.cp import build_cp_context
@@ -78,6 +80,35 @@ def test_zigzag_context_holds_two_slots():
         build_cp_context(cu, rank=0, world=2, layout="zigzag", tokens_per_rank=[48, 48])
     with pytest.raises(KdaInputError, match="layout: expected one of contiguous, zigzag, found 'ring'"):
         build_cp_context(cu, rank=0, world=2, layout="ring")
+
+
+@settings(max_examples=60, deadline=None, derandomize=True, database=None)
+@given(lens=st.lists(st.integers(0, 30), min_size=1, max_size=6), world=st.integers(1, 4),
+       layout=st.sampled_from(["contiguous", "zigzag"]))
+def test_contexts_cover_every_token_and_sequence_once(lens, world, layout):
+    # Over the ranks: the slots partition [0, T); every sequence starts once and ends once; each
+    # piece is its sequence's tokens in its slot; an entering piece's chain is every earlier slot
+    # holding its sequence, and its offset the tokens before it.
+    cu = cp_worker.cu_of(lens)
+    T = cu[-1]
+    c = [build_cp_context(cu, rank=r, world=world, layout=layout) for r in range(world)]
+    assert sorted(t for x in c for a, b in x.local_ranges for t in range(a, b)) == list(range(T))
+    assert sorted(n for x in c for n in x.starts) == list(range(len(lens)))
+    assert sorted(n for x in c for n in x.ends) == list(range(len(lens)))
+    for x in c:
+        firsts = [a - sum(b_ - a_ for a_, b_ in x.local_ranges[:j]) for j, (a, _) in enumerate(x.local_ranges)]
+        assert x.local_cu[-1] == x.local_tokens
+        for p in x.pieces:
+            a, b = firsts[p.part] + p.start, firsts[p.part] + p.end
+            lo, hi = x.local_ranges[p.part]
+            assert lo <= a <= b <= hi and cu[p.seq] <= a and b <= cu[p.seq + 1]
+            assert p.offset == a - cu[p.seq] and p.incoming == (a > cu[p.seq]) and p.outgoing == (b < cu[p.seq + 1])
+            slot = x.slots[p.part]
+            assert p.chain == (tuple(s for s in x.holders(p.seq) if s < slot) if p.incoming else ())
+    # the exchange reads slot s from maps[r][j] with (r, j) = slot_owner(s)
+    n_slots = len(c[0].slot_bounds) - 1
+    assert all(c[0].slot_owner(s) == (r, j) for r, x in enumerate(c) for j, s in enumerate(x.slots))
+    assert sorted(s for x in c for s in x.slots) == list(range(n_slots))
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
