@@ -24,7 +24,7 @@ os.environ.setdefault("FLA_DISABLE_TENSOR_CACHE", "1")
 import torch.distributed as dist  # noqa: E402
 
 import kdagen  # noqa: E402
-from kdagen.cp import build_cp_context  # noqa: E402
+from kdagen.cp import build_cp_context, from_ranks  # noqa: E402
 from kdagen.reference import rel_rmse  # noqa: E402
 
 WORLD = 2
@@ -82,34 +82,24 @@ def rank_main() -> None:
 
     results = [None] * world
     dist.all_gather_object(results, dict(o=o.cpu(), o_fla=None if o_fla is None else o_fla.cpu(), ht=ht.cpu(),
-                                         ranges=ctx.local_ranges, ends=ctx.ends))
+                                         ends=ctx.ends))
     if rank == 0:
         whole_o, whole_ht = kdagen.kda_prefill(**t, **kw, initial_state=h0, output_final_state=True,
                                                cu_seqlens=torch.tensor(cu, dtype=torch.int32, device=dev))
         whole_o2 = kdagen.kda_prefill(**t, **kw, cu_seqlens=torch.tensor(cu, dtype=torch.int32, device=dev))[0]
         tol = 1e-2 if dev == "cuda" else 1e-5  # bf16 o on a GPU (the scan rounds o's correction term)
-        e_o = rel_rmse(assemble(results, "o"), whole_o.cpu())
+        ctxs = [build_cp_context(cu, rank=r, world=world, layout="zigzag") for r in range(world)]
+        e_o = rel_rmse(from_ranks([x["o"] for x in results], ctxs), whole_o.cpu())
         ends = [n for x in results for n in x["ends"]]
         e_ht = rel_rmse(torch.cat([x["ht"] for x in results]), whole_ht.cpu()[ends])
-        print(f"{world} ranks, zigzag, slots {[x['ranges'] for x in results]}: o rel. RMSE {e_o:.1e}, final states "
+        print(f"{world} ranks, zigzag, slots {[c.local_ranges for c in ctxs]}: o rel. RMSE {e_o:.1e}, final states "
               f"{e_ht:.1e} against one process")
         assert max(e_o, e_ht) < tol, (e_o, e_ht)
         if results[0]["o_fla"] is not None:
-            e_fla = rel_rmse(assemble(results, "o_fla"), whole_o2.cpu())
+            e_fla = rel_rmse(from_ranks([x["o_fla"] for x in results], ctxs), whole_o2.cpu())
             print(f"fla's context through kdagen.chunk_kda: o rel. RMSE {e_fla:.1e} against one process")
             assert e_fla < tol, e_fla
     dist.destroy_process_group()
-
-
-def assemble(results: list, key: str) -> torch.Tensor:
-    """The whole batch's o from every rank's (o, its global token ranges in buffer order)."""
-    pieces = []
-    for x in results:
-        at = 0
-        for a, b in x["ranges"]:
-            pieces.append((a, x[key][:, at:at + b - a]))
-            at += b - a
-    return torch.cat([p for _, p in sorted(pieces, key=lambda t: t[0])], dim=1)
 
 
 def main() -> None:

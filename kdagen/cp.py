@@ -45,8 +45,8 @@ from .scan.layout import balanced, device_ints, split
 from .scan.maps import fold, ieee_fp32
 from .scan.planner import COSTS, rounds_cost
 
-__all__ = ["Piece", "CPContext", "LAYOUTS", "build_cp_context", "from_fla", "kda_prefill_cp", "exchange_segments",
-           "twin_segments", "twin_wave_cost"]
+__all__ = ["Piece", "CPContext", "LAYOUTS", "build_cp_context", "from_fla", "from_ranks", "kda_prefill_cp",
+           "exchange_segments", "twin_segments", "twin_wave_cost"]
 
 LAYOUTS = ("contiguous", "zigzag")
 
@@ -105,6 +105,12 @@ class CPContext:
         parts = [x.narrow(dim, a, b - a) for a, b in self.local_ranges]
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
 
+    def global_range(self, piece: Piece) -> tuple[int, int]:
+        """A local piece's global token range."""
+        base = sum(b - a for a, b in self.local_ranges[:piece.part])
+        a = self.local_ranges[piece.part][0] - base
+        return a + piece.start, a + piece.end
+
     def local_initial_state(self, initial_state: Tensor) -> Tensor:
         """This rank's rows (ctx.starts) of a global [N, ...] initial state."""
         return initial_state[list(self.starts)]
@@ -121,6 +127,18 @@ class CPContext:
         if self.cu is None:
             raise KdaInputError("holders: this context was made from fla's, which has no global offsets")
         return _holders(self.cu[seq], self.cu[seq + 1], self.slot_bounds)
+
+
+def from_ranks(parts: Sequence[Tensor], contexts: Sequence[CPContext], dim: int = 1) -> Tensor:
+    """The global tensor (T on `dim`) from every rank's local one, ranks in order with their
+    contexts: the inverse of CPContext.take."""
+    pieces = []
+    for x, ctx in zip(parts, contexts):
+        at = 0
+        for a, b in ctx.local_ranges:
+            pieces.append((a, x.narrow(dim, at, b - a)))
+            at += b - a
+    return torch.cat([p for _, p in sorted(pieces, key=lambda t: t[0])], dim)
 
 
 def _holders(s: int, e: int, bounds: Sequence[int]) -> list[int]:

@@ -95,11 +95,12 @@ _MEMO_LIMIT = 4096
 _DECLINED: set = set()
 
 
+_PLAIN = (bool, int, float, str)
+
+
 def _meta(t) -> Any:
     if t is None or not hasattr(t, "dtype"):
-        if _is_context(t):
-            return _context_key(t)
-        return t if t is None or isinstance(t, (bool, int, float, str)) else type(t).__name__
+        return t if t is None or isinstance(t, _PLAIN) else (_context_key(t) or type(t).__name__)
     return (t.dtype, tuple(t.shape), tuple(t.stride()), t.device, t.requires_grad)
 
 
@@ -117,18 +118,20 @@ def _split(args: tuple, kwargs: dict) -> tuple[tuple, tuple]:
     import torch
 
     vals = args + tuple(kwargs.values())
-    return (tuple(None if isinstance(x, torch.Tensor) else _context_key(x) if _is_context(x) else x for x in vals),
+    return (tuple(None if isinstance(x, torch.Tensor) else x if x is None or isinstance(x, _PLAIN)
+                  else (_context_key(x) or x) for x in vals),
             tuple(x if isinstance(x, torch.Tensor) else None for x in vals))
 
 
-def _is_context(x) -> bool:
-    """A cp_context (fla's or kdagen's): its verdict does not hang on its offsets, and its fields
-    (tensors among them) do not compare as one value."""
-    return hasattr(x, "pre_num_ranks") or type(x).__name__ == "CPContext"
+def _context_key(x) -> Optional[tuple]:
+    """A cp_context's key (fla's or kdagen's, as kdagen.cp recognises them), else None: a verdict
+    does not hang on a context's offsets, and its fields (tensors among them) do not compare as
+    one value."""
+    from .cp import CPContext, _is_fla_context
 
-
-def _context_key(x) -> tuple:
-    return ("cp_context", type(x).__name__, getattr(x, "layout", "contiguous"))
+    if isinstance(x, CPContext) or _is_fla_context(x):
+        return ("cp_context", type(x).__name__, getattr(x, "layout", "contiguous"))
+    return None
 
 
 def _latest_verdict(args: tuple, kwargs: dict) -> Optional[tuple[bool, Optional[str]]]:

@@ -712,9 +712,9 @@ class Plan:
         A, dt = kw["A_log"], kw["dt_bias"]
         # Conversions the launchers need, decided once: fp32 contiguous A_log [HV] and dt_bias [HV, K].
         self.A_ready = A is not None and A.dtype == torch.float32 and A.is_contiguous() and A.dim() == 1
-        self.dt_ready = dt is not None and dt.dtype == torch.float32 and dt.is_contiguous() and dt.dim() == 2
         # The bound launch reads dt_bias's HV*K values in place: fla's flat [HV*K] form serves as it is
-        dt_in_place = self.dt_ready or (dt is not None and dt.dtype == torch.float32 and dt.is_contiguous())
+        dt_in_place = dt is not None and dt.dtype == torch.float32 and dt.is_contiguous()
+        self.dt_ready = dt_in_place and dt.dim() == 2
         h0 = kw["initial_state"]
         self.h0_ready = h0 is None or h0.is_contiguous()
         self.h0_like = h0 is not None and h0.is_contiguous() and h0.dtype == self.st_dtype

@@ -51,7 +51,7 @@ import kdagen  # noqa: E402
 import kdagen.cp as cp  # noqa: E402
 import kdagen.scan.correct as correct  # noqa: E402
 from kdagen.cases import bench_inputs as make_inputs  # noqa: E402
-from kdagen.cp import build_cp_context, kda_prefill_cp  # noqa: E402
+from kdagen.cp import build_cp_context, from_ranks, kda_prefill_cp  # noqa: E402
 from kdagen.reference import rel_rmse  # noqa: E402
 from kdagen.scan.engine import scan_prefill  # noqa: E402
 
@@ -272,17 +272,6 @@ def profile(fn: Callable[[], object], path: Path) -> None:
     path.write_text(f"wall (profiled) {wall:.2f} ms\n{table}\n\n{out.getvalue()}\n")
 
 
-def in_order(parts: list, ctxs: list, like: torch.Tensor) -> torch.Tensor:
-    """The whole o from every rank's local o (its slots in its buffer's order)."""
-    o = torch.empty_like(like)
-    for c, part in zip(ctxs, parts):
-        at = 0
-        for lo, hi in c.local_ranges:
-            o[:, lo:hi] = part[:, at:at + hi - lo]
-            at += hi - lo
-    return o
-
-
 def emulated(kw: dict, call: dict, runs: list, world: int, a, base: float, ref, say) -> None:
     """Every (segments, mode) run with the W ranks emulated one after another (--emulate)."""
     ctxs = [build_cp_context([0, a.T], rank=r, world=world, layout=a.layout) for r in range(world)]
@@ -320,7 +309,7 @@ def emulated(kw: dict, call: dict, runs: list, world: int, a, base: float, ref, 
                         profile(run, Path(a.profile) / f"cp_w{world}_r{r}_{mode}_seg{seg}.txt")
             counts.append(cp.last_counts)
             outs[-1] = (outs[-1][0], outs[-1][1] if r == ender else None)  # keep only what is compared
-        o = in_order([x[0] for x in outs], ctxs, ref[0])
+        o = from_ranks([x[0] for x in outs], ctxs)
         cut = "/".join("+".join(str(x) for x in c) for c in counts)
         # The ranks wait for each other at the exchange: its slowest rank's time before it, then
         # the slowest after it.
@@ -362,7 +351,7 @@ def ranks(kw: dict, call: dict, runs: list, rank: int, world: int, a, base: Opti
         fparts = [torch.empty_like(fs) for _ in range(world)]
         dist.all_gather(fparts, fs.contiguous())
         if rank == 0:
-            o = in_order(parts, every, ref[0])
+            o = from_ranks(parts, every)
             final = fparts[ender]
             speed = f", {base / ms:.2f}x the best single-GPU call" if base and not shared else ""
             say(f"- {world} ranks, {mode}, segments per rank {seg}: {ms:.2f} ms{speed}; o {rel_rmse(o, ref[0]):.2e}, "

@@ -105,8 +105,8 @@ def run_rank(rank: int, world: int, store: str, cases: list[dict], out_dir: str,
                 res = kdagen.kda_prefill(**loc, **kw, cp_context=ctx)  # the runtime's pass-through
             else:
                 res = kda_prefill_cp(**loc, **kw, cp_context=ctx, **extra)
-            torch.save(dict(out=[x.cpu() if x is not None else None for x in res], ends=list(ctx.ends),
-                            ranges=list(ctx.local_ranges)), os.path.join(out_dir, f"r{rank}_{i}.pt"))
+            torch.save(dict(out=[x.cpu() if x is not None else None for x in res], ends=list(ctx.ends)),
+                       os.path.join(out_dir, f"r{rank}_{i}.pt"))
         say("cases done")
     finally:
         dist.destroy_process_group()
@@ -130,4 +130,4 @@ def _fla_rank(rank: int, case: dict, t: dict, kw: dict, path: str) -> None:
         res = kdagen.chunk_kda(*args, **fkw, cp_context=fctx)
         res_fla = fla_chunk_kda(*args, **fkw, cp_context=fctx)  # served by kdagen's fla backend
     torch.save(dict(out=[res[0], res_fla[0]], h=[x[2] for x in (res, res_fla)] if case.get("inter") else None,
-                    ranges=list(ctx.local_ranges), pieces=[(p.part, p.start, p.end) for p in ctx.pieces]), path)
+                    pieces=[ctx.global_range(p) for p in ctx.pieces]), path)

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kdagen
-from kdagen.cp import build_cp_context
+from kdagen.cp import build_cp_context, from_ranks
 from kdagen.errors import KdaInputError
 from kdagen.reference import rel_rmse
 from kdagen.scan.reference import reference_prefill
@@ -307,9 +307,7 @@ def piece_intermediate_states(case: dict, ranks: list[dict]) -> torch.Tensor:
     cu = cp_worker.cu_of(case["lens"])
     rows = []
     for x in ranks:
-        firsts = [a - sum(b_ - a_ for a_, b_ in x["ranges"][:j]) for j, (a, _) in enumerate(x["ranges"])]
-        for part, start, end in x["pieces"]:
-            a, b = firsts[part] + start, firsts[part] + end
+        for a, b in x["pieces"]:  # each piece's global range, in the rank's order
             s = max(c for c in cu if c <= a)  # the sequence's start (pieces are never empty here)
             part = [y[:, s:b] for y in args]
             h0 = None
@@ -320,31 +318,22 @@ def piece_intermediate_states(case: dict, ranks: list[dict]) -> torch.Tensor:
     return torch.cat(rows)
 
 
-def chunk_rows(case: dict, ranks: list[dict], world: int) -> torch.Tensor:
+def contexts_of(case: dict, world: int) -> list:
+    """Every rank's context of a case (a case on fla's contexts holds the same slots)."""
+    return [build_cp_context(cp_worker.cu_of(case["lens"]), rank=r, world=world,
+                             tokens_per_rank=case.get("tokens_per_rank"), layout=case.get("cp_layout", "contiguous"))
+            for r in range(world)]
+
+
+def chunk_rows(case: dict, ranks: list[dict], ctxs: list) -> torch.Tensor:
     """Every rank's chunk states in global order: each row sorted by its chunk's first token."""
     C = case.get("chunk", 16)
     rows = []
-    for r, x in enumerate(ranks):
-        ctx = build_cp_context(cp_worker.cu_of(case["lens"]), rank=r, world=world,
-                               tokens_per_rank=case.get("tokens_per_rank"), layout=case.get("cp_layout", "contiguous"))
-        firsts = [a - sum(b_ - a_ for a_, b_ in ctx.local_ranges[:j]) for j, (a, _) in enumerate(ctx.local_ranges)]
-        pos = [firsts[p.part] + p.start + c for p in ctx.pieces for c in range(0, p.end - p.start, C)]
+    for ctx, x in zip(ctxs, ranks):
+        pos = [ctx.global_range(p)[0] + c for p in ctx.pieces for c in range(0, p.end - p.start, C)]
         assert len(pos) == x["out"][2].shape[0]
         rows += list(zip(pos, x["out"][2]))
     return torch.stack([row for _, row in sorted(rows, key=lambda t: t[0])])
-
-
-def assemble(parts: list[tuple[torch.Tensor, list]], dim: int) -> torch.Tensor:
-    """The global tensor from every rank's (local tensor, its global token ranges)."""
-    T = max(b for _, ranges in parts for _, b in ranges)
-    x0 = parts[0][0]
-    out = x0.new_full((*x0.shape[:dim], T, *x0.shape[dim + 1:]), float("nan"))
-    for x, ranges in parts:
-        at = 0
-        for a, b in ranges:
-            out.narrow(dim, a, b - a).copy_(x.narrow(dim, at, b - a))
-            at += b - a
-    return out
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="the gloo ranks run the Triton interpreter, which runs only without a GPU")
@@ -358,11 +347,12 @@ def test_gloo_ranks_equal_the_single_process_call(world, contexts, tmp_path):
     mp.spawn(cp_worker.run_rank, args=(world, str(tmp_path / "store"), cases, str(tmp_path)), nprocs=world)
     for i, case in enumerate(cases):
         ranks = [torch.load(tmp_path / f"r{r}_{i}.pt") for r in range(world)]
+        ctxs = contexts_of(case, world)
         dim = 1 if case.get("layout", "BSND") == "BSND" else 2
-        o = assemble([(x["out"][0], x["ranges"]) for x in ranks], dim)
+        o = from_ranks([x["out"][0] for x in ranks], ctxs, dim)
         ref = single_process(case)
         if case["engine"] == "fla":  # fla takes no states with a context: o only, both entries
-            o_fla = assemble([(x["out"][1], x["ranges"]) for x in ranks], dim)
+            o_fla = from_ranks([x["out"][1] for x in ranks], ctxs, dim)
             errs = {"o": rel_rmse(o, ref[0]), "o via fla": rel_rmse(o_fla, ref[0])}
             if case.get("inter"):
                 h_ref = piece_intermediate_states(case, ranks)
@@ -375,7 +365,7 @@ def test_gloo_ranks_equal_the_single_process_call(world, contexts, tmp_path):
         errs = {"o": rel_rmse(o, ref[0]), "state": rel_rmse(fs, ref[1][ends])}
         assert fs.dtype == ref[1].dtype
         if case.get("chunk_states"):  # rows by (global sequence, chunk) order over the ranks' pieces
-            errs["chunk_states"] = rel_rmse(chunk_rows(case, ranks, world), ref[2])
+            errs["chunk_states"] = rel_rmse(chunk_rows(case, ranks, ctxs), ref[2])
         assert max(errs.values()) < tol, (i, case, errs)
     if contexts == "fla":
         return
@@ -383,9 +373,10 @@ def test_gloo_ranks_equal_the_single_process_call(world, contexts, tmp_path):
     case = CASES[world][0]
     last = torch.load(tmp_path / f"r{world - 1}_0.pt")
     t, kw = cp_worker.problem(case)
-    n_in = build_cp_context(cp_worker.cu_of(case["lens"]), rank=world - 1, world=world).pieces[0].end
-    a = last["ranges"][0][0]
-    loc = cp_worker.local_slice(t, a, a + n_in, "BSND")
+    ctx = build_cp_context(cp_worker.cu_of(case["lens"]), rank=world - 1, world=world)
+    a, b = ctx.global_range(ctx.pieces[0])
+    n_in = b - a
+    loc = cp_worker.local_slice(t, a, b, "BSND")
     alone = reference_prefill(**loc, **dict(kw, initial_state=None))
     assert rel_rmse(alone[0], last["out"][0][:, :n_in]) > 1e-2
 
@@ -404,7 +395,7 @@ def test_gpu_ranks(tmp_path):
     mp.spawn(_gpu_rank, args=(2, str(tmp_path / "store"), cases, str(tmp_path), backend), nprocs=2)
     for i, case in enumerate(cases):
         ranks = [torch.load(tmp_path / f"r{r}_{i}.pt") for r in range(2)]
-        o = assemble([(x["out"][0], x["ranges"]) for x in ranks], 1)
+        o = from_ranks([x["out"][0] for x in ranks], contexts_of(case, 2))
         fs = torch.cat([x["out"][1] for x in ranks])
         ends = sum((x["ends"] for x in ranks), [])
         t, kw = cp_worker.problem(case)
