@@ -17,15 +17,21 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before Triton is imported
-# fla's tensor_cache keeps its latest contexts, and their process group, alive past
-# destroy_process_group; a gloo group still alive at interpreter exit can abort the process.
-os.environ.setdefault("FLA_DISABLE_TENSOR_CACHE", "1")
 
 import torch.distributed as dist  # noqa: E402
 
 import kdagen  # noqa: E402
 from kdagen.cp import build_cp_context, from_ranks  # noqa: E402
 from kdagen.reference import rel_rmse  # noqa: E402
+
+# A gloo group still alive at interpreter exit can abort the process, and fla keeps it alive past
+# destroy_process_group twice: its tensor_cache holds the group (off here, before fla is imported),
+# and torch._inductor, which fla imports, holds it when imported after init_process_group.
+os.environ.setdefault("FLA_DISABLE_TENSOR_CACHE", "1")
+try:
+    from fla.ops.cp import build_cp_context as fla_context
+except ImportError:
+    fla_context = None
 
 WORLD = 2
 
@@ -68,10 +74,6 @@ def rank_main() -> None:
 
     # fla's context (no states with one, as in fla), through kdagen.chunk_kda's fla keywords
     o_fla = None
-    try:
-        from fla.ops.cp import build_cp_context as fla_context
-    except ImportError:
-        fla_context = None
     if fla_context is not None:
         fctx = fla_context(torch.tensor(cu, device=dev), dist.group.WORLD, layout="zigzag")
         with torch.inference_mode():

@@ -69,10 +69,6 @@ def run_rank(rank: int, world: int, store: str, cases: list[dict], out_dir: str,
     """torch.multiprocessing.spawn entry: every case on this rank, results to out_dir/r{rank}_{i}.pt.
     Progress goes to stderr (pytest shows it with a failure: where a rank stopped)."""
     torch.set_num_threads(1)  # the ranks share the machine's few cores
-    # fla's tensor_cache keeps its latest contexts, and with them the process group, alive past
-    # destroy_process_group until interpreter exit: a suspect in a rank's one-off SIGABRT
-    # ("terminate called without an active exception") in CI, session 40.
-    os.environ.setdefault("FLA_DISABLE_TENSOR_CACHE", "1")
     import sys
 
     import torch.distributed as dist
@@ -80,6 +76,20 @@ def run_rank(rank: int, world: int, store: str, cases: list[dict], out_dir: str,
     import kdagen
     from kdagen.cp import build_cp_context, kda_prefill_cp
     from kdagen.scan.reference import reference_prefill
+
+    if any(c.get("engine") == "fla" for c in cases):
+        # Nothing may keep the group alive past destroy_process_group: its gloo threads, still
+        # running at interpreter exit, aborted a rank now and then ("terminate called without an
+        # active exception", CI, sessions 40-41). fla keeps it alive twice: its tensor_cache holds
+        # get_cp_cu_seqlens's arguments, the group among them (read at call time, off here), and
+        # importing fla imports torch._inductor, which, imported after init_process_group, holds
+        # the default group too.
+        os.environ["FLA_DISABLE_TENSOR_CACHE"] = "1"
+        import fla.ops.cp  # noqa: F401
+        import fla.ops.kda  # noqa: F401
+        import fla.utils
+
+        fla.utils.FLA_DISABLE_TENSOR_CACHE = True
 
     dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=300))
@@ -110,7 +120,28 @@ def run_rank(rank: int, world: int, store: str, cases: list[dict], out_dir: str,
         say("cases done")
     finally:
         dist.destroy_process_group()
+    left = gloo_threads()
+    if left:  # a group kept alive: the exit-time abort above, caught every time instead of now and then
+        raise RuntimeError(f"rank {rank}: threads {left} of a gloo group still run after destroy_process_group")
     say("process group destroyed")
+
+
+def gloo_threads() -> list[str]:
+    """This process's gloo threads (Linux's thread names; [] elsewhere), after a collection."""
+    import gc
+
+    gc.collect()
+    task = "/proc/self/task"
+    if not os.path.isdir(task):
+        return []
+    names = []
+    for t in os.listdir(task):
+        try:
+            with open(os.path.join(task, t, "comm")) as f:
+                names.append(f.read().strip())
+        except OSError:  # the thread ended while listed
+            pass
+    return sorted(n for n in names if "gloo" in n)
 
 
 def _fla_rank(rank: int, case: dict, t: dict, kw: dict, path: str) -> None:
