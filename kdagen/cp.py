@@ -27,6 +27,8 @@ NCCL_NVLS_ENABLE=0, NVLink multicast off). Every rank of the group must make the
 States: `initial_state` holds one row per sequence that STARTS on this rank (ctx.starts, global
 indices), the returned final state one row per sequence that ENDS here (ctx.ends); an empty
 sequence belongs to the rank whose slot holds its offset (the last non-empty slot for offset T).
+With an engine's state pool (`kda_prefill_cp_pool`, or kda_prefill's state_pool/state_indices
+with a context) each rank's pool plays both parts: read for ctx.starts, written for ctx.ends.
 """
 
 from __future__ import annotations
@@ -423,12 +425,7 @@ def kda_prefill_cp(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, 
     grid) or "piece" (from each local piece's start, as fla's intermediate states with a context).
     Returns (o local, final state [len(ctx.ends), HV, ...] or None) like
     kda_prefill, and chunk states (the local pieces' chunks) with return_chunk_states."""
-    ctx = cp_context
-    if not isinstance(ctx, CPContext):
-        if not _is_fla_context(ctx):
-            raise KdaInputError(f"cp_context: expected a kdagen.cp.CPContext (build_cp_context) or fla's "
-                                f"FLACPContext, found {type(ctx).__name__}")
-        ctx = from_fla(ctx)
+    ctx = _context(cp_context)
     for name in ("cu_seqlens", "cu_seqlens_cpu", "workspace", "out", "assume_valid"):
         if kw.get(name) is not None and kw.get(name) is not False:
             raise KdaInputError(f"{name}: expected None with cp_context (the context holds the global offsets; "
@@ -545,6 +542,63 @@ def kda_prefill_cp(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, 
     ends = device_ints([i for i, p in enumerate(pieces) if not p.outgoing], dev, torch.long)
     return _unpack(P, o, finals[ends], cs, out=None, final_state=final_buf, chunk_states_buf=chunk_buf,
                    want_final=want_final, want_cs=want_cs)
+
+
+def kda_prefill_cp_pool(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, cp_context: CPContext,
+                        state_pool: Tensor, state_indices: Tensor, **kw: Any):
+    """kda_prefill_cp with an engine's state pool on every rank. state_indices: [N] slot indices
+    of the context's global sequences (the same on every rank; -1: a padding sequence, neither
+    read nor written). Each rank reads the initial states of the sequences starting on it
+    (ctx.starts) from its own state_pool and writes the final states of those ending on it
+    (ctx.ends) into it, in place: a sequence spanning ranks reads on its first rank's pool and
+    writes on its last's. Indices are read on the host (the context plans there anyway) and
+    checked unless assume_valid. Returns kda_prefill_cp's tuple, final states only when asked."""
+    from . import state_pool as pool_io
+
+    ctx = _context(cp_context)
+    if ctx.cu is None:
+        raise KdaInputError("state_pool: expected a kdagen context (build_cp_context) with a state pool; one made "
+                            "from fla's FLACPContext numbers no global sequences (fla takes no states with one)")
+    for name in ("initial_state", "final_state"):
+        if kw.pop(name, None) is not None:
+            raise KdaInputError(f"{name}: expected None with state_pool (the pool holds the initial and final "
+                                "states), found a tensor")
+    for name, t in (("q", q), ("v", v)):
+        if not isinstance(t, Tensor) or t.dim() != 4:
+            raise KdaInputError(f"{name}: expected a 4-dim tensor, found {pool_io._found(t)}")
+    bsnd = str(kw.get("layout", "BSND")).upper() == "BSND"
+    HV, K, V = (v.shape[2] if bsnd else v.shape[1]), q.shape[-1], v.shape[-1]
+    st = (K, V) if str(kw.get("state_layout", "VK")).upper() == "KV" else (V, K)
+    io = dict(HV=HV, state_shape=st, device=q.device, state_dtype=kw.pop("state_dtype", None))
+    pool_io.check_pool(state_pool, **io)
+    N = len(ctx.cu) - 1
+    if not isinstance(state_indices, Tensor) or state_indices.dim() != 1 or state_indices.numel() != N \
+            or state_indices.dtype not in (torch.int32, torch.int64):
+        raise KdaInputError(f"state_indices: expected a 1-D int32 or int64 tensor of {N} slot indices (one per "
+                            f"sequence of the context; -1: padding), found {pool_io._found(state_indices)}")
+    host = state_indices.tolist()
+    if not kw.pop("assume_valid", False):
+        pool_io._check(host, state_pool.shape[0])
+    io["assume_valid"] = False  # the subsets below are on the host: checking them again costs nothing
+    rows_in = pool_io.gather(state_pool, torch.tensor([host[n] for n in ctx.starts], dtype=torch.long),
+                             N=len(ctx.starts), **io)
+    rows_out = pool_io.gather(state_pool, torch.tensor([host[n] for n in ctx.ends], dtype=torch.long),
+                              N=len(ctx.ends), read=False, **io)
+    want_final = bool(kw.pop("output_final_state", False))
+    res = kda_prefill_cp(q, k, v, g, beta, cp_context=ctx, initial_state=rows_in.initial_state,
+                         final_state=rows_out.final_state, state_dtype=state_pool.dtype, **kw)
+    pool_io.scatter(rows_out)
+    return (res[0], res[1] if want_final else None, *res[2:])
+
+
+def _context(x: Any) -> CPContext:
+    """kdagen's context of a cp_context argument (kdagen's, or fla's FLACPContext)."""
+    if isinstance(x, CPContext):
+        return x
+    if not _is_fla_context(x):
+        raise KdaInputError(f"cp_context: expected a kdagen.cp.CPContext (build_cp_context) or fla's "
+                            f"FLACPContext, found {type(x).__name__}")
+    return from_fla(x)
 
 
 def _capturing(device: torch.device) -> bool:

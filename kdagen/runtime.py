@@ -198,20 +198,29 @@ def kda_prefill(
 
     cp_context (kdagen.cp.build_cp_context, or fla's FLACPContext): context-parallel across a
     torch.distributed group; q..beta are this rank's tokens and every rank calls
-    (kdagen.cp.kda_prefill_cp says more).
+    (kdagen.cp.kda_prefill_cp says more). With a state pool (kdagen's contexts), state_indices
+    name every global sequence's slot; each rank reads its starting sequences' states from its
+    pool and writes its ending sequences' final states into it (kdagen.cp.kda_prefill_cp_pool).
     """
     if beta_is_logit is not True and beta_is_logit is not False:
         raise KdaInputError(f"beta_is_logit: expected True or False, found {beta_is_logit!r}")
     engine_io = state_pool is not None or state_indices is not None or checkpoint_every is not None \
         or checkpoints is not None or checkpoint_offsets is not None
     if cp_context is not None:
-        if engine_io:
-            raise KdaInputError("cp_context: expected None with state_pool / checkpoint_every (not implemented "
+        if checkpoint_every is not None or checkpoints is not None or checkpoint_offsets is not None:
+            raise KdaInputError("cp_context: expected None with checkpoint_every / checkpoints (not implemented "
                                 "together), found a context")
-        from .cp import kda_prefill_cp
+        from .cp import kda_prefill_cp, kda_prefill_cp_pool
 
-        return kda_prefill_cp(q, k, v, g, beta, cp_context=cp_context,
-                              **{n: val for n, val in locals().items() if n in _DEFAULTS})
+        kw = {n: val for n, val in locals().items() if n in _DEFAULTS}
+        if state_pool is not None or state_indices is not None:
+            if state_pool is None or state_indices is None:
+                raise KdaInputError("state_pool, state_indices: expected both (the pool and each sequence's slot) "
+                                    "or neither, found only " + ("state_pool" if state_indices is None
+                                                                 else "state_indices"))
+            return kda_prefill_cp_pool(q, k, v, g, beta, cp_context=cp_context, state_pool=state_pool,
+                                       state_indices=state_indices, **kw)
+        return kda_prefill_cp(q, k, v, g, beta, cp_context=cp_context, **kw)
     if torch.compiler.is_compiling():
         from .ops import traced_prefill
 

@@ -36,11 +36,10 @@ def _found(t) -> str:
     return f"shape {tuple(t.shape)}, dtype {t.dtype}, {t.device}"
 
 
-def gather(pool, indices, *, N: int, HV: int, state_shape: tuple[int, int], device: torch.device,
-           state_dtype: Optional[torch.dtype], assume_valid: bool) -> PoolCall:
-    """Check the pool and its indices; gather the sequences' initial states."""
-    exp = ("P", HV, *state_shape)
-    if not isinstance(pool, torch.Tensor) or pool.dim() != 4 or tuple(pool.shape[1:]) != exp[1:]:
+def check_pool(pool, *, HV: int, state_shape: tuple[int, int], device: torch.device,
+               state_dtype: Optional[torch.dtype]) -> None:
+    """The pool's shape [P, HV, *state_shape], dtype (float32/bfloat16, state_dtype's) and device."""
+    if not isinstance(pool, torch.Tensor) or pool.dim() != 4 or tuple(pool.shape[1:]) != (HV, *state_shape):
         raise KdaInputError(f"state_pool: expected a tensor of shape [P, HV, ...] = (P, {HV}, {state_shape[0]}, "
                             f"{state_shape[1]}) (state_layout decides the last two), found {_found(pool)}")
     if pool.dtype not in (torch.float32, torch.bfloat16):
@@ -49,6 +48,13 @@ def gather(pool, indices, *, N: int, HV: int, state_shape: tuple[int, int], devi
         raise KdaInputError(f"state_pool: expected a tensor on {device} (same as q), found {pool.device}")
     if state_dtype is not None and state_dtype != pool.dtype:
         raise KdaInputError(f"state_dtype: expected {pool.dtype} (the state pool's dtype) or None, found {state_dtype}")
+
+
+def gather(pool, indices, *, N: int, HV: int, state_shape: tuple[int, int], device: torch.device,
+           state_dtype: Optional[torch.dtype], assume_valid: bool, read: bool = True) -> PoolCall:
+    """Check the pool and its indices; gather the sequences' initial states (with read=False,
+    only the slots to scatter final states to: initial_state is left unset scratch)."""
+    check_pool(pool, HV=HV, state_shape=state_shape, device=device, state_dtype=state_dtype)
     if not isinstance(indices, torch.Tensor) or indices.dim() != 1 or indices.dtype not in (torch.int32, torch.int64) \
             or indices.numel() != N:
         raise KdaInputError(f"state_indices: expected a 1-D int32 or int64 tensor of {N} slot indices (one per "
@@ -75,6 +81,9 @@ def gather(pool, indices, *, N: int, HV: int, state_shape: tuple[int, int], devi
     index = device_ints(host, device, torch.int64) if host is not None else \
         indices.to(device=device, dtype=torch.int64, non_blocking=True)
     all_valid = host is not None and all(i >= 0 for i in host)
+    if not read:
+        h0 = torch.empty((N, HV, *state_shape), dtype=pool.dtype, device=device)
+        return PoolCall(pool, index, None if all_valid else index >= 0, host, h0, torch.empty_like(h0))
     if P == 0:  # only padding sequences (checked above unless assume_valid)
         h0 = torch.zeros((N, HV, *state_shape), dtype=pool.dtype, device=device)
         return PoolCall(pool, index, torch.zeros(N, dtype=torch.bool, device=device), host, h0, torch.empty_like(h0))
@@ -104,7 +113,7 @@ def _check(host: list[int], P: int) -> None:
 def scatter(pc: PoolCall) -> None:
     """Write the sequences' final states into their slots, in place; padding rows write nothing."""
     pool, fs = pc.pool, pc.final_state
-    if pool.shape[0] == 0:
+    if pool.shape[0] == 0 or fs.shape[0] == 0:
         return
     if pc.valid is None:
         pool.index_copy_(0, pc.index, fs)

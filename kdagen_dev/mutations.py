@@ -210,6 +210,13 @@ CATALOGUE: list[Mutation] = [
       "tuple(range(slot - pre + 1, slot)) if incoming",
       ("tests/test_cp.py::test_fla_contexts_give_the_same_pieces",),
       "fla's pre_num_ranks read as the slots before, counting this one"),
+    M("cp_pool_reads_the_ends", "kdagen/cp.py", "torch.tensor([host[n] for n in ctx.starts], dtype=torch.long)",
+      "torch.tensor([host[n] for n in ctx.ends], dtype=torch.long)",
+      ("tests/test_cp.py::test_gloo_ranks_equal_the_single_process_call[kdagen-3]",),
+      "a rank's initial states read from the slots of the sequences ending on it, not starting"),
+    M("cp_pool_scatter_dropped", "kdagen/cp.py", "    pool_io.scatter(rows_out)\n", "",
+      ("tests/test_cp.py::test_gloo_ranks_equal_the_single_process_call[kdagen-2]",),
+      "final states left in scratch, the ranks' pools never written"),
 ]
 
 # What CI runs (tests/test_mutations.py): the four survivors issue 23 names and one bug of each

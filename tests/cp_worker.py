@@ -45,6 +45,18 @@ def problem(case: dict, device: str = "cpu") -> tuple[dict, dict]:
     return t, kw
 
 
+def pool_of(case: dict, kw: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """A state pool with two spare slots and each sequence's slot, shuffled; the second sequence
+    is padding (-1: neither read nor written)."""
+    gen = torch.Generator().manual_seed(100 + case.get("seed", 0))
+    h0 = kw["initial_state"]
+    N = h0.shape[0]
+    pool = torch.randn(N + 2, *h0.shape[1:], generator=gen).to(h0.dtype) * 0.5
+    idx = torch.randperm(N + 2, generator=gen)[:N]
+    idx[1] = -1
+    return pool.to(h0.device), idx
+
+
 def local_slice(t: dict, a: int, b: int, layout: str) -> dict:
     ax = 1 if layout == "BSND" else 2
     return {n: x.narrow(ax, a, b - a).contiguous() for n, x in t.items()}
@@ -107,6 +119,14 @@ def run_rank(rank: int, world: int, store: str, cases: list[dict], out_dir: str,
             ctx = build_cp_context(cu_of(case["lens"]), tokens_per_rank=case.get("tokens_per_rank"),
                                    layout=case.get("cp_layout", "contiguous"))
             loc = local_part(t, ctx, kw["layout"])
+            if case.get("pool"):  # the pool replaces the states: each rank's own copy, updated in place
+                pool, idx = pool_of(case, kw)
+                kw["initial_state"] = None
+                res = kdagen.kda_prefill(**loc, **kw, cp_context=ctx, state_pool=pool, state_indices=idx)
+                assert res[1] is not None and res[1].shape[0] == len(ctx.ends)
+                torch.save(dict(out=[res[0].cpu()], pool=pool.cpu(), ends=list(ctx.ends)),
+                           os.path.join(out_dir, f"r{rank}_{i}.pt"))
+                continue
             kw["initial_state"] = ctx.local_initial_state(kw["initial_state"])
             extra = dict(segments=case.get("segments"), mode=case.get("mode", "correct"))
             if case.get("engine") == "ref":

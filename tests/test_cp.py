@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kdagen
-from kdagen.cp import build_cp_context, from_ranks
+from kdagen.cp import build_cp_context, from_fla, from_ranks
 from kdagen.errors import KdaInputError
 from kdagen.reference import rel_rmse
 from kdagen.scan.reference import reference_prefill
@@ -117,7 +117,6 @@ def test_fla_contexts_give_the_same_pieces(layout):
     # same offsets: the same pieces, chains and offsets; fla drops empty sequences and numbers
     # the rank's pieces itself.
     get_cp_cu_seqlens = pytest.importorskip("fla.ops.cp.context").get_cp_cu_seqlens
-    from kdagen.cp import from_fla
 
     gen = torch.Generator().manual_seed(0)
     for world in (2, 3, 4):
@@ -148,6 +147,37 @@ def test_call_errors_are_named():
         kdagen.kda_prefill(**loc, **kw, cp_context=ctx)  # both sequences' rows; only seq 0 starts here
     with pytest.raises(KdaInputError, match="cp_context: expected a kdagen.cp.CPContext .build_cp_context. or fla's"):
         kdagen.kda_prefill(**loc, cp_context=[0, 8, 16])
+
+
+def test_state_pool_errors_are_named():
+    # Raised before any collective (no process group here): each names its argument.
+    from types import SimpleNamespace
+
+    ctx = build_cp_context([0, 8, 16], rank=0, world=2)
+    t, kw = cp_worker.problem(dict(lens=[8, 8]))
+    loc = cp_worker.local_slice(t, 0, 8, "BSND")
+    pool, idx = cp_worker.pool_of(dict(lens=[8, 8]), kw)
+    with pytest.raises(KdaInputError, match="state_pool, state_indices: expected both .* found only state_pool"):
+        kdagen.kda_prefill(**loc, cp_context=ctx, state_pool=pool)
+    with pytest.raises(KdaInputError, match="initial_state: expected None with state_pool"):
+        kdagen.kda_prefill(**loc, cp_context=ctx, state_pool=pool, state_indices=idx,
+                           initial_state=kw["initial_state"][:1])
+    with pytest.raises(KdaInputError, match="state_indices: expected a 1-D int32 or int64 tensor of 2 slot indices "
+                                            "\\(one per sequence of the context"):
+        kdagen.kda_prefill(**loc, cp_context=ctx, state_pool=pool, state_indices=idx[:1])
+    with pytest.raises(KdaInputError, match="state_indices: expected slot indices in \\[0, 4\\) or -1 .padding., "
+                                            "found 4 at position 0"):
+        kdagen.kda_prefill(**loc, cp_context=ctx, state_pool=pool, state_indices=torch.tensor([4, 0]))
+    with pytest.raises(KdaInputError, match="state_indices: expected distinct slots"):
+        kdagen.kda_prefill(**loc, cp_context=ctx, state_pool=pool, state_indices=torch.tensor([2, 2]))
+    with pytest.raises(KdaInputError, match="state_pool: expected a tensor of shape \\[P, HV, ...\\] = \\(P, 1, 32, 32\\)"):
+        kdagen.kda_prefill(**loc, cp_context=ctx, state_pool=pool[:, :, :16], state_indices=idx)
+    with pytest.raises(KdaInputError, match="cp_context: expected None with checkpoint_every"):
+        kdagen.kda_prefill(**loc, cp_context=ctx, checkpoint_every=16)
+    fla_like = SimpleNamespace(cu_seqlens=torch.tensor([0, 8]), pre_num_ranks=0, post_num_ranks=1,
+                               pre_num_conv_tokens=0, group=None, layout="contiguous")
+    with pytest.raises(KdaInputError, match="state_pool: expected a kdagen context .build_cp_context. with a state pool"):
+        kdagen.kda_prefill(**loc, cp_context=from_fla(fla_like, rank=0, world=2), state_pool=pool, state_indices=idx)
 
 
 def test_graph_capture_is_refused(monkeypatch):
@@ -274,6 +304,7 @@ CASES = {
         dict(lens=[16, 70, 0, 10], engine="ref", chunk_states=True, segments=2, mode="rerun", seed=2),
         dict(lens=[8, 70, 0, 18], engine="kernels", cp_layout="zigzag", segments=2, seed=6),
         dict(lens=[30, 50, 0], engine="ref", cp_layout="zigzag", mode="rerun", seed=7),  # empty at T: slot 3
+        dict(lens=[8, 70, 0, 18], engine="kernels", cp_layout="zigzag", pool=True, seed=12),
         dict(lens=[8, 70, 0, 18], engine="fla", cp_layout="zigzag", seed=8, inter=True),
         dict(lens=[8, 70, 0, 18], engine="fla", seed=9, inter=True),
     ],
@@ -282,6 +313,7 @@ CASES = {
         dict(lens=[8, 100, 4, 8], engine="ref", tokens_per_rank=[50, 0, 70], mode="rerun", seed=4),
         dict(lens=[8, 100, 4, 8], engine="ref", mode="correct", segments=3, H=1, HV=2, seed=5),
         dict(lens=[96, 0, 96], engine="ref", cp_layout="zigzag", segments=2, chunk_states=True, seed=10),
+        dict(lens=[8, 100, 4, 8], engine="kernels", pool=True, seed=13),
         dict(lens=[8, 100, 4, 8], engine="fla", cp_layout="zigzag", seed=11, inter=True),
     ],
 }
@@ -296,6 +328,30 @@ def single_process(case: dict):
         args, fkw = cp_worker.fla_call(case, t, kw)
         return kdagen.chunk_kda(*args, **fkw, cu_seqlens=cu.long())
     return kdagen.kda_prefill(**t, **kw, cu_seqlens=cu)
+
+
+def check_pools(case: dict, ranks: list[dict], ctxs: list, o: torch.Tensor) -> None:
+    """Each rank's pool after a context-parallel call with a state pool: the slots of the
+    sequences ending on it hold the single call's final states, every other slot its old value."""
+    t, kw = cp_worker.problem(case)
+    pool0, idx = cp_worker.pool_of(case, kw)
+    pool_ref = pool0.clone()
+    kw["initial_state"] = None
+    o_ref = kdagen.kda_prefill(**t, **kw, cu_seqlens=torch.tensor(cp_worker.cu_of(case["lens"]), dtype=torch.int32),
+                               state_pool=pool_ref, state_indices=idx)[0]
+    assert rel_rmse(o, o_ref) < 1e-5
+    written = set()
+    for ctx, x in zip(ctxs, ranks):
+        mine = {int(idx[n]): n for n in ctx.ends if idx[n] >= 0}
+        written.update(mine)
+        for slot in range(pool0.shape[0]):
+            if slot in mine:
+                assert rel_rmse(x["pool"][slot], pool_ref[slot]) < 1e-5, (ctx.rank, slot)
+                if case["lens"][mine[slot]]:  # an empty sequence's final state is its initial one
+                    assert not torch.equal(x["pool"][slot], pool0[slot])
+            else:
+                assert torch.equal(x["pool"][slot], pool0[slot]), (ctx.rank, slot)
+    assert written == {int(i) for i in idx if i >= 0}  # every real sequence ends on some rank
 
 
 def piece_intermediate_states(case: dict, ranks: list[dict]) -> torch.Tensor:
@@ -359,6 +415,9 @@ def test_gloo_ranks_equal_the_single_process_call(world, contexts, tmp_path):
                 errs.update({f"h{j}": rel_rmse(torch.cat([x["h"][j][0] for x in ranks]), h_ref) for j in (0, 1)})
             assert max(errs.values()) < 1e-5, (i, case, errs)
             continue
+        if case.get("pool"):
+            check_pools(case, ranks, ctxs, o)
+            continue
         fs = torch.cat([x["out"][1] for x in ranks])
         ends = sum((x["ends"] for x in ranks), [])
         tol = 5e-3 if case.get("state_dtype") == torch.bfloat16 else 1e-5
@@ -396,10 +455,16 @@ def test_gpu_ranks(tmp_path):
     for i, case in enumerate(cases):
         ranks = [torch.load(tmp_path / f"r{r}_{i}.pt") for r in range(2)]
         o = from_ranks([x["out"][0] for x in ranks], contexts_of(case, 2))
-        fs = torch.cat([x["out"][1] for x in ranks])
         ends = sum((x["ends"] for x in ranks), [])
         t, kw = cp_worker.problem(case)
         t = {n: x.double() for n, x in t.items()}  # the bf16 inputs exactly, o in float64
+        if case.get("pool"):  # initial states from the pool's slots (zeros for padding), finals in the ranks' pools
+            pool0, idx = cp_worker.pool_of(case, kw)
+            kw["initial_state"] = torch.stack([pool0[i] if i >= 0 else torch.zeros_like(pool0[0]) for i in idx.tolist()])
+            fs = torch.stack([x["pool"][idx[n]] for x in ranks for n in x["ends"] if idx[n] >= 0])
+            ends = [n for n in ends if idx[n] >= 0]
+        else:
+            fs = torch.cat([x["out"][1] for x in ranks])
         ref = reference_prefill(**t, **kw, cu_seqlens=torch.tensor(cp_worker.cu_of(case["lens"]), dtype=torch.int32))
         errs = (rel_rmse(o.float(), ref[0].float()), rel_rmse(fs.float(), ref[1][ends].float()))
         assert max(errs) < 5e-3, (backend, case, errs)
