@@ -556,6 +556,9 @@ def kda_prefill_cp_pool(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor
     from . import state_pool as pool_io
 
     ctx = _context(cp_context)
+    if isinstance(q, Tensor) and _capturing(q.device):  # before the pool's own capture checks, which would misname it
+        raise KdaInputError("cp_context: expected no CUDA graph capture (a context-parallel call plans on the host "
+                            "and copies its offsets in per call; run it eagerly)")
     if ctx.cu is None:
         raise KdaInputError("state_pool: expected a kdagen context (build_cp_context) with a state pool; one made "
                             "from fla's FLACPContext numbers no global sequences (fla takes no states with one)")

@@ -186,9 +186,13 @@ def test_graph_capture_is_refused(monkeypatch):
 
     monkeypatch.setattr(cp, "_capturing", lambda device: True)
     ctx = build_cp_context([0, 8, 16], rank=0, world=2)
-    t, _ = cp_worker.problem(dict(lens=[8, 8]))
+    t, kw = cp_worker.problem(dict(lens=[8, 8]))
     with pytest.raises(KdaInputError, match="cp_context: expected no CUDA graph capture"):
         kdagen.kda_prefill(**cp_worker.local_slice(t, 0, 8, "BSND"), cp_context=ctx)
+    pool, idx = cp_worker.pool_of(dict(lens=[8, 8]), kw)
+    with pytest.raises(KdaInputError, match="cp_context: expected no CUDA graph capture"):
+        kdagen.kda_prefill(**cp_worker.local_slice(t, 0, 8, "BSND"), cp_context=ctx, state_pool=pool,
+                           state_indices=idx)
 
 
 def test_pieces_on_the_exchange_path_are_cut(monkeypatch):
