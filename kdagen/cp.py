@@ -28,7 +28,8 @@ States: `initial_state` holds one row per sequence that STARTS on this rank (ctx
 indices), the returned final state one row per sequence that ENDS here (ctx.ends); an empty
 sequence belongs to the rank whose slot holds its offset (the last non-empty slot for offset T).
 With an engine's state pool (`kda_prefill_cp_pool`, or kda_prefill's state_pool/state_indices
-with a context) each rank's pool plays both parts: read for ctx.starts, written for ctx.ends.
+with a context) each rank's pool is read for ctx.starts and receives every final state (ctx.pools
+"replicated") or those of ctx.ends ("local").
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ __all__ = ["Piece", "CPContext", "LAYOUTS", "build_cp_context", "from_fla", "fro
            "exchange_segments", "twin_segments", "twin_wave_cost"]
 
 LAYOUTS = ("contiguous", "zigzag")
+POOLS = ("replicated", "local")
 
 
 @dataclass(frozen=True)
@@ -79,6 +81,7 @@ class CPContext:
     ends: tuple[int, ...]  # sequences whose last token (or empty offset) is on this rank
     layout: str = "contiguous"
     slots: tuple[int, ...] = ()  # the global slots this rank holds, in its buffer's order
+    pools: str = "replicated"  # with a state pool: which final states each rank's pool receives (POOLS)
 
     @property
     def rank_bounds(self) -> tuple[int, ...]:
@@ -176,15 +179,21 @@ def _group_rank(group: Any, rank: Optional[int], world: Optional[int], what: str
 
 def build_cp_context(cu_seqlens: Sequence[int] | Tensor, group: Any = None, *,
                      tokens_per_rank: Optional[Sequence[int]] = None, rank: Optional[int] = None,
-                     world: Optional[int] = None, layout: str = "contiguous") -> CPContext:
+                     world: Optional[int] = None, layout: str = "contiguous",
+                     pools: str = "replicated") -> CPContext:
     """The context of this rank. cu_seqlens: the global offsets (host values; a tensor is read
     once). layout: "contiguous" (rank r holds tokens_per_rank[r] tokens after rank r - 1's) or
     "zigzag" (T cut into 2 x world slots of balanced sizes, rank r holds slots r and
     2 x world - 1 - r, in that order, as fla's zigzag layout does). tokens_per_rank (contiguous
     only): each rank's token count (default: T split evenly, the remainder to the first ranks).
-    rank/world default to the group's (torch.distributed)."""
+    rank/world default to the group's (torch.distributed). pools, for calls with a state pool:
+    "replicated" (every rank's pool receives every sequence's final state, so pools that start
+    as replicas stay replicas, as engines that decode on every rank of the group keep them) or
+    "local" (each rank's pool receives the final states of the sequences ending on it)."""
     if layout not in LAYOUTS:
         raise KdaInputError(f"layout: expected one of {', '.join(LAYOUTS)}, found {layout!r}")
+    if pools not in POOLS:
+        raise KdaInputError(f"pools: expected one of {', '.join(POOLS)}, found {pools!r}")
     rank, world = _group_rank(group, rank, world, "build a context without one")
     cu = [int(x) for x in (cu_seqlens.tolist() if isinstance(cu_seqlens, Tensor) else cu_seqlens)]
     if len(cu) < 2 or cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])):
@@ -226,7 +235,7 @@ def build_cp_context(cu_seqlens: Sequence[int] | Tensor, group: Any = None, *,
                 ends.append(n)
         base += r1 - r0
     return CPContext(group, rank, world, tuple(cu), tuple(bounds), tuple(pieces), tuple(starts), tuple(ends),
-                     layout, slots)
+                     layout, slots, pools)
 
 
 def _host_offsets(t: Any, name: str) -> list[int]:
@@ -549,10 +558,13 @@ def kda_prefill_cp_pool(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor
     """kda_prefill_cp with an engine's state pool on every rank. state_indices: [N] slot indices
     of the context's global sequences (the same on every rank; -1: a padding sequence, neither
     read nor written). Each rank reads the initial states of the sequences starting on it
-    (ctx.starts) from its own state_pool and writes the final states of those ending on it
-    (ctx.ends) into it, in place: a sequence spanning ranks reads on its first rank's pool and
-    writes on its last's. Indices are read on the host (the context plans there anyway) and
-    checked unless assume_valid. Returns kda_prefill_cp's tuple, final states only when asked."""
+    (ctx.starts) from its own state_pool. The final states go, in place, into every rank's pool
+    (ctx.pools "replicated", the default: one all_reduce of the [N, HV, ...] finals, each row
+    non-zero on one rank only, so the sum is exact) or into the pool of the rank each sequence
+    ends on ("local": a sequence spanning ranks reads on its first rank's pool and writes on its
+    last's). Indices are read on the host (the context plans there anyway) and checked unless
+    assume_valid. Returns kda_prefill_cp's tuple (final states: this rank's ctx.ends rows) with
+    final states only when asked."""
     from . import state_pool as pool_io
 
     ctx = _context(cp_context)
@@ -585,11 +597,23 @@ def kda_prefill_cp_pool(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor
     io["assume_valid"] = False  # the subsets below are on the host: checking them again costs nothing
     rows_in = pool_io.gather(state_pool, torch.tensor([host[n] for n in ctx.starts], dtype=torch.long),
                              N=len(ctx.starts), **io)
-    rows_out = pool_io.gather(state_pool, torch.tensor([host[n] for n in ctx.ends], dtype=torch.long),
-                              N=len(ctx.ends), read=False, **io)
+    written = ctx.ends if ctx.pools == "local" else range(N)
+    rows_out = pool_io.gather(state_pool, torch.tensor([host[n] for n in written], dtype=torch.long),
+                              N=len(written), read=False, **io)
     want_final = bool(kw.pop("output_final_state", False))
-    res = kda_prefill_cp(q, k, v, g, beta, cp_context=ctx, initial_state=rows_in.initial_state,
-                         final_state=rows_out.final_state, state_dtype=state_pool.dtype, **kw)
+    mine = rows_out.final_state if ctx.pools == "local" else None
+    res = kda_prefill_cp(q, k, v, g, beta, cp_context=ctx, initial_state=rows_in.initial_state, final_state=mine,
+                         output_final_state=True, state_dtype=state_pool.dtype, **kw)
+    if ctx.pools == "replicated":
+        import torch.distributed as dist
+
+        # fp32 whatever the pool's dtype: a bf16 value and zeros sum back to it exactly, and gloo
+        # reduces fp32 everywhere
+        every = torch.zeros(N, *res[1].shape[1:], dtype=torch.float32, device=q.device)
+        if ctx.ends:
+            every[device_ints(list(ctx.ends), q.device, torch.long)] = res[1].float()
+        dist.all_reduce(every, group=ctx.group)
+        rows_out.final_state.copy_(every)
     pool_io.scatter(rows_out)
     return (res[0], res[1] if want_final else None, *res[2:])
 

@@ -200,7 +200,8 @@ def kda_prefill(
     torch.distributed group; q..beta are this rank's tokens and every rank calls
     (kdagen.cp.kda_prefill_cp says more). With a state pool (kdagen's contexts), state_indices
     name every global sequence's slot; each rank reads its starting sequences' states from its
-    pool and writes its ending sequences' final states into it (kdagen.cp.kda_prefill_cp_pool).
+    pool, and every rank's pool receives every final state (the context's pools="replicated")
+    or its ending sequences' only ("local"; kdagen.cp.kda_prefill_cp_pool).
     """
     if beta_is_logit is not True and beta_is_logit is not False:
         raise KdaInputError(f"beta_is_logit: expected True or False, found {beta_is_logit!r}")

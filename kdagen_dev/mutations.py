@@ -217,6 +217,9 @@ CATALOGUE: list[Mutation] = [
     M("cp_pool_scatter_dropped", "kdagen/cp.py", "    pool_io.scatter(rows_out)\n", "",
       ("tests/test_cp.py::test_gloo_ranks_equal_the_single_process_call[kdagen-2]",),
       "final states left in scratch, the ranks' pools never written"),
+    M("cp_pool_replicas_not_reduced", "kdagen/cp.py", "        dist.all_reduce(every, group=ctx.group)\n", "",
+      ("tests/test_cp.py::test_gloo_ranks_equal_the_single_process_call[kdagen-2]",),
+      "replicated pools given only this rank's final states (zeros for the sequences ending elsewhere)"),
 ]
 
 # What CI runs (tests/test_mutations.py): the four survivors issue 23 names and one bug of each

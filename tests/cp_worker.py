@@ -117,7 +117,7 @@ def run_rank(rank: int, world: int, store: str, cases: list[dict], out_dir: str,
                 _fla_rank(rank, case, t, kw, os.path.join(out_dir, f"r{rank}_{i}.pt"))
                 continue
             ctx = build_cp_context(cu_of(case["lens"]), tokens_per_rank=case.get("tokens_per_rank"),
-                                   layout=case.get("cp_layout", "contiguous"))
+                                   layout=case.get("cp_layout", "contiguous"), pools=case.get("pools", "replicated"))
             loc = local_part(t, ctx, kw["layout"])
             if case.get("pool"):  # the pool replaces the states: each rank's own copy, updated in place
                 pool, idx = pool_of(case, kw)

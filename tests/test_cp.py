@@ -80,6 +80,8 @@ def test_zigzag_context_holds_two_slots():
         build_cp_context(cu, rank=0, world=2, layout="zigzag", tokens_per_rank=[48, 48])
     with pytest.raises(KdaInputError, match="layout: expected one of contiguous, zigzag, found 'ring'"):
         build_cp_context(cu, rank=0, world=2, layout="ring")
+    with pytest.raises(KdaInputError, match="pools: expected one of replicated, local, found 'sharded'"):
+        build_cp_context(cu, rank=0, world=2, pools="sharded")
 
 
 @settings(max_examples=60, deadline=None, derandomize=True, database=None)
@@ -317,7 +319,7 @@ CASES = {
         dict(lens=[8, 100, 4, 8], engine="ref", tokens_per_rank=[50, 0, 70], mode="rerun", seed=4),
         dict(lens=[8, 100, 4, 8], engine="ref", mode="correct", segments=3, H=1, HV=2, seed=5),
         dict(lens=[96, 0, 96], engine="ref", cp_layout="zigzag", segments=2, chunk_states=True, seed=10),
-        dict(lens=[8, 100, 4, 8], engine="kernels", pool=True, seed=13),
+        dict(lens=[8, 100, 4, 8], engine="kernels", pool=True, pools="local", seed=13),
         dict(lens=[8, 100, 4, 8], engine="fla", cp_layout="zigzag", seed=11, inter=True),
     ],
 }
@@ -336,7 +338,8 @@ def single_process(case: dict):
 
 def check_pools(case: dict, ranks: list[dict], ctxs: list, o: torch.Tensor) -> None:
     """Each rank's pool after a context-parallel call with a state pool: the slots of the
-    sequences ending on it hold the single call's final states, every other slot its old value."""
+    sequences ending on it ("local"; every real sequence's, "replicated") hold the single call's
+    final states, every other slot its old value; replicated pools stay bit-identical."""
     t, kw = cp_worker.problem(case)
     pool0, idx = cp_worker.pool_of(case, kw)
     pool_ref = pool0.clone()
@@ -346,7 +349,8 @@ def check_pools(case: dict, ranks: list[dict], ctxs: list, o: torch.Tensor) -> N
     assert rel_rmse(o, o_ref) < 1e-5
     written = set()
     for ctx, x in zip(ctxs, ranks):
-        mine = {int(idx[n]): n for n in ctx.ends if idx[n] >= 0}
+        mine = {int(idx[n]): n for n in (ctx.ends if case.get("pools") == "local" else range(len(idx)))
+                if idx[n] >= 0}
         written.update(mine)
         for slot in range(pool0.shape[0]):
             if slot in mine:
@@ -356,6 +360,8 @@ def check_pools(case: dict, ranks: list[dict], ctxs: list, o: torch.Tensor) -> N
             else:
                 assert torch.equal(x["pool"][slot], pool0[slot]), (ctx.rank, slot)
     assert written == {int(i) for i in idx if i >= 0}  # every real sequence ends on some rank
+    if case.get("pools") != "local":
+        assert all(torch.equal(x["pool"], ranks[0]["pool"]) for x in ranks)
 
 
 def piece_intermediate_states(case: dict, ranks: list[dict]) -> torch.Tensor:
@@ -467,6 +473,8 @@ def test_gpu_ranks(tmp_path):
             kw["initial_state"] = torch.stack([pool0[i] if i >= 0 else torch.zeros_like(pool0[0]) for i in idx.tolist()])
             fs = torch.stack([x["pool"][idx[n]] for x in ranks for n in x["ends"] if idx[n] >= 0])
             ends = [n for n in ends if idx[n] >= 0]
+            if case.get("pools") != "local":  # every rank's pool got every final state, bit-identically
+                assert torch.equal(ranks[0]["pool"], ranks[1]["pool"])
         else:
             fs = torch.cat([x["out"][1] for x in ranks])
         ref = reference_prefill(**t, **kw, cu_seqlens=torch.tensor(cp_worker.cu_of(case["lens"]), dtype=torch.int32))
