@@ -451,6 +451,10 @@ def kda_prefill_cp(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, 
     if q.dim() != 4 or q.shape[0] != 1 or q.shape[t_axis] != ctx.local_tokens:
         raise KdaInputError(f"q: expected B = 1 and this rank's {ctx.local_tokens} tokens on the T axis "
                             f"(layout {layout}), found shape {tuple(q.shape)}")
+    if isinstance(v, Tensor) and v.dim() == 4 and v.shape[-1] != q.shape[-1]:
+        # the scan's check, here too: a rank holding no piece skips it and would wait in the exchange
+        raise KdaInputError(f"v: context parallelism carries K x K transitions as V-column states, so it needs "
+                            f"V == K; found K={q.shape[-1]}, V={v.shape[-1]}")
     final_buf, chunk_buf = kw.pop("final_state", None), kw.pop("chunk_states", None)
     want_final = bool(kw.pop("output_final_state", False)) or final_buf is not None
     want_cs = bool(kw.pop("return_chunk_states", False)) or chunk_buf is not None

@@ -149,6 +149,10 @@ def test_call_errors_are_named():
         kdagen.kda_prefill(**loc, **kw, cp_context=ctx)  # both sequences' rows; only seq 0 starts here
     with pytest.raises(KdaInputError, match="cp_context: expected a kdagen.cp.CPContext .build_cp_context. or fla's"):
         kdagen.kda_prefill(**loc, cp_context=[0, 8, 16])
+    # a rank holding no tokens raises it too, before the exchange it would otherwise wait in
+    empty = build_cp_context([0, 8, 16], rank=1, world=2, tokens_per_rank=[16, 0])
+    with pytest.raises(KdaInputError, match="v: context parallelism carries K x K transitions .* found K=32, V=16"):
+        kdagen.kda_prefill(**{n: x[:, :0] for n, x in loc.items()} | {"v": loc["v"][:, :0, :, :16]}, cp_context=empty)
 
 
 def test_state_pool_errors_are_named():
