@@ -93,7 +93,8 @@ def run_rank(rank: int, world: int, store: str, cases: list[dict], out_dir: str,
         # Nothing may keep the group alive past destroy_process_group: its gloo threads, still
         # running at interpreter exit, aborted a rank now and then ("terminate called without an
         # active exception", CI, sessions 40-41). fla keeps it alive twice: its tensor_cache holds
-        # get_cp_cu_seqlens's arguments, the group among them (read at call time, off here), and
+        # get_cp_cu_seqlens's arguments, the group among them (off here: the variable for a first
+        # import, the attribute fla reads at call time in case it was imported already), and
         # importing fla imports torch._inductor, which, imported after init_process_group, holds
         # the default group too.
         os.environ["FLA_DISABLE_TENSOR_CACHE"] = "1"
