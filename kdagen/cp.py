@@ -582,12 +582,7 @@ def kda_prefill_cp_pool(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor
         if kw.pop(name, None) is not None:
             raise KdaInputError(f"{name}: expected None with state_pool (the pool holds the initial and final "
                                 "states), found a tensor")
-    for name, t in (("q", q), ("v", v)):
-        if not isinstance(t, Tensor) or t.dim() != 4:
-            raise KdaInputError(f"{name}: expected a 4-dim tensor, found {pool_io._found(t)}")
-    bsnd = str(kw.get("layout", "BSND")).upper() == "BSND"
-    HV, K, V = (v.shape[2] if bsnd else v.shape[1]), q.shape[-1], v.shape[-1]
-    st = (K, V) if str(kw.get("state_layout", "VK")).upper() == "KV" else (V, K)
+    HV, st = pool_io.head_dims(q, v, kw.get("layout", "BSND"), kw.get("state_layout", "VK"))
     io = dict(HV=HV, state_shape=st, device=q.device, state_dtype=kw.pop("state_dtype", None))
     pool_io.check_pool(state_pool, **io)
     N = len(ctx.cu) - 1

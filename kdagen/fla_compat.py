@@ -128,7 +128,7 @@ def translate(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
 def _cp_context(ctx: Any, q: Any, initial_state: Any, output_final_state: bool, return_intermediate_states: bool,
                 use_graph: bool) -> Any:
     """kdagen's context of a chunk_kda call's cp_context, after fla's rules for one."""
-    from .cp import CPContext, _is_fla_context, from_fla
+    from .cp import CPContext, _context, _is_fla_context
 
     if not isinstance(ctx, CPContext) and not _is_fla_context(ctx):
         raise KdaInputError(f"cp_context: expected fla's FLACPContext (fla.ops.cp.build_cp_context) or a "
@@ -141,7 +141,7 @@ def _cp_context(ctx: Any, q: Any, initial_state: Any, output_final_state: bool, 
     if isinstance(q, torch.Tensor) and q.dim() == 4 and q.shape[0] != 1:
         raise KdaInputError(f"q: expected B = 1 with cp_context (the rank's packed tokens), found shape "
                             f"{tuple(q.shape)}")
-    return ctx if isinstance(ctx, CPContext) else from_fla(ctx)
+    return _context(ctx)
 
 
 def _kernel_kw(t: Translated, kernel_chunk: Optional[int]) -> dict:

@@ -207,6 +207,9 @@ def kda_prefill(
         raise KdaInputError(f"beta_is_logit: expected True or False, found {beta_is_logit!r}")
     engine_io = state_pool is not None or state_indices is not None or checkpoint_every is not None \
         or checkpoints is not None or checkpoint_offsets is not None
+    if engine_io and (state_pool is None) != (state_indices is None):
+        raise KdaInputError("state_pool, state_indices: expected both (the pool and each sequence's slot) or "
+                            "neither, found only " + ("state_pool" if state_indices is None else "state_indices"))
     if cp_context is not None:
         if checkpoint_every is not None or checkpoints is not None or checkpoint_offsets is not None:
             raise KdaInputError("cp_context: expected None with checkpoint_every / checkpoints (not implemented "
@@ -214,11 +217,7 @@ def kda_prefill(
         from .cp import kda_prefill_cp, kda_prefill_cp_pool
 
         kw = {n: val for n, val in locals().items() if n in _DEFAULTS}
-        if state_pool is not None or state_indices is not None:
-            if state_pool is None or state_indices is None:
-                raise KdaInputError("state_pool, state_indices: expected both (the pool and each sequence's slot) "
-                                    "or neither, found only " + ("state_pool" if state_indices is None
-                                                                 else "state_indices"))
+        if state_pool is not None:
             return kda_prefill_cp_pool(q, k, v, g, beta, cp_context=cp_context, state_pool=state_pool,
                                        state_indices=state_indices, **kw)
         return kda_prefill_cp(q, k, v, g, beta, cp_context=cp_context, **kw)
@@ -384,22 +383,14 @@ def _engine_call(q, k, v, g, beta, kw: dict, state_pool, state_indices, checkpoi
     from . import checkpoints as ckpt
     from . import state_pool as pool_io
 
-    for name, t in (("q", q), ("v", v)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 4:
-            raise KdaInputError(f"{name}: expected a 4-dim tensor, found "
-                                f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+    HV, st = pool_io.head_dims(q, v, kw["layout"], kw["state_layout"])
     bsnd = str(kw["layout"]).upper() == "BSND"
     cu = kw["cu_seqlens"]
     B, T = q.shape[0], (q.shape[1] if bsnd else q.shape[2])
     N = cu.shape[0] - 1 if isinstance(cu, torch.Tensor) else B
-    HV, K, V = (v.shape[2] if bsnd else v.shape[1]), q.shape[-1], v.shape[-1]
-    st = (K, V) if kw["state_layout"] == "KV" else (V, K)
     want_final = bool(kw["output_final_state"]) or kw["final_state"] is not None
     pc = None
-    if state_pool is not None or state_indices is not None:
-        if state_pool is None or state_indices is None:
-            raise KdaInputError("state_pool, state_indices: expected both (the pool and each sequence's slot) or "
-                                "neither, found only " + ("state_pool" if state_indices is None else "state_indices"))
+    if state_pool is not None:  # with state_indices (kda_prefill checked both or neither)
         for name in ("initial_state", "final_state"):
             if kw[name] is not None:
                 raise KdaInputError(f"{name}: expected None with state_pool (the pool holds the initial and final "
@@ -421,7 +412,7 @@ def _engine_call(q, k, v, g, beta, kw: dict, state_pool, state_indices, checkpoi
         user_chunks = bool(kw["return_chunk_states"]) or kw["chunk_states"] is not None
         kw = dict(kw, output_final_state=True, return_chunk_states=True, state_dtype=st_dtype)
         # the chunk that served this kind of call last time first: a miss costs a full selection
-        memo = (q.dtype, K, V, q.device, kw["A_log"] is None, kw["lower_bound"] is None, kw["gate"], st_dtype,
+        memo = (q.dtype, q.shape[-1], v.shape[-1], q.device, kw["A_log"] is None, kw["lower_bound"] is None, kw["gate"], st_dtype,
                 bsnd, cu is None, chunks)
         if memo in _CHECKPOINT_CHUNK:
             chunks = (_CHECKPOINT_CHUNK[memo], *(c for c in chunks if c != _CHECKPOINT_CHUNK[memo]))

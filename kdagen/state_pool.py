@@ -36,6 +36,18 @@ def _found(t) -> str:
     return f"shape {tuple(t.shape)}, dtype {t.dtype}, {t.device}"
 
 
+def head_dims(q, v, layout: str, state_layout: str) -> tuple[int, tuple[int, int]]:
+    """(HV, one state's shape) of a call's q and v, checked 4-dim (before the kernels' checks, which
+    the pool's gather precedes)."""
+    for name, t in (("q", q), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise KdaInputError(f"{name}: expected a 4-dim tensor, found "
+                                f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+    HV = v.shape[2] if str(layout).upper() == "BSND" else v.shape[1]
+    K, V = q.shape[-1], v.shape[-1]
+    return HV, ((K, V) if state_layout == "KV" else (V, K))
+
+
 def check_pool(pool, *, HV: int, state_shape: tuple[int, int], device: torch.device,
                state_dtype: Optional[torch.dtype]) -> None:
     """The pool's shape [P, HV, *state_shape], dtype (float32/bfloat16, state_dtype's) and device."""
