@@ -412,8 +412,8 @@ def _engine_call(q, k, v, g, beta, kw: dict, state_pool, state_indices, checkpoi
         user_chunks = bool(kw["return_chunk_states"]) or kw["chunk_states"] is not None
         kw = dict(kw, output_final_state=True, return_chunk_states=True, state_dtype=st_dtype)
         # the chunk that served this kind of call last time first: a miss costs a full selection
-        memo = (q.dtype, q.shape[-1], v.shape[-1], q.device, kw["A_log"] is None, kw["lower_bound"] is None, kw["gate"], st_dtype,
-                bsnd, cu is None, chunks)
+        memo = (q.dtype, q.shape[-1], v.shape[-1], q.device, kw["A_log"] is None, kw["lower_bound"] is None,
+                kw["gate"], st_dtype, bsnd, cu is None, chunks)
         if memo in _CHECKPOINT_CHUNK:
             chunks = (_CHECKPOINT_CHUNK[memo], *(c for c in chunks if c != _CHECKPOINT_CHUNK[memo]))
         for i, chunk in enumerate(chunks):

@@ -43,6 +43,9 @@ def head_dims(q, v, layout: str, state_layout: str) -> tuple[int, tuple[int, int
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             raise KdaInputError(f"{name}: expected a 4-dim tensor, found "
                                 f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+    if state_layout not in ("VK", "KV"):  # the kernels' check, ahead of the pool's shape it decides
+        raise KdaInputError(f"state_layout: expected 'VK' ([N, HV, V, K]) or 'KV' ([N, HV, K, V]), found "
+                            f"{state_layout!r}")
     HV = v.shape[2] if str(layout).upper() == "BSND" else v.shape[1]
     K, V = q.shape[-1], v.shape[-1]
     return HV, ((K, V) if state_layout == "KV" else (V, K))
