@@ -404,3 +404,31 @@ def test_gpu_device_ints_one_copy_per_stream_and_a_scan_on_a_side_stream():
         out = scan_prefill(**kw, segments=4, mode="correct")
     torch.cuda.synchronize()
     assert torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode,segments,T,H", [("correct", 4, 8192, 2), ("rerun", 4, 8192, 2),
+                                               ("correct", None, 131072, 4)])
+def test_gpu_direct_scan_under_capture_replays_new_values(mode, segments, T, H):
+    # A direct scan_prefill on a fixed dense batch plans its cut on the host from shapes alone, so
+    # a captured call must replay new values into caller buffers exactly as an eager scan computes
+    # them (same cut, same kernels: same bits). segments=None asks the planner inside the capture.
+    from .cuda_graphs import capture
+
+    kw = make_kw(23, B=1, T=T, H=H, HV=H, K=128, dtype=torch.bfloat16, device="cuda")
+    kw.pop("output_final_state")
+    out, fs = torch.empty_like(kw["v"]), torch.empty_like(kw["initial_state"])
+    graph = capture(lambda: scan_prefill(**kw, segments=segments, mode=mode, out=out, final_state=fs))
+    for seed in (24, 25):
+        new = make_kw(seed, B=1, T=T, H=H, HV=H, K=128, dtype=torch.bfloat16, device="cuda")
+        for n, t in kw.items():
+            if isinstance(t, torch.Tensor):
+                t.copy_(new[n])
+        out.fill_(math.nan)
+        fs.fill_(math.nan)
+        graph.replay()
+        torch.cuda.synchronize()
+        want = scan_prefill(**kw, segments=segments, mode=mode, output_final_state=True)
+        assert torch.equal(out, want[0]) and torch.equal(fs, want[1]), seed
+        one = kdagen.kda_prefill(**kw, output_final_state=True)
+        assert rel_rmse(out, one[0]) < 5e-3 and rel_rmse(fs, one[1]) < 5e-3, seed
