@@ -93,6 +93,17 @@ def plan(every: int, lens: Sequence[int], *, HV: int, state_shape: tuple[int, in
          assume_valid: bool) -> Checkpoints:
     """Where each sequence's checkpoints go: sequence n's j-th (the state after (j + 1) * every
     tokens, for j < L_n // every) to row offsets[n] + j of `buffer` (allocated when None)."""
+    buffer, offs = place(every, lens, HV=HV, state_shape=state_shape, dtype=dtype, device=device, buffer=buffer,
+                         offsets=offsets, assume_valid=assume_valid)
+    positions = [[(j + 1) * every for j in range(L // every)] for L in lens]
+    return Checkpoints(rows(lens, chunk, positions, offs[:len(lens)], device), buffer, offs)
+
+
+def place(every: int, lens: Sequence[int], *, HV: int, state_shape: tuple[int, int], dtype: torch.dtype,
+          device: torch.device, buffer: Optional[torch.Tensor], offsets,
+          assume_valid: bool) -> tuple[torch.Tensor, list[int]]:
+    """The checkpoints' buffer (checked, or allocated when None) and every sequence's first row
+    (offsets [N + 1]; default: packed in order)."""
     N = len(lens)
     counts = [L // every for L in lens]
     if offsets is None:
@@ -122,8 +133,7 @@ def plan(every: int, lens: Sequence[int], *, HV: int, state_shape: tuple[int, in
                  if isinstance(buffer, torch.Tensor) else type(buffer).__name__)
         raise KdaInputError(f"checkpoints: expected a tensor of at least {need} rows, shape (rows, {HV}, "
                             f"{state_shape[0]}, {state_shape[1]}), dtype {dtype}, on {device}, found {found}")
-    positions = [[(j + 1) * every for j in range(c)] for c in counts]
-    return Checkpoints(rows(lens, chunk, positions, offs[:N], device), buffer, offs)
+    return buffer, offs
 
 
 def host_lengths(B: int, T: int, cu_seqlens, cu_seqlens_cpu, what: str) -> list[int]:

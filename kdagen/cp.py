@@ -34,6 +34,7 @@ with a context) each rank's pool is read for ctx.starts and receives every final
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
@@ -81,7 +82,7 @@ class CPContext:
     ends: tuple[int, ...]  # sequences whose last token (or empty offset) is on this rank
     layout: str = "contiguous"
     slots: tuple[int, ...] = ()  # the global slots this rank holds, in its buffer's order
-    pools: str = "replicated"  # with a state pool: which final states each rank's pool receives (POOLS)
+    pools: str = "replicated"  # which final states (checkpoints) each rank's pool (buffer) receives (POOLS)
 
     @property
     def rank_bounds(self) -> tuple[int, ...]:
@@ -189,7 +190,8 @@ def build_cp_context(cu_seqlens: Sequence[int] | Tensor, group: Any = None, *,
     rank/world default to the group's (torch.distributed). pools, for calls with a state pool:
     "replicated" (every rank's pool receives every sequence's final state, so pools that start
     as replicas stay replicas, as engines that decode on every rank of the group keep them) or
-    "local" (each rank's pool receives the final states of the sequences ending on it)."""
+    "local" (each rank's pool receives the final states of the sequences ending on it); a call's
+    checkpoints are kept the same way."""
     if layout not in LAYOUTS:
         raise KdaInputError(f"layout: expected one of {', '.join(LAYOUTS)}, found {layout!r}")
     if pools not in POOLS:
@@ -420,7 +422,9 @@ def _all_gather(x: Tensor, ctx: CPContext) -> list[Tensor]:
 
 def kda_prefill_cp(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, cp_context: CPContext,
                    segments: int | Sequence[int] | None = None, mode: str = "correct", prefill=None,
-                   chain_impl: str = "auto", costs: str = "h200-engine", chunk_grid: str = "sequence", **kw: Any):
+                   chain_impl: str = "auto", costs: str = "h200-engine", chunk_grid: str = "sequence",
+                   checkpoint_every: Optional[int] = None, checkpoints: Optional[Tensor] = None,
+                   checkpoint_offsets: Optional[Tensor] = None, **kw: Any):
     """This rank's part of a context-parallel kda_prefill. q, k, v, g, beta: the rank's tokens
     in its buffer's order (ctx.take), B = 1, layout "BSND" ([1, T_local, heads, D]) or "BNSD"; no
     cu_seqlens (the context has them). cp_context: a CPContext, or fla's FLACPContext (from_fla).
@@ -433,8 +437,24 @@ def kda_prefill_cp(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, 
     chunk_size tokens from the sequence's start, as in the single call: slots must start on that
     grid) or "piece" (from each local piece's start, as fla's intermediate states with a context).
     Returns (o local, final state [len(ctx.ends), HV, ...] or None) like
-    kda_prefill, and chunk states (the local pieces' chunks) with return_chunk_states."""
+    kda_prefill, and chunk states (the local pieces' chunks) with return_chunk_states.
+    Checkpoints (prefix caching): checkpoint_every, checkpoints and checkpoint_offsets as in
+    kda_prefill, over the context's global sequences (buffer rows and offsets the same on every
+    rank); each rank computes those that fall in its pieces, and every rank's buffer receives
+    all of them (ctx.pools "replicated") or its own ("local"). The buffer comes last."""
     ctx = _context(cp_context)
+    if checkpoint_every is None and checkpoints is None and checkpoint_offsets is None:
+        return _cp_call(q, k, v, g, beta, ctx, segments=segments, mode=mode, prefill=prefill, chain_impl=chain_impl,
+                        costs=costs, chunk_grid=chunk_grid, **kw)
+    return _cp_checkpoints(q, k, v, g, beta, ctx, checkpoint_every, checkpoints, checkpoint_offsets,
+                           segments=segments, mode=mode, prefill=prefill, chain_impl=chain_impl, costs=costs,
+                           chunk_grid=chunk_grid, **kw)
+
+
+def _cp_call(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, ctx: CPContext, *,
+             segments: int | Sequence[int] | None, mode: str, prefill, chain_impl: str, costs: str,
+             chunk_grid: str, **kw: Any):
+    """kda_prefill_cp without checkpoints."""
     for name in ("cu_seqlens", "cu_seqlens_cpu", "workspace", "out", "assume_valid"):
         if kw.get(name) is not None and kw.get(name) is not False:
             raise KdaInputError(f"{name}: expected None with cp_context (the context holds the global offsets; "
@@ -467,11 +487,11 @@ def kda_prefill_cp(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, 
     if want_cs:
         if C is None:
             raise KdaInputError("chunk_size: 16 or 64 required with return_chunk_states")
-        for p in pieces:
-            if chunk_grid == "sequence" and p.incoming and p.offset % C:
-                raise KdaInputError(f"return_chunk_states: rank {ctx.rank} starts inside a chunk of sequence {p.seq} "
-                                    f"({p.offset} tokens in); chunk states need slot boundaries on multiples of "
-                                    f"chunk_size={C} from the sequence's start (tokens_per_rank)")
+        cut = _off_grid(ctx, C) if chunk_grid == "sequence" else None
+        if cut is not None:
+            raise KdaInputError(f"return_chunk_states: a slot boundary falls inside a chunk of sequence {cut[0]} "
+                                f"({cut[1]} tokens in); chunk states need slot boundaries on multiples of "
+                                f"chunk_size={C} from the sequence's start (tokens_per_rank)")
 
     # Initial states of the local pieces: the caller's rows for sequences starting here; zeros
     # hold the place of a piece entering from another rank until the exchange.
@@ -555,6 +575,93 @@ def kda_prefill_cp(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, 
     ends = device_ints([i for i, p in enumerate(pieces) if not p.outgoing], dev, torch.long)
     return _unpack(P, o, finals[ends], cs, out=None, final_state=final_buf, chunk_states_buf=chunk_buf,
                    want_final=want_final, want_cs=want_cs)
+
+
+def _off_grid(ctx: CPContext, C: int) -> Optional[tuple[int, int]]:
+    """(sequence, tokens in) of the first slot boundary that cuts a sequence off the chunk grid of
+    C, or None. Decided from the global offsets where the context has them, so every rank raises
+    alike before the exchange (a rank raising alone would leave the others waiting in it)."""
+    if ctx.cu is None:  # fla's context: this rank's pieces are all it knows
+        return next(((p.seq, p.offset) for p in ctx.pieces if p.incoming and p.offset % C), None)
+    for b in ctx.slot_bounds[1:-1]:
+        n = bisect.bisect_right(ctx.cu, b) - 1
+        if n < len(ctx.cu) - 1 and ctx.cu[n] < b < ctx.cu[n + 1] and (b - ctx.cu[n]) % C:
+            return n, b - ctx.cu[n]
+    return None
+
+
+def _cp_checkpoints(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, ctx: CPContext, every: Optional[int],
+                    buffer: Optional[Tensor], offsets: Optional[Tensor], **kw: Any):
+    """kda_prefill_cp with checkpoints: the rank's chunk states on each sequence's own grid (the
+    slots must cut sequences on it) hold the checkpoints inside its pieces, its final states
+    those at a sequence's end; each goes to its global row."""
+    from . import checkpoints as ckpt
+    from . import state_pool as pool_io
+
+    if _capturing(q.device):
+        raise KdaInputError("cp_context: expected no CUDA graph capture (a context-parallel call plans on the host "
+                            "and copies its offsets in per call; run it eagerly)")
+    if every is None:
+        raise KdaInputError("checkpoint_every: expected the checkpoints' spacing in tokens with checkpoints= / "
+                            "checkpoint_offsets=, found None")
+    if ctx.cu is None:
+        raise KdaInputError("checkpoint_every: expected a kdagen context (build_cp_context) with checkpoints; one made "
+                            "from fla's FLACPContext numbers no global sequences")
+    chunks = ckpt.kernel_chunks(every, kw.get("chunk_size"))
+    fits = [c for c in chunks if _off_grid(ctx, c) is None]
+    if not fits:
+        n, off = _off_grid(ctx, chunks[-1])
+        raise KdaInputError(f"checkpoint_every: a slot boundary falls inside a chunk of sequence {n} ({off} tokens "
+                            f"in); checkpoints on a context need slot boundaries on multiples of the chunk size "
+                            f"({' or '.join(map(str, chunks))}) from each sequence's start (tokens_per_rank)")
+    C = fits[0]
+    HV, st = pool_io.head_dims(q, v, kw.get("layout", "BSND"), kw.get("state_layout", "VK"))
+    dtype = next((t.dtype for t in (kw.get("initial_state"), kw.get("final_state"), kw.get("chunk_states"))
+                  if isinstance(t, Tensor)), kw.get("state_dtype") or torch.float32)
+    lens = [b - a for a, b in zip(ctx.cu, ctx.cu[1:])]
+    buffer, offs = ckpt.place(every, lens, HV=HV, state_shape=st, dtype=dtype, device=q.device, buffer=buffer,
+                              offsets=offsets, assume_valid=False)
+    want_final = bool(kw.get("output_final_state")) or kw.get("final_state") is not None
+    user_chunks = bool(kw.get("return_chunk_states")) or kw.get("chunk_states") is not None
+    res = _cp_call(q, k, v, g, beta, ctx, **dict(kw, chunk_size=C, output_final_state=True, return_chunk_states=True,
+                                                 state_dtype=dtype))
+    finals, cs = res[1], res[2]
+    # This rank's checkpoints: (source row in cs or finals, global buffer row, packed index)
+    ends = {n: i for i, n in enumerate(ctx.ends)}
+    packed = [0]
+    for L in lens:
+        packed.append(packed[-1] + L // every)
+    from_cs, from_final, base = [], [], 0
+    for p in ctx.pieces:
+        n_tok = p.end - p.start
+        for j in range(p.offset // every, (p.offset + n_tok) // every + 1):
+            pos = j * every
+            if j == 0 or pos < p.offset or pos > lens[p.seq]:
+                continue
+            if pos < p.offset + n_tok:
+                from_cs.append((base + (pos - p.offset) // C, offs[p.seq] + j - 1, packed[p.seq] + j - 1))
+            elif pos == lens[p.seq] and not p.outgoing:
+                from_final.append((ends[p.seq], offs[p.seq] + j - 1, packed[p.seq] + j - 1))
+        base += -(-n_tok // C)
+    dev = q.device
+
+    def idx(rows: list, col: int) -> Tensor:
+        return device_ints([r[col] for r in rows], dev, torch.long)
+
+    if ctx.pools == "local":
+        ckpt.Rows(idx(from_cs, 0), idx(from_cs, 1), idx(from_final, 0), idx(from_final, 1)).copy(buffer, cs, finals)
+    else:
+        import torch.distributed as dist
+
+        # fp32 whatever the buffer's dtype, each row non-zero on one rank only: the sum is exact
+        every_row = torch.zeros(packed[-1], HV, *st, dtype=torch.float32, device=dev)
+        ckpt.Rows(idx(from_cs, 0), idx(from_cs, 2), idx(from_final, 0), idx(from_final, 2)).copy(
+            every_row, cs.float(), finals.float() if finals is not None else None)
+        dist.all_reduce(every_row, group=ctx.group)
+        dst = device_ints([offs[n] + j for n, L in enumerate(lens) for j in range(L // every)], dev, torch.long)
+        if dst.numel():
+            buffer.index_copy_(0, dst, every_row.to(dtype))
+    return (res[0], finals if want_final else None, *((cs,) if user_chunks else ()), buffer)
 
 
 def kda_prefill_cp_pool(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, cp_context: CPContext,

@@ -202,6 +202,8 @@ def kda_prefill(
     name every global sequence's slot; each rank reads its starting sequences' states from its
     pool, and every rank's pool receives every final state (the context's pools="replicated")
     or its ending sequences' only ("local"; kdagen.cp.kda_prefill_cp_pool).
+    Checkpoints with a context: buffer rows and offsets over the global sequences, kept like the
+    pools; the slots must cut sequences on the kernel chunk's grid.
     """
     if beta_is_logit is not True and beta_is_logit is not False:
         raise KdaInputError(f"beta_is_logit: expected True or False, found {beta_is_logit!r}")
@@ -211,12 +213,10 @@ def kda_prefill(
         raise KdaInputError("state_pool, state_indices: expected both (the pool and each sequence's slot) or "
                             "neither, found only " + ("state_pool" if state_indices is None else "state_indices"))
     if cp_context is not None:
-        if checkpoint_every is not None or checkpoints is not None or checkpoint_offsets is not None:
-            raise KdaInputError("cp_context: expected None with checkpoint_every / checkpoints (not implemented "
-                                "together), found a context")
         from .cp import kda_prefill_cp, kda_prefill_cp_pool
 
         kw = {n: val for n, val in locals().items() if n in _DEFAULTS}
+        kw.update(checkpoint_every=checkpoint_every, checkpoints=checkpoints, checkpoint_offsets=checkpoint_offsets)
         if state_pool is not None:
             return kda_prefill_cp_pool(q, k, v, g, beta, cp_context=cp_context, state_pool=state_pool,
                                        state_indices=state_indices, **kw)

@@ -57,6 +57,18 @@ def pool_of(case: dict, kw: dict) -> tuple[torch.Tensor, torch.Tensor]:
     return pool.to(h0.device), idx
 
 
+def checkpoints_of(case: dict, kw: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """A checkpoint buffer of random rows (rows a call does not write keep them) and offsets
+    that leave each sequence one spare row after its own."""
+    gen = torch.Generator().manual_seed(200 + case.get("seed", 0))
+    h0 = kw["initial_state"]
+    offs = [0]
+    for L in case["lens"]:
+        offs.append(offs[-1] + L // case["ckpt"] + 1)
+    buf = torch.randn(offs[-1], *h0.shape[1:], generator=gen).to(h0.dtype)
+    return buf.to(h0.device), torch.tensor(offs, dtype=torch.int64)
+
+
 def local_slice(t: dict, a: int, b: int, layout: str) -> dict:
     ax = 1 if layout == "BSND" else 2
     return {n: x.narrow(ax, a, b - a).contiguous() for n, x in t.items()}
@@ -120,23 +132,33 @@ def run_rank(rank: int, world: int, store: str, cases: list[dict], out_dir: str,
             ctx = build_cp_context(cu_of(case["lens"]), tokens_per_rank=case.get("tokens_per_rank"),
                                    layout=case.get("cp_layout", "contiguous"), pools=case.get("pools", "replicated"))
             loc = local_part(t, ctx, kw["layout"])
+            ck = {}
+            if case.get("ckpt"):  # checkpoints into each rank's own buffer, rows the same on every rank
+                buf, offs = checkpoints_of(case, kw)
+                ck = dict(checkpoint_every=case["ckpt"], checkpoints=buf, checkpoint_offsets=offs)
             if case.get("pool"):  # the pool replaces the states: each rank's own copy, updated in place
                 pool, idx = pool_of(case, kw)
                 kw["initial_state"] = None
-                res = kdagen.kda_prefill(**loc, **kw, cp_context=ctx, state_pool=pool, state_indices=idx)
+                res = kdagen.kda_prefill(**loc, **kw, cp_context=ctx, state_pool=pool, state_indices=idx, **ck)
                 assert res[1] is not None and res[1].shape[0] == len(ctx.ends)
-                torch.save(dict(out=[res[0].cpu()], pool=pool.cpu(), ends=list(ctx.ends)),
+                assert not ck or res[-1] is ck["checkpoints"]
+                torch.save(dict(out=[res[0].cpu()], pool=pool.cpu(), ends=list(ctx.ends),
+                                ckpt=ck["checkpoints"].cpu() if ck else None),
                            os.path.join(out_dir, f"r{rank}_{i}.pt"))
                 continue
             kw["initial_state"] = ctx.local_initial_state(kw["initial_state"])
             extra = dict(segments=case.get("segments"), mode=case.get("mode", "correct"))
             if case.get("engine") == "ref":
-                res = kda_prefill_cp(**loc, **kw, cp_context=ctx, prefill=reference_prefill, **extra)
+                res = kda_prefill_cp(**loc, **kw, cp_context=ctx, prefill=reference_prefill, **extra, **ck)
             elif extra["segments"] is None and extra["mode"] == "correct":
-                res = kdagen.kda_prefill(**loc, **kw, cp_context=ctx)  # the runtime's pass-through
+                res = kdagen.kda_prefill(**loc, **kw, cp_context=ctx, **ck)  # the runtime's pass-through
             else:
-                res = kda_prefill_cp(**loc, **kw, cp_context=ctx, **extra)
-            torch.save(dict(out=[x.cpu() if x is not None else None for x in res], ends=list(ctx.ends)),
+                res = kda_prefill_cp(**loc, **kw, cp_context=ctx, **extra, **ck)
+            if ck:
+                assert res[-1] is ck["checkpoints"]
+                res = res[:-1]
+            torch.save(dict(out=[x.cpu() if x is not None else None for x in res], ends=list(ctx.ends),
+                            ckpt=ck["checkpoints"].cpu() if ck else None),
                        os.path.join(out_dir, f"r{rank}_{i}.pt"))
         say("cases done")
     finally:

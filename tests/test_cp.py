@@ -178,12 +178,46 @@ def test_state_pool_errors_are_named():
         kdagen.kda_prefill(**loc, cp_context=ctx, state_pool=pool, state_indices=torch.tensor([2, 2]))
     with pytest.raises(KdaInputError, match="state_pool: expected a tensor of shape \\[P, HV, ...\\] = \\(P, 1, 32, 32\\)"):
         kdagen.kda_prefill(**loc, cp_context=ctx, state_pool=pool[:, :, :16], state_indices=idx)
-    with pytest.raises(KdaInputError, match="cp_context: expected None with checkpoint_every"):
-        kdagen.kda_prefill(**loc, cp_context=ctx, checkpoint_every=16)
     fla_like = SimpleNamespace(cu_seqlens=torch.tensor([0, 8]), pre_num_ranks=0, post_num_ranks=1,
                                pre_num_conv_tokens=0, group=None, layout="contiguous")
     with pytest.raises(KdaInputError, match="state_pool: expected a kdagen context .build_cp_context. with a state pool"):
         kdagen.kda_prefill(**loc, cp_context=from_fla(fla_like, rank=0, world=2), state_pool=pool, state_indices=idx)
+
+
+def test_checkpoint_errors_are_named():
+    # Raised alike on every rank before any collective (no process group here): rank 0 of 2 over
+    # one 40-token sequence, cut 20 tokens in, off the grid of both kernel chunks.
+    from types import SimpleNamespace
+
+    ctx = build_cp_context([0, 40], rank=0, world=2)
+    t, kw = cp_worker.problem(dict(lens=[40]))
+    loc = cp_worker.local_slice(t, 0, 20, "BSND")
+    h0 = kw["initial_state"]
+    with pytest.raises(KdaInputError, match="checkpoint_every: a slot boundary falls inside a chunk of sequence 0 "
+                                            "\\(20 tokens in\\); .* multiples of the chunk size \\(16\\)"):
+        kdagen.kda_prefill(**loc, cp_context=ctx, initial_state=h0, checkpoint_every=32)
+    with pytest.raises(KdaInputError, match="return_chunk_states: a slot boundary falls inside a chunk of sequence 0 "
+                                            "\\(20 tokens in\\)"):
+        kdagen.kda_prefill(**loc, cp_context=ctx, initial_state=h0, return_chunk_states=True, chunk_size=16)
+    on_grid = build_cp_context([0, 40], rank=0, world=2, tokens_per_rank=[16, 24])
+    loc16 = cp_worker.local_slice(t, 0, 16, "BSND")
+    with pytest.raises(KdaInputError, match="checkpoint_every: expected the checkpoints' spacing"):
+        kdagen.kda_prefill(**loc16, cp_context=on_grid, initial_state=h0, checkpoints=h0.new_zeros(3, 1, 32, 32))
+    with pytest.raises(KdaInputError, match="checkpoint_every: expected a multiple of the kernels' chunk size"):
+        kdagen.kda_prefill(**loc16, cp_context=on_grid, initial_state=h0, checkpoint_every=24)
+    with pytest.raises(KdaInputError, match="checkpoints: expected a tensor of at least 2 rows, shape \\(rows, 1, 32, "
+                                            "32\\)"):
+        kdagen.kda_prefill(**loc16, cp_context=on_grid, initial_state=h0, checkpoint_every=16,
+                           checkpoints=h0.new_zeros(1, 1, 32, 32))
+    with pytest.raises(KdaInputError, match="checkpoint_offsets: sequence 0 .40 tokens, checkpoint_every=16. needs 2 "
+                                            "rows"):
+        kdagen.kda_prefill(**loc16, cp_context=on_grid, initial_state=h0, checkpoint_every=16,
+                           checkpoint_offsets=torch.tensor([0, 1]))
+    fla_like = SimpleNamespace(cu_seqlens=torch.tensor([0, 16]), pre_num_ranks=0, post_num_ranks=1,
+                               pre_num_conv_tokens=0, group=None, layout="contiguous")
+    with pytest.raises(KdaInputError, match="checkpoint_every: expected a kdagen context .build_cp_context. with "
+                                            "checkpoints"):
+        kdagen.kda_prefill(**loc16, cp_context=from_fla(fla_like, rank=0, world=2), checkpoint_every=16)
 
 
 def test_graph_capture_is_refused(monkeypatch):
@@ -315,6 +349,7 @@ CASES = {
         dict(lens=[8, 70, 0, 18], engine="kernels", cp_layout="zigzag", segments=2, seed=6),
         dict(lens=[30, 50, 0], engine="ref", cp_layout="zigzag", mode="rerun", seed=7),  # empty at T: slot 3
         dict(lens=[8, 70, 0, 18], engine="kernels", cp_layout="zigzag", pool=True, seed=12),
+        dict(lens=[32, 64, 0, 32], engine="kernels", cp_layout="zigzag", pool=True, ckpt=16, seed=14),
         dict(lens=[8, 70, 0, 18], engine="fla", cp_layout="zigzag", seed=8, inter=True),
         dict(lens=[8, 70, 0, 18], engine="fla", seed=9, inter=True),
     ],
@@ -324,6 +359,7 @@ CASES = {
         dict(lens=[8, 100, 4, 8], engine="ref", mode="correct", segments=3, H=1, HV=2, seed=5),
         dict(lens=[96, 0, 96], engine="ref", cp_layout="zigzag", segments=2, chunk_states=True, seed=10),
         dict(lens=[8, 100, 4, 8], engine="kernels", pool=True, pools="local", seed=13),
+        dict(lens=[8, 96, 4, 32], engine="ref", tokens_per_rank=[40, 32, 68], ckpt=32, pools="local", seed=15),
         dict(lens=[8, 100, 4, 8], engine="fla", cp_layout="zigzag", seed=11, inter=True),
     ],
 }
@@ -366,6 +402,42 @@ def check_pools(case: dict, ranks: list[dict], ctxs: list, o: torch.Tensor) -> N
     assert written == {int(i) for i in idx if i >= 0}  # every real sequence ends on some rank
     if case.get("pools") != "local":
         assert all(torch.equal(x["pool"], ranks[0]["pool"]) for x in ranks)
+
+
+def check_checkpoints(case: dict, ranks: list[dict], ctxs: list, device: str = "cpu", tol: float = 1e-5) -> None:
+    """Each rank's checkpoint buffer after a context-parallel call: the rows of the checkpoints
+    it computed ("local": those in its slots or at the end of a sequence ending on it; every one,
+    "replicated") hold the single call's, every other row its old value; replicated buffers stay
+    bit-identical."""
+    t, kw = cp_worker.problem(case, device)
+    buf0, offs = cp_worker.checkpoints_of(case, kw)
+    cu, every = cp_worker.cu_of(case["lens"]), case["ckpt"]
+    call = dict(cu_seqlens=torch.tensor(cu, dtype=torch.int32, device=device), checkpoint_every=every,
+                checkpoints=buf0.clone(), checkpoint_offsets=offs)
+    if case.get("pool"):
+        pool, idx = cp_worker.pool_of(case, kw)
+        kw["initial_state"] = None
+        call.update(state_pool=pool, state_indices=idx)
+    want, buf0 = kdagen.kda_prefill(**t, **kw, **call)[-1].cpu(), buf0.cpu()
+    local = case.get("pools") == "local"
+    written = set()
+    for ctx, x in zip(ctxs, ranks):
+        mine = set()
+        for n, L in enumerate(case["lens"]):
+            for j in range(L // every):
+                pos = (j + 1) * every  # the state after pos tokens: entering token cu[n] + pos, or the final one
+                here = n in ctx.ends if pos == L else any(a <= cu[n] + pos < b for a, b in ctx.local_ranges)
+                if here or not local:
+                    mine.add(int(offs[n]) + j)
+        written |= mine
+        for row in range(buf0.shape[0]):
+            if row in mine:
+                assert rel_rmse(x["ckpt"][row], want[row]) < tol, (ctx.rank, row)
+            else:
+                assert torch.equal(x["ckpt"][row], buf0[row]), (ctx.rank, row)
+    assert len(written) == sum(L // every for L in case["lens"]) > 0
+    if not local:
+        assert all(torch.equal(x["ckpt"], ranks[0]["ckpt"]) for x in ranks)
 
 
 def piece_intermediate_states(case: dict, ranks: list[dict]) -> torch.Tensor:
@@ -429,6 +501,8 @@ def test_gloo_ranks_equal_the_single_process_call(world, contexts, tmp_path):
                 errs.update({f"h{j}": rel_rmse(torch.cat([x["h"][j][0] for x in ranks]), h_ref) for j in (0, 1)})
             assert max(errs.values()) < 1e-5, (i, case, errs)
             continue
+        if case.get("ckpt"):
+            check_checkpoints(case, ranks, ctxs)
         if case.get("pool"):
             check_pools(case, ranks, ctxs, o)
             continue
@@ -472,6 +546,8 @@ def test_gpu_ranks(tmp_path):
         ends = sum((x["ends"] for x in ranks), [])
         t, kw = cp_worker.problem(case)
         t = {n: x.double() for n, x in t.items()}  # the bf16 inputs exactly, o in float64
+        if case.get("ckpt"):  # against the one-GPU call on the same bf16 inputs
+            check_checkpoints(case, ranks, contexts_of(case, 2), device="cuda", tol=5e-3)
         if case.get("pool"):  # initial states from the pool's slots (zeros for padding), finals in the ranks' pools
             pool0, idx = cp_worker.pool_of(case, kw)
             kw["initial_state"] = torch.stack([pool0[i] if i >= 0 else torch.zeros_like(pool0[0]) for i in idx.tolist()])
