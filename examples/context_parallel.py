@@ -2,8 +2,9 @@
 zigzag layout (rank r holds slots r and 2W-1-r of 2W, as attention layers shard for causal
 balance), one all_gather per call, checked against the whole batch in one process. The same
 call with fla's own context (fla.ops.cp.build_cp_context) through kdagen.chunk_kda, where fla is
-installed. Then as a serving engine calls it: every rank keeps a replica of the state pool, the
-sequences start from their slots and every replica receives every final state.
+installed. Then as a serving engine calls it: every rank keeps a replica of the state pool and
+of the prefix cache's checkpoints, the sequences start from their slots, and every replica
+receives every final state and every checkpoint.
 
     python examples/context_parallel.py           (starts 2 ranks with torchrun: NCCL on 2+ GPUs,
                                                    else gloo; CPU: Triton's interpreter)
@@ -38,9 +39,10 @@ WORLD = 2
 
 
 def problem(dev: str) -> tuple[dict, dict, list[int]]:
-    """The same inputs on every rank: three sequences, the middle one through every slot."""
+    """The same inputs on every rank: three sequences, the middle one through every slot (cut on
+    the kernel chunk's grid, as checkpoints need)."""
     gen = torch.Generator().manual_seed(0)
-    lens = [200, 3700, 196] if dev == "cuda" else [12, 100, 16]
+    lens = [256, 3584, 256] if dev == "cuda" else [16, 96, 16]
     T, H, D = sum(lens), 2, 64 if dev == "cuda" else 32
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
 
@@ -84,15 +86,18 @@ def rank_main() -> None:
                                      state_v_first=True, cp_context=fctx)[0]
 
     # An engine's state pool, replicated on every rank (the same seed): slots 4, 0 and 2 for the
-    # three sequences; the call reads their states and writes every final state into every replica.
+    # three sequences; the call reads their states and writes every final state into every replica,
+    # and the state after every `every` tokens of each sequence into every replica's checkpoints.
     pool = torch.randn(5, *h0.shape[1:], generator=torch.Generator().manual_seed(2)).to(dev) * 0.1
     slots = torch.tensor([4, 0, 2])
     pool0 = pool.clone()
-    o_pool = kdagen.kda_prefill(**local, **kw, cp_context=ctx, state_pool=pool, state_indices=slots)[0]
+    every = 1024 if dev == "cuda" else 32
+    o_pool, _, ckpts = kdagen.kda_prefill(**local, **kw, cp_context=ctx, state_pool=pool, state_indices=slots,
+                                          checkpoint_every=every)
 
     results = [None] * world
     dist.all_gather_object(results, dict(o=o.cpu(), o_fla=None if o_fla is None else o_fla.cpu(), ht=ht.cpu(),
-                                         ends=ctx.ends, o_pool=o_pool.cpu(), pool=pool.cpu()))
+                                         ends=ctx.ends, o_pool=o_pool.cpu(), pool=pool.cpu(), ckpts=ckpts.cpu()))
     if rank == 0:
         whole_o, whole_ht = kdagen.kda_prefill(**t, **kw, initial_state=h0, output_final_state=True,
                                                cu_seqlens=torch.tensor(cu, dtype=torch.int32, device=dev))
@@ -106,14 +111,17 @@ def rank_main() -> None:
               f"{e_ht:.1e} against one process")
         assert max(e_o, e_ht) < tol, (e_o, e_ht)
         whole_pool = pool0.clone()
-        whole_o3 = kdagen.kda_prefill(**t, **kw, cu_seqlens=torch.tensor(cu, dtype=torch.int32, device=dev),
-                                      state_pool=whole_pool, state_indices=slots)[0]
+        whole_o3, _, whole_ck = kdagen.kda_prefill(**t, **kw, state_pool=whole_pool, state_indices=slots,
+                                                   cu_seqlens=torch.tensor(cu, dtype=torch.int32, device=dev),
+                                                   checkpoint_every=every)
         e_po = rel_rmse(from_ranks([x["o_pool"] for x in results], ctxs), whole_o3.cpu())
         e_pool = rel_rmse(results[0]["pool"][slots], whole_pool.cpu()[slots])
-        same = all(torch.equal(x["pool"], results[0]["pool"]) for x in results)
-        print(f"state pool replicas: o rel. RMSE {e_po:.1e}, final states {e_pool:.1e} against one process, "
-              f"replicas identical: {same}")
-        assert max(e_po, e_pool) < tol and same, (e_po, e_pool, same)
+        e_ck = rel_rmse(results[0]["ckpts"], whole_ck.cpu())
+        same = all(torch.equal(x["pool"], results[0]["pool"]) and torch.equal(x["ckpts"], results[0]["ckpts"])
+                   for x in results)
+        print(f"state pool and {whole_ck.shape[0]} checkpoints: o rel. RMSE {e_po:.1e}, final states {e_pool:.1e}, "
+              f"checkpoints {e_ck:.1e} against one process, replicas identical: {same}")
+        assert max(e_po, e_pool, e_ck) < tol and same, (e_po, e_pool, e_ck, same)
         if results[0]["o_fla"] is not None:
             e_fla = rel_rmse(from_ranks([x["o_fla"] for x in results], ctxs), whole_o2.cpu())
             print(f"fla's context through kdagen.chunk_kda: o rel. RMSE {e_fla:.1e} against one process")
