@@ -22,6 +22,13 @@ from .targets.cuda_driver import current_stream_capturing
 KERNEL_CHUNKS = (64, 16)  # the chunk sizes the kernels have, largest (fewest chunk states) first
 
 
+def require_spacing(every: Optional[int]) -> None:
+    """checkpoints= / checkpoint_offsets= come with checkpoint_every."""
+    if every is None:
+        raise KdaInputError("checkpoint_every: expected the checkpoints' spacing in tokens with checkpoints= / "
+                            "checkpoint_offsets=, found None")
+
+
 def kernel_chunks(every: int, chunk_size: Optional[int], arg: str = "checkpoint_every") -> tuple[int, ...]:
     """The kernel chunk sizes, in order of preference, whose chunk states include every
     multiple of `every` (it must be a multiple of one of them)."""

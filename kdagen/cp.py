@@ -462,9 +462,7 @@ def _cp_call(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, ctx: CPCo
         kw.pop(name, None)
     if mode not in ("rerun", "correct"):
         raise KdaInputError(f"mode: expected 'rerun' or 'correct', found {mode!r}")
-    if _capturing(q.device):
-        raise KdaInputError("cp_context: expected no CUDA graph capture (a context-parallel call plans on the host "
-                            "and copies its offsets in per call; run it eagerly)")
+    _refuse_capture(q)
     prefill = prefill or _default_prefill()
     layout = str(kw.get("layout", "BSND")).upper()
     t_axis = 1 if layout == "BSND" else 2
@@ -598,12 +596,8 @@ def _cp_checkpoints(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, ct
     from . import checkpoints as ckpt
     from . import state_pool as pool_io
 
-    if _capturing(q.device):
-        raise KdaInputError("cp_context: expected no CUDA graph capture (a context-parallel call plans on the host "
-                            "and copies its offsets in per call; run it eagerly)")
-    if every is None:
-        raise KdaInputError("checkpoint_every: expected the checkpoints' spacing in tokens with checkpoints= / "
-                            "checkpoint_offsets=, found None")
+    _refuse_capture(q)
+    ckpt.require_spacing(every)
     if ctx.cu is None:
         raise KdaInputError("checkpoint_every: expected a kdagen context (build_cp_context) with checkpoints; one made "
                             "from fla's FLACPContext numbers no global sequences")
@@ -651,13 +645,9 @@ def _cp_checkpoints(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, ct
     if ctx.pools == "local":
         ckpt.Rows(idx(from_cs, 0), idx(from_cs, 1), idx(from_final, 0), idx(from_final, 1)).copy(buffer, cs, finals)
     else:
-        import torch.distributed as dist
-
-        # fp32 whatever the buffer's dtype, each row non-zero on one rank only: the sum is exact
-        every_row = torch.zeros(packed[-1], HV, *st, dtype=torch.float32, device=dev)
-        ckpt.Rows(idx(from_cs, 0), idx(from_cs, 2), idx(from_final, 0), idx(from_final, 2)).copy(
-            every_row, cs.float(), finals.float() if finals is not None else None)
-        dist.all_reduce(every_row, group=ctx.group)
+        every_row = _rows_of_all_ranks(packed[-1], (HV, *st), ctx, dev, lambda t: ckpt.Rows(
+            idx(from_cs, 0), idx(from_cs, 2), idx(from_final, 0), idx(from_final, 2)).copy(
+                t, cs.float(), finals.float() if finals is not None else None))
         dst = device_ints([offs[n] + j for n, L in enumerate(lens) for j in range(L // every)], dev, torch.long)
         if dst.numel():
             buffer.index_copy_(0, dst, every_row.to(dtype))
@@ -679,9 +669,7 @@ def kda_prefill_cp_pool(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor
     from . import state_pool as pool_io
 
     ctx = _context(cp_context)
-    if isinstance(q, Tensor) and _capturing(q.device):  # before the pool's own capture checks, which would misname it
-        raise KdaInputError("cp_context: expected no CUDA graph capture (a context-parallel call plans on the host "
-                            "and copies its offsets in per call; run it eagerly)")
+    _refuse_capture(q)  # before the pool's own capture checks, which would misname it
     if ctx.cu is None:
         raise KdaInputError("state_pool: expected a kdagen context (build_cp_context) with a state pool; one made "
                             "from fla's FLACPContext numbers no global sequences (fla takes no states with one)")
@@ -711,15 +699,9 @@ def kda_prefill_cp_pool(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor
     res = kda_prefill_cp(q, k, v, g, beta, cp_context=ctx, initial_state=rows_in.initial_state, final_state=mine,
                          output_final_state=True, state_dtype=state_pool.dtype, **kw)
     if ctx.pools == "replicated":
-        import torch.distributed as dist
-
-        # fp32 whatever the pool's dtype: a bf16 value and zeros sum back to it exactly, and gloo
-        # reduces fp32 everywhere
-        every = torch.zeros(N, *res[1].shape[1:], dtype=torch.float32, device=q.device)
-        if ctx.ends:
-            every[device_ints(list(ctx.ends), q.device, torch.long)] = res[1].float()
-        dist.all_reduce(every, group=ctx.group)
-        rows_out.final_state.copy_(every)
+        ends = device_ints(list(ctx.ends), q.device, torch.long)
+        rows_out.final_state.copy_(_rows_of_all_ranks(N, tuple(res[1].shape[1:]), ctx, q.device,
+                                                      lambda t: t.index_copy_(0, ends, res[1].float())))
     pool_io.scatter(rows_out)
     return (res[0], res[1] if want_final else None, *res[2:])
 
@@ -736,6 +718,25 @@ def _context(x: Any) -> CPContext:
 
 def _capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _refuse_capture(q: Any) -> None:
+    if isinstance(q, Tensor) and _capturing(q.device):
+        raise KdaInputError("cp_context: expected no CUDA graph capture (a context-parallel call plans on the host "
+                            "and copies its offsets in per call; run it eagerly)")
+
+
+def _rows_of_all_ranks(rows: int, shape: tuple[int, ...], ctx: CPContext, device: torch.device, fill) -> Tensor:
+    """[rows, *shape] fp32 holding every rank's rows: each rank fills the rows it computed
+    (fill(t) on zeros) and one all_reduce sums them. Each row is non-zero on one rank only, so
+    the sum is exact whatever the destination's dtype (a bf16 value and zeros sum back to it),
+    and gloo reduces fp32 everywhere."""
+    import torch.distributed as dist
+
+    t = torch.zeros(rows, *shape, dtype=torch.float32, device=device)
+    fill(t)
+    dist.all_reduce(t, group=ctx.group)
+    return t
 
 
 def _is_fla_context(x: Any) -> bool:

@@ -400,9 +400,7 @@ def _engine_call(q, k, v, g, beta, kw: dict, state_pool, state_indices, checkpoi
         kw = dict(kw, initial_state=pc.initial_state, final_state=pc.final_state, output_final_state=True)
     cp = None
     if checkpoint_every is not None or checkpoints is not None or checkpoint_offsets is not None:
-        if checkpoint_every is None:
-            raise KdaInputError("checkpoint_every: expected the checkpoints' spacing in tokens with checkpoints= / "
-                                "checkpoint_offsets=, found None")
+        ckpt.require_spacing(checkpoint_every)
         chunks = ckpt.kernel_chunks(checkpoint_every, kw["chunk_size"])
         lens = ckpt.host_lengths(B, T, cu, kw["cu_seqlens_cpu"], "checkpoint_every")
         if cu is not None and kw["cu_seqlens_cpu"] is None:

@@ -217,15 +217,16 @@ CATALOGUE: list[Mutation] = [
     M("cp_pool_scatter_dropped", "kdagen/cp.py", "    pool_io.scatter(rows_out)\n", "",
       ("tests/test_cp.py::test_gloo_ranks_equal_the_single_process_call[kdagen-2]",),
       "final states left in scratch, the ranks' pools never written"),
-    M("cp_pool_replicas_not_reduced", "kdagen/cp.py", "        dist.all_reduce(every, group=ctx.group)\n", "",
+    M("cp_pool_replicas_not_reduced", "kdagen/cp.py", "    dist.all_reduce(t, group=ctx.group)\n", "",
       ("tests/test_cp.py::test_gloo_ranks_equal_the_single_process_call[kdagen-2]",),
-      "replicated pools given only this rank's final states (zeros for the sequences ending elsewhere)"),
+      "replicated pools and checkpoints given only this rank's rows (zeros for the others)"),
     M("cp_ckpt_rows_per_piece_from_zero", "kdagen/cp.py", "        base += -(-n_tok // C)\n", "",
       ("tests/test_cp.py::test_gloo_ranks_equal_the_single_process_call[kdagen-2]",),
       "a rank's checkpoints read from its first piece's chunk states whichever piece holds them"),
-    M("cp_ckpt_replicas_not_reduced", "kdagen/cp.py", "        dist.all_reduce(every_row, group=ctx.group)\n", "",
+    M("cp_ckpt_replicas_by_buffer_row", "kdagen/cp.py", "idx(from_cs, 0), idx(from_cs, 2)",
+      "idx(from_cs, 0), idx(from_cs, 1)",
       ("tests/test_cp.py::test_gloo_ranks_equal_the_single_process_call[kdagen-2]",),
-      "replicated checkpoint buffers given only this rank's checkpoints (zeros for the others)"),
+      "replicated checkpoints exchanged at their buffer rows instead of their packed index"),
 ]
 
 # What CI runs (tests/test_mutations.py): the four survivors issue 23 names and one bug of each

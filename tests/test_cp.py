@@ -387,21 +387,34 @@ def check_pools(case: dict, ranks: list[dict], ctxs: list, o: torch.Tensor) -> N
     o_ref = kdagen.kda_prefill(**t, **kw, cu_seqlens=torch.tensor(cp_worker.cu_of(case["lens"]), dtype=torch.int32),
                                state_pool=pool_ref, state_indices=idx)[0]
     assert rel_rmse(o, o_ref) < 1e-5
+    local = case.get("pools") == "local"
+    slot_seq = {int(i): n for n, i in enumerate(idx.tolist()) if i >= 0}
+    written = check_rank_rows("pool", ranks, ctxs, pool0, pool_ref, 1e-5, replicated=not local,
+                              mine_of=lambda ctx: {int(idx[n]) for n in (ctx.ends if local else range(len(idx)))
+                                                   if idx[n] >= 0},
+                              changed=lambda slot: case["lens"][slot_seq[slot]] > 0)  # an empty one keeps its state
+    assert written == set(slot_seq)  # every real sequence ends on some rank
+
+
+def check_rank_rows(key: str, ranks: list[dict], ctxs: list, before: torch.Tensor, want: torch.Tensor, tol: float,
+                    replicated: bool, mine_of, changed) -> set:
+    """Each rank's buffer x[key] after the call: the rows it received (mine_of(ctx)) within tol of
+    `want` (and, where changed(row), no longer as before), every other row bit-identical to
+    `before`; replicated buffers bit-identical to each other. Returns the rows written anywhere."""
     written = set()
     for ctx, x in zip(ctxs, ranks):
-        mine = {int(idx[n]): n for n in (ctx.ends if case.get("pools") == "local" else range(len(idx)))
-                if idx[n] >= 0}
-        written.update(mine)
-        for slot in range(pool0.shape[0]):
-            if slot in mine:
-                assert rel_rmse(x["pool"][slot], pool_ref[slot]) < 1e-5, (ctx.rank, slot)
-                if case["lens"][mine[slot]]:  # an empty sequence's final state is its initial one
-                    assert not torch.equal(x["pool"][slot], pool0[slot])
+        mine = mine_of(ctx)
+        written |= mine
+        for row in range(before.shape[0]):
+            if row in mine:
+                assert rel_rmse(x[key][row], want[row]) < tol, (ctx.rank, row)
+                if changed(row):
+                    assert not torch.equal(x[key][row], before[row])
             else:
-                assert torch.equal(x["pool"][slot], pool0[slot]), (ctx.rank, slot)
-    assert written == {int(i) for i in idx if i >= 0}  # every real sequence ends on some rank
-    if case.get("pools") != "local":
-        assert all(torch.equal(x["pool"], ranks[0]["pool"]) for x in ranks)
+                assert torch.equal(x[key][row], before[row]), (ctx.rank, row)
+    if replicated:
+        assert all(torch.equal(x[key], ranks[0][key]) for x in ranks)
+    return written
 
 
 def check_checkpoints(case: dict, ranks: list[dict], ctxs: list, device: str = "cpu", tol: float = 1e-5) -> None:
@@ -420,8 +433,8 @@ def check_checkpoints(case: dict, ranks: list[dict], ctxs: list, device: str = "
         call.update(state_pool=pool, state_indices=idx)
     want, buf0 = kdagen.kda_prefill(**t, **kw, **call)[-1].cpu(), buf0.cpu()
     local = case.get("pools") == "local"
-    written = set()
-    for ctx, x in zip(ctxs, ranks):
+
+    def mine_of(ctx) -> set:
         mine = set()
         for n, L in enumerate(case["lens"]):
             for j in range(L // every):
@@ -429,15 +442,11 @@ def check_checkpoints(case: dict, ranks: list[dict], ctxs: list, device: str = "
                 here = n in ctx.ends if pos == L else any(a <= cu[n] + pos < b for a, b in ctx.local_ranges)
                 if here or not local:
                     mine.add(int(offs[n]) + j)
-        written |= mine
-        for row in range(buf0.shape[0]):
-            if row in mine:
-                assert rel_rmse(x["ckpt"][row], want[row]) < tol, (ctx.rank, row)
-            else:
-                assert torch.equal(x["ckpt"][row], buf0[row]), (ctx.rank, row)
+        return mine
+
+    written = check_rank_rows("ckpt", ranks, ctxs, buf0, want, tol, replicated=not local, mine_of=mine_of,
+                              changed=lambda row: False)
     assert len(written) == sum(L // every for L in case["lens"]) > 0
-    if not local:
-        assert all(torch.equal(x["ckpt"], ranks[0]["ckpt"]) for x in ranks)
 
 
 def piece_intermediate_states(case: dict, ranks: list[dict]) -> torch.Tensor:
