@@ -51,9 +51,9 @@ class KdaCall:
     initial_state: Optional[torch.Tensor]
     final_state: Optional[torch.Tensor]  # preallocated output, or None
     state_kv: bool
-    # State entering every chunk: contiguous [NC_total, HV, *state] in the state dtype
-    # (fp32 for state "none" variants); sequence n owns chunks
-    # chunk_offsets[n] .. chunk_offsets[n+1]-1.
+    # State entering every chunk_stride-th chunk (chunks 0, m, 2m, ...): contiguous
+    # [rows, HV, *state] in the state dtype (fp32 for state "none" variants); sequence n owns rows
+    # chunk_offsets[n] .. chunk_offsets[n+1]-1, chunk c at row chunk_offsets[n] + c // m.
     chunk_states: Optional[torch.Tensor]
     chunk_offsets: Optional[torch.Tensor]  # int32 [N + 1] on the device, or None
     max_len: int = 0  # longest sequence (tokens), or an upper bound (T); bounds grids that tile time
@@ -67,6 +67,8 @@ class KdaCall:
     # beta as the caller passed it: a logit (b = sigmoid(beta), x2 with allow_neg_eigval), or
     # the coefficient b itself (kda_prefill's beta_is_logit=False: fla's and the engines' call).
     beta_is_logit: bool = True
+    # Chunk states kept (KdaParams::chunk_stride): every chunk_stride-th chunk's, >= 1.
+    chunk_stride: int = 1
 
     @property
     def beta_mode(self) -> int:

@@ -251,6 +251,24 @@ def tolerances(v: Variant, device) -> dict[str, float]:
 # ----------------------------------------------------------------------------- running
 
 
+def check_chunk_stride(v: Variant, kw: dict, lens: list[int], strides=(2, 3)) -> None:
+    """return_chunk_states=m against return_chunk_states=True for variant `v` on the varlen case
+    `kw` (sequence lengths `lens`): exactly the states entering chunks 0, m, 2m, ... of every
+    sequence, bit-identical, in rows packed per sequence (a NaN-filled buffer of exactly that many
+    rows); o and the final states unchanged."""
+    from .runtime import kda_prefill
+
+    C = v.chunk
+    o1, f1, c1 = kda_prefill(**kw, variant=v.name)
+    firsts = [sum(-(-n // C) for n in lens[:i]) for i in range(len(lens))]
+    for m in strides:
+        want = torch.cat([c1[f + j * m].unsqueeze(0) for f, L in zip(firsts, lens) for j in range(-(-L // (C * m)))])
+        buf = torch.full_like(want, float("nan"))
+        o, f, c = kda_prefill(**dict(kw, return_chunk_states=m), chunk_states=buf, variant=v.name)
+        assert c is buf and torch.equal(c, want), (v.name, m)
+        assert torch.equal(o, o1) and torch.equal(f, f1), (v.name, m)
+
+
 def run_poisoned(v: Optional[Variant], kw: dict, prefill: Optional[Callable] = None):
     """kda_prefill on `kw` forced to `v` (None: the runtime's own choice), writing into NaN-filled
     out= / final_state= / chunk_states= buffers (so an element a kernel forgets to write cannot

@@ -4,9 +4,9 @@ kernels write entering every chunk (return_chunk_states) and the final state.
 A state after `pos` tokens of a sequence of length L (pos a multiple of the kernel's chunk) is
 the state entering chunk pos / chunk when pos < L, and the final state when pos == L.
 
-Cost: the kernel writes the state of every chunk (chunk 64: 1/64 of the state per token-head;
-16: 1/16) into a scratch buffer from which the asked rows are copied; a kernel that stores
-only every m-th chunk state would save that traffic and memory.
+Cost: the kernel keeps the state entering every m-th chunk (return_chunk_states=m, m =
+checkpoint_every / chunk: one state per checkpoint) in a scratch buffer, from which the asked
+rows are copied.
 """
 
 from __future__ import annotations
@@ -64,7 +64,8 @@ class Rows:
 def rows(lens: Sequence[int], chunk: int, positions: Sequence[Sequence[int]], dst_first: Sequence[int],
          device: torch.device) -> Rows:
     """Rows for the states after positions[n] tokens of sequence n (each a multiple of `chunk`,
-    at most lens[n]), written to rows dst_first[n], dst_first[n] + 1, ..."""
+    at most lens[n]), written to rows dst_first[n], dst_first[n] + 1, ...; `chunk` is the chunk
+    states' spacing in tokens (the kernel's chunk times the stride it kept them at)."""
     if device.type == "cuda" and current_stream_capturing():
         raise KdaInputError("checkpoint_every: not under CUDA graph capture (the rows are placed from host "
                             "lengths, which a replay would not see change)")

@@ -42,6 +42,7 @@ import torch
 from torch import Tensor
 
 from .errors import KdaInputError
+from .inputs import require_every_chunk
 from .scan.chain import chain_states
 from .scan.engine import (_default_prefill, _unpack, correct_step, maps_step, one_piece_v_blocks, pack,
                           planned_segments, rerun_step, scan_launch)
@@ -443,6 +444,7 @@ def kda_prefill_cp(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, 
     rank); each rank computes those that fall in its pieces, and every rank's buffer receives
     all of them (ctx.pools "replicated") or its own ("local"). The buffer comes last."""
     ctx = _context(cp_context)
+    require_every_chunk(kw.get("return_chunk_states", False), "with a cp_context")
     if checkpoint_every is None and checkpoints is None and checkpoint_offsets is None:
         return _cp_call(q, k, v, g, beta, ctx, segments=segments, mode=mode, prefill=prefill, chain_impl=chain_impl,
                         costs=costs, chunk_grid=chunk_grid, **kw)

@@ -100,6 +100,24 @@ def check_offsets(cu: list[int], T: int, validate: bool = True) -> int:
     return max(lens)
 
 
+def chunk_stride(return_chunk_states) -> int:
+    """return_chunk_states as the chunk states' stride in chunks: 0 (none), 1 (True: every
+    chunk's) or m > 1 (every m-th chunk's: chunks 0, m, 2m, ... of each sequence)."""
+    if return_chunk_states is True or return_chunk_states is False:
+        return int(return_chunk_states)
+    if isinstance(return_chunk_states, int) and return_chunk_states >= 1:
+        return return_chunk_states
+    raise _err("return_chunk_states", "True, False or a stride m >= 1 (the state entering every m-th chunk)",
+               repr(return_chunk_states))
+
+
+def require_every_chunk(return_chunk_states, where: str) -> None:
+    """Refuse a chunk-state stride m > 1 where `where` keeps every chunk's state only."""
+    if chunk_stride(return_chunk_states) > 1:
+        raise _err("return_chunk_states", f"True or False {where} (it keeps every chunk's state)",
+                   repr(return_chunk_states))
+
+
 def check_signature(q, k, v, g, beta, *, A_log, dt_bias, scale, lower_bound, gate, initial_state,
                     output_final_state, cu_seqlens, layout, state_layout, state_dtype,
                     cu_seqlens_cpu=None, chunk_size, return_chunk_states, final_state=None,
@@ -255,6 +273,7 @@ def check_signature(q, k, v, g, beta, *, A_log, dt_bias, scale, lower_bound, gat
         state = "none"
     if chunk_size is not None and chunk_size not in (16, 64):
         raise _err("chunk_size", "16, 64 or None", repr(chunk_size))
+    chunk_stride(return_chunk_states)
     if (return_chunk_states or chunk_states is not None) and chunk_size is None:
         raise _err("chunk_size", "16 or 64 when return_chunk_states=True (the states' spacing)", None)
     return CallInfo(device=dev, dtype=dtype_name(q.dtype), layout=layout.lower(), B=B, T=T, N=N, H=H, HV=HV,

@@ -91,6 +91,7 @@ def traced_prefill(q, k, v, g, beta, *, A_log, dt_bias, scale, lower_bound, gate
                    checkpoints=None, checkpoint_offsets=None, beta_is_logit=True):
     """kda_prefill as torch.compile traces it: outputs from shapes only, then the op."""
     from .errors import KdaInputError
+    from .inputs import require_every_chunk
 
     bsnd = layout.upper() == "BSND"
     B, T, K = q.shape[0], (q.shape[1] if bsnd else q.shape[2]), q.shape[3]
@@ -106,6 +107,7 @@ def traced_prefill(q, k, v, g, beta, *, A_log, dt_bias, scale, lower_bound, gate
             raise KdaInputError("output_final_state: expected False with state_pool under torch.compile (the pool "
                                 "receives the final states)")
         fs = torch.empty((N, HV, *st), dtype=st_dtype, device=q.device)
+    require_every_chunk(return_chunk_states, "under torch.compile")
     cs = chunk_states
     if cs is None and return_chunk_states:
         if cu_seqlens is not None or chunk_size is None:

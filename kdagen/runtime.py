@@ -26,7 +26,7 @@ from . import env
 from .abi import KdaCall
 from .dtypes import torch_dtype
 from .errors import KdaInputError, NoVariantError
-from .inputs import CallInfo, check_offsets, check_signature
+from .inputs import CallInfo, check_offsets, check_signature, chunk_stride
 from .registry import Entry, Registry
 from .scan import route as scan_route
 from .scan.layout import device_ints
@@ -49,7 +49,6 @@ _GUARD_BUILDS = 8  # guards a plan gets at most
 # skips the candidate scan): functional key, device, N, HV, whether sequences average >= 512, and
 # the tuning-file rules the call's regime matches.
 _CHOICES: dict[tuple, str] = {}
-_CHECKPOINT_CHUNK: dict[tuple, int] = {}  # kernel chunk that served checkpoints, by kind of call
 
 def registry() -> Registry:
     """The process-wide registry (checkout's generated/ and the cache), read on first use."""
@@ -69,7 +68,6 @@ def reset() -> Registry:
     _PLANS.clear()
     _LOGGED.clear()
     _CHOICES.clear()
-    _CHECKPOINT_CHUNK.clear()
     return registry()
 
 
@@ -179,7 +177,8 @@ def kda_prefill(
     writes the state after every n tokens of each sequence (n, 2n, ... <= its length) to
     `checkpoints` [rows, HV, *state] (allocated when None): sequence i's j-th at row
     checkpoint_offsets[i] + j (offsets [N + 1]; default: packed in order). Needs the lengths
-    on the host (cu_seqlens_cpu, else a read of cu_seqlens).
+    on the host (cu_seqlens_cpu, else a read of cu_seqlens). It runs the kernel the call
+    without checkpoints runs (o is the same), which keeps one chunk state per checkpoint.
 
     Engine-owned memory: `out` (v's shape and dtype, unit last stride), `final_state`
     (implies output_final_state), `chunk_states` (implies return_chunk_states; at least the
@@ -193,7 +192,8 @@ def kda_prefill(
 
     Returns (o, final_state), or (o, final_state, chunk_states) when return_chunk_states: the
     state entering every chunk of `chunk_size` tokens, [NC_total, HV, *state], sequences'
-    chunks concatenated; checkpoints, when asked, come last. `variant` (or
+    chunks concatenated (return_chunk_states=m > 1: every m-th chunk's, chunks 0, m, 2m, ... of
+    each sequence, ceil(L / (m chunk_size)) rows a sequence); checkpoints, when asked, come last. `variant` (or
     KDAGEN_FORCE_VARIANT) forces a variant by name (it must still fit the call).
 
     cp_context (kdagen.cp.build_cp_context, or fla's FLACPContext): context-parallel across a
@@ -401,32 +401,38 @@ def _engine_call(q, k, v, g, beta, kw: dict, state_pool, state_indices, checkpoi
     cp = None
     if checkpoint_every is not None or checkpoints is not None or checkpoint_offsets is not None:
         ckpt.require_spacing(checkpoint_every)
+        user_stride = chunk_stride(kw["return_chunk_states"]) or (1 if kw["chunk_states"] is not None else 0)
+        if user_stride and kw["chunk_size"] is None:
+            raise KdaInputError("chunk_size: expected 16 or 64 when return_chunk_states=True (the states' spacing), "
+                                "found None")
         chunks = ckpt.kernel_chunks(checkpoint_every, kw["chunk_size"])
+        if user_stride > 1 and checkpoint_every % (chunks[0] * user_stride):
+            raise KdaInputError(f"checkpoint_every: expected a multiple of chunk_size x return_chunk_states = "
+                                f"{chunks[0] * user_stride} (the chunk states kept), found {checkpoint_every}")
         lens = ckpt.host_lengths(B, T, cu, kw["cu_seqlens_cpu"], "checkpoint_every")
         if cu is not None and kw["cu_seqlens_cpu"] is None:
             kw = dict(kw, cu_seqlens_cpu=torch.tensor([0, *itertools.accumulate(lens)], dtype=cu.dtype))
         st_dtype = next((t.dtype for t in (kw["initial_state"], kw["final_state"], kw["chunk_states"])
                          if t is not None), kw["state_dtype"] or torch.float32)
-        user_chunks = bool(kw["return_chunk_states"]) or kw["chunk_states"] is not None
-        kw = dict(kw, output_final_state=True, return_chunk_states=True, state_dtype=st_dtype)
-        # the chunk that served this kind of call last time first: a miss costs a full selection
-        memo = (q.dtype, q.shape[-1], v.shape[-1], q.device, kw["A_log"] is None, kw["lower_bound"] is None,
-                kw["gate"], st_dtype, bsnd, cu is None, chunks)
-        if memo in _CHECKPOINT_CHUNK:
-            chunks = (_CHECKPOINT_CHUNK[memo], *(c for c in chunks if c != _CHECKPOINT_CHUNK[memo]))
+        kw = dict(kw, output_final_state=True, state_dtype=st_dtype)
+        if len(chunks) > 1:
+            # the kernel the call without checkpoints runs (its cached plan), so that checkpoints
+            # change neither o nor the tuned choice: it keeps only every (n / chunk)-th chunk state
+            chunk = _chunk_of(q, k, v, g, beta, kw)
+            chunks = (chunk, *(c for c in chunks if c != chunk)) if chunk in chunks else chunks
         for i, chunk in enumerate(chunks):
+            stride = user_stride or checkpoint_every // chunk
             cp = ckpt.plan(checkpoint_every, lens, HV=HV, state_shape=st, dtype=st_dtype, device=q.device,
-                           chunk=chunk, buffer=checkpoints, offsets=checkpoint_offsets,
+                           chunk=chunk * stride, buffer=checkpoints, offsets=checkpoint_offsets,
                            assume_valid=bool(kw["assume_valid"]))
             try:
-                res = kda_prefill(q, k, v, g, beta, **dict(kw, chunk_size=chunk))
-                _CHECKPOINT_CHUNK[memo] = chunk
+                res = kda_prefill(q, k, v, g, beta, **dict(kw, chunk_size=chunk, return_chunk_states=stride))
                 break
             except NoVariantError:
                 if i == len(chunks) - 1:
                     raise
         cp.rows.copy(cp.buffer, res[2], res[1])
-        res = (res[0], res[1] if want_final else None, *((res[2],) if user_chunks else ()), cp.buffer)
+        res = (res[0], res[1] if want_final else None, *((res[2],) if user_stride else ()), cp.buffer)
     else:
         res = kda_prefill(q, k, v, g, beta, **kw)
         if not want_final:
@@ -434,6 +440,18 @@ def _engine_call(q, k, v, g, beta, kw: dict, state_pool, state_indices, checkpoi
     if pc is not None:
         pool_io.scatter(pc)
     return res
+
+
+def _chunk_of(q, k, v, g, beta, kw: dict) -> Optional[int]:
+    """The kernel chunk kda_prefill(q, k, v, g, beta, **kw) runs, from its plan (made and cached
+    as the call itself would); None where no variant serves it."""
+    flags = tuple(kw[n] for n in _FLAGS)
+    try:
+        plan, _ = _plan_of(q, k, v, g, beta, kw["A_log"], kw["dt_bias"], kw["initial_state"], kw["cu_seqlens"],
+                           kw["cu_seqlens_cpu"], None, kw["final_state"], None, kw["workspace"], flags)
+    except NoVariantError:
+        return None
+    return plan.variant.chunk
 
 
 def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -480,7 +498,8 @@ def allocate_outputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     if kw["return_chunk_states"]:
         cu = kw["cu_seqlens_cpu"] if kw["cu_seqlens_cpu"] is not None else kw["cu_seqlens"]
         lens = [b - a for a, b in zip(cu.tolist(), cu.tolist()[1:])] if cu is not None else [info.T] * info.N
-        rows = sum(-(-n // info.chunk_size) for n in lens)
+        spacing = info.chunk_size * chunk_stride(kw["return_chunk_states"])
+        rows = sum(-(-n // spacing) for n in lens)
         bufs["chunk_states"] = torch.empty((rows, info.HV, *st), dtype=torch_dtype(info.state), device=q.device)
     if fill is not None:
         for t in bufs.values():
@@ -519,7 +538,7 @@ def _make_plan(q, k, v, g, beta, **kw) -> "Plan":
                             "tensors, found requires_grad=True")
     if kw["final_state"] is not None:
         kw["output_final_state"] = True
-    if kw["chunk_states"] is not None:
+    if kw["chunk_states"] is not None and not kw["return_chunk_states"]:
         kw["return_chunk_states"] = True
     info = check_signature(q, k, v, g, beta, **{n: kw[n] for n in _SIGNATURE_ARGS})
     out = kw["out"]
@@ -700,6 +719,7 @@ class Plan:
         self.st_dtype = torch_dtype(info.state) if info.state != "none" else torch.float32
         self.want_final = bool(kw["output_final_state"]) and info.state != "none"
         self.want_chunks = bool(kw["return_chunk_states"])
+        self.chunk_stride = max(1, chunk_stride(kw["return_chunk_states"]))
         self.C = info.chunk_size or self.variant.chunk
         self.scale = float(kw["scale"]) if kw["scale"] is not None else info.K ** -0.5
         self.lower_bound = float(kw["lower_bound"]) if kw["lower_bound"] is not None else 0.0
@@ -785,7 +805,8 @@ class Plan:
 
     def _chunk_offsets(self, cu32, host) -> tuple[torch.Tensor, int]:
         """chunk_offsets [N + 1] (int32, on the device) and the rows they need (-1: unknown)."""
-        C, N, dev = self.C, self.info.N, self.device
+        # a row per chunk_stride chunks (rows for chunks 0, m, 2m, ...): ceil(len / (C m)) a sequence
+        C, N, dev = self.C * self.chunk_stride, self.info.N, self.device
         if not self.info.varlen:
             if self._static_offsets is None:
                 nc = -(-self.info.T // C)
@@ -847,7 +868,7 @@ class Plan:
                        cu_seqlens=cu32, A_log=A, dt_bias=dt, scale=self.scale, lower_bound=self.lower_bound,
                        use_qk_l2norm=self.use_l2, allow_neg_eigval=self.neg_eig, initial_state=h0, final_state=fs,
                        state_kv=self.state_kv, chunk_states=cs, chunk_offsets=co, max_len=max_len, workspace=ws,
-                       twins=twins, beta_is_logit=self.beta_logit)
+                       twins=twins, beta_is_logit=self.beta_logit, chunk_stride=self.chunk_stride)
 
     def twins(self, q, k, v, g, beta, A_log, dt_bias, h2, cu, cu_cpu) -> tuple:
         """kda_prefill_twins' launch: the launcher's KdaCall with twins=2, h2 [N, 2 HV, V, K] fp32,
@@ -912,7 +933,8 @@ class Plan:
                                         "cu_seqlens_cpu")
                 cs = torch.empty((rows, info.HV, *self.st_shape), dtype=self.st_dtype, device=dev)
             elif 0 <= rows and cs.shape[0] < rows:
-                raise KdaInputError(f"chunk_states: expected at least {rows} rows (one per chunk of every "
+                per = "chunk" if self.chunk_stride == 1 else f"{self.chunk_stride} chunks"
+                raise KdaInputError(f"chunk_states: expected at least {rows} rows (one per {per} of every "
                                     f"sequence), found {cs.shape[0]}")
         if info.N > 0:
             A, dt = self._gate_args(A_log, dt_bias)

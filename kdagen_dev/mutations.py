@@ -227,6 +227,22 @@ CATALOGUE: list[Mutation] = [
       "idx(from_cs, 0), idx(from_cs, 1)",
       ("tests/test_cp.py::test_gloo_ranks_equal_the_single_process_call[kdagen-2]",),
       "replicated checkpoints exchanged at their buffer rows instead of their packed index"),
+    M("stride_rows_ignore_stride", RUNTIME, "C, N, dev = self.C * self.chunk_stride, self.info.N, self.device",
+      "C, N, dev = self.C, self.info.N, self.device",
+      ("tests/test_kernels.py::test_chunk_state_stride[kda_fwd_triton_c16_k32_v32_bf16_gb_sbf16_bv16-cpu]",),
+      "strided chunk states get a row per chunk (offsets that skip rows the kernel never writes)"),
+    M("stride_triton_copy_off_by_one", "kdagen/targets/triton.py", "src = every[nc] + (r - kept[nc]) * m",
+      "src = every[nc] + (r - kept[nc]) * m + 1",
+      ("tests/test_kernels.py::test_chunk_state_stride[kda_fwd_triton_c64_k32_v32_bf16_gb_sfp32_bv16-cpu]",),
+      "the Triton target keeps the states entering chunks 1, m + 1, ... instead of 0, m, ..."),
+    M("stride_twin_row_per_chunk", "templates/triton/kda_twostage.py.j2", "ci = tl.load(cs_off + n) + cq // cs_stride",
+      "ci = tl.load(cs_off + n) + cq",
+      ("tests/test_ascend.py::test_twin_chunk_state_stride",),
+      "the twin writes strided chunk states at a row per chunk"),
+    M("checkpoints_rows_at_kernel_chunk", RUNTIME, "chunk=chunk * stride, buffer=checkpoints",
+      "chunk=chunk, buffer=checkpoints",
+      ("tests/test_checkpoints.py::test_checkpoints_run_the_plain_calls_kernel_keeping_one_state_each",),
+      "checkpoint rows placed on the kernel chunk's grid while the kernel kept every m-th chunk state"),
 ]
 
 # What CI runs (tests/test_mutations.py): the four survivors issue 23 names and one bug of each

@@ -67,6 +67,10 @@ def main() -> int:
             stack.enter_context(launcher_swapped(v.name, f"{dev.type}:{dev.index}",
                                                  TARGETS[v.target].load_launcher()(v, Path(a.fatbin))))
         o = kda_prefill(**kw, variant=v.name)[0]
+        strided = ""
+        if v.state != "none":  # chunk states kept every 3rd chunk (prefix caching's store)
+            res = kda_prefill(**dict(kw, return_chunk_states=3), variant=v.name)
+            strided = f", strided chunk states finite {bool(torch.isfinite(res[2]).all())}"
         twin = ""
         if v.target == "sm80" and v.k == v.v and v.state == "fp32":
             # the scan's twin launch (state heads HV.. rerun with U = 0) on the same case
@@ -80,7 +84,7 @@ def main() -> int:
                 return 1
             twin = f", twin o finite {bool(torch.isfinite(res[0]).all())}"
         torch.cuda.synchronize()
-    print(f"ran {v.name}: o finite {bool(torch.isfinite(o).all())}{twin}")
+    print(f"ran {v.name}: o finite {bool(torch.isfinite(o).all())}{strided}{twin}")
     return 0
 
 

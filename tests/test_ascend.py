@@ -21,7 +21,7 @@ from kdagen.paths import BUILD_DIR, GENERATED_DIR
 from kdagen.variant import Variant
 
 from .conftest import HAS_CUDA
-from kdagen.cases import make_case, run_and_compare, run_poisoned
+from kdagen.cases import check_chunk_stride, make_case, run_and_compare, run_poisoned
 
 HAS_NPU = importlib.util.find_spec("torch_npu") is not None
 SPEC_DIR = GENERATED_DIR / "ascend950"
@@ -231,6 +231,27 @@ def test_twin_varlen_bnsd_kv_state_chunk_states(v, dev):
     kw = make_case(v, dev, lens=[70, 0, 1, 64], H=1, HV=1, layout="BNSD", state_layout="KV",
                    chunk_states=True, seed=12)
     run_and_compare(v, kw)
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("v", TWINS_RUN[-1:], ids=lambda v: v.name)
+def test_twin_chunk_state_stride(v, dev):
+    """The twin keeps every m-th chunk state (return_chunk_states=m) across its chunk groups."""
+    _skip_cuda_k128(v, dev)
+    import kdagen.runtime as rt
+    from kdagen.targets.triton_twin import TwinSettings
+
+    lens = [70, 0, 200, 1, 64, 330]
+    kw = make_case(v, dev, lens=lens, H=1, HV=2, chunk_states=True, seed=14)
+    d = kw["q"].device
+    launcher = rt.registry().launcher(v.name, f"{d.type}:{d.index}")
+    saved = launcher.settings
+    try:
+        for G in (None, 3):  # one group; groups of 3 chunks, which sequences cross
+            launcher.settings = TwinSettings(group_chunks=G)
+            check_chunk_stride(v, kw, lens)
+    finally:
+        launcher.settings = saved
 
 
 @pytest.mark.parametrize("dev", DEVICES)

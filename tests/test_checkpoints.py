@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import kdagen
-import kdagen.runtime as rt
+import kdagen.checkpoints
 from kdagen.errors import KdaInputError
 from kdagen.reference import kda_reference, rel_rmse
 from kdagen.variant import Variant
@@ -54,17 +54,25 @@ def test_checkpoints_equal_the_chunk_states_at_those_positions(device):
     assert all(torch.isnan(buf[r]).all() for r in range(12) if r not in written)
 
 
-def test_checkpoints_every_64_use_the_chunk_64_states(device):
-    """A multiple of 64 takes the chunk-64 kernel (a quarter of the chunk states of chunk 16)."""
-    lens = [70, 64]
+def test_checkpoints_run_the_plain_calls_kernel_keeping_one_state_each(device, monkeypatch):
+    """A multiple of 64 fits both kernel chunks: the call runs the kernel the call without
+    checkpoints runs (o bit-identical), which keeps one chunk state per checkpoint."""
+    lens = [70, 64, 200]
     kw = _case(device, lens, chunk=64)
+    kept = []
+    real = kdagen.checkpoints.Rows.copy
+    monkeypatch.setattr(kdagen.checkpoints.Rows, "copy",
+                        lambda self, out, cs, fs: (kept.append(cs.shape[0]), real(self, out, cs, fs)))
     o, fs, ck = kdagen.kda_prefill(**kw, checkpoint_every=64)
-    assert ck.shape == (2, 2, 32, 32)  # one each, packed in order
-    assert list(rt._CHECKPOINT_CHUNK.values()) == [64]
+    o2, fs2 = kdagen.kda_prefill(**kw)
+    assert torch.equal(o, o2) and torch.equal(fs, fs2)
+    assert ck.shape == (1 + 1 + 3, 2, 32, 32)  # packed in order
+    assert kept == [2 + 1 + 4]  # one row per 64 tokens started (the state entering chunk 0 included)
     ref = {n: (t.cpu() if isinstance(t, torch.Tensor) else t) for n, t in kw.items()}
     _, rs, rc = kda_reference(**ref, chunk_states_size=64)
     assert torch.equal(ck[1], fs[1])  # sequence 1 ends on its checkpoint
     assert rel_rmse(ck[0].cpu(), rc[1]) < 6e-3 and rel_rmse(ck[1].cpu(), rs[1]) < 6e-3
+    assert max(rel_rmse(ck[2 + j].cpu(), rc[2 + 1 + 1 + j]) for j in range(3)) < 6e-3
 
 
 def test_checkpoints_with_a_state_pool_and_chunk_states(device):

@@ -149,6 +149,9 @@ def test_call_errors_are_named():
         kdagen.kda_prefill(**loc, **kw, cp_context=ctx)  # both sequences' rows; only seq 0 starts here
     with pytest.raises(KdaInputError, match="cp_context: expected a kdagen.cp.CPContext .build_cp_context. or fla's"):
         kdagen.kda_prefill(**loc, cp_context=[0, 8, 16])
+    with pytest.raises(KdaInputError, match="return_chunk_states: expected True or False with a cp_context .it keeps "
+                                            "every chunk's state., found 2"):
+        kdagen.kda_prefill(**loc, cp_context=ctx, return_chunk_states=2, chunk_size=16)
     # a rank holding no tokens raises it too, before the exchange it would otherwise wait in
     empty = build_cp_context([0, 8, 16], rank=1, world=2, tokens_per_rank=[16, 0])
     with pytest.raises(KdaInputError, match="v: context parallelism carries K x K transitions .* found K=32, V=16"):

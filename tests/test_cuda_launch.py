@@ -15,9 +15,14 @@ from kdagen.targets.cuda_launch import HEADER, KdaParams, parse_params
 
 def test_every_field_of_the_header_is_mirrored_in_order():
     names = [n for n, _ in parse_params(HEADER.read_text())]
-    assert names[:3] == ["q", "k", "v"] and "lower_bound" in names and names[-1] == "twins"
+    assert names[:3] == ["q", "k", "v"] and "lower_bound" in names and names[-1] == "chunk_stride"
     assert [n for n, _ in KdaParams._fields_] == names
     assert KdaParams.q_s.size == 3 * 8 and KdaParams.scale.size == 4
+
+
+def test_parse_skips_comments_that_hold_semicolons():
+    fields = parse_params("struct KdaParams {\n  int a;  // one; two\n  // three; four\n  float b, c[2];\n};")
+    assert [(n, t) for n, t in fields] == [("a", ctypes.c_int), ("b", ctypes.c_float), ("c", ctypes.c_float * 2)]
 
 
 def test_parse_rejects_a_field_it_cannot_mirror():

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from kdagen import kda_prefill
-from kdagen.cases import (GATE_SCENARIOS, PATHS, errors, make_case, path_case, path_reason, path_tolerance,
+from kdagen.errors import KdaInputError
+from kdagen.cases import (GATE_SCENARIOS, PATHS, check_chunk_stride, errors, make_case, path_case, path_reason, path_tolerance,
                           run_and_compare, run_poisoned, tolerances)
 from kdagen.registry import Registry
 from kdagen.select import device_reason
@@ -183,3 +184,29 @@ def test_runtime_allocated_outputs(v):
         theirs = kda_prefill(**kw, variant=v.name)
         assert [tuple(t.shape) for t in theirs] == [tuple(t.shape) for t in mine], layout
         assert all(torch.equal(a, b) for a, b in zip(mine, theirs)), layout
+
+
+# ----------------------------------------------------------------------------- chunk-state stride
+
+STRIDE_GPU = [v for v in REGISTRY.variants() if v.target in (*KERNEL_TARGETS, "sm90") and v.state != "none"]
+STRIDE_CPU = [v for v in CPU_VARIANTS if v.name in ("kda_fwd_triton_c16_k32_v32_bf16_gb_sbf16_bv16",
+                                                    "kda_fwd_triton_c64_k32_v32_bf16_gb_sfp32_bv16")]
+
+
+@pytest.mark.parametrize("v,dev", [pytest.param(v, "cpu", id=f"{v.name}-cpu", marks=_CPU_SKIP) for v in STRIDE_CPU]
+                         + [pytest.param(v, "cuda", id=f"{v.name}-cuda", marks=pytest.mark.gpu) for v in STRIDE_GPU])
+def test_chunk_state_stride(v, dev):
+    """return_chunk_states=m keeps exactly the states entering chunks 0, m, 2m, ... of every
+    sequence (what prefix caching keeps): kdagen.cases.check_chunk_stride; a short buffer is
+    refused by name."""
+    _skip_unless_runs(v, dev)
+    C = v.chunk
+    # empty, shorter than a chunk, ragged, whole chunks; more chunks than 3 strides
+    lens = [0, 5, 3 * C + 1, 2 * C, 7 * C + 3] if C == 16 else [0, 5, 3 * C + 1, 2 * C]
+    kw = make_case(v, dev, lens=lens, H=1, HV=2, chunk_states=True, seed=11)
+    kw["cu_seqlens_cpu"] = kw["cu_seqlens"].cpu()
+    check_chunk_stride(v, kw, lens)
+    short = torch.empty((sum(-(-n // (2 * C)) for n in lens) - 1, *kw["initial_state"].shape[1:]),
+                        dtype=kw["initial_state"].dtype, device=dev)
+    with pytest.raises(KdaInputError, match=r"chunk_states: expected at least \d+ rows \(one per 2 chunks"):
+        kda_prefill(**dict(kw, return_chunk_states=2), chunk_states=short, variant=v.name)

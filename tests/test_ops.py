@@ -198,3 +198,17 @@ def test_gpu_capture_without_host_offsets_needs_assume_valid():
                                                            "assume_valid=True"):
         with torch.cuda.graph(graph):
             kdagen.kda_prefill(**kw, cu_seqlens=cu, out=out)
+
+
+def test_compiled_calls_refuse_a_chunk_state_stride():
+    # torch.compile's path sizes chunk_states from shapes alone and the op keeps every chunk's
+    from kdagen.errors import KdaInputError
+    from kdagen.ops import traced_prefill
+
+    kw, cu, h0 = _case()
+    flags = dict(scale=None, lower_bound=-5.0, gate=None, initial_state=h0, output_final_state=True, cu_seqlens=None,
+                 cu_seqlens_cpu=None, layout="BSND", state_layout="VK", state_dtype=None, use_qk_l2norm=True,
+                 allow_neg_eigval=False, chunk_size=16, variant=None, out=None, final_state=None, chunk_states=None,
+                 workspace=None, assume_valid=False)
+    with pytest.raises(KdaInputError, match="return_chunk_states: expected True or False under torch.compile"):
+        traced_prefill(**kw, **dict(flags, return_chunk_states=2, initial_state=h0[:1]))

@@ -50,6 +50,12 @@ def call(**over):
     (dict(initial_state=torch.randn(1, 2, 32, 32).half()), "initial_state: expected dtype float32 or bfloat16"),
     (dict(chunk_size=32), "chunk_size: expected 16, 64 or None, found 32"),
     (dict(return_chunk_states=True), "chunk_size: expected 16 or 64 when return_chunk_states=True"),
+    (dict(return_chunk_states=0, chunk_size=16), "return_chunk_states: expected True, False or a stride m >= 1 "
+                                                 "(the state entering every m-th chunk), found 0"),
+    (dict(return_chunk_states=2.0, chunk_size=16), "return_chunk_states: expected True, False or a stride m >= 1"),
+    (dict(return_chunk_states=2, chunk_size=16, checkpoint_every=48),
+     "checkpoint_every: expected a multiple of chunk_size x return_chunk_states = 32 (the chunk states kept), found 48"),
+    (dict(return_chunk_states=True, checkpoint_every=64), "chunk_size: expected 16 or 64 when return_chunk_states=True"),
     (dict(q=torch.randn(1, 20, 1, 64)[..., ::2]), "q: expected a contiguous last (feature) dimension"),
 ])
 def test_bad_call_messages(over, needle):

@@ -160,6 +160,10 @@ def test_whole_calls_pass_through_and_bad_input_is_named():
         scan_prefill(**bad, segments=2, prefill=reference_prefill)
     with pytest.raises(KdaInputError, match="mode: expected 'rerun' or 'correct'"):
         scan_prefill(**kw, segments=2, mode="fast", prefill=reference_prefill)
+    with pytest.raises(KdaInputError, match="return_chunk_states: expected True or False in the segment scan"):
+        scan_prefill(**kw, segments=2, chunk_size=16, return_chunk_states=3, prefill=reference_prefill)
+    with pytest.raises(KdaInputError, match="return_chunk_states: expected True or False in the reference engine"):
+        reference_prefill(**kw, chunk_size=16, return_chunk_states=3)
     with pytest.raises(KdaInputError, match="workspace"):
         scan_prefill(**kw, segments=2, chunk_size=16, workspace=torch.empty(8, dtype=torch.uint8),
                      prefill=reference_prefill)

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from ..errors import KdaInputError
-from ..inputs import CallInfo, check_call
+from ..inputs import CallInfo, check_call, require_every_chunk
 from .chain import chain_states
 from .correct import correct_o_fits, correct_o_triton
 from .layout import SegmentLayout, device_ints, split
@@ -395,6 +395,7 @@ def scan_prefill(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *,
     prefill: the kda_prefill to compose (default kdagen.kda_prefill)."""
     if mode not in ("rerun", "correct"):
         raise KdaInputError(f"mode: expected 'rerun' or 'correct', found {mode!r}")
+    require_every_chunk(kw.get("return_chunk_states", False), "in the segment scan")
     prefill = prefill or _default_prefill()
     out, final_state, chunk_buf = kw.pop("out", None), kw.get("final_state"), kw.get("chunk_states")
     want_final = bool(kw.get("output_final_state")) or final_state is not None

@@ -14,6 +14,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from ..inputs import require_every_chunk
 from ..reference import CHUNK_SIZES, _finish, _prepare
 from .layout import split
 from .maps import chain, chunk_maps, rerun, segment_maps
@@ -105,6 +106,7 @@ def reference_prefill(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, 
     kernel runs (fast CPU tests of the plumbing around the kernels)."""
     from ..reference import kda_chunked_reference
 
+    require_every_chunk(return_chunk_states, "in the reference engine")
     C = chunk_size or 64
     want_final = bool(kw.pop("output_final_state", False)) or final_state is not None
     want_cs = return_chunk_states or chunk_states is not None

@@ -31,8 +31,9 @@ def parse_params(text: str) -> list[tuple[str, object]]:
     if m is None:
         raise RuntimeError(f"{HEADER}: no `struct KdaParams {{ ... }};` found")
     fields: list[tuple[str, object]] = []
-    for decl in m.group("body").split(";"):
-        decl = " ".join(line.split("//")[0] for line in decl.splitlines()).strip()
+    body = re.sub(r"//[^\n]*", "", m.group("body"))  # comments first: they may hold a ';'
+    for decl in body.split(";"):
+        decl = " ".join(decl.split())
         if not decl:
             continue
         if "*" in decl:  # `const void* q`: every pointer is a 64-bit device address
@@ -122,6 +123,8 @@ def check_call(call, v, twins_ok: bool = False) -> None:
         raise RuntimeError(f"{who}: gate {v.gate!r} needs A_log")
     if call.chunk_states is not None and call.chunk_offsets is None:
         raise RuntimeError(f"{who}: chunk_states needs chunk_offsets")
+    if call.chunk_stride < 1:
+        raise RuntimeError(f"{who}: chunk_stride={call.chunk_stride}; expected >= 1")
 
 
 def check_shared_memory(who: str, needs: dict[str, int], props) -> None:

@@ -143,7 +143,7 @@ class Sm80Launcher:
         p.scale, p.lower_bound = float(call.scale), float(call.lower_bound)
         p.use_l2norm, p.beta_mode, p.state_kv = int(call.use_qk_l2norm), call.beta_mode, int(call.state_kv)
         p.g_fp32, p.beta_fp32 = int(g_dtype == torch.float32), int(beta_dtype == torch.float32)
-        p.twins = call.twins
+        p.twins, p.chunk_stride = call.twins, call.chunk_stride
         return p
 
     def workspace_bytes(self, call: KdaCall, device: torch.device) -> int:

@@ -70,6 +70,7 @@ def build_params(call: KdaCall, v: Variant,
     p.scale, p.lower_bound = float(call.scale), float(call.lower_bound)
     p.use_l2norm, p.beta_mode, p.state_kv = int(call.use_qk_l2norm), call.beta_mode, int(call.state_kv)
     p.g_fp32, p.beta_fp32 = int(g.dtype == torch.float32), int(beta.dtype == torch.float32)
+    p.chunk_stride = call.chunk_stride
     keep = [t for t in (q, k, vv, g, beta, A_log, dt, cu, co) if t is not None]
     return p, keep, (o if o is not call.o else None)
 

@@ -9,8 +9,9 @@ by TUNING (measured on that GPU); nothing is tuned at call time.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -85,6 +86,42 @@ class TritonLauncher:
         ws = torch.empty(nrec * mod.REC, dtype=self._ws_dtype, device=dev)
         gam = torch.empty(nrec * mod.KP, dtype=torch.float32, device=dev)
         flags = torch.empty(nrec, dtype=torch.int32, device=dev)
+        keep = None
+        if call.chunk_states is not None and call.chunk_stride > 1:
+            call, keep = every_chunk(call, v.chunk)
         mod.launch(call, ws, gam, flags, dummies, parts=self.parts, **cfg)
+        if keep is not None:
+            keep()
         # The buffers were allocated on the current stream, where the kernels run: no
         # record_stream needed.
+
+
+def every_chunk(call: KdaCall, C: int) -> tuple[KdaCall, Callable[[], None]]:
+    """A chunk_stride > 1 call as the Triton kernel runs it: every chunk's state into a scratch
+    buffer, and the copy of the kept ones (chunks 0, m, 2m, ... of each sequence) into the
+    caller's rows, on the device (no sync: capturable). The kernel keeps its store as it is: a
+    strided one (a mask, a division or a branch in its loop) made the c64 K128 BV64 recurrence
+    spill registers."""
+    dev, N, m = call.q.device, call.N, call.chunk_stride
+    if N == 0:
+        return call, lambda: None
+    if call.cu_seqlens is not None:
+        lens = (call.cu_seqlens[1:] - call.cu_seqlens[:-1]).to(torch.int64)
+    else:
+        lens = torch.full((N,), call.T, dtype=torch.int64, device=dev)
+    every = torch.zeros(N + 1, dtype=torch.int64, device=dev)
+    torch.cumsum((lens + C - 1) // C, 0, out=every[1:])
+    scratch = torch.empty(((call.B * call.T) // C + N, *call.chunk_states.shape[1:]), dtype=call.chunk_states.dtype,
+                          device=dev)
+    kept, out = call.chunk_offsets.to(torch.int64), call.chunk_states
+
+    def copy() -> None:
+        r = torch.arange(out.shape[0], device=dev)
+        n = torch.searchsorted(kept[1:], r, right=True)  # the sequence owning row r (N: none)
+        nc = n.clamp(max=N - 1)
+        src = every[nc] + (r - kept[nc]) * m
+        valid = (n < N) & (src < every[nc + 1])
+        got = scratch.index_select(0, src.clamp(0, scratch.shape[0] - 1))
+        out.copy_(torch.where(valid.view(-1, *([1] * (out.dim() - 1))), got, out))
+
+    return replace(call, chunk_states=scratch, chunk_offsets=every.to(torch.int32), chunk_stride=1), copy

@@ -110,7 +110,7 @@ class TritonTwinLauncher:
             )
             mod.kda_stage2[(N, HV, V // v.block_v)](
                 call.o, info, seq_chunks, st, cs, cs_off, *ws,
-                *call.o_strides, HV, g0, gn,
+                *call.o_strides, HV, g0, gn, max(1, int(call.chunk_stride)),
                 HAS_CS=call.chunk_states is not None, STATE_KV=bool(call.state_kv),
                 K=K, V=V, BV=v.block_v,
             )

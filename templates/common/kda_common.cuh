@@ -36,6 +36,9 @@ struct KdaParams {
   // State runs per value head in sm80's kda_recur (0 or 1: one). At 2, state head HV + h reruns
   // head h's records with U = 0 (v = 0), so the scan's transition run shares one kda_prep.
   int twins;
+  // Chunk states kept: those entering chunks 0, m, 2m, ... of each sequence (m = chunk_stride, 0
+  // or 1: every chunk), chunk c at row chunk_offsets[n] + c / m (prefix caching keeps 1/m of them).
+  int chunk_stride;
 };
 
 namespace kda {

@@ -292,17 +292,19 @@ __device__ __forceinline__ void recur_block(const KdaParams& p) {
   in_t* op = (in_t*)p.o + bidx * p.o_s[0] + hs * p.o_s[2] + vb * BV + vw;  // (chunk 64)
   const long long ostride = p.o_s[1];
   const int coff = p.hc ? p.chunk_offsets[n] : 0;
+  const int cstride = p.chunk_stride > 1 ? p.chunk_stride : 1;
 
 
   for (int c = 0; c < nc; ++c) {
-    if (p.hc) {
+    if (p.hc && c % cstride == 0) {
+      const long long crow = coff + c / cstride;
 #pragma unroll
       for (int m = 0; m < MT; ++m) {
 #if KDA_STATE == 2
-        store_state((bf16*)p.hc + ((long long)(coff + c) * (TWINS ? 2 * p.HV : p.HV) + hs) * V * K, s[m],
+        store_state((bf16*)p.hc + (crow * (TWINS ? 2 * p.HV : p.HV) + hs) * V * K, s[m],
                     vr0 + 16 * m, k0, t4, kv);
 #else
-        store_state((float*)p.hc + ((long long)(coff + c) * (TWINS ? 2 * p.HV : p.HV) + hs) * V * K, s[m],
+        store_state((float*)p.hc + (crow * (TWINS ? 2 * p.HV : p.HV) + hs) * V * K, s[m],
                     vr0 + 16 * m, k0, t4, kv);
 #endif
       }

@@ -185,12 +185,14 @@ __device__ __forceinline__ void consumer_role(const KdaParams& p, const SeqInfo&
       *reinterpret_cast<uint4*>((in_t*)p.o + si.bidx * p.o_s[0] + si.h * p.o_s[2] +
                                 (si.tb + (long long)c * C + ot) * p.o_s[1] + si.vb * BV + v0 + 8 * oh) = ov;
   };
+  const int cstride = p.chunk_stride > 1 ? p.chunk_stride : 1;
   auto store_hc = [&](int c) {
-    if (p.hc) {
+    if (p.hc && c % cstride == 0) {
+      const long long crow = coff + c / cstride;
 #if KDA_STATE == 2
-      store_state((bf16*)p.hc + ((long long)(coff + c) * p.HV + si.h) * V * K, s, vr0, t4, kv);
+      store_state((bf16*)p.hc + (crow * p.HV + si.h) * V * K, s, vr0, t4, kv);
 #else
-      store_state((float*)p.hc + ((long long)(coff + c) * p.HV + si.h) * V * K, s, vr0, t4, kv);
+      store_state((float*)p.hc + (crow * p.HV + si.h) * V * K, s, vr0, t4, kv);
 #endif
     }
   };

@@ -237,7 +237,7 @@ def kda_stage1(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, A_log_ptr, dt_bias_ptr, chu
 @triton.jit
 def kda_stage2(o_ptr, chunk_info, seq_chunks, st_ptr, cs_ptr, cs_off,
                ws_qd, ws_kr, ws_w, ws_u, ws_m, ws_gc,
-               sob, sot, soh, HV, g0, gn,
+               sob, sot, soh, HV, g0, gn, cs_stride,
                HAS_CS: tl.constexpr, STATE_KV: tl.constexpr,
                K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr):
     """The recurrence over the chunks of sequence n inside the group [g0, g0 + gn): the fp32 state
@@ -266,8 +266,10 @@ def kda_stage2(o_ptr, chunk_info, seq_chunks, st_ptr, cs_ptr, cs_off,
         cid = tl.maximum(tl.minimum(lo + i, c_hi - 1), 0)
         cl = tl.minimum(tl.maximum(cid - g0, 0), gn - 1)   # group-local chunk (clamped when inactive)
         if HAS_CS:
-            ci = tl.load(cs_off + n) + (lo - c_lo) + i
-            cs_mask = (cv[:, None] < V) & active
+            # the state entering every cs_stride-th chunk of the sequence (KdaParams::chunk_stride)
+            cq = (lo - c_lo) + i
+            ci = tl.load(cs_off + n) + cq // cs_stride
+            cs_mask = (cv[:, None] < V) & active & (cq % cs_stride == 0)
             tl.store(cs_ptr + (ci * HV + h) * K * V + s_off, S.to(cs_ptr.dtype.element_ty), mask=cs_mask)
         base = (cl * HV + h) * 64
         W = tl.load(ws_w + (base + r64)[:, None] * K + cK[None, :])
