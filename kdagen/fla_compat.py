@@ -147,7 +147,13 @@ def _cp_context(ctx: Any, q: Any, initial_state: Any, output_final_state: bool, 
 def _kernel_kw(t: Translated, kernel_chunk: Optional[int]) -> dict:
     if kernel_chunk is None:
         return t.kw
-    return dict(t.kw, return_chunk_states=True, chunk_size=kernel_chunk)
+    return dict(t.kw, return_chunk_states=_stride(t, kernel_chunk), chunk_size=kernel_chunk)
+
+
+def _stride(t: Translated, kernel_chunk: int) -> int:
+    """The kernel's chunk-state stride for fla's intermediate states: one state per fla chunk
+    (kdagen.cp keeps every kernel chunk's; _intermediate picks its rows)."""
+    return 1 if t.cp is not None else t.inter_chunk // kernel_chunk
 
 
 def run(t: Translated):
@@ -170,7 +176,7 @@ def run(t: Translated):
     o, fs = res[0], res[1] if t.output_final_state else None
     if t.inter_chunk is None:
         return o, fs
-    return o, fs, _intermediate(t, res[2], c)
+    return o, fs, _intermediate(t, res[2], c * _stride(t, c))
 
 
 def plan(t: Translated) -> None:
@@ -194,15 +200,16 @@ def plan(t: Translated) -> None:
                 raise
 
 
-def _intermediate(t: Translated, cs: torch.Tensor, kernel_chunk: int) -> torch.Tensor:
-    """fla's h: the state entering every chunk of fla's chunk size, [B, NT, HV, *state], k's dtype."""
+def _intermediate(t: Translated, cs: torch.Tensor, spacing: int) -> torch.Tensor:
+    """fla's h: the state entering every chunk of fla's chunk size, [B, NT, HV, *state], k's dtype,
+    from the kernel's chunk states `spacing` tokens apart."""
     q, k = t.tensors[0], t.tensors[1]
     B, T = q.shape[0], q.shape[1]
     cu, cu_cpu = t.kw["cu_seqlens"], t.kw["cu_seqlens_cpu"]
     if t.cp is not None:  # the rank's local pieces
         cu = cu_cpu = torch.tensor(t.cp.local_cu)
     S = t.inter_chunk
-    if S != kernel_chunk:
+    if S != spacing:
         lens = host_lengths(B, T, cu, cu_cpu, "return_intermediate_states")
         positions = [list(range(0, L, S)) for L in lens]
         first, dst = [], 0
@@ -210,7 +217,7 @@ def _intermediate(t: Translated, cs: torch.Tensor, kernel_chunk: int) -> torch.T
             first.append(dst)
             dst += len(p)
         out = cs.new_empty((dst, *cs.shape[1:]))
-        rows(lens, kernel_chunk, positions, first, cs.device).copy(out, cs, None)
+        rows(lens, spacing, positions, first, cs.device).copy(out, cs, None)
         cs = out
     h = cs.to(k.dtype)
     return h.unsqueeze(0) if cu is not None else h.view(B, -(-T // S), *cs.shape[1:])
