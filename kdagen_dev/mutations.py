@@ -243,6 +243,14 @@ CATALOGUE: list[Mutation] = [
       "chunk=chunk, buffer=checkpoints",
       ("tests/test_checkpoints.py::test_checkpoints_run_the_plain_calls_kernel_keeping_one_state_each",),
       "checkpoint rows placed on the kernel chunk's grid while the kernel kept every m-th chunk state"),
+    M("stride_scan_cuts_off_grid", "kdagen/scan/engine.py", "align = (kw.get(\"chunk_size\") or 64) * stride",
+      "align = kw.get(\"chunk_size\") or 64",
+      ("tests/test_scan_engine.py::test_chunk_state_stride_cuts_segments_on_its_grid[correct]",),
+      "the scan cuts segments between kept chunk states, so a segment's rows are not its sequence's"),
+    M("stride_scan_correct_rows", "kdagen/scan/engine.py", "C = C * P.cs_stride if C else C",
+      "C = C",
+      ("tests/test_scan_engine.py::test_chunk_state_stride_cuts_segments_on_its_grid[correct]",),
+      "the correct step adds S_in A_c to a row per chunk while the runs kept every m-th"),
 ]
 
 # What CI runs (tests/test_mutations.py): the four survivors issue 23 names and one bug of each

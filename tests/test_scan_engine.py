@@ -160,10 +160,6 @@ def test_whole_calls_pass_through_and_bad_input_is_named():
         scan_prefill(**bad, segments=2, prefill=reference_prefill)
     with pytest.raises(KdaInputError, match="mode: expected 'rerun' or 'correct'"):
         scan_prefill(**kw, segments=2, mode="fast", prefill=reference_prefill)
-    with pytest.raises(KdaInputError, match="return_chunk_states: expected True or False in the segment scan"):
-        scan_prefill(**kw, segments=2, chunk_size=16, return_chunk_states=3, prefill=reference_prefill)
-    with pytest.raises(KdaInputError, match="return_chunk_states: expected True or False in the reference engine"):
-        reference_prefill(**kw, chunk_size=16, return_chunk_states=3)
     with pytest.raises(KdaInputError, match="workspace"):
         scan_prefill(**kw, segments=2, chunk_size=16, workspace=torch.empty(8, dtype=torch.uint8),
                      prefill=reference_prefill)
@@ -218,6 +214,44 @@ def test_kernels_varlen_split_with_states_and_chunk_states(dev):
     out = scan_prefill(**kw, chunk_size=16, return_chunk_states=True, segments=[3, 1, 1, 2], mode="rerun")
     check(out, kw, 16, 1e-5)
     assert inspect.signature(scan_prefill).parameters["mode"].default == "correct"  # the route's and cp's mode
+
+
+def _strided(cs, lens, C, m):
+    """Rows 0, m, 2m, ... of each sequence's every-chunk states."""
+    keep, at = [], 0
+    for L in lens:
+        keep += range(at, at + -(-L // C), m)
+        at += -(-L // C)
+    return cs[keep]
+
+
+@pytest.mark.parametrize("mode", ["rerun", "correct"])
+def test_chunk_state_stride_cuts_segments_on_its_grid(mode):
+    # return_chunk_states=m: segments start on multiples of C m tokens of their sequence, so each
+    # keeps the sequence's own rows; the reference engine keeps them alike (one piece)
+    lens = [300, 7, 0, 130]
+    kw = make_kw(12, lens=lens)
+    _, _, every = reference_prefill(**kw, chunk_size=16, return_chunk_states=True)
+    one = reference_prefill(**kw, chunk_size=16, return_chunk_states=3)
+    assert torch.equal(one[2], _strided(every, lens, 16, 3))
+    buf = torch.full((sum(-(-n // 48) for n in lens), *one[2].shape[1:]), float("nan"))
+    out = scan_prefill(**kw, chunk_size=16, return_chunk_states=3, chunk_states=buf, segments=[4, 1, 1, 2], mode=mode,
+                       prefill=reference_prefill)
+    assert out[2] is buf
+    for a, b in zip(out, one):
+        assert rel_rmse(a, b) < 1e-5
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_kernels_chunk_state_stride(dev):
+    # the correct mode's chunk states B_c + S_in A_c at every 2nd chunk of 16, segments cut on 32
+    lens = [150, 5, 70]
+    kw = make_kw(13, lens=lens, K=32, device=dev)
+    out = scan_prefill(**kw, chunk_size=16, return_chunk_states=2, segments=[3, 1, 2], mode="correct")
+    ro, rs, rc = reference(kw, 16)
+    assert out[2].shape[0] == sum(-(-n // 32) for n in lens)
+    assert rel_rmse(out[2].cpu(), _strided(rc, lens, 16, 2)) < 1e-5
+    assert rel_rmse(out[0].cpu(), ro) < 1e-5 and rel_rmse(out[1].cpu(), rs) < 1e-5
 
 
 @pytest.mark.parametrize("mode", ["rerun", "correct"])

@@ -37,6 +37,8 @@ def test_offered_signatures(monkeypatch):
     assert route.offered(LONG, "sm80", {})
     assert route.offered(replace(LONG, B=2, N=2), "sm80", {})
     assert route.offered(replace(LONG, varlen=True), "sm80", {"cu_seqlens_cpu": object()})
+    # checkpoints' sparse chunk states ride along
+    assert route.offered(LONG, "sm80", {"return_chunk_states": route.CS_MIN_SPACING // 16, "chunk_size": 16})
     refused = {
         "sm90 one piece": (LONG, "sm90", {}),
         "cpu": (replace(LONG, device=torch.device("cpu")), "sm80", {}),
@@ -47,8 +49,10 @@ def test_offered_signatures(monkeypatch):
         "short": (replace(LONG, T=route.MIN_TOKENS - 64), "sm80", {}),
         "forced variant": (LONG, "sm80", {"variant": "kda_fwd_sm80_c16_k128_v128_bf16_gb_sfp32_bv16_hl"}),
         "workspace": (LONG, "sm80", {"workspace": torch.empty(1)}),
-        "chunk states": (LONG, "sm80", {"return_chunk_states": True}),
-        "chunk state buffer": (LONG, "sm80", {"chunk_states": torch.empty(1)}),
+        "chunk states": (LONG, "sm80", {"return_chunk_states": True, "chunk_size": 64}),
+        "chunk state buffer": (LONG, "sm80", {"chunk_states": torch.empty(1), "chunk_size": 16}),
+        "dense strided chunk states": (LONG, "sm80", {"return_chunk_states": route.CS_MIN_SPACING // 128,
+                                                      "chunk_size": 64}),
         "assume_valid": (LONG, "sm80", {"assume_valid": True}),
     }
     for why, (info, target, kw) in refused.items():
@@ -106,6 +110,25 @@ def test_routed_call_equals_one_piece(monkeypatch, dev, shape):
     # bf16: o_A and the states round to bf16 in the scan where one piece keeps them in fp32
     tol = 1e-5 if shape["state_dtype"] == torch.float32 else 1e-2
     assert rel_rmse(out, one[0]) < tol and rel_rmse(fs.float(), one[1].float()) < tol
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_routed_checkpoints_equal_one_piece(monkeypatch, dev):
+    # A checkpoint call keeps every 2nd chunk-16 state (checkpoint_every=32): routed, its segments
+    # are cut on that grid and the checkpoints, o and the final state are one piece's.
+    spy = ScanSpy(monkeypatch)
+    monkeypatch.setattr(route, "segments_for",
+                        lambda plan, kw: None if route._inside() else tuple([3] * plan.info.N))
+    kw = make_kw(14, lens=[150], H=1, HV=2, K=32, device=dev)
+    kw["cu_seqlens_cpu"] = kw["cu_seqlens"].cpu()
+    outs = {}
+    for scan in ("0", "1"):
+        monkeypatch.setenv("KDAGEN_SCAN", scan)
+        outs[scan] = kdagen.kda_prefill(**kw, checkpoint_every=32)
+    assert [c[0] for c in spy.calls] == [(3,)]
+    assert outs["1"][2].shape[0] == 150 // 32
+    for a, b in zip(outs["0"], outs["1"]):
+        assert rel_rmse(a, b) < 1e-5
 
 
 @pytest.mark.gpu

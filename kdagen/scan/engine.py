@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from ..errors import KdaInputError
-from ..inputs import CallInfo, check_call, require_every_chunk
+from ..inputs import CallInfo, check_call, chunk_stride
 from .chain import chain_states
 from .correct import correct_o_fits, correct_o_triton
 from .layout import SegmentLayout, device_ints, split
@@ -83,6 +83,7 @@ class Packed:
     state_dtype: torch.dtype  # of the caller's states
     kw: dict  # _PASS keywords
     info: CallInfo  # the caller's call, as validated
+    cs_stride: int = 1  # chunk states kept: every cs_stride-th chunk's (return_chunk_states=m)
 
     def call(self, prefill: Prefill, lay: SegmentLayout, **kw) -> Any:
         if lay.num_segments == 1 and lay.bounds[1] > 0:  # one segment over the packed row: the B = 1 call, no offsets
@@ -192,16 +193,17 @@ def maps_step(P: Packed, lay: SegmentLayout, known: Sequence[bool], prefill: Pre
     h2 = h2.view(S, 2 * HV, K, K)
     want_cs = outputs and P.kw.get("chunk_size") is not None
     twins = _twins_of(prefill)
-    res = P.call(twins, lay, initial_state=h2, return_chunk_states=want_cs) if twins is not None else None
+    cs_arg = P.cs_stride if want_cs else False
+    res = P.call(twins, lay, initial_state=h2, return_chunk_states=cs_arg) if twins is not None else None
     if res is not None:  # heads [:HV] are B's run, [HV:] A's
         resB = [x[:, :, :HV] if i == 0 else x[:, :HV] for i, x in enumerate(res)]
         resA = [x[:, :, HV:] if i == 0 else x[:, HV:] for i, x in enumerate(res)]
     else:
         v0 = P.v.new_zeros(1, 1, 1, K).expand(P.v.shape)  # v = 0 for the transition run, read from one row
         resB = P.call(prefill, lay, initial_state=h2[:, :HV].contiguous(), output_final_state=True,
-                      return_chunk_states=want_cs)
+                      return_chunk_states=cs_arg)
         resA = P.call(prefill, lay, v=v0, initial_state=h2[:, HV:].contiguous(), output_final_state=True,
-                      return_chunk_states=want_cs)
+                      return_chunk_states=cs_arg)
     Bm, Am = resB[1], resA[1]
     if every:
         Am[::every].zero_()
@@ -217,7 +219,7 @@ def rerun_step(P: Packed, lay: SegmentLayout, S_in: Tensor, prefill: Prefill, ch
     """Step 3: every segment from its true entering state S_in [S, HV, V, K] (fp32). Returns
     (o [1, T, HV, V], each sequence's final state [N, HV, V, K] fp32, chunk states or None)."""
     res = P.call(prefill, lay, initial_state=S_in.contiguous(), output_final_state=True,
-                 return_chunk_states=chunk_states)
+                 return_chunk_states=P.cs_stride if chunk_states else False)
     last = device_ints(lay.last, S_in.device, torch.long)
     return res[0], res[1][last], (res[2] if chunk_states else None)
 
@@ -228,6 +230,7 @@ def correct_step(P: Packed, lay: SegmentLayout, S_in: Tensor, known: Sequence[bo
     (segments whose entering state was already applied in step 1 keep o_B, B_c). o in one
     Triton pass where it runs (kdagen.scan.correct), else fp32 torch products per segment."""
     C = P.kw.get("chunk_size")
+    C = C * P.cs_stride if C else C  # a chunk-state row per C m tokens
     applied = {lay.first[n] for n in range(lay.num_sequences) if known[n]}
     oB, oA = o_pair
     o = None
@@ -395,10 +398,10 @@ def scan_prefill(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *,
     prefill: the kda_prefill to compose (default kdagen.kda_prefill)."""
     if mode not in ("rerun", "correct"):
         raise KdaInputError(f"mode: expected 'rerun' or 'correct', found {mode!r}")
-    require_every_chunk(kw.get("return_chunk_states", False), "in the segment scan")
     prefill = prefill or _default_prefill()
     out, final_state, chunk_buf = kw.pop("out", None), kw.get("final_state"), kw.get("chunk_states")
     want_final = bool(kw.get("output_final_state")) or final_state is not None
+    stride = max(1, chunk_stride(kw.get("return_chunk_states", False)))
     want_cs = bool(kw.get("return_chunk_states")) or chunk_buf is not None
     kw.setdefault("output_final_state", want_final)
     kw.setdefault("return_chunk_states", want_cs)
@@ -406,7 +409,8 @@ def scan_prefill(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *,
     if whole_key is not None and whole_key in _WHOLE:
         return prefill(q, k, v, g, beta, out=out, **kw)  # kda_prefill checks the call itself
     info, cu = validate(q, k, v, g, beta, **kw)
-    align = kw.get("chunk_size") or 64
+    # segments start on the chunk-state grid: each one's kept chunk states are the sequence's
+    align = (kw.get("chunk_size") or 64) * stride
     if segments is None:
         segments = planned_segments(info, cu, mode=mode, costs=costs, variant=kw.get("variant"),
                                     ask_runtime=prefill is _default_prefill(), align=align)
@@ -422,6 +426,7 @@ def scan_prefill(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *,
     if kw.get("workspace") is not None:
         raise KdaInputError("workspace: the scan makes several calls with their own scratch; pass None")
     P = pack(q, k, v, g, beta, checked=(info, cu), **kw)
+    P.cs_stride = stride
 
     known = [True] * lay.num_sequences
     A, B, o_pair, cs_pair = maps_step(P, lay, known, prefill, outputs=(mode == "correct"))

@@ -12,8 +12,9 @@ plus o_A S_in^T with o_A in the input dtype; against float64 that moved o's erro
 The choice is made once per signature (the runtime caches the plan) by the scan's planner; a
 signature is offered to it only where the planner's cost model applies and the scan returns what
 one piece would: sm80 one piece at the call's own head dims, bf16, K == V, one sequence per
-batch row (varlen with several sequences: lengths change per call), no chunk states, no forced
-variant, no workspace, host-readable offsets. KDAGEN_SCAN=0 turns it off; a call under CUDA
+batch row (varlen with several sequences: lengths change per call), no chunk states but sparse
+ones (return_chunk_states=m with at least CS_MIN_SPACING tokens between them: checkpoints), no
+forced variant, no workspace, host-readable offsets. KDAGEN_SCAN=0 turns it off; a call under CUDA
 graph capture, or made by the scan itself, always runs one piece.
 """
 
@@ -33,6 +34,10 @@ log = logging.getLogger("kdagen")
 # shorter sequences on the H200 (T16384 H2-H64, both cost sets), and planning costs host time.
 MIN_TOKENS = 16384
 MODE = "correct"
+# Chunk states this far apart (tokens) or more ride along: segments are cut on their grid and the
+# correct step adds S_in A_c to a few rows. Denser ones (every chunk: T / 16 rows of K x V) would
+# add work the planner does not cost. Not yet measured on a GPU (session 43).
+CS_MIN_SPACING = 1024
 
 _STATE = threading.local()  # .depth: > 0 while this thread runs a routed call
 
@@ -47,7 +52,15 @@ def offered(info: Any, target: str, kw: dict) -> bool:
     return (not _inside() and target == "sm80" and info.device.type == "cuda" and info.dtype == "bf16"
             and info.K == info.V and info.N >= 1 and (not info.varlen or info.N == 1) and info.T >= MIN_TOKENS
             and kw.get("variant") is None and not env.force_variant() and kw.get("workspace") is None
-            and not kw.get("return_chunk_states") and kw.get("chunk_states") is None and not kw.get("assume_valid"))
+            and (_cs_spacing(kw) is None or _cs_spacing(kw) >= CS_MIN_SPACING) and not kw.get("assume_valid"))
+
+
+def _cs_spacing(kw: dict) -> Optional[int]:
+    """Tokens between the chunk states a call keeps (None: it keeps none)."""
+    from ..inputs import chunk_stride
+
+    m = chunk_stride(kw.get("return_chunk_states", False)) or (1 if kw.get("chunk_states") is not None else 0)
+    return m * (kw.get("chunk_size") or 16) if m else None  # chunk_size comes with chunk states
 
 
 def segments_for(plan: Any, kw: dict) -> Optional[tuple[int, ...]]:
@@ -61,14 +74,14 @@ def segments_for(plan: Any, kw: dict) -> Optional[tuple[int, ...]]:
     if type(plan) is not Plan or not offered(info, plan.variant.target, kw):
         return None
     cu = [0, info.T] if info.varlen else [i * info.T for i in range(info.B + 1)]
-    segs = planned_segments(info, cu, mode=MODE, align=kw.get("chunk_size") or 64)
+    segs = planned_segments(info, cu, mode=MODE, align=_cs_spacing(kw) or kw.get("chunk_size") or 64)
     return tuple(segs) if max(segs, default=1) > 1 else None
 
 
 # kda_prefill's keyword flags the routed call passes on (the rest are the call's tensors, or
 # settings segments_for only offers at their defaults)
 _PASSED = ("scale", "lower_bound", "gate", "output_final_state", "layout", "state_layout", "state_dtype",
-           "use_qk_l2norm", "allow_neg_eigval", "chunk_size", "beta_is_logit")
+           "use_qk_l2norm", "allow_neg_eigval", "chunk_size", "beta_is_logit", "return_chunk_states")
 
 
 class ScanRoute:
@@ -98,6 +111,6 @@ class ScanRoute:
         try:
             return scan_prefill(q, k, v, g, beta, segments=self.segments, mode=MODE, A_log=A_log, dt_bias=dt_bias,
                                 initial_state=h0, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu, out=out, final_state=fs,
-                                **self.flags)
+                                chunk_states=cs, **self.flags)
         finally:
             _STATE.depth -= 1
