@@ -160,3 +160,19 @@ def test_gpu_padded_head_dims(K, V):
     ref = {n: (t.cpu() if isinstance(t, torch.Tensor) else t) for n, t in kw.items()}
     ro, rs, _ = kda_reference(**ref)
     assert rel_rmse(o.cpu(), ro) < 6e-3 and rel_rmse(s.cpu(), rs) < 6e-3
+
+
+def test_padded_call_keeps_strided_chunk_states(device):
+    """return_chunk_states=m through padding: the inner call keeps every m-th chunk state, sliced
+    back; allocate_outputs sizes the buffer for that stride."""
+    from kdagen.cases import check_chunk_stride
+
+    v = Variant("triton", 16, 60, 40, "bf16", "bounded", "fp32", 16)
+    lens = [40, 0, 70]
+    kw = make_case(v, device, H=1, HV=2, lens=lens, chunk_states=True, seed=4)
+    kw["cu_seqlens_cpu"] = kw["cu_seqlens"].cpu()
+    plan = rt.prepare(**kw)
+    assert (plan.variant.k, plan.variant.v) != (60, 40)
+    check_chunk_stride(plan.variant, kw, lens, strides=(2,))
+    bufs = kdagen.allocate_outputs(**dict(kw, return_chunk_states=2))
+    assert bufs["chunk_states"].shape == (2 + 0 + 3, 2, 40, 60)
