@@ -19,7 +19,7 @@ import torch
 from .errors import KdaInputError
 from .targets.cuda_driver import current_stream_capturing
 
-KERNEL_CHUNKS = (64, 16)  # the chunk sizes the kernels have, largest (fewest chunk states) first
+KERNEL_CHUNKS = (64, 16)  # the chunk sizes the kernels have (the one-GPU call tries its plan's chunk first)
 
 
 def require_spacing(every: Optional[int]) -> None:
@@ -30,7 +30,7 @@ def require_spacing(every: Optional[int]) -> None:
 
 
 def kernel_chunks(every: int, chunk_size: Optional[int], arg: str = "checkpoint_every") -> tuple[int, ...]:
-    """The kernel chunk sizes, in order of preference, whose chunk states include every
+    """The kernel chunk sizes (largest first) whose chunk states include every
     multiple of `every` (it must be a multiple of one of them)."""
     if isinstance(every, bool) or not isinstance(every, int) or every <= 0:
         raise KdaInputError(f"{arg}: expected a positive number of tokens, found {every!r}")
