@@ -104,6 +104,7 @@ def reference_prefill(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, 
     """kdagen.kda_prefill's contract computed by the float64 chunked reference (o in v's dtype,
     states in the state dtype): a drop-in `prefill=` for the scan engine and kdagen.cp where no
     kernel runs (fast CPU tests of the plumbing around the kernels)."""
+    from ..checkpoints import host_lengths
     from ..reference import kda_chunked_reference
 
     m = max(1, chunk_stride(return_chunk_states))
@@ -123,10 +124,8 @@ def reference_prefill(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, 
             fs = final_state.copy_(fs)
     if want_cs:
         if m > 1:  # the state entering chunks 0, m, 2m, ... of each sequence
-            cu = cu_seqlens_cpu if cu_seqlens_cpu is not None else kw.get("cu_seqlens")
-            bsnd = str(kw.get("layout", "BSND")).upper() == "BSND"
-            lens = ([b - a for a, b in zip(cu.tolist(), cu.tolist()[1:])] if cu is not None
-                    else [q.shape[1] if bsnd else q.shape[2]] * q.shape[0])
+            T = q.shape[1] if str(kw.get("layout", "BSND")).upper() == "BSND" else q.shape[2]
+            lens = host_lengths(q.shape[0], T, kw.get("cu_seqlens"), cu_seqlens_cpu, "return_chunk_states")
             keep, at = [], 0
             for L in lens:
                 keep += range(at, at + -(-L // C), m)

@@ -49,10 +49,11 @@ def _inside() -> bool:
 def offered(info: Any, target: str, kw: dict) -> bool:
     """Whether a signature (CallInfo `info`, its one-piece variant's `target`, kda_prefill
     keywords `kw`) is one the planner may route: see the module's docstring for why each."""
+    spacing = _cs_spacing(kw)
     return (not _inside() and target == "sm80" and info.device.type == "cuda" and info.dtype == "bf16"
             and info.K == info.V and info.N >= 1 and (not info.varlen or info.N == 1) and info.T >= MIN_TOKENS
             and kw.get("variant") is None and not env.force_variant() and kw.get("workspace") is None
-            and (_cs_spacing(kw) is None or _cs_spacing(kw) >= CS_MIN_SPACING) and not kw.get("assume_valid"))
+            and (spacing is None or spacing >= CS_MIN_SPACING) and not kw.get("assume_valid"))
 
 
 def _cs_spacing(kw: dict) -> Optional[int]:
