@@ -42,7 +42,7 @@ import torch
 from torch import Tensor
 
 from .errors import KdaInputError
-from .inputs import require_every_chunk
+from .inputs import chunk_stride
 from .scan.chain import chain_states
 from .scan.engine import (_default_prefill, _unpack, correct_step, maps_step, one_piece_v_blocks, pack,
                           planned_segments, rerun_step, scan_launch)
@@ -438,13 +438,14 @@ def kda_prefill_cp(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, 
     chunk_size tokens from the sequence's start, as in the single call: slots must start on that
     grid) or "piece" (from each local piece's start, as fla's intermediate states with a context).
     Returns (o local, final state [len(ctx.ends), HV, ...] or None) like
-    kda_prefill, and chunk states (the local pieces' chunks) with return_chunk_states.
+    kda_prefill, and chunk states with return_chunk_states: the local pieces' chunks, or with
+    return_chunk_states=m every m-th chunk's of each piece (ceil(len / (m chunk_size)) rows a
+    piece; "sequence" grid: slots start on multiples of m chunk_size).
     Checkpoints (prefix caching): checkpoint_every, checkpoints and checkpoint_offsets as in
     kda_prefill, over the context's global sequences (buffer rows and offsets the same on every
     rank); each rank computes those that fall in its pieces, and every rank's buffer receives
     all of them (ctx.pools "replicated") or its own ("local"). The buffer comes last."""
     ctx = _context(cp_context)
-    require_every_chunk(kw.get("return_chunk_states", False), "with a cp_context")
     if checkpoint_every is None and checkpoints is None and checkpoint_offsets is None:
         return _cp_call(q, k, v, g, beta, ctx, segments=segments, mode=mode, prefill=prefill, chain_impl=chain_impl,
                         costs=costs, chunk_grid=chunk_grid, **kw)
@@ -477,7 +478,9 @@ def _cp_call(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, ctx: CPCo
                             f"V == K; found K={q.shape[-1]}, V={v.shape[-1]}")
     final_buf, chunk_buf = kw.pop("final_state", None), kw.pop("chunk_states", None)
     want_final = bool(kw.pop("output_final_state", False)) or final_buf is not None
-    want_cs = bool(kw.pop("return_chunk_states", False)) or chunk_buf is not None
+    rcs = kw.pop("return_chunk_states", False)
+    stride = max(1, chunk_stride(rcs))  # a row per `stride` chunks (return_chunk_states=m)
+    want_cs = bool(rcs) or chunk_buf is not None
     h0_user = kw.pop("initial_state", None)
     pieces = ctx.pieces
     n_local = len(pieces)
@@ -487,11 +490,13 @@ def _cp_call(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, ctx: CPCo
     if want_cs:
         if C is None:
             raise KdaInputError("chunk_size: 16 or 64 required with return_chunk_states")
-        cut = _off_grid(ctx, C) if chunk_grid == "sequence" else None
+        # a kept row every C m tokens of each piece: on the sequence's grid when pieces start on it
+        cut = _off_grid(ctx, C * stride) if chunk_grid == "sequence" else None
         if cut is not None:
+            spacing = f"chunk_size={C}" if stride == 1 else f"chunk_size x return_chunk_states = {C * stride}"
             raise KdaInputError(f"return_chunk_states: a slot boundary falls inside a chunk of sequence {cut[0]} "
                                 f"({cut[1]} tokens in); chunk states need slot boundaries on multiples of "
-                                f"chunk_size={C} from the sequence's start (tokens_per_rank)")
+                                f"{spacing} from the sequence's start (tokens_per_rank)")
 
     # Initial states of the local pieces: the caller's rows for sequences starting here; zeros
     # hold the place of a piece entering from another rank until the exchange.
@@ -512,11 +517,13 @@ def _cp_call(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, ctx: CPCo
         _all_gather(torch.zeros(parts, HV, 2 * K, K, dtype=torch.float32, device=q.device), ctx)
         return _empty_result(q, v, HV, K, kw, want_final, want_cs, final_buf, chunk_buf)
     cu_cpu, cu_dev = device_ints(ctx.local_cu, "cpu"), device_ints(ctx.local_cu, q.device)
+    cs_arg = stride if want_cs else False
     P = pack(q, k, v, g, beta, cu_seqlens=cu_dev, cu_seqlens_cpu=cu_cpu, initial_state=h0,
-             output_final_state=True, return_chunk_states=want_cs, **kw)
+             output_final_state=True, return_chunk_states=cs_arg, **kw)
+    P.cs_stride = stride
     HV, K, dev = P.HV, P.K, q.device
     known = [not p.incoming for p in pieces]
-    align = C or 64
+    align = (C or 64) * stride  # segments start on the kept rows' grid, as in the one-GPU scan
     if segments is None:
         key = (tuple(ctx.local_cu), tuple((p.incoming, p.outgoing) for p in pieces), costs, align, dev, mode,
                EXCHANGE_PROGRAMS_PER_SM, EXCHANGE_MIN_TOKENS, EXCHANGE_MAX_SEGMENTS, TWIN_LONE, P.A_log is None,
@@ -540,7 +547,7 @@ def _cp_call(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, ctx: CPCo
     # 1. Maps (or, with nothing to wait for, the whole local call).
     out_map = torch.zeros(parts, HV, 2 * K, K, dtype=torch.float32, device=dev)
     if plain:
-        res = P.call(prefill, lay, initial_state=P.h0, output_final_state=True, return_chunk_states=want_cs)
+        res = P.call(prefill, lay, initial_state=P.h0, output_final_state=True, return_chunk_states=cs_arg)
         o, finals, cs = res[0], res[1], (res[2] if want_cs else None)
         for j, i in sends:
             out_map[j, :, :K] = finals[i]  # A = 0: the sequence's state leaving this slot, exactly
@@ -611,6 +618,14 @@ def _cp_checkpoints(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, ct
                             f"in); checkpoints on a context need slot boundaries on multiples of the chunk size "
                             f"({' or '.join(map(str, chunks))}) from each sequence's start (tokens_per_rank)")
     C = fits[0]
+    user_stride = chunk_stride(kw.get("return_chunk_states", False)) or (1 if kw.get("chunk_states") is not None else 0)
+    if user_stride and kw.get("chunk_size") is None:
+        raise KdaInputError("chunk_size: expected 16 or 64 when return_chunk_states=True (the states' spacing), "
+                            "found None")
+    if user_stride > 1 and every % (C * user_stride):
+        raise KdaInputError(f"checkpoint_every: expected a multiple of chunk_size x return_chunk_states = "
+                            f"{C * user_stride} (the chunk states kept), found {every}")
+    m = user_stride or checkpoint_stride(ctx, C, every)
     HV, st = pool_io.head_dims(q, v, kw.get("layout", "BSND"), kw.get("state_layout", "VK"))
     dtype = next((t.dtype for t in (kw.get("initial_state"), kw.get("final_state"), kw.get("chunk_states"))
                   if isinstance(t, Tensor)), kw.get("state_dtype") or torch.float32)
@@ -618,8 +633,7 @@ def _cp_checkpoints(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, ct
     buffer, offs = ckpt.place(every, lens, HV=HV, state_shape=st, dtype=dtype, device=q.device, buffer=buffer,
                               offsets=offsets, assume_valid=False)
     want_final = bool(kw.get("output_final_state")) or kw.get("final_state") is not None
-    user_chunks = bool(kw.get("return_chunk_states")) or kw.get("chunk_states") is not None
-    res = _cp_call(q, k, v, g, beta, ctx, **dict(kw, chunk_size=C, output_final_state=True, return_chunk_states=True,
+    res = _cp_call(q, k, v, g, beta, ctx, **dict(kw, chunk_size=C, output_final_state=True, return_chunk_states=m,
                                                  state_dtype=dtype))
     finals, cs = res[1], res[2]
     # This rank's checkpoints: (source row in cs or finals, global buffer row, packed index)
@@ -634,11 +648,11 @@ def _cp_checkpoints(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, ct
             pos = j * every
             if j == 0 or pos < p.offset or pos > lens[p.seq]:
                 continue
-            if pos < p.offset + n_tok:
-                from_cs.append((base + (pos - p.offset) // C, offs[p.seq] + j - 1, packed[p.seq] + j - 1))
+            if pos < p.offset + n_tok:  # a kept row: pos - p.offset is a multiple of C m
+                from_cs.append((base + (pos - p.offset) // (C * m), offs[p.seq] + j - 1, packed[p.seq] + j - 1))
             elif pos == lens[p.seq] and not p.outgoing:
                 from_final.append((ends[p.seq], offs[p.seq] + j - 1, packed[p.seq] + j - 1))
-        base += -(-n_tok // C)
+        base += -(-n_tok // (C * m))
     dev = q.device
 
     def idx(rows: list, col: int) -> Tensor:
@@ -653,7 +667,16 @@ def _cp_checkpoints(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, ct
         dst = device_ints([offs[n] + j for n, L in enumerate(lens) for j in range(L // every)], dev, torch.long)
         if dst.numel():
             buffer.index_copy_(0, dst, every_row.to(dtype))
-    return (res[0], finals if want_final else None, *((cs,) if user_chunks else ()), buffer)
+    return (res[0], finals if want_final else None, *((cs,) if user_stride else ()), buffer)
+
+
+def checkpoint_stride(ctx: CPContext, chunk: int, every: int) -> int:
+    """The chunk-state stride m a context-parallel call with checkpoints keeps: the largest
+    divisor of every / chunk whose grid (m chunk tokens from each sequence's start) every slot
+    boundary inside a sequence lies on, so each piece's kept rows hold its checkpoints. m = 1
+    (every chunk's state) only where the slots cut sequences off every coarser grid."""
+    n = every // chunk
+    return max(d for d in range(1, n + 1) if n % d == 0 and _off_grid(ctx, chunk * d) is None)
 
 
 def kda_prefill_cp_pool(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, cp_context: CPContext,

@@ -152,8 +152,8 @@ def _kernel_kw(t: Translated, kernel_chunk: Optional[int]) -> dict:
 
 def _stride(t: Translated, kernel_chunk: int) -> int:
     """The kernel's chunk-state stride for fla's intermediate states: one state per fla chunk
-    (kdagen.cp keeps every kernel chunk's; _intermediate picks its rows)."""
-    return 1 if t.cp is not None else t.inter_chunk // kernel_chunk
+    (with a context, from each local piece's start: kdagen.cp's "piece" grid)."""
+    return t.inter_chunk // kernel_chunk
 
 
 def run(t: Translated):

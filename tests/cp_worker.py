@@ -39,7 +39,7 @@ def problem(case: dict, device: str = "cpu") -> tuple[dict, dict]:
                               chunk_size=case.get("chunk", 16), output_final_state=True)
     kw["initial_state"] = r(len(lens), HV, K, K, scale=0.5).to(case.get("state_dtype", torch.float32))
     if case.get("chunk_states"):
-        kw["return_chunk_states"] = True
+        kw["return_chunk_states"] = case["chunk_states"]  # True or a stride m
     t = {n: x.to(device) for n, x in t.items()}
     kw = {n: (x.to(device) if isinstance(x, torch.Tensor) else x) for n, x in kw.items()}
     return t, kw

@@ -149,9 +149,15 @@ def test_call_errors_are_named():
         kdagen.kda_prefill(**loc, **kw, cp_context=ctx)  # both sequences' rows; only seq 0 starts here
     with pytest.raises(KdaInputError, match="cp_context: expected a kdagen.cp.CPContext .build_cp_context. or fla's"):
         kdagen.kda_prefill(**loc, cp_context=[0, 8, 16])
-    with pytest.raises(KdaInputError, match="return_chunk_states: expected True or False with a cp_context .it keeps "
-                                            "every chunk's state., found 2"):
-        kdagen.kda_prefill(**loc, cp_context=ctx, return_chunk_states=2, chunk_size=16)
+    # strided chunk states keep a row every 32 tokens here: the slot boundary 16 tokens in is off that grid
+    t48, _ = cp_worker.problem(dict(lens=[48]))
+    cut16 = build_cp_context([0, 48], rank=0, world=2, tokens_per_rank=[16, 32])
+    with pytest.raises(KdaInputError, match="return_chunk_states: a slot boundary falls inside a chunk of sequence 0 "
+                                            "\\(16 tokens in\\); .* multiples of chunk_size x return_chunk_states = 32"):
+        kdagen.kda_prefill(**cp_worker.local_slice(t48, 0, 16, "BSND"), cp_context=cut16, return_chunk_states=2,
+                           chunk_size=16)
+    with pytest.raises(KdaInputError, match="return_chunk_states: expected True, False or a stride m >= 1"):
+        kdagen.kda_prefill(**loc, cp_context=ctx, return_chunk_states=0.5, chunk_size=16)
     # a rank holding no tokens raises it too, before the exchange it would otherwise wait in
     empty = build_cp_context([0, 8, 16], rank=1, world=2, tokens_per_rank=[16, 0])
     with pytest.raises(KdaInputError, match="v: context parallelism carries K x K transitions .* found K=32, V=16"):
@@ -216,11 +222,34 @@ def test_checkpoint_errors_are_named():
                                             "rows"):
         kdagen.kda_prefill(**loc16, cp_context=on_grid, initial_state=h0, checkpoint_every=16,
                            checkpoint_offsets=torch.tensor([0, 1]))
+    with pytest.raises(KdaInputError, match="chunk_size: expected 16 or 64 when return_chunk_states=True"):
+        kdagen.kda_prefill(**loc16, cp_context=on_grid, initial_state=h0, checkpoint_every=16, return_chunk_states=True)
+    with pytest.raises(KdaInputError, match="checkpoint_every: expected a multiple of chunk_size x return_chunk_states "
+                                            "= 32 .the chunk states kept., found 16"):
+        kdagen.kda_prefill(**loc16, cp_context=on_grid, initial_state=h0, checkpoint_every=16, chunk_size=16,
+                           return_chunk_states=2)
     fla_like = SimpleNamespace(cu_seqlens=torch.tensor([0, 16]), pre_num_ranks=0, post_num_ranks=1,
                                pre_num_conv_tokens=0, group=None, layout="contiguous")
     with pytest.raises(KdaInputError, match="checkpoint_every: expected a kdagen context .build_cp_context. with "
                                             "checkpoints"):
         kdagen.kda_prefill(**loc16, cp_context=from_fla(fla_like, rank=0, world=2), checkpoint_every=16)
+
+
+def test_checkpoints_keep_the_coarsest_chunk_states_the_slots_allow():
+    # checkpoint_every=256 on chunk 16: a row every 16 m tokens, m the largest divisor of 16
+    # whose grid every slot boundary inside a sequence lies on (one at a sequence's start is free)
+    from kdagen.cp import checkpoint_stride
+
+    def m(cu, tokens, every=256, chunk=16, world=2):
+        return checkpoint_stride(build_cp_context(cu, rank=0, world=world, tokens_per_rank=tokens), chunk, every)
+
+    assert m([0, 256], [96, 160]) == 2  # 96 tokens in: on the 32 grid, off the 64 one
+    assert m([0, 256], [128, 128]) == 8
+    assert m([0, 256], [112, 144]) == 1
+    assert m([0, 100, 356], [100, 256]) == 16  # the cut is a sequence's start: every checkpoint's row alone
+    assert m([0, 100, 356], [164, 192]) == 4  # 64 tokens into sequence 1
+    assert m([0, 512], [192, 128, 192], world=3) == 4  # two cuts: 192 and 320 tokens in, both on the 64 grid
+    assert m([0, 256], [128, 128], every=64, chunk=64) == 1
 
 
 def test_graph_capture_is_refused(monkeypatch):
@@ -348,11 +377,15 @@ CASES = {
         dict(lens=[8, 70, 0, 18], engine="kernels"),  # planner's segments; rank 1's first piece enters
         dict(lens=[8, 70, 0, 18], engine="ref", mode="correct", segments=2, layout="BNSD", state_layout="KV",
              state_dtype=torch.bfloat16, seed=1),
-        dict(lens=[16, 70, 0, 10], engine="ref", chunk_states=True, segments=2, mode="rerun", seed=2),
+        # every 2nd chunk's state (rows every 32 tokens: the slot boundary is 32 tokens into sequence 1)
+        dict(lens=[16, 70, 0, 10], engine="ref", chunk_states=2, segments=2, mode="rerun", seed=2),
         dict(lens=[8, 70, 0, 18], engine="kernels", cp_layout="zigzag", segments=2, seed=6),
         dict(lens=[30, 50, 0], engine="ref", cp_layout="zigzag", mode="rerun", seed=7),  # empty at T: slot 3
         dict(lens=[8, 70, 0, 18], engine="kernels", cp_layout="zigzag", pool=True, seed=12),
-        dict(lens=[32, 64, 0, 32], engine="kernels", cp_layout="zigzag", pool=True, ckpt=16, seed=14),
+        # checkpoints every 32 tokens keep every 2nd chunk's state (the cut is 32 tokens into sequence 1)
+        dict(lens=[32, 64, 0, 32], engine="kernels", cp_layout="zigzag", pool=True, ckpt=32, seed=14),
+        # the same stride with checkpoints inside the pieces (32 and 96 tokens into sequence 1)
+        dict(lens=[8, 120, 0, 8], engine="ref", tokens_per_rank=[72, 64], ckpt=32, seed=17),
         dict(lens=[8, 70, 0, 18], engine="fla", cp_layout="zigzag", seed=8, inter=True),
         dict(lens=[8, 70, 0, 18], engine="fla", seed=9, inter=True),
     ],
@@ -361,8 +394,10 @@ CASES = {
         dict(lens=[8, 100, 4, 8], engine="ref", tokens_per_rank=[50, 0, 70], mode="rerun", seed=4),
         dict(lens=[8, 100, 4, 8], engine="ref", mode="correct", segments=3, H=1, HV=2, seed=5),
         dict(lens=[96, 0, 96], engine="ref", cp_layout="zigzag", segments=2, chunk_states=True, seed=10),
+        dict(lens=[96, 0, 96], engine="ref", cp_layout="zigzag", segments=2, chunk_states=2, seed=16),
         dict(lens=[8, 100, 4, 8], engine="kernels", pool=True, pools="local", seed=13),
-        dict(lens=[8, 96, 4, 32], engine="ref", tokens_per_rank=[40, 32, 68], ckpt=32, pools="local", seed=15),
+        # the cut 80 tokens into sequence 1 is off the 32 grid: every chunk's state kept
+        dict(lens=[8, 96, 4, 32], engine="ref", tokens_per_rank=[40, 48, 52], ckpt=32, pools="local", seed=15),
         dict(lens=[8, 100, 4, 8], engine="fla", cp_layout="zigzag", seed=11, inter=True),
     ],
 }
@@ -481,7 +516,7 @@ def contexts_of(case: dict, world: int) -> list:
 
 def chunk_rows(case: dict, ranks: list[dict], ctxs: list) -> torch.Tensor:
     """Every rank's chunk states in global order: each row sorted by its chunk's first token."""
-    C = case.get("chunk", 16)
+    C = case.get("chunk", 16) * int(case["chunk_states"])  # a kept row every C m tokens
     rows = []
     for ctx, x in zip(ctxs, ranks):
         pos = [ctx.global_range(p)[0] + c for p in ctx.pieces for c in range(0, p.end - p.start, C)]
