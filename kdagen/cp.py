@@ -600,8 +600,8 @@ def _off_grid(ctx: CPContext, C: int) -> Optional[tuple[int, int]]:
 def _cp_checkpoints(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, ctx: CPContext, every: Optional[int],
                     buffer: Optional[Tensor], offsets: Optional[Tensor], **kw: Any):
     """kda_prefill_cp with checkpoints: the rank's chunk states on each sequence's own grid (the
-    slots must cut sequences on it) hold the checkpoints inside its pieces, its final states
-    those at a sequence's end; each goes to its global row."""
+    slots must cut sequences on it), kept every checkpoint_stride chunks, hold the checkpoints
+    inside its pieces, its final states those at a sequence's end; each goes to its global row."""
     from . import checkpoints as ckpt
     from . import state_pool as pool_io
 
@@ -617,7 +617,7 @@ def _cp_checkpoints(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, ct
         raise KdaInputError(f"checkpoint_every: a slot boundary falls inside a chunk of sequence {n} ({off} tokens "
                             f"in); checkpoints on a context need slot boundaries on multiples of the chunk size "
                             f"({' or '.join(map(str, chunks))}) from each sequence's start (tokens_per_rank)")
-    C = fits[0]
+    C = _planned_chunk(q, k, v, g, beta, ctx, kw, fits) if len(fits) > 1 else fits[0]
     user_stride = chunk_stride(kw.get("return_chunk_states", False)) or (1 if kw.get("chunk_states") is not None else 0)
     if user_stride and kw.get("chunk_size") is None:
         raise KdaInputError("chunk_size: expected 16 or 64 when return_chunk_states=True (the states' spacing), "
@@ -668,6 +668,27 @@ def _cp_checkpoints(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, ct
         if dst.numel():
             buffer.index_copy_(0, dst, every_row.to(dtype))
     return (res[0], finals if want_final else None, *((cs,) if user_stride else ()), buffer)
+
+
+def _planned_chunk(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, ctx: CPContext, kw: dict,
+                   fits: Sequence[int]) -> int:
+    """Of the kernel chunks the slots allow (`fits`), the one the runtime plans for this rank's
+    local call without checkpoints (its pieces as sequences, fp32 "VK" states in and out like the
+    scan's calls), so that checkpoints keep the call's kernel and o (on the H200 every tuned rule
+    picks chunk 16, the precise kernels); fits[0] with a caller's own prefill or no local piece."""
+    from . import state_pool as pool_io
+    from .runtime import _chunk_of, _with_defaults, kda_prefill
+
+    if kw.get("prefill") not in (None, kda_prefill) or not ctx.pieces:
+        return fits[0]
+    HV, st = pool_io.head_dims(q, v, kw.get("layout", "BSND"), "VK")
+    call = {n: kw[n] for n in ("A_log", "dt_bias", "scale", "lower_bound", "gate", "layout", "use_qk_l2norm",
+                               "allow_neg_eigval", "variant", "beta_is_logit") if n in kw}
+    h0 = torch.zeros(len(ctx.pieces), HV, *st, dtype=torch.float32, device=q.device)
+    cu = dict(cu_seqlens=device_ints(ctx.local_cu, q.device), cu_seqlens_cpu=device_ints(ctx.local_cu, "cpu"))
+    chunk = _chunk_of(q, k, v, g, beta, _with_defaults(dict(call, **cu, initial_state=h0, output_final_state=True,
+                                                            state_layout="VK")))
+    return chunk if chunk in fits else fits[0]
 
 
 def checkpoint_stride(ctx: CPContext, chunk: int, every: int) -> int:

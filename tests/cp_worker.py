@@ -34,6 +34,7 @@ def problem(case: dict, device: str = "cpu") -> tuple[dict, dict]:
              v=r(1, T, HV, K).to(dtype), g=r(1, T, HV, K), beta=r(1, T, HV))
     if case.get("layout", "BSND") == "BNSD":
         t = {n: x.transpose(1, 2).contiguous() for n, x in t.items()}
+    # "chunk": None leaves the kernel chunk to the runtime
     kw: dict[str, Any] = dict(A_log=r(HV, scale=0.5), dt_bias=r(HV, K), lower_bound=case.get("lower_bound", -1e-3),
                               layout=case.get("layout", "BSND"), state_layout=case.get("state_layout", "VK"),
                               chunk_size=case.get("chunk", 16), output_final_state=True)
@@ -154,11 +155,14 @@ def run_rank(rank: int, world: int, store: str, cases: list[dict], out_dir: str,
                 res = kdagen.kda_prefill(**loc, **kw, cp_context=ctx, **ck)  # the runtime's pass-through
             else:
                 res = kda_prefill_cp(**loc, **kw, cp_context=ctx, **extra, **ck)
+            plain_o = None
             if ck:
                 assert res[-1] is ck["checkpoints"]
                 res = res[:-1]
+                if case.get("same_o"):  # the call without checkpoints, for o's bit-identity
+                    plain_o = kdagen.kda_prefill(**loc, **kw, cp_context=ctx)[0].cpu()
             torch.save(dict(out=[x.cpu() if x is not None else None for x in res], ends=list(ctx.ends),
-                            ckpt=ck["checkpoints"].cpu() if ck else None),
+                            ckpt=ck["checkpoints"].cpu() if ck else None, plain_o=plain_o),
                        os.path.join(out_dir, f"r{rank}_{i}.pt"))
         say("cases done")
     finally:

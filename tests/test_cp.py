@@ -153,7 +153,8 @@ def test_call_errors_are_named():
     t48, _ = cp_worker.problem(dict(lens=[48]))
     cut16 = build_cp_context([0, 48], rank=0, world=2, tokens_per_rank=[16, 32])
     with pytest.raises(KdaInputError, match="return_chunk_states: a slot boundary falls inside a chunk of sequence 0 "
-                                            "\\(16 tokens in\\); .* multiples of chunk_size x return_chunk_states = 32"):
+                                            "\\(16 tokens in\\); .* multiples of chunk_size x "
+                                            "return_chunk_states = 32"):
         kdagen.kda_prefill(**cp_worker.local_slice(t48, 0, 16, "BSND"), cp_context=cut16, return_chunk_states=2,
                            chunk_size=16)
     with pytest.raises(KdaInputError, match="return_chunk_states: expected True, False or a stride m >= 1"):
@@ -384,6 +385,8 @@ CASES = {
         dict(lens=[8, 70, 0, 18], engine="kernels", cp_layout="zigzag", pool=True, seed=12),
         # checkpoints every 32 tokens keep every 2nd chunk's state (the cut is 32 tokens into sequence 1)
         dict(lens=[32, 64, 0, 32], engine="kernels", cp_layout="zigzag", pool=True, ckpt=32, seed=14),
+        # no chunk_size: checkpoints run the chunk the runtime plans (16), not 64, and leave o as without
+        dict(lens=[64, 128, 0, 64], engine="kernels", cp_layout="zigzag", ckpt=64, chunk=None, same_o=True, seed=18),
         # the same stride with checkpoints inside the pieces (32 and 96 tokens into sequence 1)
         dict(lens=[8, 120, 0, 8], engine="ref", tokens_per_rank=[72, 64], ckpt=32, seed=17),
         dict(lens=[8, 70, 0, 18], engine="fla", cp_layout="zigzag", seed=8, inter=True),
@@ -550,6 +553,8 @@ def test_gloo_ranks_equal_the_single_process_call(world, contexts, tmp_path):
             continue
         if case.get("ckpt"):
             check_checkpoints(case, ranks, ctxs)
+        if case.get("same_o"):
+            assert all(torch.equal(x["out"][0], x["plain_o"]) for x in ranks), i
         if case.get("pool"):
             check_pools(case, ranks, ctxs, o)
             continue
@@ -585,7 +590,8 @@ def test_gpu_ranks(tmp_path):
     import torch.multiprocessing as mp
 
     backend = "nccl" if torch.cuda.device_count() >= 2 else "gloo"
-    cases = [dict(c, K=128, chunk=16, dtype=torch.bfloat16) for c in CASES[2] if c["engine"] == "kernels"]
+    cases = [dict(c, K=128, chunk=c.get("chunk", 16), dtype=torch.bfloat16)
+             for c in CASES[2] if c["engine"] == "kernels"]
     mp.spawn(_gpu_rank, args=(2, str(tmp_path / "store"), cases, str(tmp_path), backend), nprocs=2)
     for i, case in enumerate(cases):
         ranks = [torch.load(tmp_path / f"r{r}_{i}.pt") for r in range(2)]
@@ -595,6 +601,8 @@ def test_gpu_ranks(tmp_path):
         t = {n: x.double() for n, x in t.items()}  # the bf16 inputs exactly, o in float64
         if case.get("ckpt"):  # against the one-GPU call on the same bf16 inputs
             check_checkpoints(case, ranks, contexts_of(case, 2), device="cuda", tol=5e-3)
+        if case.get("same_o"):  # checkpoints left the planned kernel, and o, as without them
+            assert all(torch.equal(x["out"][0], x["plain_o"]) for x in ranks), (backend, case)
         if case.get("pool"):  # initial states from the pool's slots (zeros for padding), finals in the ranks' pools
             pool0, idx = cp_worker.pool_of(case, kw)
             kw["initial_state"] = torch.stack([pool0[i] if i >= 0 else torch.zeros_like(pool0[0]) for i in idx.tolist()])
