@@ -636,11 +636,53 @@ def _cp_checkpoints(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, ct
     res = _cp_call(q, k, v, g, beta, ctx, **dict(kw, chunk_size=C, output_final_state=True, return_chunk_states=m,
                                                  state_dtype=dtype))
     finals, cs = res[1], res[2]
-    # This rank's checkpoints: (source row in cs or finals, global buffer row, packed index)
+    rows = _checkpoint_rows(ctx, lens, offs, every, C * m, q.device)
+    if ctx.pools == "local":
+        rows.local.copy(buffer, cs, finals)
+    elif rows.width:  # the same on every rank (from the global offsets): all call the collective or none
+        # Every rank's rows in the buffer's dtype, each moved once and exactly by an all_gather
+        # (padded to the most any rank computes); each lands at its rows in every rank's buffer.
+        send = buffer.new_zeros(rows.width, *buffer.shape[1:])
+        rows.send.copy(send, cs, finals)
+        for part, dst in zip(_all_gather(send, ctx), rows.dst):
+            if dst.numel():
+                buffer.index_copy_(0, dst, part[:dst.numel()])
+    return (res[0], finals if want_final else None, *((cs,) if user_stride else ()), buffer)
+
+
+@dataclass
+class _CheckpointRows:
+    local: Any  # checkpoints.Rows: this rank's checkpoints from its chunk states / finals to buffer rows
+    send: Any  # checkpoints.Rows: the same to this rank's all_gather rows (replicated)
+    width: int  # all_gather rows per rank: the most checkpoints any rank computes
+    dst: list  # per rank, the buffer rows of its all_gather rows (int64, device)
+
+
+_CKPT_ROWS: dict = {}  # (context, lengths, offsets, spacing, device) -> _CheckpointRows: a model's layers repeat it
+
+
+def _checkpoint_rows(ctx: CPContext, lens: Sequence[int], offs: Sequence[int], every: int, spacing: int,
+                     device: torch.device) -> _CheckpointRows:
+    """Which rank computes each checkpoint and where it goes. Sequence n's j-th checkpoint (the
+    state after pos = (j + 1) every tokens) is computed by the rank holding its token cu[n] + pos,
+    from the chunk states kept every `spacing` tokens of that piece, or at pos = L by the rank
+    holding the sequence's last token, from its final state; it goes to buffer row offs[n] + j."""
+    from . import checkpoints as ckpt
+
+    key = (ctx.cu, ctx.slot_bounds, ctx.slots, ctx.rank, ctx.world, ctx.layout, tuple(lens), tuple(offs), every,
+           spacing, device)
+    hit = _CKPT_ROWS.get(key)
+    if hit is not None:
+        return hit
+    owned: list[list[int]] = [[] for _ in range(ctx.world)]  # per rank, buffer rows in (n, j) order
+    for n, L in enumerate(lens):
+        for j in range(L // every):
+            pos = (j + 1) * every
+            tok = ctx.cu[n] + (pos if pos < L else L - 1)
+            slot = bisect.bisect_right(ctx.slot_bounds, tok) - 1  # past empty slots: the one holding tok
+            owned[ctx.slot_owner(slot)[0]].append(offs[n] + j)
+    # This rank's: (source row in the chunk states or the finals, buffer row), piece by piece
     ends = {n: i for i, n in enumerate(ctx.ends)}
-    packed = [0]
-    for L in lens:
-        packed.append(packed[-1] + L // every)
     from_cs, from_final, base = [], [], 0
     for p in ctx.pieces:
         n_tok = p.end - p.start
@@ -648,26 +690,29 @@ def _cp_checkpoints(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, ct
             pos = j * every
             if j == 0 or pos < p.offset or pos > lens[p.seq]:
                 continue
-            if pos < p.offset + n_tok:  # a kept row: pos - p.offset is a multiple of C m
-                from_cs.append((base + (pos - p.offset) // (C * m), offs[p.seq] + j - 1, packed[p.seq] + j - 1))
+            if pos < p.offset + n_tok:  # a kept row: pos - p.offset is a multiple of the spacing
+                from_cs.append((base + (pos - p.offset) // spacing, offs[p.seq] + j - 1))
             elif pos == lens[p.seq] and not p.outgoing:
-                from_final.append((ends[p.seq], offs[p.seq] + j - 1, packed[p.seq] + j - 1))
-        base += -(-n_tok // (C * m))
-    dev = q.device
+                from_final.append((ends[p.seq], offs[p.seq] + j - 1))
+        base += -(-n_tok // spacing)
+    mine = {row: i for i, row in enumerate(owned[ctx.rank])}
+    if sorted(mine) != sorted(r for _, r in from_cs + from_final):
+        raise RuntimeError(f"kdagen.cp: rank {ctx.rank}'s checkpoints by position {sorted(mine)} differ from those "
+                           f"in its pieces {sorted(r for _, r in from_cs + from_final)} (a bug; please report it)")
 
-    def idx(rows: list, col: int) -> Tensor:
-        return device_ints([r[col] for r in rows], dev, torch.long)
+    def idx(values: Sequence[int]) -> Tensor:
+        return device_ints(list(values), device, torch.long)
 
-    if ctx.pools == "local":
-        ckpt.Rows(idx(from_cs, 0), idx(from_cs, 1), idx(from_final, 0), idx(from_final, 1)).copy(buffer, cs, finals)
-    else:
-        every_row = _rows_of_all_ranks(packed[-1], (HV, *st), ctx, dev, lambda t: ckpt.Rows(
-            idx(from_cs, 0), idx(from_cs, 2), idx(from_final, 0), idx(from_final, 2)).copy(
-                t, cs.float(), finals.float() if finals is not None else None))
-        dst = device_ints([offs[n] + j for n, L in enumerate(lens) for j in range(L // every)], dev, torch.long)
-        if dst.numel():
-            buffer.index_copy_(0, dst, every_row.to(dtype))
-    return (res[0], finals if want_final else None, *((cs,) if user_stride else ()), buffer)
+    def rows_to(dst_of) -> Any:
+        return ckpt.Rows(idx(r[0] for r in from_cs), idx(dst_of(r[1]) for r in from_cs),
+                         idx(r[0] for r in from_final), idx(dst_of(r[1]) for r in from_final))
+
+    out = _CheckpointRows(local=rows_to(lambda row: row), send=rows_to(mine.__getitem__),
+                          width=max(map(len, owned), default=0), dst=[idx(rows) for rows in owned])
+    if len(_CKPT_ROWS) >= 256:
+        _CKPT_ROWS.clear()
+    _CKPT_ROWS[key] = out
+    return out
 
 
 def _planned_chunk(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, ctx: CPContext, kw: dict,

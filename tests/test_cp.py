@@ -388,7 +388,8 @@ CASES = {
         # no chunk_size: checkpoints run the chunk the runtime plans (16), not 64, and leave o as without
         dict(lens=[64, 128, 0, 64], engine="kernels", cp_layout="zigzag", ckpt=64, chunk=None, same_o=True, seed=18),
         # the same stride with checkpoints inside the pieces (32 and 96 tokens into sequence 1)
-        dict(lens=[8, 120, 0, 8], engine="ref", tokens_per_rank=[72, 64], ckpt=32, seed=17),
+        dict(lens=[8, 120, 0, 8], engine="ref", tokens_per_rank=[72, 64], ckpt=32, state_dtype=torch.bfloat16,
+             seed=17),
         dict(lens=[8, 70, 0, 18], engine="fla", cp_layout="zigzag", seed=8, inter=True),
         dict(lens=[8, 70, 0, 18], engine="fla", seed=9, inter=True),
     ],
@@ -552,7 +553,7 @@ def test_gloo_ranks_equal_the_single_process_call(world, contexts, tmp_path):
             assert max(errs.values()) < 1e-5, (i, case, errs)
             continue
         if case.get("ckpt"):
-            check_checkpoints(case, ranks, ctxs)
+            check_checkpoints(case, ranks, ctxs, tol=5e-3 if case.get("state_dtype") == torch.bfloat16 else 1e-5)
         if case.get("same_o"):
             assert all(torch.equal(x["out"][0], x["plain_o"]) for x in ranks), i
         if case.get("pool"):
