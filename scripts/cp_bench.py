@@ -2,7 +2,7 @@
 
     NCCL_NVLS_ENABLE=0 PYTHONPATH=$PWD torchrun --nproc_per_node 2 scripts/cp_bench.py \
         [--T 1048576 --H 8] [--segments auto,4,8,16] [--modes rerun,correct] [--iters 5]
-        [--lower-bound=-1e-3] [--layout zigzag] [--out benchmarks/results/DATE_cp_h200.md]
+        [--lower-bound=-1e-3] [--layout zigzag] [--checkpoint-every 4096] [--out benchmarks/results/DATE_cp_h200.md]
 
 Two runs for a host with fewer GPUs than ranks (neither is a measured speedup; both say so):
 - `--backend gloo` with more ranks than GPUs: the ranks share GPUs and exchange over gloo, which
@@ -169,8 +169,14 @@ def main() -> int:
                     help="the correction kernel's tile and launch (kdagen.scan.correct.CONFIG) for this run")
     ap.add_argument("--layout", default="contiguous", choices=("contiguous", "zigzag"),
                     help="how the tokens are split over the ranks (kdagen.cp.build_cp_context)")
+    ap.add_argument("--checkpoint-every", type=int, default=0, metavar="N",
+                    help="also time each run with prefix-cache checkpoints every N tokens (replicated buffers): "
+                         "peak memory with and without, o against the run without, rows against one GPU's")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
+    if a.checkpoint_every and a.emulate:
+        print("--checkpoint-every: not with --emulate (the emulated exchange carries the maps only)", file=sys.stderr)
+        return 2
     if a.correct_config:
         correct.CONFIG = tuple(int(x) for x in a.correct_config.split(","))
     if a.emulate:
@@ -228,6 +234,9 @@ def main() -> int:
                     a.iters, False)
         for k, v in single.items():
             say(f"- {k}: {v:.2f} ms")
+        if a.checkpoint_every:  # the one-GPU call's checkpoints, what every rank's buffer must hold
+            ref = (*ref, kdagen.kda_prefill(*t, **call, initial_state=kw["initial_state"],
+                                            checkpoint_every=a.checkpoint_every)[-1])
     base = min(single.values()) if single else None
     runs = [(s, m) for m in a.modes.split(",") if m for s in a.segments.split(",") if s]
     if a.emulate:
@@ -339,8 +348,8 @@ def ranks(kw: dict, call: dict, runs: list, rank: int, world: int, a, base: Opti
     for seg, mode in runs:
         segs = None if seg == "auto" else int(seg)
 
-        def run():
-            return kda_prefill_cp(**loc, **call, initial_state=h0, cp_context=ctx, segments=segs, mode=mode)
+        def run(**more):
+            return kda_prefill_cp(**loc, **call, initial_state=h0, cp_context=ctx, segments=segs, mode=mode, **more)
 
         out = run()
         ms = wall_ms(run, a.iters, True)
@@ -356,7 +365,42 @@ def ranks(kw: dict, call: dict, runs: list, rank: int, world: int, a, base: Opti
             speed = f", {base / ms:.2f}x the best single-GPU call" if base and not shared else ""
             say(f"- {world} ranks, {mode}, segments per rank {seg}: {ms:.2f} ms{speed}; o {rel_rmse(o, ref[0]):.2e}, "
                 f"final state {rel_rmse(final, ref[1]):.2e} against the one-GPU one-piece call")
+        if a.checkpoint_every:
+            checkpoints(run, out, rank, a, ref, say, f"{world} ranks, {mode}, segments per rank {seg}")
         del out, parts, fparts
+
+
+def checkpoints(run: Callable[..., tuple], out: tuple, rank: int, a, ref, say, what: str) -> None:
+    """The same run with checkpoints every a.checkpoint_every tokens: time, peak memory against the
+    run without (the largest rank's), o bit-identical to the run's on every rank, the buffers
+    identical on every rank and against the one-GPU call's checkpoints (rank 0 reports)."""
+    every = a.checkpoint_every
+    peaks = []
+    for more in ({}, {"checkpoint_every": every}):
+        _sync()
+        if a.device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        res = run(**more)
+        _sync()
+        peaks.append(torch.cuda.max_memory_allocated() / 2**30 if a.device == "cuda" else float("nan"))
+    ms = wall_ms(lambda: run(checkpoint_every=every), a.iters, True)
+    dev = out[0].device
+    same = torch.tensor([int(torch.equal(res[0], out[0]))], device=dev)
+    dist.all_reduce(same, op=dist.ReduceOp.MIN)
+    peak = torch.tensor(peaks, device=dev)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    buf = res[-1]
+    parts = [torch.empty_like(buf) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, buf.contiguous())
+    if rank == 0:
+        replicas = all(torch.equal(x, parts[0]) for x in parts)
+        mem = (f"peak memory {peak[1].item():.2f} GiB against {peak[0].item():.2f} without (largest rank)"
+               if a.device == "cuda" else "no memory figure on the CPU")
+        say(f"  - with a checkpoint every {every} tokens ({buf.shape[0]} rows): {ms:.2f} ms; {mem}; o "
+            f"{'bit-identical to' if same.item() else 'DIFFERENT from'} the run's on every rank; rows "
+            f"{rel_rmse(buf.float(), ref[2].float()):.2e} against the one-GPU call's, "
+            f"{'identical' if replicas else 'DIFFERENT'} on every rank ({what})")
+
 
 if __name__ == "__main__":
     sys.exit(main())

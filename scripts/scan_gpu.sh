@@ -6,7 +6,8 @@
 # bench: scripts/scan_bench.py (issue 17's rows, accuracy);
 # cp:    issue 19's run: with 2+ GPUs scripts/cp_bench.py over NCCL on 2, 4 and 8 ranks (as many as
 #        there are GPUs), B1 T1048576 H8 D128, the planner's segments, mode "correct", against the
-#        best one-GPU call, then 2 ranks in the zigzag layout; with one GPU two ranks share it over
+#        best one-GPU call (and with a checkpoint every 4096 tokens: time, peak memory, rows), then 2
+#        ranks in the zigzag layout; with one GPU two ranks share it over
 #        gloo (the real collective path at full size: results, not a speedup).
 # Tests use the carried build/ images (KDAGEN_DISABLE_JIT=1: a stale image fails rather than being
 # rebuilt); fla-core travels as a wheel in .whl/. Expected on H200s: tests ~1-2 min, cp ~1-2 min a
@@ -22,7 +23,7 @@ if compgen -G ".whl/*.whl" >/dev/null; then
     && export PYTHONPATH="/tmp/site:$PYTHONPATH"
 fi
 STAGES=${*:-tests cp}
-CP_ARGS=${CP_ARGS:-"--segments auto --modes correct --baseline-segments 6,12"}
+CP_ARGS=${CP_ARGS:-"--segments auto --modes correct --baseline-segments 6,12 --checkpoint-every 4096"}
 n=$(python3 -c "import torch; print(torch.cuda.device_count())")
 echo "date: $(date -u +%F) commit: ${KDAGEN_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)} GPUs: $n" \
   | tee "$OUT/env.txt"
