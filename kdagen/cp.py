@@ -729,7 +729,7 @@ def _planned_chunk(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, ctx
     HV, st = pool_io.head_dims(q, v, kw.get("layout", "BSND"), "VK")
     call = {n: kw[n] for n in ("A_log", "dt_bias", "scale", "lower_bound", "gate", "layout", "use_qk_l2norm",
                                "allow_neg_eigval", "variant", "beta_is_logit") if n in kw}
-    h0 = torch.zeros(len(ctx.pieces), HV, *st, dtype=torch.float32, device=q.device)
+    h0 = torch.empty(len(ctx.pieces), HV, *st, dtype=torch.float32, device=q.device)  # the plan reads no values
     cu = dict(cu_seqlens=device_ints(ctx.local_cu, q.device), cu_seqlens_cpu=device_ints(ctx.local_cu, "cpu"))
     chunk = _chunk_of(q, k, v, g, beta, _with_defaults(dict(call, **cu, initial_state=h0, output_final_state=True,
                                                             state_layout="VK")))
