@@ -148,10 +148,11 @@ def run_rank(rank: int, world: int, store: str, cases: list[dict], out_dir: str,
                            os.path.join(out_dir, f"r{rank}_{i}.pt"))
                 continue
             kw["initial_state"] = ctx.local_initial_state(kw["initial_state"])
-            extra = dict(segments=case.get("segments"), mode=case.get("mode", "correct"))
+            extra = dict(segments=case.get("segments"), mode=case.get("mode", "correct"),
+                         chunk_grid=case.get("chunk_grid", "sequence"))
             if case.get("engine") == "ref":
                 res = kda_prefill_cp(**loc, **kw, cp_context=ctx, prefill=reference_prefill, **extra, **ck)
-            elif extra["segments"] is None and extra["mode"] == "correct":
+            elif extra["segments"] is None and extra["mode"] == "correct" and extra["chunk_grid"] == "sequence":
                 res = kdagen.kda_prefill(**loc, **kw, cp_context=ctx, **ck)  # the runtime's pass-through
             else:
                 res = kda_prefill_cp(**loc, **kw, cp_context=ctx, **extra, **ck)

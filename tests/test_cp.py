@@ -399,6 +399,9 @@ CASES = {
         dict(lens=[8, 100, 4, 8], engine="ref", mode="correct", segments=3, H=1, HV=2, seed=5),
         dict(lens=[96, 0, 96], engine="ref", cp_layout="zigzag", segments=2, chunk_states=True, seed=10),
         dict(lens=[96, 0, 96], engine="ref", cp_layout="zigzag", segments=2, chunk_states=2, seed=16),
+        # fla's grid: rows every 32 tokens from each piece's start (the cut 72 tokens into sequence 1 is off the
+        # sequence's 32 grid)
+        dict(lens=[8, 100, 4, 8], engine="ref", chunk_grid="piece", chunk_states=2, segments=2, seed=19),
         dict(lens=[8, 100, 4, 8], engine="kernels", pool=True, pools="local", seed=13),
         # the cut 80 tokens into sequence 1 is off the 32 grid: every chunk's state kept
         dict(lens=[8, 96, 4, 32], engine="ref", tokens_per_rank=[40, 48, 52], ckpt=32, pools="local", seed=15),
@@ -511,6 +514,27 @@ def piece_intermediate_states(case: dict, ranks: list[dict]) -> torch.Tensor:
     return torch.cat(rows)
 
 
+def piece_chunk_states(case: dict, ctxs: list) -> torch.Tensor:
+    """The chunk states of a "piece" grid case from single-process reference calls: every rank's
+    pieces in its order, each run alone from its true entering state (the reference's state
+    after its sequence's earlier tokens), keeping its stride from the piece's start."""
+    t, kw = cp_worker.problem(case)
+    cu = cp_worker.cu_of(case["lens"])
+    h0_all = kw.pop("initial_state")
+    kw.update(output_final_state=True)
+    rows = []
+    for ctx in ctxs:
+        for p in ctx.pieces:
+            a, b = ctx.global_range(p)
+            s = cu[p.seq]
+            h0 = h0_all[p.seq:p.seq + 1]
+            if a > s:
+                h0 = reference_prefill(**cp_worker.local_slice(t, s, a, "BSND"), **dict(kw, return_chunk_states=False),
+                                       initial_state=h0)[1]
+            rows.append(reference_prefill(**cp_worker.local_slice(t, a, b, "BSND"), **kw, initial_state=h0)[2])
+    return torch.cat(rows)
+
+
 def contexts_of(case: dict, world: int) -> list:
     """Every rank's context of a case (a case on fla's contexts holds the same slots)."""
     return [build_cp_context(cp_worker.cu_of(case["lens"]), rank=r, world=world,
@@ -564,7 +588,9 @@ def test_gloo_ranks_equal_the_single_process_call(world, contexts, tmp_path):
         tol = 5e-3 if case.get("state_dtype") == torch.bfloat16 else 1e-5
         errs = {"o": rel_rmse(o, ref[0]), "state": rel_rmse(fs, ref[1][ends])}
         assert fs.dtype == ref[1].dtype
-        if case.get("chunk_states"):  # rows by (global sequence, chunk) order over the ranks' pieces
+        if case.get("chunk_grid") == "piece":  # each piece's rows from its own start, in the ranks' order
+            errs["chunk_states"] = rel_rmse(torch.cat([x["out"][2] for x in ranks]), piece_chunk_states(case, ctxs))
+        elif case.get("chunk_states"):  # rows by (global sequence, chunk) order over the ranks' pieces
             errs["chunk_states"] = rel_rmse(chunk_rows(case, ranks, ctxs), ref[2])
         assert max(errs.values()) < tol, (i, case, errs)
     if contexts == "fla":
