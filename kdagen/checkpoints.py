@@ -17,6 +17,7 @@ from typing import Optional, Sequence
 import torch
 
 from .errors import KdaInputError
+from .inputs import kept_stride
 from .targets.cuda_driver import current_stream_capturing
 
 KERNEL_CHUNKS = (64, 16)  # the chunk sizes the kernels have (the one-GPU call tries its plan's chunk first)
@@ -43,6 +44,21 @@ def kernel_chunks(every: int, chunk_size: Optional[int], arg: str = "checkpoint_
         raise KdaInputError(f"{arg}: expected a multiple of the kernels' chunk size "
                             f"({' or '.join(map(str, sorted(KERNEL_CHUNKS)))}), found {every}")
     return fits
+
+
+def caller_chunks(every: int, chunk_size: Optional[int], return_chunk_states, chunk_states
+                  ) -> tuple[tuple[int, ...], int]:
+    """kernel_chunks for a call with checkpoints, and the stride of the chunk states its caller
+    asks for besides them (0: none): those need chunk_size, and a spacing that every divides."""
+    stride = kept_stride(return_chunk_states, chunk_states)
+    if stride and chunk_size is None:
+        raise KdaInputError("chunk_size: expected 16 or 64 when return_chunk_states=True (the states' spacing), "
+                            "found None")
+    chunks = kernel_chunks(every, chunk_size)
+    if stride > 1 and every % (chunk_size * stride):
+        raise KdaInputError(f"checkpoint_every: expected a multiple of chunk_size x return_chunk_states = "
+                            f"{chunk_size * stride} (the chunk states kept), found {every}")
+    return chunks, stride
 
 
 @dataclass

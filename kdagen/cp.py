@@ -610,7 +610,8 @@ def _cp_checkpoints(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, ct
     if ctx.cu is None:
         raise KdaInputError("checkpoint_every: expected a kdagen context (build_cp_context) with checkpoints; one made "
                             "from fla's FLACPContext numbers no global sequences")
-    chunks = ckpt.kernel_chunks(every, kw.get("chunk_size"))
+    chunks, user_stride = ckpt.caller_chunks(every, kw.get("chunk_size"), kw.get("return_chunk_states", False),
+                                             kw.get("chunk_states"))
     fits = [c for c in chunks if _off_grid(ctx, c) is None]
     if not fits:
         n, off = _off_grid(ctx, chunks[-1])
@@ -618,13 +619,6 @@ def _cp_checkpoints(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, ct
                             f"in); checkpoints on a context need slot boundaries on multiples of the chunk size "
                             f"({' or '.join(map(str, chunks))}) from each sequence's start (tokens_per_rank)")
     C = _planned_chunk(q, k, v, g, beta, ctx, kw, fits) if len(fits) > 1 else fits[0]
-    user_stride = chunk_stride(kw.get("return_chunk_states", False)) or (1 if kw.get("chunk_states") is not None else 0)
-    if user_stride and kw.get("chunk_size") is None:
-        raise KdaInputError("chunk_size: expected 16 or 64 when return_chunk_states=True (the states' spacing), "
-                            "found None")
-    if user_stride > 1 and every % (C * user_stride):
-        raise KdaInputError(f"checkpoint_every: expected a multiple of chunk_size x return_chunk_states = "
-                            f"{C * user_stride} (the chunk states kept), found {every}")
     m = user_stride or checkpoint_stride(ctx, C, every)
     HV, st = pool_io.head_dims(q, v, kw.get("layout", "BSND"), kw.get("state_layout", "VK"))
     dtype = next((t.dtype for t in (kw.get("initial_state"), kw.get("final_state"), kw.get("chunk_states"))

@@ -111,6 +111,12 @@ def chunk_stride(return_chunk_states) -> int:
                repr(return_chunk_states))
 
 
+def kept_stride(return_chunk_states, chunk_states) -> int:
+    """The stride of the chunk states a call keeps: chunk_stride, or 1 where a chunk_states
+    buffer alone asks for them (0: none)."""
+    return chunk_stride(return_chunk_states) or (1 if chunk_states is not None else 0)
+
+
 def require_every_chunk(return_chunk_states, where: str) -> None:
     """Refuse a chunk-state stride m > 1 where `where` keeps every chunk's state only."""
     if chunk_stride(return_chunk_states) > 1:

@@ -401,14 +401,8 @@ def _engine_call(q, k, v, g, beta, kw: dict, state_pool, state_indices, checkpoi
     cp = None
     if checkpoint_every is not None or checkpoints is not None or checkpoint_offsets is not None:
         ckpt.require_spacing(checkpoint_every)
-        user_stride = chunk_stride(kw["return_chunk_states"]) or (1 if kw["chunk_states"] is not None else 0)
-        if user_stride and kw["chunk_size"] is None:
-            raise KdaInputError("chunk_size: expected 16 or 64 when return_chunk_states=True (the states' spacing), "
-                                "found None")
-        chunks = ckpt.kernel_chunks(checkpoint_every, kw["chunk_size"])
-        if user_stride > 1 and checkpoint_every % (chunks[0] * user_stride):
-            raise KdaInputError(f"checkpoint_every: expected a multiple of chunk_size x return_chunk_states = "
-                                f"{chunks[0] * user_stride} (the chunk states kept), found {checkpoint_every}")
+        chunks, user_stride = ckpt.caller_chunks(checkpoint_every, kw["chunk_size"], kw["return_chunk_states"],
+                                                 kw["chunk_states"])
         lens = ckpt.host_lengths(B, T, cu, kw["cu_seqlens_cpu"], "checkpoint_every")
         if cu is not None and kw["cu_seqlens_cpu"] is None:
             kw = dict(kw, cu_seqlens_cpu=torch.tensor([0, *itertools.accumulate(lens)], dtype=cu.dtype))

@@ -58,9 +58,9 @@ def offered(info: Any, target: str, kw: dict) -> bool:
 
 def _cs_spacing(kw: dict) -> Optional[int]:
     """Tokens between the chunk states a call keeps (None: it keeps none)."""
-    from ..inputs import chunk_stride
+    from ..inputs import kept_stride
 
-    m = chunk_stride(kw.get("return_chunk_states", False)) or (1 if kw.get("chunk_states") is not None else 0)
+    m = kept_stride(kw.get("return_chunk_states", False), kw.get("chunk_states"))
     return m * (kw.get("chunk_size") or 16) if m else None  # chunk_size comes with chunk states
 
 
