@@ -11,6 +11,7 @@ rows are copied.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -18,6 +19,7 @@ import torch
 
 from .errors import KdaInputError
 from .inputs import kept_stride
+from .scan.layout import device_ints
 from .targets.cuda_driver import current_stream_capturing
 
 KERNEL_CHUNKS = (64, 16)  # the chunk sizes the kernels have (the one-GPU call tries its plan's chunk first)
@@ -82,9 +84,11 @@ def rows(lens: Sequence[int], chunk: int, positions: Sequence[Sequence[int]], ds
     """Rows for the states after positions[n] tokens of sequence n (each a multiple of `chunk`,
     at most lens[n]), written to rows dst_first[n], dst_first[n] + 1, ...; `chunk` is the chunk
     states' spacing in tokens (the kernel's chunk times the stride it kept them at)."""
-    if device.type == "cuda" and current_stream_capturing():
-        raise KdaInputError("checkpoint_every: not under CUDA graph capture (the rows are placed from host "
-                            "lengths, which a replay would not see change)")
+    return _on_device(_indices(lens, chunk, positions, dst_first), device)
+
+
+def _indices(lens, chunk, positions, dst_first) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """rows()'s four index lists, flat, and their sizes."""
     chunk_src, chunk_dst, final_src, final_dst = [], [], [], []
     first_chunk = 0
     for n, (L, pos, dst) in enumerate(zip(lens, positions, dst_first)):
@@ -97,11 +101,27 @@ def rows(lens: Sequence[int], chunk: int, positions: Sequence[Sequence[int]], ds
                 final_dst.append(dst + j)
         first_chunk += -(-L // chunk)
     parts = (chunk_src, chunk_dst, final_src, final_dst)
-    flat = torch.tensor([x for p in parts for x in p], dtype=torch.int64).to(device, non_blocking=True)
+    return tuple(x for p in parts for x in p), tuple(map(len, parts))
+
+
+@functools.lru_cache(maxsize=256)
+def _spaced_indices(every: int, chunk: int, lens: tuple[int, ...], dst_first: tuple[int, ...]):
+    """_indices of plan()'s checkpoints, by value: a model's layers repeat one layout."""
+    return _indices(lens, chunk, [[(j + 1) * every for j in range(L // every)] for L in lens], dst_first)
+
+
+def _on_device(indices: tuple[tuple[int, ...], tuple[int, ...]], device: torch.device) -> Rows:
+    if device.type == "cuda" and current_stream_capturing():
+        raise KdaInputError("checkpoint_every: not under CUDA graph capture (the rows are placed from host "
+                            "lengths, which a replay would not see change)")
+    flat, sizes = indices
+    # cached by value, one copy per stream, READ-ONLY (index_select / index_copy_ only read them): a
+    # plain copy from pageable memory waited for the stream on every call
+    flat = device_ints(flat, device, torch.int64)
     out, at = [], 0
-    for p in parts:
-        out.append(flat[at:at + len(p)])
-        at += len(p)
+    for n in sizes:
+        out.append(flat[at:at + n])
+        at += n
     return Rows(*out)
 
 
@@ -119,8 +139,8 @@ def plan(every: int, lens: Sequence[int], *, HV: int, state_shape: tuple[int, in
     tokens, for j < L_n // every) to row offsets[n] + j of `buffer` (allocated when None)."""
     buffer, offs = place(every, lens, HV=HV, state_shape=state_shape, dtype=dtype, device=device, buffer=buffer,
                          offsets=offsets, assume_valid=assume_valid)
-    positions = [[(j + 1) * every for j in range(L // every)] for L in lens]
-    return Checkpoints(rows(lens, chunk, positions, offs[:len(lens)], device), buffer, offs)
+    indices = _spaced_indices(every, chunk, tuple(lens), tuple(offs[:len(lens)]))
+    return Checkpoints(_on_device(indices, device), buffer, offs)
 
 
 def place(every: int, lens: Sequence[int], *, HV: int, state_shape: tuple[int, int], dtype: torch.dtype,

@@ -810,7 +810,7 @@ class Plan:
             offs = [0]
             for a, b in zip(host, host[1:]):
                 offs.append(offs[-1] + -(-(b - a) // C))
-            return torch.tensor(offs, dtype=torch.int32, device=dev), offs[-1]
+            return device_ints(offs, dev), offs[-1]  # READ-ONLY; a plain copy waited for the stream
         # no host offsets: computed on the device (capturable), rows unknown here
         co = torch.zeros(N + 1, dtype=torch.int32, device=dev)
         torch.cumsum((cu32[1:] - cu32[:-1] + (C - 1)) // C, 0, dtype=torch.int32, out=co[1:])

@@ -57,11 +57,14 @@ def _select_shard(config, items) -> None:
     def weight(key: str) -> int:
         # a test costs a launch and (cached) a reference; a Triton variant also its JIT compiles,
         # a few seconds each (about 40 tests' worth); fla's autotuning of a new shape about 130 s
-        # (the whole of a shard's other work, so such a test gets a shard of its own)
+        # (the whole of a shard's other work, so such a test gets a shard of its own); a triton_twin
+        # test compiles its own specialization, 12-78 s each on the H100 (session 45: five in one shard
+        # took 180 s of its 334 and pushed it past a 330 s limit)
         its = groups[key]
         triton = {v.name for v in map(_variant, its) if v is not None and v.target.startswith("triton")}
+        twin = sum(1 for v in map(_variant, its) if v is not None and v.target == "triton_twin")
         fla = sum(1 for it in its if it.get_closest_marker("fla_autotune"))
-        return len(its) + 40 * len(triton) + 700 * fla
+        return len(its) + 40 * len(triton) + 150 * twin + 700 * fla
 
     # heaviest groups first onto the least loaded shard (every shard process computes the same plan)
     load = [0] * count

@@ -93,6 +93,23 @@ def test_checkpoints_with_a_state_pool_and_chunk_states(device):
     assert ck.shape == (1, 2, 32, 32) and torch.equal(ck[0], cs2[2 + 2])  # sequence 1, after 32 tokens
 
 
+def test_plan_reuses_the_index_rows_of_a_layout_and_follows_the_offsets():
+    """plan() keeps one device copy of a layout's row indices (a model's layers repeat it; a fresh
+    copy waited for the stream): the same layout shares it, other offsets or lengths get their own."""
+    kw = dict(HV=2, state_shape=(32, 32), dtype=torch.float32, device=torch.device("cpu"), chunk=16, buffer=None,
+              assume_valid=False)
+    P = kdagen.checkpoints.plan
+    a, b = P(32, [70, 40], offsets=None, **kw), P(32, [70, 40], offsets=None, **kw)
+    assert a.rows.chunk_src.data_ptr() == b.rows.chunk_src.data_ptr()
+    assert a.rows.chunk_src.tolist() == [2, 4, 5 + 2] and a.rows.chunk_dst.tolist() == [0, 1, 2]  # 5 chunks of 70
+    assert a.rows.final_src.tolist() == [] and a.buffer.data_ptr() != b.buffer.data_ptr()
+    c = P(32, [70, 40], offsets=torch.tensor([1, 4, 6]), **kw)
+    assert c.rows.chunk_dst.tolist() == [1, 2, 4] and c.rows.chunk_src.tolist() == [2, 4, 7]
+    d = P(32, [64, 40], offsets=None, **kw)
+    assert d.rows.chunk_src.tolist() == [2, 4 + 2] and d.rows.chunk_dst.tolist() == [0, 2]
+    assert (d.rows.final_src.tolist(), d.rows.final_dst.tolist()) == ([0], [1])  # 64 tokens: the final state
+
+
 @pytest.mark.parametrize("over, needle", [
     (dict(checkpoint_every=24), "checkpoint_every: expected a multiple of the kernels' chunk size (16 or 64), found 24"),
     (dict(checkpoint_every=16, chunk_size=64), "checkpoint_every: expected a multiple of chunk_size=64, found 16"),
