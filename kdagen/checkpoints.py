@@ -84,7 +84,7 @@ def rows(lens: Sequence[int], chunk: int, positions: Sequence[Sequence[int]], ds
     """Rows for the states after positions[n] tokens of sequence n (each a multiple of `chunk`,
     at most lens[n]), written to rows dst_first[n], dst_first[n] + 1, ...; `chunk` is the chunk
     states' spacing in tokens (the kernel's chunk times the stride it kept them at)."""
-    return _on_device(_indices(lens, chunk, positions, dst_first), device)
+    return Rows(*_on_device(*_indices(lens, chunk, positions, dst_first), device))
 
 
 def _indices(lens, chunk, positions, dst_first) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -104,50 +104,96 @@ def _indices(lens, chunk, positions, dst_first) -> tuple[tuple[int, ...], tuple[
     return tuple(x for p in parts for x in p), tuple(map(len, parts))
 
 
-@functools.lru_cache(maxsize=256)
-def _spaced_indices(every: int, chunk: int, lens: tuple[int, ...], dst_first: tuple[int, ...]):
-    """_indices of plan()'s checkpoints, by value: a model's layers repeat one layout."""
-    return _indices(lens, chunk, [[(j + 1) * every for j in range(L // every)] for L in lens], dst_first)
-
-
-def _on_device(indices: tuple[tuple[int, ...], tuple[int, ...]], device: torch.device) -> Rows:
+def _on_device(flat: tuple[int, ...], sizes: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, ...]:
+    """The index lists on `device` (views of one tensor), cached by value, one copy per stream:
+    READ-ONLY (index_select / index_copy_ only read them). A plain copy from pageable memory
+    waited for the stream on every call."""
     if device.type == "cuda" and current_stream_capturing():
         raise KdaInputError("checkpoint_every: not under CUDA graph capture (the rows are placed from host "
                             "lengths, which a replay would not see change)")
-    flat, sizes = indices
-    # cached by value, one copy per stream, READ-ONLY (index_select / index_copy_ only read them): a
-    # plain copy from pageable memory waited for the stream on every call
-    flat = device_ints(flat, device, torch.int64)
-    out, at = [], 0
+    return _views(device_ints(flat, device, torch.int64), sizes)
+
+
+@functools.lru_cache(maxsize=256)
+def _views(t: torch.Tensor, sizes: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
+    """`t` split by `sizes` (device_ints hands out the same tensor for the same values, so the
+    views are made once: six slices were ~10 us of host time a call)."""
+    at, parts = 0, []
     for n in sizes:
-        out.append(flat[at:at + n])
+        parts.append(t[at:at + n])
         at += n
-    return Rows(*out)
+    return tuple(parts)
+
+
+@functools.lru_cache(maxsize=256)
+def _plan_indices(every: int, chunk: int, lens: tuple[int, ...], dst_first: tuple[int, ...]):
+    """plan()'s index lists, by value (a model's layers repeat one layout): rows()'s four, then
+    per checkpoint in order its row in [chunk states; final states] and its buffer row; the
+    flat tuple, the six sizes and the chunk-state rows a call keeps at spacing `chunk`."""
+    positions = [[(j + 1) * every for j in range(L // every)] for L in lens]
+    flat, sizes = _indices(lens, chunk, positions, dst_first)
+    kept = sum(-(-L // chunk) for L in lens)
+    src, dst, first = [], [], 0
+    for n, (L, pos, d) in enumerate(zip(lens, positions, dst_first)):
+        for j, p in enumerate(pos):
+            src.append(first + p // chunk if p < L else kept + n)
+            dst.append(d + j)
+        first += -(-L // chunk)
+    return flat + tuple(src) + tuple(dst), sizes + (len(src), len(dst)), kept
 
 
 @dataclass
 class Checkpoints:
+    """Where a call's checkpoints come from and go. From one stacked tensor [chunk states (`kept`
+    rows at the plan's spacing); final states (N)], which the call writes as its chunk_states= and
+    final_state=, `fill` gathers them in one op (two with the caller's buffer or offsets); `rows`
+    copies them from separate chunk-state and final-state tensors."""
+
     rows: Rows
-    buffer: torch.Tensor
+    buffer: Optional[torch.Tensor]  # the caller's, or None: allocated (`shape`) by fill / target
     offsets: list[int]
+    kept: int
+    stacked_src: torch.Tensor
+    stacked_dst: torch.Tensor
+    packed: bool  # no caller buffer or offsets: the checkpoints are the new buffer's rows in order
+    shape: tuple[int, ...]
+
+    def target(self, like: torch.Tensor) -> torch.Tensor:
+        if self.buffer is None:
+            self.buffer = torch.empty(self.shape, dtype=like.dtype, device=like.device)
+        return self.buffer
+
+    def fill(self, stacked: torch.Tensor) -> torch.Tensor:
+        """The buffer with every checkpoint taken from `stacked`."""
+        if self.packed:
+            # each index_select / index_copy_ costs 30-40 us of host time (H100 host, session 45)
+            self.buffer = stacked.index_select(0, self.stacked_src)
+        elif self.stacked_src.numel():
+            self.target(stacked).index_copy_(0, self.stacked_dst, stacked.index_select(0, self.stacked_src))
+        return self.target(stacked)
 
 
 def plan(every: int, lens: Sequence[int], *, HV: int, state_shape: tuple[int, int], dtype: torch.dtype,
          device: torch.device, chunk: int, buffer: Optional[torch.Tensor], offsets,
          assume_valid: bool) -> Checkpoints:
     """Where each sequence's checkpoints go: sequence n's j-th (the state after (j + 1) * every
-    tokens, for j < L_n // every) to row offsets[n] + j of `buffer` (allocated when None)."""
+    tokens, for j < L_n // every) to row offsets[n] + j of `buffer` (allocated when None);
+    `chunk` is the spacing in tokens of the chunk states the call keeps."""
+    packed = buffer is None and offsets is None
     buffer, offs = place(every, lens, HV=HV, state_shape=state_shape, dtype=dtype, device=device, buffer=buffer,
-                         offsets=offsets, assume_valid=assume_valid)
-    indices = _spaced_indices(every, chunk, tuple(lens), tuple(offs[:len(lens)]))
-    return Checkpoints(_on_device(indices, device), buffer, offs)
+                         offsets=offsets, assume_valid=assume_valid, allocate=False)
+    flat, sizes, kept = _plan_indices(every, chunk, tuple(lens), tuple(offs[:len(lens)]))
+    parts = _on_device(flat, sizes, device)
+    need = max((offs[n] + L // every for n, L in enumerate(lens)), default=0)
+    return Checkpoints(Rows(*parts[:4]), buffer, offs, kept, parts[4], parts[5], packed,
+                       (max(need, offs[-1]), HV, *state_shape))
 
 
 def place(every: int, lens: Sequence[int], *, HV: int, state_shape: tuple[int, int], dtype: torch.dtype,
           device: torch.device, buffer: Optional[torch.Tensor], offsets,
-          assume_valid: bool) -> tuple[torch.Tensor, list[int]]:
-    """The checkpoints' buffer (checked, or allocated when None) and every sequence's first row
-    (offsets [N + 1]; default: packed in order)."""
+          assume_valid: bool, allocate: bool = True) -> tuple[Optional[torch.Tensor], list[int]]:
+    """The checkpoints' buffer (checked, or allocated when None and `allocate`) and every
+    sequence's first row (offsets [N + 1]; default: packed in order)."""
     N = len(lens)
     counts = [L // every for L in lens]
     if offsets is None:
@@ -170,7 +216,8 @@ def place(every: int, lens: Sequence[int], *, HV: int, state_shape: tuple[int, i
     need = max((offs[n] + counts[n] for n in range(N)), default=0)
     rows_shape = (HV, *state_shape)
     if buffer is None:
-        buffer = torch.empty((max(need, offs[-1]), *rows_shape), dtype=dtype, device=device)
+        if allocate:
+            buffer = torch.empty((max(need, offs[-1]), *rows_shape), dtype=dtype, device=device)
     elif not isinstance(buffer, torch.Tensor) or buffer.dim() != 4 or tuple(buffer.shape[1:]) != rows_shape \
             or buffer.dtype != dtype or buffer.device != device or buffer.shape[0] < need:
         found = (f"shape {tuple(buffer.shape)}, dtype {buffer.dtype}, {buffer.device}"

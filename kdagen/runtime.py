@@ -414,19 +414,30 @@ def _engine_call(q, k, v, g, beta, kw: dict, state_pool, state_indices, checkpoi
             # change neither o nor the tuned choice: it keeps only every (n / chunk)-th chunk state
             chunk = _chunk_of(q, k, v, g, beta, kw)
             chunks = (chunk, *(c for c in chunks if c != chunk)) if chunk in chunks else chunks
+        # the call writes its kept chunk states and final states into one tensor, from which one
+        # gather makes the checkpoints (the caller's own chunk states or final states: two copies)
+        stack = not user_stride and kw["final_state"] is None
         for i, chunk in enumerate(chunks):
             stride = user_stride or checkpoint_every // chunk
             cp = ckpt.plan(checkpoint_every, lens, HV=HV, state_shape=st, dtype=st_dtype, device=q.device,
                            chunk=chunk * stride, buffer=checkpoints, offsets=checkpoint_offsets,
                            assume_valid=bool(kw["assume_valid"]))
+            call_kw = dict(kw, chunk_size=chunk, return_chunk_states=stride)
+            if stack:
+                stacked = torch.empty((cp.kept + N, HV, *st), dtype=st_dtype, device=q.device)
+                call_kw.update(chunk_states=stacked[:cp.kept], final_state=stacked[cp.kept:])
             try:
-                res = kda_prefill(q, k, v, g, beta, **dict(kw, chunk_size=chunk, return_chunk_states=stride))
+                res = kda_prefill(q, k, v, g, beta, **call_kw)
                 break
             except NoVariantError:
                 if i == len(chunks) - 1:
                     raise
-        cp.rows.copy(cp.buffer, res[2], res[1])
-        res = (res[0], res[1] if want_final else None, *((res[2],) if user_stride else ()), cp.buffer)
+        if stack:
+            buffer = cp.fill(stacked)
+        else:
+            buffer = cp.target(res[2])
+            cp.rows.copy(buffer, res[2], res[1])
+        res = (res[0], res[1] if want_final else None, *((res[2],) if user_stride else ()), buffer)
     else:
         res = kda_prefill(q, k, v, g, beta, **kw)
         if not want_final:

@@ -53,6 +53,9 @@ def test_checkpoints_equal_the_chunk_states_at_those_positions(device):
             written.add(row)
     assert sorted(written) == [0, 2, 3, 6, 8, 9]
     assert all(torch.isnan(buf[r]).all() for r in range(12) if r not in written)
+    # the same offsets without a buffer: a new one of offsets[-1] rows, the checkpoints at the same rows
+    _, _, ck2 = kdagen.kda_prefill(**kw, checkpoint_every=16, checkpoint_offsets=offsets)
+    assert ck2.shape == (11, 2, 32, 32) and all(torch.equal(ck2[r], buf[r]) for r in written)
 
 
 def test_checkpoints_run_the_plain_calls_kernel_keeping_one_state_each(device, monkeypatch):
@@ -61,14 +64,16 @@ def test_checkpoints_run_the_plain_calls_kernel_keeping_one_state_each(device, m
     lens = [70, 64, 200]
     kw = _case(device, lens, chunk=64)
     kept = []
-    real = kdagen.checkpoints.Rows.copy
-    monkeypatch.setattr(kdagen.checkpoints.Rows, "copy",
-                        lambda self, out, cs, fs: (kept.append(cs.shape[0]), real(self, out, cs, fs)))
+    real = kdagen.checkpoints.Checkpoints.fill
+    monkeypatch.setattr(kdagen.checkpoints.Checkpoints, "fill",
+                        lambda self, stacked: (kept.append(stacked.shape[0]), real(self, stacked))[1])
     o, fs, ck = kdagen.kda_prefill(**kw, checkpoint_every=64)
     o2, fs2 = kdagen.kda_prefill(**kw)
     assert torch.equal(o, o2) and torch.equal(fs, fs2)
     assert ck.shape == (1 + 1 + 3, 2, 32, 32)  # packed in order
-    assert kept == [2 + 1 + 4]  # one row per 64 tokens started (the state entering chunk 0 included)
+    # the call's chunk states, one row per 64 tokens started (the state entering chunk 0 included),
+    # stacked with its 3 final states
+    assert kept == [2 + 1 + 4 + 3]
     ref = {n: (t.cpu() if isinstance(t, torch.Tensor) else t) for n, t in kw.items()}
     _, rs, rc = kda_reference(**ref, chunk_states_size=64)
     assert torch.equal(ck[1], fs[1])  # sequence 1 ends on its checkpoint
@@ -95,19 +100,28 @@ def test_checkpoints_with_a_state_pool_and_chunk_states(device):
 
 def test_plan_reuses_the_index_rows_of_a_layout_and_follows_the_offsets():
     """plan() keeps one device copy of a layout's row indices (a model's layers repeat it; a fresh
-    copy waited for the stream): the same layout shares it, other offsets or lengths get their own."""
+    copy waited for the stream): the same layout shares it, other offsets or lengths get their own;
+    fill() gathers the rows from [chunk states; final states]."""
     kw = dict(HV=2, state_shape=(32, 32), dtype=torch.float32, device=torch.device("cpu"), chunk=16, buffer=None,
               assume_valid=False)
     P = kdagen.checkpoints.plan
     a, b = P(32, [70, 40], offsets=None, **kw), P(32, [70, 40], offsets=None, **kw)
     assert a.rows.chunk_src.data_ptr() == b.rows.chunk_src.data_ptr()
     assert a.rows.chunk_src.tolist() == [2, 4, 5 + 2] and a.rows.chunk_dst.tolist() == [0, 1, 2]  # 5 chunks of 70
-    assert a.rows.final_src.tolist() == [] and a.buffer.data_ptr() != b.buffer.data_ptr()
+    assert a.rows.final_src.tolist() == [] and a.buffer is None and a.packed and a.kept == 5 + 3
+    assert a.stacked_src.tolist() == [2, 4, 7] and a.shape == (3, 2, 32, 32)
     c = P(32, [70, 40], offsets=torch.tensor([1, 4, 6]), **kw)
     assert c.rows.chunk_dst.tolist() == [1, 2, 4] and c.rows.chunk_src.tolist() == [2, 4, 7]
+    assert not c.packed and c.stacked_dst.tolist() == [1, 2, 4] and c.shape == (6, 2, 32, 32)
     d = P(32, [64, 40], offsets=None, **kw)
     assert d.rows.chunk_src.tolist() == [2, 4 + 2] and d.rows.chunk_dst.tolist() == [0, 2]
     assert (d.rows.final_src.tolist(), d.rows.final_dst.tolist()) == ([0], [1])  # 64 tokens: the final state
+    assert d.stacked_src.tolist() == [2, 4 + 3 + 0, 4 + 2]  # [chunk states (4 + 3 rows); final states]
+    stacked = torch.randn(7 + 2, 2, 32, 32)
+    assert torch.equal(d.fill(stacked), stacked[[2, 7, 6]])
+    buf = torch.zeros(5, 2, 32, 32)
+    e = P(32, [64, 40], offsets=torch.tensor([2, 4, 5]), **dict(kw, buffer=buf))
+    assert e.fill(stacked) is buf and torch.equal(buf[2:5], stacked[[2, 7, 6]]) and not buf[:2].any()
 
 
 @pytest.mark.parametrize("over, needle", [
