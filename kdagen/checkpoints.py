@@ -5,8 +5,8 @@ A state after `pos` tokens of a sequence of length L (pos a multiple of the kern
 the state entering chunk pos / chunk when pos < L, and the final state when pos == L.
 
 Cost: the kernel keeps the state entering every m-th chunk (return_chunk_states=m, m =
-checkpoint_every / chunk: one state per checkpoint) in a scratch buffer, from which the asked
-rows are copied.
+checkpoint_every / chunk: one state per checkpoint) in a scratch tensor, followed by the final
+states, from which one gather makes the checkpoints.
 """
 
 from __future__ import annotations
@@ -111,18 +111,22 @@ def _on_device(flat: tuple[int, ...], sizes: tuple[int, ...], device: torch.devi
     if device.type == "cuda" and current_stream_capturing():
         raise KdaInputError("checkpoint_every: not under CUDA graph capture (the rows are placed from host "
                             "lengths, which a replay would not see change)")
-    return _views(device_ints(flat, device, torch.int64), sizes)
+    t = device_ints(flat, device, torch.int64)
+    # device_ints hands out the same tensor for the same values, so its views are made once (six
+    # slices were ~10 us of host time a call); keyed by id, checked by identity
+    hit = _VIEWS.get(id(t))
+    if hit is None or hit[0] is not t or hit[1] != sizes:
+        at, parts = 0, []
+        for n in sizes:
+            parts.append(t[at:at + n])
+            at += n
+        if len(_VIEWS) >= 256:
+            _VIEWS.clear()
+        hit = _VIEWS[id(t)] = (t, sizes, tuple(parts))
+    return hit[2]
 
 
-@functools.lru_cache(maxsize=256)
-def _views(t: torch.Tensor, sizes: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
-    """`t` split by `sizes` (device_ints hands out the same tensor for the same values, so the
-    views are made once: six slices were ~10 us of host time a call)."""
-    at, parts = 0, []
-    for n in sizes:
-        parts.append(t[at:at + n])
-        at += n
-    return tuple(parts)
+_VIEWS: dict = {}  # id(index tensor) -> (it, sizes, its views)
 
 
 @functools.lru_cache(maxsize=256)
