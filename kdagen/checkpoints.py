@@ -12,6 +12,7 @@ states, from which one gather makes the checkpoints.
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -132,18 +133,16 @@ _VIEWS: dict = {}  # id(index tensor) -> (it, sizes, its views)
 @functools.lru_cache(maxsize=256)
 def _plan_indices(every: int, chunk: int, lens: tuple[int, ...], dst_first: tuple[int, ...]):
     """plan()'s index lists, by value (a model's layers repeat one layout): rows()'s four, then
-    per checkpoint in order its row in [chunk states; final states] and its buffer row; the
-    flat tuple, the six sizes and the chunk-state rows a call keeps at spacing `chunk`."""
+    the checkpoints' rows in [chunk states; final states] and their buffer rows, in buffer order;
+    the flat tuple, the six sizes and the chunk-state rows a call keeps at spacing `chunk`."""
     positions = [[(j + 1) * every for j in range(L // every)] for L in lens]
     flat, sizes = _indices(lens, chunk, positions, dst_first)
     kept = sum(-(-L // chunk) for L in lens)
-    src, dst, first = [], [], 0
-    for n, (L, pos, d) in enumerate(zip(lens, positions, dst_first)):
-        for j, p in enumerate(pos):
-            src.append(first + p // chunk if p < L else kept + n)
-            dst.append(d + j)
-        first += -(-L // chunk)
-    return flat + tuple(src) + tuple(dst), sizes + (len(src), len(dst)), kept
+    a, b, c = itertools.accumulate(sizes[:3])
+    # the final states sit after the kept chunk-state rows in the stacked source
+    src_of = dict(zip(flat[a:b], flat[:a])) | dict(zip(flat[c:], (kept + n for n in flat[b:c])))
+    dst = sorted(src_of)
+    return flat + tuple(src_of[d] for d in dst) + tuple(dst), sizes + (len(dst), len(dst)), kept
 
 
 @dataclass

@@ -266,7 +266,7 @@ CATALOGUE: list[Mutation] = [
       ("tests/test_checkpoints.py::test_checkpoints_run_the_plain_calls_kernel_keeping_one_state_each",),
       "checkpoint rows placed on the kernel chunk's grid while the kernel kept every m-th chunk state"),
     M("checkpoints_final_from_chunk_rows", "kdagen/checkpoints.py",
-      "src.append(first + p // chunk if p < L else kept + n)", "src.append(first + p // chunk if p < L else n)",
+      "(kept + n for n in flat[b:c])", "(n for n in flat[b:c])",
       ("tests/test_checkpoints.py::test_checkpoints_run_the_plain_calls_kernel_keeping_one_state_each",),
       "a checkpoint at a sequence's end gathered from the chunk states, not from the final states stacked after them"),
     M("checkpoints_caller_offsets_packed", "kdagen/checkpoints.py", "packed = buffer is None and offsets is None",
