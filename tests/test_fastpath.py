@@ -190,11 +190,13 @@ class _FakeEvent:
         stream.drv.launches.append(("record", stream.cuda_stream))
 
 
+@pytest.mark.parametrize("chunks", [False, True], ids=["no-chunk-states", "chunk-states-every-4th"])
 @pytest.mark.parametrize("varlen", [False, True], ids=["batch", "one-varlen-sequence"])
-def test_sm80_segmented_bound_launch_passes_the_general_paths_launches(monkeypatch, varlen):
+def test_sm80_segmented_bound_launch_passes_the_general_paths_launches(monkeypatch, varlen, chunks):
     """A time-segmented signature's bound launch (Sm80SegmentedBound) against the general segmented
     path on the same tensors and caller workspace: the same kernels, grids, streams, event records
-    and waits in the same order, and every byte of every segment's struct."""
+    and waits in the same order, and every byte of every segment's struct; with chunk states
+    (every 4th chunk of 16: a row per 64 tokens), each segment's pointer at its first row."""
     import dataclasses
 
     import kdagen.targets.sm80 as sm80
@@ -214,8 +216,13 @@ def test_sm80_segmented_bound_launch_passes_the_general_paths_launches(monkeypat
         monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: _FakeStream(drv, 9))
         monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
 
+        R = -(-T // 64)  # chunk-state rows a sequence: 5
+        cs = torch.empty(N * R, HV, K, K) if chunks else None
+        co = torch.arange(0, (N + 1) * R, R, dtype=torch.int32) if chunks else None
+
         def call_of(ws):
-            return _call_of(**t, cu=cu, max_len=T, ws=ws)
+            return dataclasses.replace(_call_of(**t, cu=cu, max_len=T, ws=ws, cs=cs, co=co),
+                                       chunk_stride=4 if chunks else 1)
 
         need = la.workspace_bytes(call_of(None), torch.device("cpu"))
         ws = torch.empty(need + 512, dtype=torch.uint8)
@@ -228,7 +235,7 @@ def test_sm80_segmented_bound_launch_passes_the_general_paths_launches(monkeypat
         assert isinstance(bound, sm80.Sm80SegmentedBound), bound
         drv.launches.clear()
         assert bound.launch(c.q, c.k, c.v, c.g, c.beta, c.o, c.A_log, c.dt_bias, cu, c.initial_state,
-                            c.final_state, None, None, ws, T)
+                            c.final_state, cs, co, ws, T)
         assert drv.launches == general
         kinds = [x[0] for x in general]
         assert kinds[:2] == ["record", "wait"] and kinds.count("kda_prep") == kinds.count("kda_recur") == 3
@@ -238,10 +245,15 @@ def test_sm80_segmented_bound_launch_passes_the_general_paths_launches(monkeypat
         preps = [KdaParams.from_buffer_copy(x[5]) for x in general if x[0] == "kda_prep"]
         assert [p.q - c.q.data_ptr() for p in preps] == [a * c.q_strides[1] * 2 for a in (0, 128, 256)]
         assert [p.T for p in preps] == [128, 128, 44] and all(p.cu_seqlens == 0 for p in preps)
+        # chunk states: rows 0, 2, 4 of every sequence (its rows start at chunk_offsets[n])
+        row = HV * K * K * 4
+        assert [p.hc for p in preps] == ([cs.data_ptr() + i * row for i in (0, 2, 4)] if chunks else [0] * 3)
+        assert [p.chunk_offsets for p in preps] == [co.data_ptr() if chunks else 0] * 3
+        assert all(p.chunk_stride == (4 if chunks else 1) for p in preps)
         # a caller workspace a byte short: declined (the general path then runs in one piece)
         drv.launches.clear()
         assert not bound.launch(c.q, c.k, c.v, c.g, c.beta, c.o, c.A_log, c.dt_bias, cu, c.initial_state,
-                                c.final_state, None, None, ws[:-1], T)
+                                c.final_state, cs, co, ws[:-1], T)
         assert drv.launches == []
         la(call_of(ws[:-1]))
         assert la.last_segments == 0
@@ -249,7 +261,7 @@ def test_sm80_segmented_bound_launch_passes_the_general_paths_launches(monkeypat
         drv.launches.clear()
         drv.fail("kda_recur", 1, 700)
         assert not bound.launch(c.q, c.k, c.v, c.g, c.beta, c.o, c.A_log, c.dt_bias, cu, c.initial_state,
-                                c.final_state, None, None, ws, T)
+                                c.final_state, cs, co, ws, T)
         assert bound.last_failure.startswith("cuLaunchKernel(kda_recur, grid=(2, %d, 2), block=(160, 1, 1), "
                                              "smem=6000) failed: CUresult 700" % N), bound.last_failure
 

@@ -133,20 +133,27 @@ def test_sm80_precise_record_halves_o_error(v):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape", ["B2", "varlen1", "varlen1-no-state"])
+@pytest.mark.parametrize("shape", ["B2", "varlen1", "varlen1-no-state", "B2-chunks", "varlen1-chunks4"])
 @pytest.mark.parametrize("state_layout", ["VK", "KV"])
 @pytest.mark.parametrize("v", SEGMENT_VARIANTS, ids=[v.name for v in SEGMENT_VARIANTS])
 def test_sm80_time_segments_match_one_piece(v, state_layout, shape):
     """Prep of segment s + 1 overlapping the recurrence of segment s (few heads, long sequences)
     gives the one-piece result bit for bit, and both match the reference; also for one varlen
-    sequence (a serving engine's call), which runs as a batch of one. The launcher the runtime
-    would use is swapped for one with other settings, so the call is kda_prefill's."""
+    sequence (a serving engine's call), which runs as a batch of one, and with chunk states (every
+    chunk's, or every 4th: the cuts then fall on the rows' grid, 4 x 64 tokens at chunk 64). The
+    launcher the runtime would use is swapped for one with other settings, so the call is
+    kda_prefill's."""
     import kdagen.runtime as rt
     from kdagen_dev.launch import launcher_swapped
 
-    shape_kw = dict(B=2, T=1000) if shape == "B2" else dict(lens=[1000], with_state=shape == "varlen1")
-    kw = make_case(v, "cuda", H=2, HV=4, state_layout=state_layout, seed=21, **shape_kw)
+    shape_kw = dict(B=2, T=1000) if shape.startswith("B2") else dict(lens=[1000], with_state=shape != "varlen1-no-state")
+    kw = make_case(v, "cuda", H=2, HV=4, state_layout=state_layout, seed=21, chunk_states="chunks" in shape,
+                   **shape_kw)
+    if shape == "varlen1-chunks4":
+        kw["return_chunk_states"] = 4
     assert (kw.get("cu_seqlens") is not None) == shape.startswith("varlen1")
+    assert ("return_chunk_states" in kw) == ("chunks" in shape)
+    unit = 64 if shape != "varlen1-chunks4" else max(64, 4 * v.chunk)  # the cuts' grid
     device_key = f"cuda:{kw['q'].device.index}"
     base = rt.registry().launcher(v.name, device_key)
     outs, segments = {}, {}
@@ -173,7 +180,8 @@ def test_sm80_time_segments_match_one_piece(v, state_layout, shape):
         outs["small ws"] = run_poisoned(v, dict(kw, workspace=torch.empty(one_ws + 256, dtype=torch.uint8,
                                                                          device="cuda")))
     segments["small ws"] = la.last_segments
-    assert segments == {"whole": 0, "split": 4, "tail": 5, "small ws": 0}
+    # tail at a 256-token grid: 256 x 3 and 232 (the 64-token tail's cut rounds down to 768)
+    assert segments == {"whole": 0, "split": 4, "tail": 5 if unit == 64 else 4, "small ws": 0}
     for label in ("split", "tail", "small ws"):
         assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(outs["whole"], outs[label])), label
     run_and_compare(v, kw, out=outs["split"])
@@ -189,7 +197,7 @@ def test_sm80_time_segments_plan(monkeypatch):
     var = Variant("sm80", 16, 128, 128, "bf16", "bounded", "fp32", 32)
     la = sm80.Sm80Launcher(var, Path("unused.fatbin"))
     call = lambda **kw: SimpleNamespace(**{**dict(cu_seqlens=None, chunk_states=None, N=1, HV=24,  # noqa: E731
-                                                 twins=1, q=torch.empty(1)), **kw})
+                                                 twins=1, q=torch.empty(1), chunk_stride=1), **kw})
     segs = la._segments(call(), var, 65536)  # issue 4's B1 T65536 H24: 96 programs < 132 SMs
     assert segs == [(a, a + 8192) for a in range(0, 65536, 8192)]
     # Enough prep to hide, at block_v 16 (the rows the H200 measured, session 34): T32768 H4 (32
@@ -207,7 +215,14 @@ def test_sm80_time_segments_plan(monkeypatch):
     assert la._segments(call(HV=96), var, 8192) == []  # 384 programs fill the GPU
     assert la._segments(call(cu_seqlens=torch.zeros(3), N=2), var, 65536) == []  # varlen: segments differ
     assert la._segments(call(cu_seqlens=torch.zeros(2)), var, 65536) == segs  # one varlen sequence: [0, T]
-    assert la._segments(call(chunk_states=torch.zeros(1)), var, 65536) == []
+    # chunk states: cuts on the kept rows' grid (chunk x chunk_stride tokens, at least 64)
+    cs = torch.zeros(1)
+    assert la._segments(call(chunk_states=cs), var, 65536) == segs
+    assert la._segments(call(chunk_states=cs, chunk_stride=64), var, 10000) == [(0, 5120), (5120, 10000)]
+    assert la._segments(call(chunk_states=cs, chunk_stride=3), var, 10000) == [(0, 5184), (5184, 10000)]
+    assert la._segments(call(chunk_stride=64), var, 10000) == [(0, 5056), (5056, 10000)]  # no states: no grid
+    assert la._segments(call(chunk_states=cs, chunk_stride=512), var, 10000) == []  # 8192-token grid: one piece
+    assert la._segments(call(chunk_states=cs, chunk_stride=512), var, 16384) == [(0, 8192), (8192, 16384)]
     assert la._segments(call(twins=2), var, 65536) == []  # the scan's twin launch runs in one piece
     assert la._segments(call(), var, 6000) == []  # too short
     la = la.with_settings(last_segment_tokens=2000)  # the last starts on a whole 64 (2048 tokens)
@@ -216,6 +231,9 @@ def test_sm80_time_segments_plan(monkeypatch):
     assert la._segments(call(), var, 1000) == [(0, 256), (256, 512), (512, 768), (768, 1000)]  # tail too long
     la = la.with_settings(last_segment_tokens=64)
     assert la._segments(call(), var, 1000) == [(0, 256), (256, 512), (512, 768), (768, 896), (896, 1000)]
+    # the tail's cut on a 256-token grid (chunk 16, chunk_stride 16): 768, not 896
+    assert la._segments(call(chunk_states=cs, chunk_stride=16), var, 1000) == [(0, 256), (256, 512), (512, 768),
+                                                                               (768, 1000)]
     la = la.with_settings(min_segment_tokens=4096)
     assert la._segments(call(), var, 10000) == [(0, 5056), (5056, 10000)]  # too few segments for a tail
     with pytest.raises(ValueError, match=r"Sm80Settings.parts: expected a non-empty subset"):

@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import math
 import struct
 import threading
 from dataclasses import dataclass, replace
@@ -273,15 +274,17 @@ class Sm80Launcher:
         of segment s, or [] to run in one piece. Worth it only when the recurrence leaves most
         SMs idle (few heads, long sequences); needs the fp32 state carried between segments,
         equal-length sequences (a batch, or one varlen sequence: its offsets are [0, T], which
-        the runtime checked or the caller promised) and no per-chunk states."""
+        the runtime checked or the caller promised). With chunk states every cut falls on the
+        kept states' grid (chunk x chunk_stride tokens), so a segment's rows follow the last's."""
         cfg = self.settings
         if (cfg.min_segment_tokens is None or cfg.parts != ("prep", "recur")
                 or (call.cu_seqlens is not None and call.N != 1)
-                or call.chunk_states is not None or v.state != "fp32" or call.twins != 1):
+                or v.state != "fp32" or call.twins != 1):
             return []
+        unit = 64 if call.chunk_states is None else math.lcm(64, v.chunk * max(1, call.chunk_stride))
         programs = call.N * call.HV * (v.v // v.block_v)
         sms = _sm_count(device or call.q.device)
-        if programs >= sms or max_len < 2 * cfg.min_segment_tokens:
+        if programs >= sms or max_len < 2 * max(cfg.min_segment_tokens, unit):
             return []
         if (cfg.min_hidden_prep_us is not None
                 and hidden_prep_us(call.N * max_len * call.HV, programs, sms, v.chunk) < cfg.min_hidden_prep_us):
@@ -290,13 +293,13 @@ class Sm80Launcher:
         tail = cfg.last_segment_tokens
         body = max_len
         if tail is not None and S > 2 and 0 < tail < max_len // S:
-            # the last segment starts on a whole 64 tokens, like every other boundary, so that
-            # the chunking (and each rounding) is the one-piece call's
-            body, S = (max_len - tail) // 64 * 64, S - 1
+            # the last segment starts on a whole unit, like every other boundary, so that the
+            # chunking (and each rounding) is the one-piece call's
+            body, S = (max_len - tail) // unit * unit, S - 1
         step = -(-body // S)
-        step = -(-step // 64) * 64  # whole chunks (64 is a multiple of every chunk size)
-        segs = [(a, min(a + step, body)) for a in range(0, body, step)]
-        return segs + ([(body, max_len)] if body < max_len else [])
+        step = -(-step // unit) * unit  # whole chunks (64 is a multiple of every chunk size)
+        segs = [(a, min(a + step, body)) for a in range(0, body, step)] + ([(body, max_len)] if body < max_len else [])
+        return segs if len(segs) > 1 else []
 
     def _side_stream(self, dev: torch.device) -> torch.cuda.Stream:
         """The stream the segments' preps run on (one per device)."""
@@ -333,9 +336,11 @@ class Sm80Launcher:
         # The preps still run ahead on the side stream, beside the recurrences.
         base = (p.q, p.k, p.v, p.g, p.beta, p.o)
         strides = (p.q_s, p.k_s, p.v_s, p.g_s, p.b_s, p.o_s)
+        rows = _segment_rows(call, segs, C)
         for i, (ps, gx, off) in enumerate(_segment_structs(p, segs, strides, sizes, C)):
             _pack_segment(ps, base, off, p.A_log, p.dt_bias, p.h0 if i == 0 else int(carry[i - 1].data_ptr()),
-                          p.ht if i == len(segs) - 1 else int(carry[i].data_ptr()), int(scratch[1 + i].data_ptr()))
+                          p.ht if i == len(segs) - 1 else int(carry[i].data_ptr()), int(scratch[1 + i].data_ptr()),
+                          p.hc and p.hc + rows[i], p.chunk_offsets)
             mod.launch(f1, (gx, N, HV), (nt1, 1, 1), smem1, side.cuda_stream, ps, "kda_prep")
             done = torch.cuda.Event()
             done.record(side)
@@ -353,6 +358,17 @@ def _segment_structs(params: KdaParams, segs: list[tuple[int, int]], strides, si
             for a, b in segs]
 
 
+def _segment_rows(call: KdaCall, segs: list[tuple[int, int]], chunk: int) -> list[int]:
+    """Byte offset into the chunk states of each segment's first kept row: the kernel writes row
+    chunk_offsets[n] + c / chunk_stride of its own chunks c, so moving the pointer by the rows
+    of the tokens before the segment continues every sequence's rows (cuts on the rows' grid)."""
+    if call.chunk_states is None:
+        return [0] * len(segs)
+    row = call.HV * call.V * call.K * call.chunk_states.element_size()
+    spacing = chunk * max(1, call.chunk_stride)
+    return [a // spacing * row for a, _ in segs]
+
+
 def _with_length(params: KdaParams, n: int) -> KdaParams:
     ps = KdaParams.from_buffer_copy(params)
     ps.T = ps.max_len = n
@@ -360,11 +376,12 @@ def _with_length(params: KdaParams, n: int) -> KdaParams:
 
 
 def _pack_segment(ps: KdaParams, base: tuple[int, ...], off: tuple[int, ...], A: int, dt: int, h0: int, ht: int,
-                  ws: int) -> None:
+                  ws: int, hc: int, chunk_offsets: int) -> None:
     """A segment's 14 pointers: q, k, v, g, beta and o advanced to its first token, no varlen
-    offsets (one varlen sequence runs as the batch of one it is) and no chunk states."""
+    offsets (one varlen sequence runs as the batch of one it is), the chunk states advanced to
+    its first row (0: none)."""
     _PACK_PTRS(ps, _ptr_offset(), base[0] + off[0], base[1] + off[1], base[2] + off[2], base[3] + off[3],
-               base[4] + off[4], base[5] + off[5], A, dt, 0, h0, ht, 0, 0, ws)
+               base[4] + off[4], base[5] + off[5], A, dt, 0, h0, ht, hc, chunk_offsets if hc else 0, ws)
 
 
 _PTRS = ("q", "k", "v", "g", "beta", "o", "A_log", "dt_bias", "cu_seqlens", "h0", "ht", "hc", "chunk_offsets", "ws")
@@ -611,8 +628,9 @@ class Sm80SegmentedBound:
         strides = (call.q_strides, call.k_strides, call.v_strides, call.g_strides, call.beta_strides, call.o_strides)
         sizes = [t.element_size() for t in (call.q, call.k, call.v, call.g, call.beta, call.o)]
         # per segment: (struct, its argv, prep grid x, byte offsets of q k v g beta o)
-        self.segs = [(ps, (ctypes.c_void_p * 1)(ctypes.addressof(ps)), gx, off)
-                     for ps, gx, off in _segment_structs(params, segs, strides, sizes, v.chunk)]
+        self.segs = [(ps, (ctypes.c_void_p * 1)(ctypes.addressof(ps)), gx, off, row)
+                     for (ps, gx, off), row in zip(_segment_structs(params, segs, strides, sizes, v.chunk),
+                                                   _segment_rows(call, segs, v.chunk))]
         # scratch: the carried states, then each segment's workspace (Sm80Launcher._workspace_pieces)
         self.carry_bytes = v.v * v.k * 4 * call.N * call.HV
         self.pieces = pieces
@@ -656,14 +674,15 @@ class Sm80SegmentedBound:
                 main_cu = self.streams[main.cuda_stream] = driver().CUstream(main.cuda_stream)
             A = 0 if A_log is None else A_log.data_ptr()
             dt = 0 if dt_bias is None else dt_bias.data_ptr()
+            hp, cp = (0, 0) if hc is None else (hc.data_ptr(), chunk_offsets.data_ptr())
             last = len(self.segs) - 1
             self.start.record(main)
             self.side.wait_event(self.start)
-            for i, (ps, argv, gx, off) in enumerate(self.segs):
+            for i, (ps, argv, gx, off, row) in enumerate(self.segs):
                 _pack_segment(ps, base, off, A, dt,
                               (0 if h0 is None else h0.data_ptr()) if i == 0 else wp + (i - 1) * self.carry_bytes,
                               (0 if ht is None else ht.data_ptr()) if i == last else wp + i * self.carry_bytes,
-                              wp + self.ws_at[i])
+                              wp + self.ws_at[i], hp and hp + row, cp)
                 if err := self.launch_kernel(self.f1, gx, self.N, self.HV, self.nt1, 1, 1, self.smem1, self.side_cu,
                                              ctypes.addressof(argv), 0)[0]:
                     return self._declined("kda_prep", (gx, self.N, self.HV), self.nt1, self.smem1, err)
