@@ -142,7 +142,14 @@ def _plan_indices(every: int, chunk: int, lens: tuple[int, ...], dst_first: tupl
     # the final states sit after the kept chunk-state rows in the stacked source
     src_of = dict(zip(flat[a:b], flat[:a])) | dict(zip(flat[c:], (kept + n for n in flat[b:c])))
     dst = sorted(src_of)
-    return flat + tuple(src_of[d] for d in dst) + tuple(dst), sizes + (len(dst), len(dst)), kept
+    need = max((d + L // every for d, L in zip(dst_first, lens)), default=0)  # rows the checkpoints reach
+    return flat + tuple(src_of[d] for d in dst) + tuple(dst), sizes + (len(dst), len(dst)), kept, need
+
+
+@functools.lru_cache(maxsize=256)
+def _packed_offsets(every: int, lens: tuple[int, ...]) -> list[int]:
+    """place()'s offsets without a caller's buffer or offsets (READ-ONLY: cached)."""
+    return [0, *itertools.accumulate(L // every for L in lens)]
 
 
 @dataclass
@@ -183,11 +190,14 @@ def plan(every: int, lens: Sequence[int], *, HV: int, state_shape: tuple[int, in
     tokens, for j < L_n // every) to row offsets[n] + j of `buffer` (allocated when None);
     `chunk` is the spacing in tokens of the chunk states the call keeps."""
     packed = buffer is None and offsets is None
-    buffer, offs = place(every, lens, HV=HV, state_shape=state_shape, dtype=dtype, device=device, buffer=buffer,
-                         offsets=offsets, assume_valid=assume_valid, allocate=False)
-    flat, sizes, kept = _plan_indices(every, chunk, tuple(lens), tuple(offs[:len(lens)]))
+    lens = tuple(lens)
+    if packed:  # nothing to check: the offsets follow from the lengths (and are cached with them)
+        offs = _packed_offsets(every, lens)
+    else:
+        buffer, offs = place(every, lens, HV=HV, state_shape=state_shape, dtype=dtype, device=device, buffer=buffer,
+                             offsets=offsets, assume_valid=assume_valid, allocate=False)
+    flat, sizes, kept, need = _plan_indices(every, chunk, lens, tuple(offs[:len(lens)]))
     parts = _on_device(flat, sizes, device)
-    need = max((offs[n] + L // every for n, L in enumerate(lens)), default=0)
     return Checkpoints(Rows(*parts[:4]), buffer, offs, kept, parts[4], parts[5], packed,
                        (max(need, offs[-1]), HV, *state_shape))
 

@@ -22,7 +22,9 @@ from typing import Any, Optional
 
 import torch
 
+from . import checkpoints as ckpt
 from . import env
+from . import state_pool as pool_io
 from .abi import KdaCall
 from .dtypes import torch_dtype
 from .errors import KdaInputError, NoVariantError
@@ -380,9 +382,6 @@ def _remember(plan: "Plan", flags: tuple, tensors: tuple, failed: bool) -> None:
 def _engine_call(q, k, v, g, beta, kw: dict, state_pool, state_indices, checkpoint_every, checkpoints,
                  checkpoint_offsets):
     """kda_prefill with a state pool and/or checkpoints: gathers and scatters around one call."""
-    from . import checkpoints as ckpt
-    from . import state_pool as pool_io
-
     HV, st = pool_io.head_dims(q, v, kw["layout"], kw["state_layout"])
     bsnd = str(kw["layout"]).upper() == "BSND"
     cu = kw["cu_seqlens"]
@@ -415,8 +414,9 @@ def _engine_call(q, k, v, g, beta, kw: dict, state_pool, state_indices, checkpoi
             chunk = _chunk_of(q, k, v, g, beta, kw)
             chunks = (chunk, *(c for c in chunks if c != chunk)) if chunk in chunks else chunks
         # the call writes its kept chunk states and final states into one tensor, from which one
-        # gather makes the checkpoints (the caller's own chunk states or final states: two copies)
-        stack = not user_stride and kw["final_state"] is None
+        # gather makes the checkpoints (the caller's own chunk states or final states: two copies);
+        # a pool's final states are scratch the scatter reads, so they go there too
+        stack = not user_stride and (kw["final_state"] is None or pc is not None)
         for i, chunk in enumerate(chunks):
             stride = user_stride or checkpoint_every // chunk
             cp = ckpt.plan(checkpoint_every, lens, HV=HV, state_shape=st, dtype=st_dtype, device=q.device,
@@ -426,8 +426,10 @@ def _engine_call(q, k, v, g, beta, kw: dict, state_pool, state_indices, checkpoi
             if stack:
                 stacked = torch.empty((cp.kept + N, HV, *st), dtype=st_dtype, device=q.device)
                 call_kw.update(chunk_states=stacked[:cp.kept], final_state=stacked[cp.kept:])
+                if pc is not None:
+                    pc.final_state = call_kw["final_state"]
             try:
-                res = kda_prefill(q, k, v, g, beta, **call_kw)
+                res = _prefill_kw(q, k, v, g, beta, call_kw)
                 break
             except NoVariantError:
                 if i == len(chunks) - 1:
@@ -439,12 +441,20 @@ def _engine_call(q, k, v, g, beta, kw: dict, state_pool, state_indices, checkpoi
             cp.rows.copy(buffer, res[2], res[1])
         res = (res[0], res[1] if want_final else None, *((res[2],) if user_stride else ()), buffer)
     else:
-        res = kda_prefill(q, k, v, g, beta, **kw)
+        res = _prefill_kw(q, k, v, g, beta, kw)
         if not want_final:
             res = (res[0], None, *res[2:])
     if pc is not None:
         pool_io.scatter(pc)
     return res
+
+
+def _prefill_kw(q, k, v, g, beta, kw: dict):
+    """kda_prefill(q, k, v, g, beta, **kw) for kw holding every one of its _DEFAULTS keys (no cp
+    context, engine arguments or tracing: the caller dealt with those)."""
+    return _prefill(q, k, v, g, beta, kw["A_log"], kw["dt_bias"], kw["initial_state"], kw["cu_seqlens"],
+                    kw["cu_seqlens_cpu"], kw["out"], kw["final_state"], kw["chunk_states"], kw["workspace"],
+                    tuple(kw[n] for n in _FLAGS))
 
 
 def _chunk_of(q, k, v, g, beta, kw: dict) -> Optional[int]:

@@ -98,6 +98,36 @@ def test_checkpoints_with_a_state_pool_and_chunk_states(device):
     assert ck.shape == (1, 2, 32, 32) and torch.equal(ck[0], cs2[2 + 2])  # sequence 1, after 32 tokens
 
 
+def test_checkpoints_with_a_state_pool_gather_from_the_stacked_final_states(device, monkeypatch):
+    """With a state pool (no chunk states of the caller's) the kernel writes the final states into
+    the stacked tensor too: one gather makes the checkpoints, and the pool's scatter reads its
+    final-state rows (a padding sequence's slot stays untouched)."""
+    lens = [32, 20, 48]
+    kw = _case(device, lens)
+    h0 = kw.pop("initial_state")
+    kw.pop("output_final_state")
+    pool = torch.full((4, 2, 32, 32), 7.0, device=device)
+    pool[3], pool[1], pool[0] = h0[0], h0[1], h0[2]
+    pool_before = pool.clone()
+    stacks = []
+    real = kdagen.checkpoints.Checkpoints.fill
+    monkeypatch.setattr(kdagen.checkpoints.Checkpoints, "fill",
+                        lambda self, stacked: (stacks.append(stacked), real(self, stacked))[1])
+    o, fs, ck = kdagen.kda_prefill(**kw, state_pool=pool, state_indices=torch.tensor([3, -1, 0]),
+                                   checkpoint_every=16, output_final_state=True)
+    h0p = h0.clone()
+    h0p[1] = 0  # a padding sequence starts from zeros
+    o2, fs2, cs2 = kdagen.kda_prefill(**kw, initial_state=h0p, output_final_state=True, return_chunk_states=True,
+                                      chunk_size=16)
+    assert len(stacks) == 1 and stacks[0].shape[0] == 2 + 2 + 3 + 3  # chunk rows, then the 3 final states
+    assert torch.equal(o, o2) and torch.equal(fs, fs2)
+    assert torch.equal(pool[3], fs2[0]) and torch.equal(pool[0], fs2[2])
+    assert torch.equal(pool[1], pool_before[1]) and torch.equal(pool[2], pool_before[2])
+    # after 16 and 32 tokens of sequence 0 (it ends there), 16 of sequence 1, 16, 32 and 48 of sequence 2
+    want = [cs2[1], fs2[0], cs2[3], cs2[5], cs2[6], fs2[2]]
+    assert ck.shape == (6, 2, 32, 32) and all(torch.equal(ck[i], w) for i, w in enumerate(want))
+
+
 def test_plan_reuses_the_index_rows_of_a_layout_and_follows_the_offsets():
     """plan() keeps one device copy of a layout's row indices (a model's layers repeat it; a fresh
     copy waited for the stream): the same layout shares it, other offsets or lengths get their own;
