@@ -487,6 +487,14 @@ def route_of(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
     plan = prepare(q, k, v, g, beta, **kwargs)
     kw = _with_defaults(dict(kwargs))
     segments = scan_route.segments_for(plan, kw)
+    if segments == scan_route.PER_CALL:  # several varlen sequences: these offsets decide
+        if scan_route.longest(kw["cu_seqlens_cpu"]) < scan_route.MIN_TOKENS:
+            return None
+        from .scan.engine import planned_segments
+
+        segments = planned_segments(plan.info, kw["cu_seqlens_cpu"].tolist(), mode=scan_route.MODE,
+                                    align=scan_route.align_of(kw))
+        segments = segments if max(segments, default=1) > 1 else None
     return None if segments is None else scan_route.ScanRoute.label(segments)
 
 

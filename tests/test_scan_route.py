@@ -37,6 +37,8 @@ def test_offered_signatures(monkeypatch):
     assert route.offered(LONG, "sm80", {})
     assert route.offered(replace(LONG, B=2, N=2), "sm80", {})
     assert route.offered(replace(LONG, varlen=True), "sm80", {"cu_seqlens_cpu": object()})
+    # several sequences: with host offsets (each call is planned from them)
+    assert route.offered(replace(LONG, varlen=True, N=2), "sm80", {"cu_seqlens_cpu": object()})
     # checkpoints' sparse chunk states ride along
     assert route.offered(LONG, "sm80", {"return_chunk_states": route.CS_MIN_SPACING // 16, "chunk_size": 16})
     refused = {
@@ -44,7 +46,7 @@ def test_offered_signatures(monkeypatch):
         "cpu": (replace(LONG, device=torch.device("cpu")), "sm80", {}),
         "fp16": (replace(LONG, dtype="fp16"), "sm80", {}),
         "K != V": (replace(LONG, V=64), "sm80", {}),
-        "varlen, 2 sequences": (replace(LONG, varlen=True, N=2), "sm80", {}),
+        "varlen, 2 sequences, device offsets only": (replace(LONG, varlen=True, N=2), "sm80", {}),
         "no sequence": (replace(LONG, varlen=True, N=0), "sm80", {}),
         "short": (replace(LONG, T=route.MIN_TOKENS - 64), "sm80", {}),
         "forced variant": (LONG, "sm80", {"variant": "kda_fwd_sm80_c16_k128_v128_bf16_gb_sfp32_bv16_hl"}),
@@ -112,6 +114,77 @@ def test_routed_call_equals_one_piece(monkeypatch, dev, shape):
     assert rel_rmse(out, one[0]) < tol and rel_rmse(fs.float(), one[1].float()) < tol
 
 
+def test_several_sequences_are_offered_where_one_of_all_tokens_would_be_cut(monkeypatch):
+    # The signature's probe: one sequence of all T tokens, planned as such; where the planner
+    # keeps even that whole, no call of the signature is planned.
+    from kdagen.scan import engine as eng
+
+    seen = []
+
+    def planner(info, cu, **kw):
+        seen.append((info.N, info.max_len, tuple(cu), kw["align"]))
+        return (4,) if info.HV <= 8 else (1,)
+
+    monkeypatch.setattr(eng, "planned_segments", planner)
+    from kdagen.runtime import Plan
+
+    plan = object.__new__(Plan)  # what segments_for reads of a runtime plan: its info and variant's target
+    plan.info = replace(LONG, varlen=True, N=3, T=40000, max_len=20000, cu_seqlens_host=[0, 20000, 30000, 40000])
+    plan.variant = type("V", (), {"target": "sm80"})()
+    kw = {"cu_seqlens_cpu": torch.tensor([0, 20000, 30000, 40000])}
+    assert route.segments_for(plan, kw) == route.PER_CALL
+    assert seen == [(1, 40000, (0, 40000), 64)]
+    plan.info = replace(plan.info, H=16, HV=16)
+    assert route.segments_for(plan, kw) is None
+    assert route.segments_for(plan, {}) is None  # no host offsets: not offered
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_several_sequences_route_per_call(monkeypatch, dev):
+    # Varlen with several sequences, routed per call: a call whose longest sequence reaches
+    # MIN_TOKENS runs the scan with segments=None (the planner, here cutting each sequence of 64
+    # tokens or more in 3, asks about these offsets); a call of only short ones runs in one
+    # piece; both equal one piece.
+    from kdagen.scan import engine as eng
+
+    spy = ScanSpy(monkeypatch)
+    monkeypatch.setattr(route, "MIN_TOKENS", 64)
+    monkeypatch.setattr(route, "segments_for",
+                        lambda plan, kw: None if route._inside() or plan.info.N < 2 else route.PER_CALL)
+    planned = []
+
+    def planner(info, cu, **kw):
+        lens = [b - a for a, b in zip(cu, cu[1:])]
+        planned.append(tuple(lens))
+        return tuple(3 if n >= 64 else 1 for n in lens)
+
+    monkeypatch.setattr(eng, "planned_segments", planner)
+    for lens, scanned in (([100, 30, 50], True), ([40, 30, 60], False)):
+        kw = make_kw(15, lens=lens, H=1, HV=2, K=32, device=dev)
+        kw["cu_seqlens_cpu"] = kw["cu_seqlens"].cpu()
+        outs = {}
+        for scan in ("0", "1"):
+            monkeypatch.setenv("KDAGEN_SCAN", scan)
+            outs[scan] = kdagen.kda_prefill(**kw, chunk_size=16)
+        assert spy.calls == ([(None, "correct")] if scanned else []), lens
+        assert planned == ([tuple(lens)] if scanned else []), lens
+        assert kdagen.runtime.route_of(**kw, chunk_size=16) == \
+            ("scan correct x3" if scanned else None)
+        for a, b in zip(outs["0"], outs["1"]):
+            assert torch.isfinite(b).all() and rel_rmse(a, b) < 1e-5
+        spy.calls.clear()
+        planned.clear()
+    # checkpoints every 32 tokens (every 2nd chunk state kept): the scan cuts on that grid
+    kw = make_kw(16, lens=[100, 30, 64], H=1, HV=2, K=32, device=dev)
+    outs = {}
+    for scan in ("0", "1"):
+        monkeypatch.setenv("KDAGEN_SCAN", scan)
+        outs[scan] = kdagen.kda_prefill(**kw, chunk_size=16, checkpoint_every=32)
+    assert spy.calls == [(None, "correct")] and outs["1"][2].shape[0] == 3 + 0 + 2
+    for a, b in zip(outs["0"], outs["1"]):
+        assert torch.isfinite(b).all() and rel_rmse(a, b) < 1e-5
+
+
 @pytest.mark.parametrize("dev", DEVICES)
 def test_routed_checkpoints_equal_one_piece(monkeypatch, dev):
     # A checkpoint call keeps every 2nd chunk-16 state (checkpoint_every=32): routed, its segments
@@ -152,3 +225,30 @@ def test_gpu_planner_routes_long_few_head_calls():
         one = kdagen.kda_prefill(**kw)
     assert len(spy_calls) == 1 and max(spy_calls[0]) > 1
     assert rel_rmse(routed[0], one[0]) < 5e-3 and rel_rmse(routed[1], one[1]) < 5e-3
+
+
+@pytest.mark.gpu
+def test_gpu_planner_routes_a_long_sequence_among_short_ones():
+    # An engine's packed batch: one long sequence with few heads among short ones is planned per
+    # call (the long one cut); a batch of short ones runs in one piece; the routed call against
+    # one piece as in the test above.
+    if torch.cuda.get_device_properties(0).multi_processor_count < 100:
+        pytest.skip("the planner's costs are the H200's (132 SMs)")
+    kw = make_kw(17, lens=[131072, 2048, 2048], H=4, HV=4, K=128, dtype=torch.bfloat16, device="cuda")
+    kw["cu_seqlens_cpu"] = kw["cu_seqlens"].cpu()
+    short = make_kw(17, lens=[8192] * 17, H=4, HV=4, K=128, dtype=torch.bfloat16, device="cuda")
+    short["cu_seqlens_cpu"] = short["cu_seqlens"].cpu()
+    label = rt.route_of(**kw)
+    assert label is not None and label.startswith("scan correct x"), label
+    assert rt.route_of(**short) is None
+    spy_calls = []
+    real = engine.scan_prefill
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(engine, "scan_prefill", lambda *a, **k: spy_calls.append(k["segments"]) or real(*a, **k))
+        routed = kdagen.kda_prefill(**kw)
+        kdagen.kda_prefill(**short)
+        m.setenv("KDAGEN_SCAN", "0")
+        one = kdagen.kda_prefill(**kw)
+    assert spy_calls == [None]
+    assert rel_rmse(routed[0], one[0]) < 5e-3 and rel_rmse(routed[1], one[1]) < 5e-3
+

@@ -11,17 +11,21 @@ plus o_A S_in^T with o_A in the input dtype; against float64 that moved o's erro
 
 The choice is made once per signature (the runtime caches the plan) by the scan's planner; a
 signature is offered to it only where the planner's cost model applies and the scan returns what
-one piece would: sm80 one piece at the call's own head dims, bf16, K == V, one sequence per
-batch row (varlen with several sequences: lengths change per call), no chunk states but sparse
-ones (return_chunk_states=m with at least CS_MIN_SPACING tokens between them: checkpoints), no
-forced variant, no workspace, host-readable offsets. KDAGEN_SCAN=0 turns it off; a call under CUDA
-graph capture, or made by the scan itself, always runs one piece.
+one piece would: sm80 one piece at the call's own head dims, bf16, K == V, no chunk states but
+sparse ones (return_chunk_states=m with at least CS_MIN_SPACING tokens between them:
+checkpoints), no forced variant, no workspace, host-readable offsets. Varlen with several
+sequences (an engine's packed batch) has lengths that change per call: with host offsets
+(cu_seqlens_cpu) and where the planner would cut one sequence of all T tokens, each call with a
+sequence of MIN_TOKENS or more is planned from its offsets (the planner caches by offsets, and a
+model's layers repeat them); the rest run in one piece. KDAGEN_SCAN=0 turns it off; a call under
+CUDA graph capture, or made by the scan itself, always runs one piece.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from dataclasses import replace
 from typing import Any, Optional
 
 import torch
@@ -46,12 +50,17 @@ def _inside() -> bool:
     return getattr(_STATE, "depth", 0) > 0
 
 
+# segments_for's answer for varlen with several sequences: planned on each call from its offsets
+PER_CALL: tuple[int, ...] = ()
+
+
 def offered(info: Any, target: str, kw: dict) -> bool:
     """Whether a signature (CallInfo `info`, its one-piece variant's `target`, kda_prefill
     keywords `kw`) is one the planner may route: see the module's docstring for why each."""
     spacing = _cs_spacing(kw)
     return (not _inside() and target == "sm80" and info.device.type == "cuda" and info.dtype == "bf16"
-            and info.K == info.V and info.N >= 1 and (not info.varlen or info.N == 1) and info.T >= MIN_TOKENS
+            and info.K == info.V and info.N >= 1 and info.T >= MIN_TOKENS
+            and (not info.varlen or info.N == 1 or kw.get("cu_seqlens_cpu") is not None)
             and kw.get("variant") is None and not env.force_variant() and kw.get("workspace") is None
             and (spacing is None or spacing >= CS_MIN_SPACING) and not kw.get("assume_valid"))
 
@@ -74,9 +83,27 @@ def segments_for(plan: Any, kw: dict) -> Optional[tuple[int, ...]]:
     info = plan.info
     if type(plan) is not Plan or not offered(info, plan.variant.target, kw):
         return None
+    align = align_of(kw)
+    if info.varlen and info.N > 1:
+        # the longest any call of the signature can have: one sequence of all T tokens; where the
+        # planner keeps even that whole, no call is worth planning
+        probe = planned_segments(replace(info, N=1, max_len=info.T, cu_seqlens_host=None), [0, info.T], mode=MODE,
+                                 align=align)
+        return PER_CALL if max(probe, default=1) > 1 else None
     cu = [0, info.T] if info.varlen else [i * info.T for i in range(info.B + 1)]
-    segs = planned_segments(info, cu, mode=MODE, align=_cs_spacing(kw) or kw.get("chunk_size") or 64)
+    segs = planned_segments(info, cu, mode=MODE, align=align)
     return tuple(segs) if max(segs, default=1) > 1 else None
+
+
+def align_of(kw: dict) -> int:
+    """The grid the scan cuts a call's sequences on: its kept chunk states' spacing, else its chunk."""
+    return _cs_spacing(kw) or kw.get("chunk_size") or 64
+
+
+def longest(cu_cpu: Optional[torch.Tensor]) -> int:
+    """The longest sequence of host offsets (0 without them)."""
+    host = cu_cpu.tolist() if cu_cpu is not None else [0]
+    return max((b - a for a, b in zip(host, host[1:])), default=0)
 
 
 # kda_prefill's keyword flags the routed call passes on (the rest are the call's tensors, or
@@ -96,21 +123,27 @@ class ScanRoute:
         self.run = self.__call__
         self.guard, self.guard_builds = None, 0  # what the runtime's fast path expects of a plan
         i = self.info
-        log.info("kdagen: B=%d T=%d H=%d HV=%d runs as the scan (mode %s, %d segments per sequence) over %s; "
-                 "KDAGEN_SCAN=0 runs it in one piece", i.B, i.T, i.H, i.HV, MODE, max(segments), inner.entry.name)
+        log.info("kdagen: B=%d T=%d H=%d HV=%d runs as the scan (mode %s, %s) over %s; KDAGEN_SCAN=0 runs it in "
+                 "one piece", i.B, i.T, i.H, i.HV, MODE,
+                 f"{max(segments)} segments per sequence" if segments else
+                 f"planned per call with a sequence of {MIN_TOKENS} tokens or more", inner.entry.name)
 
     @staticmethod
     def label(segments: tuple[int, ...]) -> str:
-        return f"scan {MODE} x{max(segments)}"
+        return f"scan {MODE} x{max(segments)}" if segments else f"scan {MODE} per call"
 
     def __call__(self, q, k, v, g, beta, A_log, dt_bias, h0, cu, cu_cpu, out, fs, cs, ws):
-        if _inside() or not env.scan_route() or (q.is_cuda and torch.cuda.is_current_stream_capturing()):
+        per_call = not self.segments
+        if _inside() or not env.scan_route() or (q.is_cuda and torch.cuda.is_current_stream_capturing()) \
+                or (per_call and longest(cu_cpu) < MIN_TOKENS):
             return self.inner.run(q, k, v, g, beta, A_log, dt_bias, h0, cu, cu_cpu, out, fs, cs, ws)
         from .engine import scan_prefill
 
         _STATE.depth = getattr(_STATE, "depth", 0) + 1
         try:
-            return scan_prefill(q, k, v, g, beta, segments=self.segments, mode=MODE, A_log=A_log, dt_bias=dt_bias,
+            # per call: segments=None asks the planner about these offsets (it may keep them whole)
+            return scan_prefill(q, k, v, g, beta, segments=None if per_call else self.segments, mode=MODE,
+                                A_log=A_log, dt_bias=dt_bias,
                                 initial_state=h0, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu, out=out, final_state=fs,
                                 chunk_states=cs, **self.flags)
         finally:
