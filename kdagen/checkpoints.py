@@ -206,13 +206,11 @@ def place(every: int, lens: Sequence[int], *, HV: int, state_shape: tuple[int, i
           device: torch.device, buffer: Optional[torch.Tensor], offsets,
           assume_valid: bool, allocate: bool = True) -> tuple[Optional[torch.Tensor], list[int]]:
     """The checkpoints' buffer (checked, or allocated when None and `allocate`) and every
-    sequence's first row (offsets [N + 1]; default: packed in order)."""
+    sequence's first row (offsets [N + 1], READ-ONLY; default: packed in order)."""
     N = len(lens)
     counts = [L // every for L in lens]
     if offsets is None:
-        offs = [0]
-        for c in counts:
-            offs.append(offs[-1] + c)
+        offs = _packed_offsets(every, tuple(lens))
     else:
         if not isinstance(offsets, torch.Tensor) or offsets.dim() != 1 or offsets.numel() != N + 1 \
                 or offsets.dtype not in (torch.int32, torch.int64):

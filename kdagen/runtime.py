@@ -488,13 +488,7 @@ def route_of(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
     kw = _with_defaults(dict(kwargs))
     segments = scan_route.segments_for(plan, kw)
     if segments == scan_route.PER_CALL:  # several varlen sequences: these offsets decide
-        if scan_route.longest(kw["cu_seqlens_cpu"]) < scan_route.MIN_TOKENS:
-            return None
-        from .scan.engine import planned_segments
-
-        segments = planned_segments(plan.info, kw["cu_seqlens_cpu"].tolist(), mode=scan_route.MODE,
-                                    align=scan_route.align_of(kw))
-        segments = segments if max(segments, default=1) > 1 else None
+        segments = scan_route.call_segments(plan.info, kw)
     return None if segments is None else scan_route.ScanRoute.label(segments)
 
 

@@ -95,6 +95,18 @@ def segments_for(plan: Any, kw: dict) -> Optional[tuple[int, ...]]:
     return tuple(segs) if max(segs, default=1) > 1 else None
 
 
+def call_segments(info: Any, kw: dict) -> Optional[tuple[int, ...]]:
+    """The segments a call of a PER_CALL signature runs at (its host offsets in kw's
+    cu_seqlens_cpu), or None where it runs in one piece: no sequence of MIN_TOKENS, or the
+    planner keeps it whole (what ScanRoute's call and scan_prefill(segments=None) decide)."""
+    from .engine import planned_segments
+
+    if longest(kw["cu_seqlens_cpu"]) < MIN_TOKENS:
+        return None
+    segs = planned_segments(info, kw["cu_seqlens_cpu"].tolist(), mode=MODE, align=align_of(kw))
+    return tuple(segs) if max(segs, default=1) > 1 else None
+
+
 def align_of(kw: dict) -> int:
     """The grid the scan cuts a call's sequences on: its kept chunk states' spacing, else its chunk."""
     return _cs_spacing(kw) or kw.get("chunk_size") or 64
