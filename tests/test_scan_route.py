@@ -37,8 +37,9 @@ def test_offered_signatures(monkeypatch):
     assert route.offered(LONG, "sm80", {})
     assert route.offered(replace(LONG, B=2, N=2), "sm80", {})
     assert route.offered(replace(LONG, varlen=True), "sm80", {"cu_seqlens_cpu": object()})
-    # several sequences: with host offsets (each call is planned from them)
+    # several sequences (each call is planned from its offsets), on the host or read from the device
     assert route.offered(replace(LONG, varlen=True, N=2), "sm80", {"cu_seqlens_cpu": object()})
+    assert route.offered(replace(LONG, varlen=True, N=2), "sm80", {})
     # checkpoints' sparse chunk states ride along
     assert route.offered(LONG, "sm80", {"return_chunk_states": route.CS_MIN_SPACING // 16, "chunk_size": 16})
     refused = {
@@ -46,7 +47,7 @@ def test_offered_signatures(monkeypatch):
         "cpu": (replace(LONG, device=torch.device("cpu")), "sm80", {}),
         "fp16": (replace(LONG, dtype="fp16"), "sm80", {}),
         "K != V": (replace(LONG, V=64), "sm80", {}),
-        "varlen, 2 sequences, device offsets only": (replace(LONG, varlen=True, N=2), "sm80", {}),
+        "varlen, 2 sequences, offsets promised": (replace(LONG, varlen=True, N=2), "sm80", {"assume_valid": True}),
         "no sequence": (replace(LONG, varlen=True, N=0), "sm80", {}),
         "short": (replace(LONG, T=route.MIN_TOKENS - 64), "sm80", {}),
         "forced variant": (LONG, "sm80", {"variant": "kda_fwd_sm80_c16_k128_v128_bf16_gb_sfp32_bv16_hl"}),
@@ -134,17 +135,19 @@ def test_several_sequences_are_offered_where_one_of_all_tokens_would_be_cut(monk
     kw = {"cu_seqlens_cpu": torch.tensor([0, 20000, 30000, 40000])}
     assert route.segments_for(plan, kw) == route.PER_CALL
     assert seen == [(1, 40000, (0, 40000), 64)]
+    assert route.segments_for(plan, {}) == route.PER_CALL  # offsets on the device only: read per call
+    assert route.segments_for(plan, {"assume_valid": True}) is None  # never read: not offered
     plan.info = replace(plan.info, H=16, HV=16)
     assert route.segments_for(plan, kw) is None
-    assert route.segments_for(plan, {}) is None  # no host offsets: not offered
 
 
+@pytest.mark.parametrize("host", [True, False], ids=["host_offsets", "device_offsets"])
 @pytest.mark.parametrize("dev", DEVICES)
-def test_several_sequences_route_per_call(monkeypatch, dev):
+def test_several_sequences_route_per_call(monkeypatch, dev, host):
     # Varlen with several sequences, routed per call: a call whose longest sequence reaches
     # MIN_TOKENS runs the scan with segments=None (the planner, here cutting each sequence of 64
     # tokens or more in 3, asks about these offsets); a call of only short ones runs in one
-    # piece; both equal one piece.
+    # piece; both equal one piece. Offsets given only as cu_seqlens are read once a call.
     from kdagen.scan import engine as eng
 
     spy = ScanSpy(monkeypatch)
@@ -161,7 +164,8 @@ def test_several_sequences_route_per_call(monkeypatch, dev):
     monkeypatch.setattr(eng, "planned_segments", planner)
     for lens, scanned in (([100, 30, 50], True), ([40, 30, 60], False)):
         kw = make_kw(15, lens=lens, H=1, HV=2, K=32, device=dev)
-        kw["cu_seqlens_cpu"] = kw["cu_seqlens"].cpu()
+        if host:
+            kw["cu_seqlens_cpu"] = kw["cu_seqlens"].cpu()
         outs = {}
         for scan in ("0", "1"):
             monkeypatch.setenv("KDAGEN_SCAN", scan)
@@ -247,8 +251,13 @@ def test_gpu_planner_routes_a_long_sequence_among_short_ones():
         m.setattr(engine, "scan_prefill", lambda *a, **k: spy_calls.append(k["segments"]) or real(*a, **k))
         routed = kdagen.kda_prefill(**kw)
         kdagen.kda_prefill(**short)
+        # the engine's usual call: offsets on the device only (read once, then planned the same)
+        dev_only = {n: t for n, t in kw.items() if n != "cu_seqlens_cpu"}
+        assert rt.route_of(**dev_only) == label
+        routed_dev = kdagen.kda_prefill(**dev_only)
         m.setenv("KDAGEN_SCAN", "0")
         one = kdagen.kda_prefill(**kw)
-    assert spy_calls == [None]
+    assert spy_calls == [None, None]
     assert rel_rmse(routed[0], one[0]) < 5e-3 and rel_rmse(routed[1], one[1]) < 5e-3
+    assert torch.equal(routed_dev[0], routed[0]) and torch.equal(routed_dev[1], routed[1])
 

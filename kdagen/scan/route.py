@@ -13,11 +13,11 @@ The choice is made once per signature (the runtime caches the plan) by the scan'
 signature is offered to it only where the planner's cost model applies and the scan returns what
 one piece would: sm80 one piece at the call's own head dims, bf16, K == V, no chunk states but
 sparse ones (return_chunk_states=m with at least CS_MIN_SPACING tokens between them:
-checkpoints), no forced variant, no workspace, host-readable offsets. Varlen with several
-sequences (an engine's packed batch) has lengths that change per call: with host offsets
-(cu_seqlens_cpu) and where the planner would cut one sequence of all T tokens, each call with a
-sequence of MIN_TOKENS or more is planned from its offsets (the planner caches by offsets, and a
-model's layers repeat them); the rest run in one piece. KDAGEN_SCAN=0 turns it off; a call under
+checkpoints), no forced variant, no workspace, host-readable offsets (not assume_valid). Varlen with several
+sequences (an engine's packed batch) has lengths that change per call: where the planner would cut
+one sequence of all T tokens, each call with a sequence of MIN_TOKENS or more is planned from its
+offsets (the planner caches by offsets, and a model's layers repeat them); the rest run in one
+piece. Offsets passed only on the device are read once per call, as one piece reads them anyway. KDAGEN_SCAN=0 turns it off; a call under
 CUDA graph capture, or made by the scan itself, always runs one piece.
 """
 
@@ -60,7 +60,6 @@ def offered(info: Any, target: str, kw: dict) -> bool:
     spacing = _cs_spacing(kw)
     return (not _inside() and target == "sm80" and info.device.type == "cuda" and info.dtype == "bf16"
             and info.K == info.V and info.N >= 1 and info.T >= MIN_TOKENS
-            and (not info.varlen or info.N == 1 or kw.get("cu_seqlens_cpu") is not None)
             and kw.get("variant") is None and not env.force_variant() and kw.get("workspace") is None
             and (spacing is None or spacing >= CS_MIN_SPACING) and not kw.get("assume_valid"))
 
@@ -101,15 +100,22 @@ def call_segments(info: Any, kw: dict) -> Optional[tuple[int, ...]]:
     planner keeps it whole (what ScanRoute's call and scan_prefill(segments=None) decide)."""
     from .engine import planned_segments
 
-    if longest(kw["cu_seqlens_cpu"]) < MIN_TOKENS:
+    cu_cpu = host_offsets(kw["cu_seqlens"], kw.get("cu_seqlens_cpu"))
+    if longest(cu_cpu) < MIN_TOKENS:
         return None
-    segs = planned_segments(info, kw["cu_seqlens_cpu"].tolist(), mode=MODE, align=align_of(kw))
+    segs = planned_segments(info, cu_cpu.tolist(), mode=MODE, align=align_of(kw))
     return tuple(segs) if max(segs, default=1) > 1 else None
 
 
 def align_of(kw: dict) -> int:
     """The grid the scan cuts a call's sequences on: its kept chunk states' spacing, else its chunk."""
     return _cs_spacing(kw) or kw.get("chunk_size") or 64
+
+
+def host_offsets(cu: torch.Tensor, cu_cpu: Optional[torch.Tensor]) -> torch.Tensor:
+    """The call's offsets on the host: cu_seqlens_cpu, else one read of cu_seqlens (a device sync,
+    which one piece makes as well to check them and size its grid)."""
+    return cu_cpu if cu_cpu is not None else cu.cpu()
 
 
 def longest(cu_cpu: Optional[torch.Tensor]) -> int:
@@ -146,9 +152,12 @@ class ScanRoute:
 
     def __call__(self, q, k, v, g, beta, A_log, dt_bias, h0, cu, cu_cpu, out, fs, cs, ws):
         per_call = not self.segments
-        if _inside() or not env.scan_route() or (q.is_cuda and torch.cuda.is_current_stream_capturing()) \
-                or (per_call and longest(cu_cpu) < MIN_TOKENS):
+        if _inside() or not env.scan_route() or (q.is_cuda and torch.cuda.is_current_stream_capturing()):
             return self.inner.run(q, k, v, g, beta, A_log, dt_bias, h0, cu, cu_cpu, out, fs, cs, ws)
+        if per_call:
+            cu_cpu = host_offsets(cu, cu_cpu)  # passed on: read once, by whichever runs the call
+            if longest(cu_cpu) < MIN_TOKENS:
+                return self.inner.run(q, k, v, g, beta, A_log, dt_bias, h0, cu, cu_cpu, out, fs, cs, ws)
         from .engine import scan_prefill
 
         _STATE.depth = getattr(_STATE, "depth", 0) + 1
