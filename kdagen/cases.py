@@ -19,6 +19,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from .dtypes import torch_dtype
+from .inputs import chunk_stride
 from .reference import kda_reference, rel_rmse
 from .variant import Variant
 
@@ -307,6 +308,7 @@ def reference(kw: dict) -> tuple:
     or target share their inputs."""
     ref_kw = {n: (t.cpu() if isinstance(t, torch.Tensor) else t) for n, t in kw.items()}
     ref_kw.pop("state_dtype", None)
+    ref_kw.pop("cu_seqlens_cpu", None)  # (the same offsets as cu_seqlens)
     cs = ref_kw.pop("chunk_size", None)
     want_cs = ref_kw.pop("return_chunk_states", False)
     ref_kw["chunk_states_size"] = cs if want_cs else None
@@ -339,8 +341,29 @@ def errors(v: Variant, kw: dict, out) -> dict[str, float]:
     if rs is not None:
         errs["state"] = err(out[1], rs)
     if kw.get("return_chunk_states"):
+        m = chunk_stride(kw["return_chunk_states"])
+        if m > 1 and rc is not None:
+            rc = rc[kept_rows(kw, m)]  # the reference keeps every chunk's state
         errs["chunk_states"] = err(out[2] if len(out) > 2 else None, rc)
     return errs
+
+
+def kept_rows(kw: dict, m: int) -> list[int]:
+    """The rows of every-chunk states (sequences' chunks packed in order) that a call of kwargs
+    `kw` with return_chunk_states=m keeps: chunks 0, m, 2m, ... of each sequence."""
+    C = kw["chunk_size"]
+    cu = kw.get("cu_seqlens")
+    if cu is not None:
+        host = cu.tolist()
+        lens = [b - a for a, b in zip(host, host[1:])]
+    else:
+        q = kw["q"]
+        lens = [q.shape[2] if str(kw.get("layout", "BSND")).upper() == "BNSD" else q.shape[1]] * q.shape[0]
+    rows, first = [], 0
+    for n in lens:
+        rows += range(first, first + -(-n // C), m)
+        first += -(-n // C)
+    return rows
 
 
 def _record(v: Variant, kw: dict, errs: dict, tol: dict) -> None:

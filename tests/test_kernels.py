@@ -10,6 +10,8 @@ Test ids carry the variant's canonical name, the case and the device.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -206,6 +208,9 @@ def test_chunk_state_stride(v, dev):
     kw = make_case(v, dev, lens=lens, H=1, HV=2, chunk_states=True, seed=11)
     kw["cu_seqlens_cpu"] = kw["cu_seqlens"].cpu()
     check_chunk_stride(v, kw, lens)
+    # the kept rows against the float64 reference's rows for chunks 0, 3, 6, ... (kdagen.cases.kept_rows)
+    errs = run_and_compare(v, dict(kw, return_chunk_states=3))
+    assert 0 < errs["chunk_states"] < math.inf, errs
     short = torch.empty((sum(-(-n // (2 * C)) for n in lens) - 1, *kw["initial_state"].shape[1:]),
                         dtype=kw["initial_state"].dtype, device=dev)
     with pytest.raises(KdaInputError, match=r"chunk_states: expected at least \d+ rows \(one per 2 chunks"):
