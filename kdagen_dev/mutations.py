@@ -307,6 +307,15 @@ CATALOGUE: list[Mutation] = [
       "C = C",
       ("tests/test_scan_engine.py::test_chunk_state_stride_cuts_segments_on_its_grid[correct]",),
       "the correct step adds S_in A_c to a row per chunk while the runs kept every m-th"),
+    M("scan_row_runs_unequal", "kdagen/scan/engine.py", "if last is not None and last[0] + last[1] == s and last[3] == r:",
+      "if last is not None and last[0] + last[1] == s:",
+      ("tests/test_scan_engine.py::test_scheme_on_the_reference_engine[batched-gqa-c16-correct]",),
+      "segments with fewer chunk-state rows (a sequence's short last one) corrected as if they had the run's count"),
+    M("scan_row_runs_skip_segments", "kdagen/scan/engine.py",
+      "if last is not None and last[0] + last[1] == s and last[3] == r:",
+      "if last is not None and last[3] == r:",
+      ("tests/test_scan_engine.py::test_scheme_on_the_reference_engine[varlen-bnsd-kv-c64-correct]",),
+      "segments after one whose state was already applied take the wrong segment's entering state"),
 ]
 
 # What CI runs (tests/test_mutations.py): the four survivors issue 23 names and one bug of each
