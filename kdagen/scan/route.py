@@ -13,12 +13,13 @@ The choice is made once per signature (the runtime caches the plan) by the scan'
 signature is offered to it only where the planner's cost model applies and the scan returns what
 one piece would: sm80 one piece at the call's own head dims, bf16, K == V, no chunk states but
 sparse ones (return_chunk_states=m with at least CS_MIN_SPACING tokens between them:
-checkpoints), no forced variant, no workspace, host-readable offsets (not assume_valid). Varlen with several
-sequences (an engine's packed batch) has lengths that change per call: where the planner would cut
-one sequence of all T tokens, each call with a sequence of MIN_TOKENS or more is planned from its
-offsets (the planner caches by offsets, and a model's layers repeat them); the rest run in one
-piece. Offsets passed only on the device are read once per call, as one piece reads them anyway. KDAGEN_SCAN=0 turns it off; a call under
-CUDA graph capture, or made by the scan itself, always runs one piece.
+checkpoints), no forced variant, no workspace, host-readable offsets (not assume_valid). Varlen
+with several sequences (an engine's packed batch) has lengths that change per call: where the
+planner would cut one sequence of all T tokens, each call with a sequence of MIN_TOKENS or more
+is planned from its offsets (the planner caches by offsets, and a model's layers repeat them); the
+rest run in one piece. Offsets passed only on the device are read once per call, as one piece
+reads them anyway. KDAGEN_SCAN=0 turns it off; a call under CUDA graph capture, or made by the
+scan itself, always runs one piece.
 """
 
 from __future__ import annotations
