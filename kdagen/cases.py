@@ -19,7 +19,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from .dtypes import torch_dtype
-from .inputs import chunk_stride
+from .inputs import chunk_stride, kept_chunk_rows
 from .reference import kda_reference, rel_rmse
 from .variant import Variant
 
@@ -349,21 +349,13 @@ def errors(v: Variant, kw: dict, out) -> dict[str, float]:
 
 
 def kept_rows(kw: dict, m: int) -> list[int]:
-    """The rows of every-chunk states (sequences' chunks packed in order) that a call of kwargs
-    `kw` with return_chunk_states=m keeps: chunks 0, m, 2m, ... of each sequence."""
-    C = kw["chunk_size"]
-    cu = kw.get("cu_seqlens")
-    if cu is not None:
-        host = cu.tolist()
-        lens = [b - a for a, b in zip(host, host[1:])]
-    else:
-        q = kw["q"]
-        lens = [q.shape[2] if str(kw.get("layout", "BSND")).upper() == "BNSD" else q.shape[1]] * q.shape[0]
-    rows, first = [], 0
-    for n in lens:
-        rows += range(first, first + -(-n // C), m)
-        first += -(-n // C)
-    return rows
+    """The rows of every-chunk states that a call of kwargs `kw` with return_chunk_states=m keeps."""
+    from .checkpoints import host_lengths
+
+    q = kw["q"]
+    T = q.shape[2] if str(kw.get("layout", "BSND")).upper() == "BNSD" else q.shape[1]
+    lens = host_lengths(q.shape[0], T, kw.get("cu_seqlens"), kw.get("cu_seqlens_cpu"), "return_chunk_states")
+    return kept_chunk_rows(lens, kw["chunk_size"], m)
 
 
 def _record(v: Variant, kw: dict, errs: dict, tol: dict) -> None:

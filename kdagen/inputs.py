@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -115,6 +115,17 @@ def kept_stride(return_chunk_states, chunk_states) -> int:
     """The stride of the chunk states a call keeps: chunk_stride, or 1 where a chunk_states
     buffer alone asks for them (0: none)."""
     return chunk_stride(return_chunk_states) or (1 if chunk_states is not None else 0)
+
+
+def kept_chunk_rows(lens: Sequence[int], chunk: int, m: int) -> list[int]:
+    """Which rows of every-chunk states (each sequence's ceil(L / chunk) rows, packed in order)
+    return_chunk_states=m keeps: the states entering chunks 0, m, 2m, ... of each sequence."""
+    rows, first = [], 0
+    for L in lens:
+        n = -(-L // chunk)
+        rows += range(first, first + n, m)
+        first += n
+    return rows
 
 
 def require_every_chunk(return_chunk_states, where: str) -> None:

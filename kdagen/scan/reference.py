@@ -14,7 +14,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from ..inputs import chunk_stride
+from ..inputs import chunk_stride, kept_chunk_rows
 from ..reference import CHUNK_SIZES, _finish, _prepare
 from .layout import split
 from .maps import chain, chunk_maps, rerun, segment_maps
@@ -126,11 +126,7 @@ def reference_prefill(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, 
         if m > 1:  # the state entering chunks 0, m, 2m, ... of each sequence
             T = q.shape[1] if str(kw.get("layout", "BSND")).upper() == "BSND" else q.shape[2]
             lens = host_lengths(q.shape[0], T, kw.get("cu_seqlens"), cu_seqlens_cpu, "return_chunk_states")
-            keep, at = [], 0
-            for L in lens:
-                keep += range(at, at + -(-L // C), m)
-                at += -(-L // C)
-            cs = cs[keep]
+            cs = cs[kept_chunk_rows(lens, C, m)]
         cs = cs.to(st)
         if chunk_states is not None:
             chunk_states[: cs.shape[0]].copy_(cs)

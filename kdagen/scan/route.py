@@ -97,8 +97,8 @@ def segments_for(plan: Any, kw: dict) -> Optional[tuple[int, ...]]:
 
 
 def call_segments(info: Any, kw: dict) -> Optional[tuple[int, ...]]:
-    """The segments a call of a PER_CALL signature runs at (its host offsets in kw's
-    cu_seqlens_cpu), or None where it runs in one piece: no sequence of MIN_TOKENS, or the
+    """The segments a call of a PER_CALL signature runs at (its offsets: kw's cu_seqlens_cpu, else
+    read from cu_seqlens), or None where it runs in one piece: no sequence of MIN_TOKENS, or the
     planner keeps it whole (what ScanRoute's call and scan_prefill(segments=None) decide)."""
     from .engine import planned_segments
 
@@ -120,9 +120,9 @@ def host_offsets(cu: torch.Tensor, cu_cpu: Optional[torch.Tensor]) -> torch.Tens
     return cu_cpu if cu_cpu is not None else cu.cpu()
 
 
-def longest(cu_cpu: Optional[torch.Tensor]) -> int:
-    """The longest sequence of host offsets (0 without them)."""
-    host = cu_cpu.tolist() if cu_cpu is not None else [0]
+def longest(cu_cpu: torch.Tensor) -> int:
+    """The longest sequence of host offsets."""
+    host = cu_cpu.tolist()
     return max((b - a for a, b in zip(host, host[1:])), default=0)
 
 
