@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kdagen.reference import rel_rmse
-from kdagen.scan.correct import CONFIG, correct_o_triton
+from kdagen.scan.correct import CONFIG, correct_cs_triton, correct_o_triton
 
 from .conftest import HAS_CUDA
 
@@ -90,3 +90,49 @@ def test_shapes_are_named():
         correct_o_triton(oB, oA.double(), S_in, BOUNDS, SKIP)
     with pytest.raises(ValueError, match="needs V = K a power of two"):
         correct_o_triton(oB[..., :24], oA[..., :24], S_in[..., :24], BOUNDS, SKIP)
+
+
+# Chunk-state rows per segment, as the scan packs them (a row per kept chunk, segments in order):
+# a skipped segment, one of three rows, an empty one, one of one row.
+ROWS = [0, 2, 5, 5, 6]
+
+
+def cs_problem(dev, HV=2, K=32, seed=2):
+    gen = torch.Generator().manual_seed(seed)
+    R, S = ROWS[-1], len(ROWS) - 1
+    both = torch.randn(R, 2 * HV, K, K, generator=gen).to(dev)  # the twin run's rows: B_c heads, then A_c's
+    S_in = torch.randn(S, HV, K, K, generator=gen).to(dev) * K ** -0.5
+    return both[:, :HV], both[:, HV:], S_in
+
+
+def float64_cs(cB, cA, S_in, skip):
+    cs = cB.double().cpu().clone()
+    A, S = cA.double().cpu(), S_in.double().cpu()
+    for s, (a, b) in enumerate(zip(ROWS, ROWS[1:])):
+        if not skip[s]:
+            cs[a:b] += torch.einsum("hvk,rhkj->rhvj", S[s], A[a:b])
+    return cs
+
+
+@pytest.mark.parametrize("K", [32, 64])  # 64: several [BK, BJ] = [32, 32] tiles per row
+@pytest.mark.parametrize("dev", DEVICES)
+def test_chunk_states_match_float64(dev, K):
+    # B_c and A_c are the head halves of the twin run's rows, read in place (row stride 2 HV K K)
+    cB, cA, S_in = cs_problem(dev, K=K)
+    assert not cB.is_contiguous()
+    cs = correct_cs_triton(cB, cA, S_in, ROWS, SKIP)
+    assert cs.dtype == torch.float32 and cs.shape == (ROWS[-1], 2, K, K) and cs.is_contiguous()
+    assert rel_rmse(cs.cpu(), float64_cs(cB, cA, S_in, SKIP)) < 1e-6
+    # The comparison can fail: segment 0's rows corrected although its state was applied, or
+    # segment 1's rows given segment 3's state.
+    assert rel_rmse(cs.cpu(), float64_cs(cB, cA, S_in, [False] + SKIP[1:])) > 1e-2
+    swapped = torch.stack([S_in[0], S_in[3], S_in[2], S_in[1]])
+    assert rel_rmse(cs.cpu(), float64_cs(cB, cA, swapped, SKIP)) > 1e-2
+
+
+def test_chunk_state_shapes_are_named():
+    cB, cA, S_in = cs_problem("cuda" if HAS_CUDA else "cpu")
+    with pytest.raises(ValueError, match="expected 2 heads, 5 first rows from 0 to 6 and 4 skip flags"):
+        correct_cs_triton(cB, cA, S_in, ROWS[:-1] + [7], SKIP)
+    with pytest.raises(ValueError, match="needs fp32 \\[R, HV, K, K\\] with contiguous matrices"):
+        correct_cs_triton(cB, cA.double(), S_in, ROWS, SKIP)

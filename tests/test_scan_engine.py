@@ -87,10 +87,20 @@ class Spy:
     ("batched-gqa-c16-rerun", dict(B=2, T=90, H=1, HV=2), 16, 3, "rerun"),
     ("batched-gqa-c16-correct", dict(B=2, T=90, H=1, HV=2), 16, 4, "correct"),
     ("no-state-strong-gate", dict(B=1, T=120, lower_bound=-5.0, with_state=False), 16, 5, "rerun"),
+    # the correct step's torch form (where its Triton kernels do not run: no GPU or interpreter, K
+    # not a power of two, states not fp32)
+    ("varlen-bnsd-kv-c64-correct-torch", dict(lens=[200, 65], layout="BNSD", state_layout="KV"), 64, [3, 2],
+     "correct"),
+    ("batched-gqa-c16-correct-torch", dict(B=2, T=90, H=1, HV=2), 16, 4, "correct"),
 ], ids=lambda c: c[0])
-def test_scheme_on_the_reference_engine(case):
+def test_scheme_on_the_reference_engine(case, monkeypatch):
     # fp32 inputs: the scheme must equal the float64 recurrence to fp32 rounding.
+    import kdagen.scan.engine as engine
+
     _, pk, C, segs, mode = case
+    if case[0].endswith("-torch"):
+        monkeypatch.setattr(engine, "correct_o_fits", lambda *a: False)
+        monkeypatch.setattr(engine, "correct_cs_fits", lambda *a: False)
     kw = make_kw(len(case[0]), **pk)
     spy = Spy()
     out = scan_prefill(**kw, chunk_size=C, return_chunk_states=True, segments=segs, mode=mode, prefill=spy)

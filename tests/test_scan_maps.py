@@ -110,8 +110,11 @@ def test_segment_maps_chain_and_rerun_equal_the_one_piece_recurrence():
 
 @pytest.mark.parametrize("impl", ["torch", "triton"])
 @pytest.mark.parametrize("K,counts", [(32, [3, 1, 4, 1]), (64, [2, 0, 3])])  # 64: the kernel's tiles
-def test_chain_implementations_match_float64(impl, K, counts):
-    # K = 64 walks the Triton kernel's [BK, BJ] = [32, 32] tiles; a count of 0 passes S0 through
+@pytest.mark.parametrize("twin", [False, True], ids=["packed", "twin_slices"])
+def test_chain_implementations_match_float64(impl, K, counts, twin):
+    # K = 64 walks the Triton kernel's [BK, BJ] = [32, 32] tiles; a count of 0 passes S0 through.
+    # twin_slices: A and B are the head halves of one [S, 2 HV, K, K] output, as the twin run
+    # gives them (read in place through their strides).
     gen = torch.Generator().manual_seed(3)
     S, HV, V = sum(counts), 2, K
     A = rnd(gen, S, HV, K, K, scale=K ** -0.5)
@@ -119,6 +122,10 @@ def test_chain_implementations_match_float64(impl, K, counts):
     S0 = rnd(gen, len(counts), HV, V, K)
     ref_in, ref_out = chain(A, B, S0, counts)
     f32 = lambda x: x.float()  # noqa: E731
+    if twin:
+        both = torch.cat([B, A], dim=1).float()
+        f32 = lambda x: both[:, HV:] if x is A else both[:, :HV] if x is B else x.float()  # noqa: E731
+        assert not f32(A).is_contiguous() and not f32(B).is_contiguous()
     if impl == "triton":
         got_in, got_out = chain_triton(f32(A), f32(B), f32(S0), counts)
     else:

@@ -32,13 +32,14 @@ except Exception:  # pragma: no cover - exercised only where triton is missing
 if triton is not None:
 
     @triton.jit
-    def _chain_kernel(A, B, S0, S_in, S_out, offsets, HV, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
-                      BJ: tl.constexpr, BK: tl.constexpr):
+    def _chain_kernel(A, B, S0, S_in, S_out, offsets, HV, a_s, a_h, b_s, b_h, K: tl.constexpr, V: tl.constexpr,
+                      BV: tl.constexpr, BJ: tl.constexpr, BK: tl.constexpr):
         # One program per (sequence, head, BV rows of V) walks the sequence's segments. The state
         # lives in S_in (global, L2-resident): each segment reads S_in[s] in [BV, BK] tiles and
         # writes S_in[s] A + B to S_in[s + 1] (S_out after the last) in [BV, BJ] column tiles, so
         # no operand is larger than [BK, BJ] (a whole [K, K] tile in registers spilled: 0.3 ms a
-        # segment at K = 128 on the H200, benchmarks/NOTES.md).
+        # segment at K = 128 on the H200, benchmarks/NOTES.md). A and B are read through their
+        # segment and head strides (a_s, a_h, b_s, b_h): the twin run's heads are slices of one output.
         n = tl.program_id(0)
         h = tl.program_id(1)
         vb = tl.program_id(2)
@@ -53,19 +54,23 @@ if triton is not None:
             s0 = tl.load(S0 + seq + tile)
             tl.store(S_in + (s_begin * HV + h) * V * K + tile, s0, mask=s_begin < s_end)
             tl.store(S_out + seq + tile, s0, mask=s_begin == s_end)
+        a_seg = A + s_begin.to(tl.int64) * a_s + h * a_h  # 64-bit: the twin run's strides are twice B's
+        b_seg = B + s_begin.to(tl.int64) * b_s + h * b_h
         for s in range(s_begin, s_end):
             tl.debug_barrier()  # S_in[s] was written by other threads of this program
             src = S_in + (s * HV + h) * V * K
             nxt = S_in + ((s + 1) * HV + h) * V * K
             for j in range(0, K, BJ):
                 tile = rv[:, None] * K + j + rj[None, :]
-                acc = tl.load(B + (s * HV + h) * V * K + tile)
+                acc = tl.load(b_seg + tile)
                 for kk in range(0, K, BK):
                     st = tl.load(src + rv[:, None] * K + kk + rk[None, :])
-                    a = tl.load(A + (s * HV + h) * K * K + (kk + rk)[:, None] * K + j + rj[None, :])
+                    a = tl.load(a_seg + (kk + rk)[:, None] * K + j + rj[None, :])
                     acc += tl.dot(st, a, input_precision="ieee")
                 tl.store(nxt + tile, acc, mask=s + 1 < s_end)
                 tl.store(S_out + seq + tile, acc, mask=s + 1 == s_end)
+            a_seg += a_s
+            b_seg += b_s
 
 
 def triton_takes(t: Tensor, *dims: int) -> bool:
@@ -84,7 +89,8 @@ def triton_fits(A: Tensor, B: Tensor) -> bool:
 
 def chain_triton(A: Tensor, B: Tensor, S0: Tensor, counts: Sequence[int]) -> tuple[Tensor, Tensor]:
     """kdagen.scan.maps.chain in one Triton launch. A [S, HV, K, K], B [S, HV, V, K],
-    S0 [N, HV, V, K], all fp32; counts[n] segments of sequence n."""
+    S0 [N, HV, V, K], all fp32; counts[n] segments of sequence n. A and B are read in place where
+    each of their matrices is contiguous (the twin run's head slices need no copies)."""
     if not triton_fits(A, B):
         raise ValueError(f"A, B: the Triton chain needs fp32 power-of-two K, V >= 16 on a GPU or the "
                          f"interpreter, found A {tuple(A.shape)} {A.dtype}, B {tuple(B.shape)} on {A.device}")
@@ -95,17 +101,18 @@ def chain_triton(A: Tensor, B: Tensor, S0: Tensor, counts: Sequence[int]) -> tup
         raise ValueError(f"counts: expected {N} sequences with {S} segments in all and B [{S}, {HV}, V, {K}], "
                          f"S0 [{N}, {HV}, V, {K}], found counts {list(counts)}, B {tuple(B.shape)}, "
                          f"S0 {tuple(S0.shape)}")
-    A, B, S0 = A.contiguous(), B.contiguous(), S0.contiguous()
+    A, B = (x if x.stride()[2:] == (x.shape[3], 1) else x.contiguous() for x in (A, B))
+    S0 = S0.contiguous()
     offs = [0]
     for c in counts:
         offs.append(offs[-1] + int(c))
     offsets = device_ints(offs, A.device)
-    S_in = torch.empty_like(B)
+    S_in = torch.empty((S, HV, V, K), dtype=B.dtype, device=B.device)
     S_out = torch.empty_like(S0)
     if N and HV:
         BV = 16
-        _chain_kernel[(N, HV, V // BV)](A, B, S0, S_in, S_out, offsets, HV, K=K, V=V, BV=BV, BJ=min(K, 32),
-                                        BK=min(K, 32))
+        _chain_kernel[(N, HV, V // BV)](A, B, S0, S_in, S_out, offsets, HV, A.stride(0), A.stride(1), B.stride(0),
+                                        B.stride(1), K=K, V=V, BV=BV, BJ=min(K, 32), BK=min(K, 32))
     return S_in, S_out
 
 

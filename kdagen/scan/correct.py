@@ -6,6 +6,10 @@ state: o = o_B + o_A S_in^T. The torch form (kdagen.scan.engine.correct_step) ma
 both and one einsum per segment; this Triton kernel reads o_B and o_A once and writes o in their
 dtype. A program per (run of GT tokens inside one segment, head, V block) keeps S_in's rows for
 its V block and walks its tokens BT at a time; the run table is built on the host.
+
+Chunk states are affine in the entering state too: B_c + S_in A_c per kept row. A second kernel
+(correct_cs_triton) writes them in one launch; in torch that was a clone, an einsum and an add
+(~230 us of host time a call on an H100's host, session 48).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from torch import Tensor
 from .chain import triton_takes
 from .layout import host_to_device
 
-__all__ = ["correct_o_fits", "correct_o_triton"]
+__all__ = ["correct_cs_fits", "correct_cs_triton", "correct_o_fits", "correct_o_triton"]
 
 try:  # Triton is optional at run time (the torch form needs none)
     import triton
@@ -73,6 +77,37 @@ if triton is not None:
                 out = rt.to(tl.int64)[:, None] * (HV * V) + h * V
                 ob = tl.load(OB + row + rv[None, :], mask=mt[:, None], other=0.0)
                 tl.store(O + out + rv[None, :], ob.to(O.dtype.element_ty), mask=mt[:, None])
+
+    @triton.jit
+    def _correct_cs_kernel(BC, AC, S_in, CS, seg_rows, skip, S, HV, b_r, b_h, a_r, a_h, K: tl.constexpr,
+                           V: tl.constexpr, BV: tl.constexpr, BJ: tl.constexpr, BK: tl.constexpr, NVB: tl.constexpr,
+                           BS: tl.constexpr):
+        # A program per (kept row, head, BV rows of V): CS[c, h] = B_c + S_in[s, h] A_c for the
+        # row's segment s (B_c alone where skip[s]), in [BV, BJ] column tiles, operands at most
+        # [BK, BJ] (as the chain kernel: a whole [K, K] tile in registers spills).
+        c = tl.program_id(0) // NVB
+        vb = tl.program_id(0) % NVB
+        h = tl.program_id(1)
+        # the row's segment: how many segments start at or before it (seg_rows: S + 1 first rows)
+        i = tl.arange(0, BS)
+        firsts = tl.load(seg_rows + i, mask=i < S + 1, other=2147483647)
+        s = tl.sum((firsts <= c).to(tl.int32)) - 1
+        apply = tl.load(skip + s) == 0  # skip has S + 1 flags: a row past the last segment copies
+        rv = vb * BV + tl.arange(0, BV)
+        rj = tl.arange(0, BJ)
+        rk = tl.arange(0, BK)
+        bc = BC + c.to(tl.int64) * b_r + h * b_h
+        ac = AC + c.to(tl.int64) * a_r + h * a_h
+        st = S_in + (s.to(tl.int64) * HV + h) * V * K
+        out = CS + (c.to(tl.int64) * HV + h) * V * K
+        for j in range(0, K, BJ):
+            acc = tl.load(bc + rv[:, None] * K + j + rj[None, :]).to(tl.float32)
+            if apply:
+                for kk in range(0, K, BK):
+                    x = tl.load(st + rv[:, None] * K + kk + rk[None, :])
+                    a = tl.load(ac + (kk + rk)[:, None] * K + j + rj[None, :]).to(tl.float32)
+                    acc += tl.dot(x, a, input_precision="ieee")
+            tl.store(out + rv[:, None] * K + j + rj[None, :], acc.to(CS.dtype.element_ty))
 
 
 def correct_o_fits(oB: Tensor, S_in: Tensor) -> bool:
@@ -136,3 +171,47 @@ def correct_o_triton(oB: Tensor, oA: Tensor, S_in: Tensor, bounds: Sequence[int]
                                                       flags, HV, oB.stride(1), K=K, V=V, BT=BT, BV=BV, NVB=V // BV,
                                                       PRECISION=precision, num_warps=warps, num_stages=stages)
     return o
+
+
+def correct_cs_fits(cB: Tensor, cA: Tensor, S_in: Tensor) -> bool:
+    """Whether correct_cs_triton takes these: fp32 throughout, V = K a power of two >= 16, each
+    [V, K] matrix contiguous, on a GPU or the Triton interpreter."""
+    if any(t.dtype != torch.float32 or t.dim() != 4 for t in (cB, cA, S_in)):
+        return False
+    K = S_in.shape[-1]
+    return (S_in.shape[-2] == K and cB.shape == cA.shape and tuple(cB.shape[2:]) == (K, K)
+            and all(t.stride()[2:] == (K, 1) for t in (cB, cA)) and triton_takes(cB, K))
+
+
+@functools.lru_cache(maxsize=64)
+def _row_tables(seg_rows: tuple[int, ...], skip: tuple[bool, ...], device: torch.device) -> tuple[Tensor, Tensor]:
+    """On `device` (cached, read-only, as _tables): the segments' first rows (S + 1) and their skip
+    flags with a trailing 1 (rows past the last segment are copied)."""
+    return (host_to_device(list(seg_rows), device),
+            host_to_device([int(x) for x in skip] + [1], device))
+
+
+def correct_cs_triton(cB: Tensor, cA: Tensor, S_in: Tensor, seg_rows: Sequence[int], skip: Sequence[bool]
+                      ) -> Tensor:
+    """Chunk states [R, HV, V, K] (contiguous fp32) from step 1's B_c and A_c [R, HV, V, K] (read
+    in place through their row and head strides): rows seg_rows[s] .. seg_rows[s + 1] - 1 belong to
+    segment s and get B_c + S_in[s] A_c, or B_c alone where skip[s]. S_in [S, HV, V, K] fp32."""
+    if not correct_cs_fits(cB, cA, S_in):
+        raise ValueError(f"cB, cA, S_in: the Triton chunk-state correction needs fp32 [R, HV, K, K] with contiguous "
+                         f"matrices and power-of-two K >= 16 on a GPU or the interpreter; found cB {tuple(cB.shape)} "
+                         f"{cB.dtype}, cA {tuple(cA.shape)} {cA.dtype}, S_in {tuple(S_in.shape)} {S_in.dtype} on "
+                         f"{cB.device}")
+    S, HV, V, K = S_in.shape
+    R = cB.shape[0]
+    if cB.shape[1] != HV or len(seg_rows) != S + 1 or len(skip) != S or seg_rows[0] != 0 or seg_rows[-1] != R:
+        raise ValueError(f"cB, seg_rows, skip: expected {HV} heads, {S + 1} first rows from 0 to {R} and {S} skip "
+                         f"flags; found cB {tuple(cB.shape)}, seg_rows {list(seg_rows)}, {len(skip)} skip flags")
+    cs = torch.empty((R, HV, V, K), dtype=torch.float32, device=cB.device)
+    if R and HV:
+        rows, flags = _row_tables(tuple(int(x) for x in seg_rows), tuple(bool(x) for x in skip), cB.device)
+        BV = min(32, V)
+        _correct_cs_kernel[(R * (V // BV), HV)](cB, cA, S_in.contiguous(), cs, rows, flags, S, HV, cB.stride(0),
+                                                cB.stride(1), cA.stride(0), cA.stride(1), K=K, V=V, BV=BV,
+                                                BJ=min(K, 32), BK=min(K, 32), NVB=V // BV,
+                                                BS=triton.next_power_of_2(S + 1))
+    return cs

@@ -31,7 +31,7 @@ from torch import Tensor
 from ..errors import KdaInputError
 from ..inputs import CallInfo, check_call, chunk_stride
 from .chain import chain_states
-from .correct import correct_o_fits, correct_o_triton
+from .correct import correct_cs_fits, correct_cs_triton, correct_o_fits, correct_o_triton
 from .layout import SegmentLayout, device_ints, split
 from .maps import ieee_fp32
 from .planner import ScanLaunch, plan_segments
@@ -227,26 +227,33 @@ def rerun_step(P: Packed, lay: SegmentLayout, S_in: Tensor, prefill: Prefill, ch
 def correct_step(P: Packed, lay: SegmentLayout, S_in: Tensor, known: Sequence[bool], o_pair: tuple[Tensor, Tensor],
                  cs_pair: Optional[tuple[Tensor, Tensor]]) -> tuple[Tensor, Optional[Tensor]]:
     """Step 3 without a rerun: o = o_B + o_A S_in^T and chunk states B_c + S_in A_c per segment
-    (segments whose entering state was already applied in step 1 keep o_B, B_c). o in one
-    Triton pass where it runs (kdagen.scan.correct), else fp32 torch products per segment."""
+    (segments whose entering state was already applied in step 1 keep o_B, B_c). Each in one
+    Triton pass where it runs (kdagen.scan.correct), else fp32 torch products."""
     C = P.kw.get("chunk_size")
     C = C * P.cs_stride if C else C  # a chunk-state row per C m tokens
     applied = {lay.first[n] for n in range(lay.num_sequences) if known[n]}
     oB, oA = o_pair
     o = None
+    skip = [s in applied for s in range(lay.num_segments)]
     if correct_o_fits(oB, S_in):
-        o = correct_o_triton(oB, oA, S_in, lay.bounds, [s in applied for s in range(lay.num_segments)])
-        if cs_pair is None:
-            return o, None
+        o = correct_o_triton(oB, oA, S_in, lay.bounds, skip)
+    cs = cA = None  # cA: the torch form's A_c, where it corrects cs
+    if cs_pair is not None and correct_cs_fits(cs_pair[0], cs_pair[1], S_in):
+        first_rows = [0]  # segment s's rows: first_rows[s] .. first_rows[s + 1] - 1, a row per C tokens
+        for a, b in zip(lay.bounds, lay.bounds[1:]):
+            first_rows.append(first_rows[-1] + -(-(b - a) // C))
+        cs = correct_cs_triton(cs_pair[0], cs_pair[1], S_in, first_rows, skip)
+    elif cs_pair is not None:
+        cs, cA = cs_pair[0].clone(), cs_pair[1]
+    if o is not None and cA is None:
+        return o, cs
     o_acc = oB.float().clone() if o is None else None
-    cs = cs_pair[0].clone() if cs_pair is not None else None
     with ieee_fp32():
         if o_acc is not None:
             for s, (a, b) in enumerate(zip(lay.bounds, lay.bounds[1:])):
                 if s not in applied and b > a:
                     o_acc[0, a:b] += torch.einsum("thk,hvk->thv", oA[0, a:b].float(), S_in[s])
-        if cs is not None:
-            cA = cs_pair[1]
+        if cA is not None:
             for s0, n, row, r in _equal_row_runs(lay, C, applied):
                 # n consecutive segments of r rows each, their rows consecutive: one product
                 # (an einsum per segment cost ~90 us of host time each on the H100, session 47)
