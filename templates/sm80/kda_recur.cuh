@@ -291,15 +291,13 @@ __device__ __forceinline__ void recur_block(const KdaParams& p) {
 
   in_t* op = (in_t*)p.o + bidx * p.o_s[0] + hs * p.o_s[2] + vb * BV + vw;  // (chunk 64)
   const long long ostride = p.o_s[1];
+  const int coff = p.hc ? p.chunk_offsets[n] : 0;
   const int cstride = p.chunk_stride > 1 ? p.chunk_stride : 1;
-  // The next kept chunk and its row are counted, not c % m and c / m: a runtime division at the
-  // top of every step (the strided call's recurrence ran 0.1 ms over the plain one, session 48).
-  int next_kept = p.hc ? 0 : nc;
-  long long crow = p.hc ? p.chunk_offsets[n] : 0;
+
 
   for (int c = 0; c < nc; ++c) {
-    if (c == next_kept) {
-      next_kept += cstride;
+    if (p.hc && c % cstride == 0) {
+      const long long crow = coff + c / cstride;
 #pragma unroll
       for (int m = 0; m < MT; ++m) {
 #if KDA_STATE == 2
@@ -310,7 +308,6 @@ __device__ __forceinline__ void recur_block(const KdaParams& p) {
                     vr0 + 16 * m, k0, t4, kv);
 #endif
       }
-      ++crow;
     }
     // The one block-wide barrier of a step: chunk c has landed (the copy warp waited for it),
     // and every warp is done with step c - 1 (its stage can be refilled, the exchange slots
