@@ -193,9 +193,10 @@ def _row_tables(seg_rows: tuple[int, ...], skip: tuple[bool, ...], device: torch
 
 def correct_cs_triton(cB: Tensor, cA: Tensor, S_in: Tensor, seg_rows: Sequence[int], skip: Sequence[bool]
                       ) -> Tensor:
-    """Chunk states [R, HV, V, K] (contiguous fp32) from step 1's B_c and A_c [R, HV, V, K] (read
-    in place through their row and head strides): rows seg_rows[s] .. seg_rows[s + 1] - 1 belong to
-    segment s and get B_c + S_in[s] A_c, or B_c alone where skip[s]. S_in [S, HV, V, K] fp32."""
+    """Chunk states [R, HV, V, K] (contiguous fp32) from step 1's B_c [R, HV, V, K] and A_c
+    [R, HV, K, K] (read in place through their row and head strides): rows seg_rows[s] ..
+    seg_rows[s + 1] - 1 belong to segment s and get B_c + S_in[s] A_c, or B_c alone where skip[s].
+    S_in [S, HV, V, K] fp32."""
     if not correct_cs_fits(cB, cA, S_in):
         raise ValueError(f"cB, cA, S_in: the Triton chunk-state correction needs fp32 [R, HV, K, K] with contiguous "
                          f"matrices and power-of-two K >= 16 on a GPU or the interpreter; found cB {tuple(cB.shape)} "
