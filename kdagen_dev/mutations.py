@@ -328,8 +328,8 @@ CATALOGUE: list[Mutation] = [
       "s = tl.sum((firsts < c).to(tl.int32)) - 1",
       ("tests/test_scan_correct.py::test_chunk_states_match_float64[cpu-32]",),
       "a segment's first chunk-state row corrected with the previous segment's entering state"),
-    M("cs_correct_rows_floor", "kdagen/scan/engine.py", "first_rows.append(first_rows[-1] + -(-(b - a) // C))",
-      "first_rows.append(first_rows[-1] + (b - a) // C)",
+    M("cs_correct_rows_floor", "kdagen/scan/engine.py", "rows.append(rows[-1] + -(-(b - a) // C))",
+      "rows.append(rows[-1] + (b - a) // C)",
       ("tests/test_scan_engine.py::test_scheme_on_the_reference_engine[batched-gqa-c16-correct]",),
       "a segment's partial last chunk gets no row: every later segment's rows shifted"),
 ]

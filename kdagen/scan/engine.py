@@ -239,10 +239,7 @@ def correct_step(P: Packed, lay: SegmentLayout, S_in: Tensor, known: Sequence[bo
         o = correct_o_triton(oB, oA, S_in, lay.bounds, skip)
     cs = cA = None  # cA: the torch form's A_c, where it corrects cs
     if cs_pair is not None and correct_cs_fits(cs_pair[0], cs_pair[1], S_in):
-        first_rows = [0]  # segment s's rows: first_rows[s] .. first_rows[s + 1] - 1, a row per C tokens
-        for a, b in zip(lay.bounds, lay.bounds[1:]):
-            first_rows.append(first_rows[-1] + -(-(b - a) // C))
-        cs = correct_cs_triton(cs_pair[0], cs_pair[1], S_in, first_rows, skip)
+        cs = correct_cs_triton(cs_pair[0], cs_pair[1], S_in, _first_rows(lay, C), skip)
     elif cs_pair is not None:
         cs, cA = cs_pair[0].clone(), cs_pair[1]
     if o is not None and cA is None:
@@ -262,21 +259,29 @@ def correct_step(P: Packed, lay: SegmentLayout, S_in: Tensor, known: Sequence[bo
     return (o if o is not None else o_acc.to(oB.dtype)), cs
 
 
+def _first_rows(lay: SegmentLayout, C: int) -> list[int]:
+    """Each segment's first chunk-state row, and the total (S + 1): a row per C tokens, begun or
+    not, packed per segment in order."""
+    rows = [0]
+    for a, b in zip(lay.bounds, lay.bounds[1:]):
+        rows.append(rows[-1] + -(-(b - a) // C))
+    return rows
+
+
 def _equal_row_runs(lay: SegmentLayout, C: int, applied: set[int]) -> list[tuple[int, int, int, int]]:
     """(first segment, count, first row, rows each) for every maximal run of consecutive segments
     whose entering state is still to apply (not in `applied`, not empty) and that have the same
-    number of chunk-state rows (a row per C tokens); rows are packed per segment in order."""
+    number of chunk-state rows (_first_rows)."""
     runs: list[list[int]] = []
-    row = 0
-    for s, (a, b) in enumerate(zip(lay.bounds, lay.bounds[1:])):
-        r = -(-(b - a) // C)
+    first = _first_rows(lay, C)
+    for s in range(lay.num_segments):
+        row, r = first[s], first[s + 1] - first[s]
         if s not in applied and r > 0:
             last = runs[-1] if runs else None
             if last is not None and last[0] + last[1] == s and last[3] == r:
                 last[1] += 1
             else:
                 runs.append([s, 1, row, r])
-        row += r
     return [tuple(x) for x in runs]
 
 
