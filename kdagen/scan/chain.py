@@ -43,19 +43,21 @@ if triton is not None:
         n = tl.program_id(0)
         h = tl.program_id(1)
         vb = tl.program_id(2)
-        s_begin = tl.load(offsets + n)
-        s_end = tl.load(offsets + n + 1)
+        # 64-bit segment and sequence indices: S_in's offset (s HV + h) V K passes 2^31 at 131072
+        # segment-heads for K = V = 128 (an 8 GiB S_in), and int32 wrapped there.
+        s_begin = tl.load(offsets + n).to(tl.int64)
+        s_end = tl.load(offsets + n + 1).to(tl.int64)
         rv = vb * BV + tl.arange(0, BV)
         rj = tl.arange(0, BJ)
         rk = tl.arange(0, BK)
-        seq = (n * HV + h) * V * K  # this (sequence, head)'s [V, K] state in S0 and S_out
+        seq = (n.to(tl.int64) * HV + h) * V * K  # this (sequence, head)'s [V, K] state in S0 and S_out
         for j in range(0, K, BJ):  # S0 enters the first segment (or is the final state of none)
             tile = rv[:, None] * K + j + rj[None, :]
             s0 = tl.load(S0 + seq + tile)
             tl.store(S_in + (s_begin * HV + h) * V * K + tile, s0, mask=s_begin < s_end)
             tl.store(S_out + seq + tile, s0, mask=s_begin == s_end)
-        a_seg = A + s_begin.to(tl.int64) * a_s + h * a_h  # 64-bit: the twin run's strides are twice B's
-        b_seg = B + s_begin.to(tl.int64) * b_s + h * b_h
+        a_seg = A + s_begin * a_s + h * a_h
+        b_seg = B + s_begin * b_s + h * b_h
         for s in range(s_begin, s_end):
             tl.debug_barrier()  # S_in[s] was written by other threads of this program
             src = S_in + (s * HV + h) * V * K
