@@ -110,12 +110,14 @@ def make_case(v: Variant, device, *, B: int = 1, T: int = 37, H: int = 1, HV: in
               with_state: bool = True, chunk_states: bool = False, A_log_scale: float = 0.5,
               fused: bool = False, gb_dtype: str = "fp32", dt_bias: bool = True, lower_bound: float = -5.0,
               scale: Optional[float] = None, use_qk_l2norm: bool = True, allow_neg_eigval: bool = False,
-              keys: str = "random", beta_prob: bool = False, seed: int = 0) -> dict:
+              keys: str = "random", beta_prob: bool = False, seed: int = 0, fused_width: int = 0) -> dict:
     """kda_prefill kwargs for variant `v`: random, never zero, deterministic in `seed`.
 
     Chunk states are asked for only where the variant has state I/O ("none" variants have none).
     `gb_dtype` is the dtype of g and beta ("fp32", or "input": the variant's); `fused` makes
     every input a view of one projection buffer (so g and beta take the input dtype).
+    `fused_width`: the fused buffer's row is at least this many elements (its token stride), so
+    that late tokens lie past element 2^31 of a buffer of a few thousand tokens.
     `keys="correlated"` gives the ill-conditioned problem (see PATHS). `beta_prob` passes b
     itself (1.5 sigmoid of the logits: in (0, 1.5)) with beta_is_logit=False. Without the L2 norm,
     q and k are drawn with norms near 1, as a model would give them (b |k|^2 < 2 keeps the
@@ -169,7 +171,8 @@ def make_case(v: Variant, device, *, B: int = 1, T: int = 37, H: int = 1, HV: in
     gb_t = dt if (fused or gb_dtype == "input") else torch.float32
     tensors = dict(q=q.to(dt), k=k.to(dt), v=vv.to(dt), g=g.to(gb_t), beta=beta.to(gb_t))
     if fused:  # built where the kernel runs: a copy across devices would not keep the strides
-        tensors = _fused_views({n: t.to(device) for n, t in tensors.items()}, K=K, V=V, pad_tokens=3)
+        tensors = _fused_views({n: t.to(device) for n, t in tensors.items()}, K=K, V=V, pad_tokens=3,
+                               width=fused_width)
     if layout == "BNSD":
         tensors = {n: (t.transpose(1, 2) if fused else t.transpose(1, 2).contiguous()) for n, t in tensors.items()}
     kw.update(tensors)
@@ -196,10 +199,11 @@ def make_case(v: Variant, device, *, B: int = 1, T: int = 37, H: int = 1, HV: in
     return {n: (t.to(device) if isinstance(t, torch.Tensor) else t) for n, t in kw.items()}
 
 
-def _fused_views(t: dict, *, K: int, V: int, pad_tokens: int) -> dict:
+def _fused_views(t: dict, *, K: int, V: int, pad_tokens: int, width: int = 0) -> dict:
     """The same values as views of one [B, T + pad_tokens, W] buffer, BSND: q's heads K apart,
     k's 2K apart, v's V apart, g's K + 16 apart, beta last; the gaps hold NaN, so a kernel that
-    reads a tensor with another one's strides reads NaN. Offsets stay 16-element aligned."""
+    reads a tensor with another one's strides reads NaN. Offsets stay 16-element aligned; W is
+    at least `width`."""
     B, T, H, _ = t["q"].shape
     HV = t["v"].shape[2]
     parts = [("q", H, K, K), ("k", H, 2 * K, K), ("v", HV, V, V), ("g", HV, K + 16, K)]
@@ -208,7 +212,7 @@ def _fused_views(t: dict, *, K: int, V: int, pad_tokens: int) -> dict:
         offs[name] = W
         W += heads * step
     offs["beta"] = W
-    W = -(-(W + HV) // 16) * 16 + 16
+    W = max(-(-(W + HV) // 16) * 16 + 16, -(-width // 16) * 16)
     buf = torch.full((B, T + pad_tokens, W), float("nan"), dtype=t["q"].dtype, device=t["q"].device)
     out = {}
     for name, heads, step, width in parts:

@@ -134,8 +134,9 @@ def kda_stage1(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, A_log_ptr, dt_bias_ptr, chu
     h = tl.program_id(1)
     hq = h // GROUP
     cid = g0 + cl
-    bidx = tl.load(chunk_info + cid * 3 + 0)
-    t0 = tl.load(chunk_info + cid * 3 + 1)
+    # 64-bit: token t's offset t * sqt passes 2^31 in a wide fused projection (tests/test_offsets.py)
+    bidx = tl.load(chunk_info + cid * 3 + 0).to(tl.int64)
+    t0 = tl.load(chunk_info + cid * 3 + 1).to(tl.int64)
     clen = tl.load(chunk_info + cid * 3 + 2)
     base = (cl * HV + h) * 64           # group-local workspace row of this (chunk, head)
     cK = tl.arange(0, K)
@@ -248,7 +249,7 @@ def kda_stage2(o_ptr, chunk_info, seq_chunks, st_ptr, cs_ptr, cs_off,
     cK = tl.arange(0, K)
     cv = j * BV + tl.arange(0, BV)
     r64 = tl.arange(0, 64)
-    st_off = (n * HV + h) * K * V + cv[:, None] * K + cK[None, :]
+    st_off = (n.to(tl.int64) * HV + h) * K * V + cv[:, None] * K + cK[None, :]
     S = tl.load(st_ptr + st_off)
     # chunk-state element (v, k): [V, K] (default) or [K, V]
     if STATE_KV:
@@ -268,7 +269,7 @@ def kda_stage2(o_ptr, chunk_info, seq_chunks, st_ptr, cs_ptr, cs_off,
         if HAS_CS:
             # the state entering every cs_stride-th chunk of the sequence (KdaParams::chunk_stride)
             cq = (lo - c_lo) + i
-            ci = tl.load(cs_off + n) + cq // cs_stride
+            ci = tl.load(cs_off + n).to(tl.int64) + cq // cs_stride
             cs_mask = (cv[:, None] < V) & active & (cq % cs_stride == 0)
             tl.store(cs_ptr + (ci * HV + h) * K * V + s_off, S.to(cs_ptr.dtype.element_ty), mask=cs_mask)
         base = (cl * HV + h) * 64
@@ -283,8 +284,8 @@ def kda_stage2(o_ptr, chunk_info, seq_chunks, st_ptr, cs_ptr, cs_off,
         O = _dot(Qd, St) + _dot(M, U)                     # o = Qd S^T + Mqk U
         S_new = S * gC[None, :] + _dot(tl.trans(U), Kr)   # S = S diag(gamma_C) + U^T Kr
         S = tl.where(active, S_new, S)
-        bidx = tl.load(chunk_info + cid * 3 + 0)
-        t0 = tl.load(chunk_info + cid * 3 + 1)
+        bidx = tl.load(chunk_info + cid * 3 + 0).to(tl.int64)
+        t0 = tl.load(chunk_info + cid * 3 + 1).to(tl.int64)
         clen = tl.load(chunk_info + cid * 3 + 2)
         tl.store(o_ptr + bidx * sob + (t0 + r64)[:, None] * sot + h * soh + cv[None, :],
                  O.to(o_ptr.dtype.element_ty), mask=((r64 < clen)[:, None]) & active)
