@@ -170,16 +170,18 @@ def _ninja_file(steps: list[Step], build_root: Path) -> str:
         "# Written by `kdagen build`; do not edit.",
         "ninja_required_version = 1.8",
         "",
+        # A failed step removes its output: an artifact left from an earlier success would match
+        # that success's content key on the next build and be kept beside the failure's log.
         "rule nvcc",
-        "  command = $nvcc_cmd > $log 2>&1 || { cat $log; exit 1; }",
+        "  command = $nvcc_cmd > $log 2>&1 || { cat $log; rm -f $out; exit 1; }",
         "  description = nvcc $variant",
         "",
         "rule jit",
-        f"  command = {py} -m kdagen.build_step jit $variant $in $out > $log 2>&1 || {{ cat $log; exit 1; }}",
+        f"  command = {py} -m kdagen.build_step jit $variant $in $out > $log 2>&1 || {{ cat $log; rm -f $out; exit 1; }}",
         "  description = check $variant",
         "",
         "rule ascend",
-        f"  command = {py} -m kdagen.build_step ascend $variant $in $out > $log 2>&1 || {{ cat $log; exit 1; }}",
+        f"  command = {py} -m kdagen.build_step ascend $variant $in $out > $log 2>&1 || {{ cat $log; rm -f $out; exit 1; }}",
         "  description = translate $variant",
         "",
     ]

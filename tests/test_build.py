@@ -143,3 +143,33 @@ def test_compiler_failure_is_quoted_and_log_kept(tmp_path, monkeypatch, capfd):
     out = capfd.readouterr().out
     assert 'identifier "oops" is undefined' in out and f"nvcc {name}" in out
     assert 'identifier "oops"' in (tmp_path / "b" / "a100" / name / "build.log").read_text()
+
+
+def test_failed_rebuild_leaves_no_artifact_to_trust(tmp_path, monkeypatch, capfd):
+    # build, fail a rebuild (another toolchain: another key), then build the first key again: the
+    # failure removed the artifact, so the variant is compiled again and its ptxas report (not the
+    # failure's log) is what the manifest records
+    good, bad = tmp_path / "nvcc_good", tmp_path / "nvcc_bad"
+    good.write_text("#!/bin/sh\nout=''\nwhile [ $# -gt 0 ]; do [ \"$1\" = -o ] && out=\"$2\"; shift; done\n"
+                    "echo \"ptxas info    : Compiling entry function 'kda_recur' for 'sm_80'\" >&2\n"
+                    "echo '    8 bytes stack frame, 8 bytes spill stores, 8 bytes spill loads' >&2\n"
+                    "echo 'ptxas info    : Used 255 registers' >&2\nprintf fatbin > \"$out\"\n")
+    bad.write_text("#!/bin/sh\necho 'kernel.cu(13): error: missing binary operator' >&2\nexit 1\n")
+    for f in (good, bad):
+        f.chmod(0o755)
+    man = json.loads((GENERATED_DIR / "a100" / "manifest.json").read_text())
+    name = man["variants"][0]["name"]
+    art = tmp_path / "b" / "a100" / name / f"{name}.fatbin"
+
+    def build(nvcc, version):
+        monkeypatch.setattr(kbuild, "nvcc_path", lambda: str(nvcc))
+        monkeypatch.setattr(kbuild, "nvcc_version", lambda: version)
+        return kbuild.build_spec("a100", names=[name], build_dir=tmp_path / "b", jobs=1, quiet=True)
+
+    assert build(good, "V0.0-fake")["variants"][name]["ptxas"][0]["spill_stores"] == 8
+    with pytest.raises(BuildError, match="build of spec a100 failed"):
+        build(bad, "V0.0-other")
+    assert not art.exists()
+    report = build(good, "V0.0-fake")["variants"][name]["ptxas"]
+    assert [(e["kernel"], e["registers"], e["spill_loads"]) for e in report] == [("kda_recur", 255, 8)]
+    capfd.readouterr()

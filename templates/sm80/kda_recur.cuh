@@ -291,14 +291,27 @@ __device__ __forceinline__ void recur_block(const KdaParams& p) {
 
   in_t* op = (in_t*)p.o + bidx * p.o_s[0] + hs * p.o_s[2] + vb * BV + vw;  // (chunk 64)
   const long long ostride = p.o_s[1];
-  // Chunk states kept so far: chunk c is kept when c == kept * m, its row the sequence's first
-  // plus kept (c % m and c / m were a runtime division at the top of every step, on its critical
-  // path: the strided call's recurrence ran 0.1 ms over the plain one, session 48). One register.
-  int kept = 0;
+  // Which chunks' entering states are kept (return_chunk_states=m: chunks 0, m, 2m, ...) and their
+  // rows. KDA_KEPT_COUNT: counted, the next kept chunk and its row in registers; else c % m and
+  // c / m, a runtime division at the top of every step. Counting ran fastest on plain and strided
+  // calls alike but spills where registers are tightest; kda_fwd.cu.j2 picks (benchmarks/NOTES.md,
+  // sessions 48-49).
+  const int cstride = p.chunk_stride > 1 ? p.chunk_stride : 1;
+#if KDA_KEPT_COUNT
+  int next_kept = p.hc ? 0 : nc;
+  long long crow = p.hc ? p.chunk_offsets[n] : 0;
+#else
+  const int coff = p.hc ? p.chunk_offsets[n] : 0;
+#endif
 
   for (int c = 0; c < nc; ++c) {
-    if (p.hc && c == kept * (p.chunk_stride > 1 ? p.chunk_stride : 1)) {
-      const long long crow = (long long)p.chunk_offsets[n] + kept;
+#if KDA_KEPT_COUNT
+    if (c == next_kept) {
+      next_kept += cstride;
+#else
+    if (p.hc && c % cstride == 0) {
+      const long long crow = coff + c / cstride;
+#endif
 #pragma unroll
       for (int m = 0; m < MT; ++m) {
 #if KDA_STATE == 2
@@ -309,7 +322,9 @@ __device__ __forceinline__ void recur_block(const KdaParams& p) {
                     vr0 + 16 * m, k0, t4, kv);
 #endif
       }
-      ++kept;
+#if KDA_KEPT_COUNT
+      ++crow;
+#endif
     }
     // The one block-wide barrier of a step: chunk c has landed (the copy warp waited for it),
     // and every warp is done with step c - 1 (its stage can be refilled, the exchange slots

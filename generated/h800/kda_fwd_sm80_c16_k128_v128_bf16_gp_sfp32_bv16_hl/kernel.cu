@@ -11,6 +11,7 @@
 #define KDA_IN_T __nv_bfloat16
 #define KDA_GATE 2
 #define KDA_STATE 1
+#define KDA_KEPT_COUNT 1
 #include "kda_layout.cuh"
 #include "kda_prep_c16.cuh"
 #include "kda_recur.cuh"
