@@ -1,8 +1,14 @@
-"""Element offsets past 2^31 (GPU): q, k, v, g, beta and o as views of one projection buffer whose
-rows are so wide that the last sequences start past its element 2^31. An engine's fused projection
-gets there in an ordinary prefill (a 128K-token call with 16K columns), so every kernel must
-compute token offsets in 64 bits: an int32 product wraps and reads another row, the NaN gap
-between the views, or faults. Each run is checked against the float64 reference (kdagen.cases)."""
+"""Offsets past 2^31 (GPU).
+
+Elements: q, k, v, g, beta and o as views of one projection buffer whose rows are so wide that the
+last sequences start past its element 2^31. An engine's fused projection gets there in an
+ordinary prefill (a 128K-token call with 16K columns), so every kernel must compute token offsets
+in 64 bits: an int32 product wraps and reads another row, the NaN gap between the views, or
+faults. Each run is checked against the float64 reference (kdagen.cases).
+
+Workspace bytes: the chunk records of a long packed batch (sm80 and Triton keep one per chunk and
+head, >= 768 bytes per token and head at K = 128) pass byte 2^31 at 128K tokens and 32 heads. A
+short sequence packed behind a long one must give what it gives alone, bit for bit."""
 
 from __future__ import annotations
 
@@ -10,7 +16,7 @@ import pytest
 import torch
 
 import kdagen.runtime as rt
-from kdagen.cases import make_case, run_and_compare
+from kdagen.cases import make_case, run_and_compare, run_poisoned
 from kdagen.registry import Registry
 from kdagen.scan.engine import scan_prefill
 from kdagen.select import device_reason
@@ -73,3 +79,45 @@ def test_scan_offsets_past_2_31(v):
     out = scan_prefill(**kw, out=o, variant=v.name, segments=[3, 1, 1, 1], mode="correct")
     assert out[0] is o
     run_and_compare(v, kw, out=out)
+
+
+# Workspace: a first sequence long enough that the second's records start past byte 2^31 at
+# >= 768 bytes per token and head (3 bf16 [C, K] rows per chunk at K = 128: W, Qd, Kr).
+HV_WS = 8
+FIRST = -(-EDGE // (768 * HV_WS)) + 4096
+TAIL = 777
+WS_PARAMS = [p for p in PARAMS if p.values[0].target != "triton_twin"]
+
+
+@pytest.mark.parametrize("v", WS_PARAMS)
+def test_records_past_byte_2_31(v):
+    why = device_reason(v.target, torch.device("cuda"))
+    if why:
+        pytest.skip(why)
+    need = FIRST * HV_WS * (3 * v.k * 2 + 8 * v.k) * 3  # inputs, o and the records, roughly
+    if torch.cuda.mem_get_info()[0] < need + (2 << 30):
+        pytest.skip(f"needs about {need / 2**30:.1f} GiB of free GPU memory and 2 GiB to spare")
+    _packed_behind(v, "cuda", FIRST, TAIL)
+
+
+def _packed_behind(v, device: str, first: int, tail: int, every: int = 64) -> None:
+    """A tail-token sequence alone (against float64) and packed behind a random first-token one:
+    bit-equal o, final state and chunk states (every `every`-th chunk's)."""
+    alone = make_case(v, device, lens=[tail], H=2, HV=HV_WS, chunk_states=True, seed=32)
+    alone["return_chunk_states"] = every
+    want = run_poisoned(v, alone)
+    run_and_compare(v, alone, out=want)
+    gen = torch.Generator(device=device).manual_seed(33)
+    packed = dict(alone)
+    for name in ("q", "k", "v", "g", "beta"):
+        t = alone[name]
+        head = torch.randn((1, first, *t.shape[2:]), generator=gen, device=device).to(t.dtype)
+        packed[name] = torch.cat([head, t], dim=1)
+    h0 = alone["initial_state"]
+    packed["initial_state"] = torch.cat([torch.randn_like(h0) * 0.5, h0])
+    packed["cu_seqlens"] = torch.tensor([0, first, first + tail], dtype=torch.int32, device=device)
+    got = run_poisoned(v, packed)
+    rows = -(-first // (v.chunk * every))
+    assert got[2].shape[0] == rows + want[2].shape[0]
+    assert torch.equal(got[0][:, first:], want[0]) and torch.equal(got[1][1:], want[1])
+    assert torch.equal(got[2][rows:], want[2])
