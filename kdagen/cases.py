@@ -172,7 +172,7 @@ def make_case(v: Variant, device, *, B: int = 1, T: int = 37, H: int = 1, HV: in
     tensors = dict(q=q.to(dt), k=k.to(dt), v=vv.to(dt), g=g.to(gb_t), beta=beta.to(gb_t))
     if fused:  # built where the kernel runs: a copy across devices would not keep the strides
         tensors = _fused_views({n: t.to(device) for n, t in tensors.items()}, K=K, V=V, pad_tokens=3,
-                               width=fused_width)
+                               min_width=fused_width)
     if layout == "BNSD":
         tensors = {n: (t.transpose(1, 2) if fused else t.transpose(1, 2).contiguous()) for n, t in tensors.items()}
     kw.update(tensors)
@@ -199,11 +199,11 @@ def make_case(v: Variant, device, *, B: int = 1, T: int = 37, H: int = 1, HV: in
     return {n: (t.to(device) if isinstance(t, torch.Tensor) else t) for n, t in kw.items()}
 
 
-def _fused_views(t: dict, *, K: int, V: int, pad_tokens: int, width: int = 0) -> dict:
+def _fused_views(t: dict, *, K: int, V: int, pad_tokens: int, min_width: int = 0) -> dict:
     """The same values as views of one [B, T + pad_tokens, W] buffer, BSND: q's heads K apart,
     k's 2K apart, v's V apart, g's K + 16 apart, beta last; the gaps hold NaN, so a kernel that
     reads a tensor with another one's strides reads NaN. Offsets stay 16-element aligned; W is
-    at least `width`."""
+    at least `min_width`."""
     B, T, H, _ = t["q"].shape
     HV = t["v"].shape[2]
     parts = [("q", H, K, K), ("k", H, 2 * K, K), ("v", HV, V, V), ("g", HV, K + 16, K)]
@@ -212,7 +212,7 @@ def _fused_views(t: dict, *, K: int, V: int, pad_tokens: int, width: int = 0) ->
         offs[name] = W
         W += heads * step
     offs["beta"] = W
-    W = max(-(-(W + HV) // 16) * 16 + 16, -(-width // 16) * 16)
+    W = max(-(-(W + HV) // 16) * 16 + 16, -(-min_width // 16) * 16)
     buf = torch.full((B, T + pad_tokens, W), float("nan"), dtype=t["q"].dtype, device=t["q"].device)
     out = {}
     for name, heads, step, width in parts:
