@@ -266,8 +266,8 @@ CATALOGUE: list[Mutation] = [
       "src = every[nc] + (r - kept[nc]) * m + 1",
       ("tests/test_kernels.py::test_chunk_state_stride[kda_fwd_triton_c64_k32_v32_bf16_gb_sfp32_bv16-cpu]",),
       "the Triton target keeps the states entering chunks 1, m + 1, ... instead of 0, m, ..."),
-    M("stride_twin_row_per_chunk", "templates/triton/kda_twostage.py.j2", "ci = tl.load(cs_off + n) + cq // cs_stride",
-      "ci = tl.load(cs_off + n) + cq",
+    M("stride_twin_row_per_chunk", "templates/triton/kda_twostage.py.j2", "ci = tl.load(cs_off + n).to(tl.int64) + cq // cs_stride",
+      "ci = tl.load(cs_off + n).to(tl.int64) + cq",
       ("tests/test_ascend.py::test_twin_chunk_state_stride",),
       "the twin writes strided chunk states at a row per chunk"),
     M("checkpoints_rows_at_kernel_chunk", RUNTIME, "chunk=chunk * stride, buffer=checkpoints",
@@ -332,6 +332,12 @@ CATALOGUE: list[Mutation] = [
       "rows.append(rows[-1] + (b - a) // C)",
       ("tests/test_scan_engine.py::test_scheme_on_the_reference_engine[batched-gqa-c16-correct]",),
       "a segment's partial last chunk gets no row: every later segment's rows shifted"),
+    # ------------------------------------------------------------------ build
+    M("build_failure_keeps_artifact", "kdagen/build.py",
+      '"  command = $nvcc_cmd > $log 2>&1 || { cat $log; rm -f $out; exit 1; }",',
+      '"  command = $nvcc_cmd > $log 2>&1 || { cat $log; exit 1; }",',
+      ("tests/test_build.py::test_failed_rebuild_leaves_no_artifact_to_trust",),
+      "a failed compile leaves the last success's artifact, trusted by its content key beside the failure's log"),
 ]
 
 # What CI runs (tests/test_mutations.py): the four survivors issue 23 names and one bug of each
