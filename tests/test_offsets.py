@@ -56,11 +56,15 @@ def _rows_past_the_edge(o: torch.Tensor) -> int:
     return sum((o[0, s].data_ptr() - base) // o.element_size() >= EDGE for s in starts if s < T)
 
 
-@pytest.mark.parametrize("v", PARAMS)
-def test_offsets_past_2_31(v):
+def _skip_unless_runs(v) -> None:
     why = device_reason(v.target, torch.device("cuda"))
     if why:
         pytest.skip(why)
+
+
+@pytest.mark.parametrize("v", PARAMS)
+def test_offsets_past_2_31(v):
+    _skip_unless_runs(v)
     kw, o = _wide_case(v)
     assert _rows_past_the_edge(o) == 2
     bufs = rt.allocate_outputs(**kw, fill=float("nan"))
@@ -91,9 +95,7 @@ WS_PARAMS = [p for p in PARAMS if p.values[0].target != "triton_twin"]
 
 @pytest.mark.parametrize("v", WS_PARAMS)
 def test_records_past_byte_2_31(v):
-    why = device_reason(v.target, torch.device("cuda"))
-    if why:
-        pytest.skip(why)
+    _skip_unless_runs(v)
     need = FIRST * HV_WS * (3 * v.k * 2 + 8 * v.k) * 3  # inputs, o and the records, roughly
     if torch.cuda.mem_get_info()[0] < need + (2 << 30):
         pytest.skip(f"needs about {need / 2**30:.1f} GiB of free GPU memory and 2 GiB to spare")
