@@ -338,6 +338,12 @@ CATALOGUE: list[Mutation] = [
       '"  command = $nvcc_cmd > $log 2>&1 || { cat $log; exit 1; }",',
       ("tests/test_build.py::test_failed_rebuild_leaves_no_artifact_to_trust",),
       "a failed compile leaves the last success's artifact, trusted by its content key beside the failure's log"),
+    # ------------------------------------------------------------------ ascend
+    M("ascend_offset_check_trusts_int32", "kdagen/targets/ascend.py",
+      '_NARROW = ("int8_t", "uint8_t", "int16_t", "uint16_t", "int32_t", "uint32_t")',
+      '_NARROW = ("int8_t", "uint8_t", "int16_t", "uint16_t")',
+      ("tests/test_ascend.py::test_gm_offset_facts_trace_narrow_values",),
+      "the AscendC address check passes offsets computed through 32-bit values"),
 ]
 
 # What CI runs (tests/test_mutations.py): the four survivors issue 23 names and one bug of each

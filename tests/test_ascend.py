@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import re
 from collections import Counter
 from types import SimpleNamespace
 
@@ -131,6 +132,51 @@ def test_translate_reports_dsl_errors(tmp_path):
     with pytest.raises(ascend.AscendError, match="translation of"):
         ascend.translate(v, src, tmp_path / "out")
     assert "depth must be <= 8" in (tmp_path / "out" / "translate.log").read_text()
+
+
+@pytest.mark.parametrize("variant", ASCEND_VARIANTS, ids=lambda v: v.name)
+def test_global_memory_offsets_are_64_bit(variant):
+    """Every global-memory address the translated AscendC forms is gmN + an int64 offset computed
+    without a 32-bit value or cast on the way: an ordinary long prefill's element offsets pass 2^31
+    (tests/test_offsets.py checks the CUDA and Triton kernels there; no NPU runs here)."""
+    from kdagen.targets.ascend import LAYOUTS, gm_offset_facts
+
+    facts(variant)  # (built and current)
+    for layout in LAYOUTS:
+        got = gm_offset_facts((BUILD_DIR / "ascend950" / variant.name / layout / "kda_fwd.asc").read_text())
+        # q k v g beta o, the states, the identity and six workspaces: each read or written at least once
+        assert got["offsets"] >= 17, (layout, got)
+        assert set(got["by_type"]) <= {"int64_t", "uint64_t", "literal"}, (layout, got["by_type"])
+        assert got["narrow"] == [], (layout, got["narrow"][:5])
+
+
+def test_gm_offset_facts_trace_narrow_values():
+    from kdagen.targets.ascend import gm_offset_facts
+
+    asc = """
+        int32_t a = b * 4;
+        int64_t t = a + 1;
+        copy(gm3 + t, 64);
+        int64_t u = (int64_t)((uint32_t)x * (uint32_t)16);
+        copy((__gm__ float*)gm4 + u, 64);
+        for (int32_t i = 0; i < n; ++i) {
+            int64_t w = i * 2;
+            copy(gm5 + w, 64);
+        }
+        int64_t z = s * 8;
+        copy(gm6 + z, gm7 + 0);
+    """
+    got = gm_offset_facts(asc)
+    assert got["by_type"] == {"int64_t": 4, "literal": 1}
+    assert [n.split(":")[0] for n in got["narrow"]] == ["t", "u", "w"]
+    # and on a real translation: one offset's declaration narrowed is found
+    v = ASCEND_VARIANTS[0]
+    facts(v)
+    real = (BUILD_DIR / "ascend950" / v.name / "bsnd" / "kda_fwd.asc").read_text()
+    first = re.search(r"\bgm\d+ \+ (t\d+)", real).group(1)
+    assert f"int64_t {first} = " in real
+    assert gm_offset_facts(real)["narrow"] == []
+    assert gm_offset_facts(real.replace(f"int64_t {first} = ", f"int32_t {first} = "))["narrow"]
 
 
 def test_capacity_table_matches_dsl():

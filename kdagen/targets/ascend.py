@@ -145,6 +145,39 @@ def mlir_facts(mlir: str) -> dict[str, Any]:
     }
 
 
+_C_DECL = re.compile(r"^\s*((?:u?int(?:8|16|32|64)_t)|bool|float)\s+(\w+)\s*=\s*(.*);\s*$", re.M)
+_C_LOOP = re.compile(r"for \(((?:u?int(?:8|16|32|64)_t))\s+(\w+)\s*=\s*([^;]*);")
+_GM_OFFSET = re.compile(r"\b(gm\d+)\s*\+\s*(\w+)")
+_NARROW = ("int8_t", "uint8_t", "int16_t", "uint16_t", "int32_t", "uint32_t")
+
+
+def gm_offset_facts(asc: str) -> dict[str, Any]:
+    """How the translated AscendC forms its global-memory addresses (every one is ``gmN + offset``).
+
+    For each offset, its declared type and, through the declarations it is computed from, any
+    32-bit-or-narrower value or cast on the way. Element offsets pass 2^31 in an ordinary long
+    prefill (a 128K-token sequence over a 16K-column projection), so a narrow one is a wrong
+    address there, not a slow one."""
+    decl = {name: (ty, expr) for ty, name, expr in _C_DECL.findall(asc) + _C_LOOP.findall(asc)}
+    by_type: dict[str, int] = {}
+    narrow: set[str] = set()
+    for _gm, off in _GM_OFFSET.findall(asc):
+        ty = "literal" if off.isdigit() else decl.get(off, ("undeclared", ""))[0]
+        by_type[ty] = by_type.get(ty, 0) + 1
+        seen, todo = set(), [off]
+        while todo:
+            name = todo.pop()
+            if name in seen or name not in decl:
+                continue
+            seen.add(name)
+            t, expr = decl[name]
+            if t in _NARROW or re.search(r"\((?:u?int(?:8|16|32)_t)\)", expr):
+                narrow.add(f"{off}: {t} {name} = {expr}")
+                continue
+            todo += [x for x in re.findall(r"[A-Za-z_]\w*", expr) if x in decl]
+    return {"offsets": sum(by_type.values()), "by_type": by_type, "narrow": sorted(narrow)}
+
+
 def translate(variant, source: pathlib.Path, out_dir: pathlib.Path) -> dict:
     """Translate ``source`` (the rendered kernel.py) to AscendC/MLIR for each layout.
 
@@ -203,6 +236,7 @@ def translate(variant, source: pathlib.Path, out_dir: pathlib.Path) -> dict:
         lf["costs"] = static_costs(mlir.read_text())
         lf["ascendc_bytes"] = asc.stat().st_size
         lf["ascendc_has_mmad"] = "asc_mmad" in asc.read_text()
+        lf["gm_offsets"] = gm_offset_facts(asc.read_text())
         lf["seconds"] = round(dt, 2)
         facts["layouts"][layout] = lf
     if K == 128:  # the seed's configurations are D128
