@@ -73,8 +73,10 @@ def _tuning_line(device) -> str:
         t = tuning.load(path)
     except tuning.TuningError as e:
         return f"{label}: {e}"
-    if t.gpu != name:
+    if not tuning.made_for(t.gpu, name, source):
         return f"{label}: {path} ({where}) was made on {t.gpu!r}, the device is {name!r}: dispatch raises an error"
+    if t.gpu != name:
+        where += f", measured on the same silicon: {t.gpu}"
     sms = _sm_count(device)
     made = ", ".join(f"{k} {t.meta[k]}" for k in ("date", "commit") if t.meta.get(k))
     if t.sm_count != sms:

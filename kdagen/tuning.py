@@ -7,7 +7,8 @@ Where no file exists (or no rule matches a call) the targets' constants apply
 Which file dispatch reads for a GPU (path_for, lookup), first found:
 1. KDAGEN_TUNING: that file (absent: no tuning); "off", "0" or "none": no tuning file at all;
 2. <cache dir>/tuning/<slug(GPU name)>.json, where `kdagen tune` writes (default_path);
-3. kdagen/tuning_data/<slug(GPU name)>.json, shipped with kdagen for GPUs measured (shipped_path).
+3. kdagen/tuning_data/<slug(GPU name)>.json, shipped with kdagen for GPUs measured (shipped_path),
+   or the one of a GPU of the same silicon (SAME_SILICON: the H800 reads the H100 SXM's).
 Either way a file made on another GPU name is an error, one of another SM count is ignored.
 Format (JSON, versioned)::
 
@@ -126,10 +127,25 @@ def default_path(gpu_name: str) -> Path:
     return cache_dir() / "tuning" / f"{slug(gpu_name)}.json"
 
 
+# GPUs that no shipped file was measured on, served by the shipped file of a GPU of the same die, SM
+# count, memory and clocks (the cache's and KDAGEN_TUNING's files must still be their own GPU's).
+# H800 SXM: the H100 SXM's GH100 with 132 SMs and 80 GB of HBM3; only NVLink and FP64 differ.
+SAME_SILICON: dict[str, str] = {"NVIDIA H800": "NVIDIA H100 80GB HBM3"}
+
+
 def shipped_path(gpu_name: str) -> Optional[Path]:
-    """The tuning file shipped with kdagen for this GPU name, None where none ships."""
-    path = SHIPPED_DIR / f"{slug(gpu_name)}.json"
-    return path if path.is_file() else None
+    """The tuning file shipped with kdagen for this GPU name (its own, else its SAME_SILICON
+    GPU's), None where none ships."""
+    for name in (gpu_name, SAME_SILICON.get(gpu_name)):
+        if name is not None and (SHIPPED_DIR / f"{slug(name)}.json").is_file():
+            return SHIPPED_DIR / f"{slug(name)}.json"
+    return None
+
+
+def made_for(file_gpu: str, gpu_name: str, source: str) -> bool:
+    """Whether a file made on `file_gpu` serves the device `gpu_name` when read from `source`:
+    its own name, or a shipped file of its SAME_SILICON GPU."""
+    return file_gpu == gpu_name or (source == FROM_SHIPPED and SAME_SILICON.get(gpu_name) == file_gpu)
 
 
 def _env() -> Optional[str]:
@@ -317,7 +333,7 @@ def for_device(device) -> Optional[Tuning]:
     hit = _LOADED.get(path)
     if hit is None or hit[0] != mtime:
         t = load(path)
-        if t.gpu != name:
+        if not made_for(t.gpu, name, source):
             fix = (f"unset {ENV}" if source == FROM_ENV else "remove it" if source == FROM_CACHE
                    else f"set {ENV}=off")
             raise TuningError(f"{path}: gpu: this file was made on {t.gpu!r}, the device is {name!r} "
@@ -328,7 +344,8 @@ def for_device(device) -> Optional[Tuning]:
     sms = _sm_count(device)
     if path not in _LOGGED:
         _LOGGED.add(path)
-        log.debug("kdagen: tuning file for %s: %s (%s), %d rule(s)%s", name, path, describe_source(source),
+        log.debug("kdagen: tuning file for %s: %s (%s%s), %d rule(s)%s", name, path, describe_source(source),
+                  "" if hit[1].gpu == name else f", measured on the same silicon: {hit[1].gpu}",
                   len(hit[1].rules), "" if hit[1].sm_count == sms else
                   f"; ignored: made for {hit[1].sm_count} SMs, the device has {sms}")
     return hit[1] if hit[1].sm_count == sms else None

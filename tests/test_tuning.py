@@ -177,6 +177,42 @@ def test_a_shipped_file_of_another_gpu_name_is_not_read(layers):
     assert choice() == DEFAULTS
 
 
+def test_a_gpu_of_the_same_silicon_reads_the_shipped_file_of_its_twin(layers, monkeypatch, caplog):
+    """SAME_SILICON: the device has no shipped file of its own; its twin's serves it, the device's
+    own (cache, KDAGEN_TUNING) files still first, and only shipped files stand in."""
+    env, cache, shipped = layers
+    monkeypatch.setitem(tuning.SAME_SILICON, GPU, "NVIDIA Twin GPU")
+    twin = shipped.with_name("NVIDIA_Twin_GPU.json")
+    tuning.save(whole_range(*SHIPPED, gpu="NVIDIA Twin GPU"), twin)
+    assert tuning.shipped_path(GPU) == twin and tuning.lookup(GPU) == (twin, tuning.FROM_SHIPPED)
+    caplog.set_level(logging.DEBUG, logger="kdagen")
+    assert choice() == SHIPPED
+    assert any("measured on the same silicon: NVIDIA Twin GPU" in r.getMessage() for r in caplog.records)
+    tuning.save(whole_range(*CACHED), cache)
+    assert choice() == CACHED
+    # a file of the twin in the cache is not the device's own: an error, as for any other GPU
+    tuning.save(whole_range(*CACHED, gpu="NVIDIA Twin GPU"), cache)
+    with pytest.raises(TuningError, match="made on 'NVIDIA Twin GPU'"):
+        choice()
+    cache.unlink()
+    # the device's own shipped file wins over its twin's
+    tuning.save(whole_range(*FROM_ENV), shipped)
+    assert tuning.shipped_path(GPU) == shipped and choice() == FROM_ENV
+
+
+def test_the_shipped_files_and_twins():
+    """Every shipped file parses and is named by its GPU's slug; every SAME_SILICON twin ships."""
+    files = sorted(tuning.SHIPPED_DIR.glob("*.json"))
+    assert {f.name for f in files} >= {"NVIDIA_H200.json", "NVIDIA_H100_80GB_HBM3.json"}
+    for f in files:
+        t = tuning.load(f)
+        assert f.name == f"{tuning.slug(t.gpu)}.json" and t.sm_count > 0 and t.rules, f
+    for gpu, twin in tuning.SAME_SILICON.items():
+        assert tuning.shipped_path(twin) is not None, twin
+        assert tuning.made_for(twin, gpu, tuning.FROM_SHIPPED) and not tuning.made_for(twin, gpu, tuning.FROM_CACHE)
+    assert tuning.shipped_path("NVIDIA H800") == tuning.SHIPPED_DIR / "NVIDIA_H100_80GB_HBM3.json"
+
+
 def test_a_shipped_file_under_the_device_slug_made_on_another_gpu_is_an_error(layers):
     _, _, shipped = layers
     # "NVIDIA Test-GPU" would slug differently; "NVIDIA Test  GPU" (two spaces) slugs the same
