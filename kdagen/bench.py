@@ -815,8 +815,9 @@ def _judge(row: dict) -> None:
         from .targets import TARGETS
 
         ra, rb = TARGETS[auto["target"]].rank, TARGETS[best["target"]].rank
-        row["dispatch_note"] = (f"auto takes {ratio:.2f}x the time of {_short(best['variant'])}: target "
-                                f"{best['target']} ranks after {auto['target']} ({rb} vs {ra})")
+        row["dispatch_note"] = (f"auto takes {ratio:.2f}x the time of {_short(best['variant'])}: dispatch puts target "
+                                f"{best['target']} after {auto['target']} here (the tuning file's regime ranks, the "
+                                f"targets' preferred regimes, then their ranks: {rb} vs {ra})")
     elif not best.get("listed", True):
         row["dispatch_note"] = (f"auto takes {ratio:.2f}x the time of {_short(best['variant'])}, which no spec lists "
                                 "(dispatch serves a call with a listed variant, zero-padded if need be, before "

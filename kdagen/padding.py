@@ -60,15 +60,15 @@ def choose_covering(cands: Iterable[Candidate], info: CallInfo) -> tuple[Optiona
             rejected.append((c, why))
             continue
         pref = select.preference(c, pinfo, sms)
-        fits.append(((*pref[:2], (var.k - info.K) + (var.v - info.V), *pref[2:]), c, pinfo))
+        fits.append(((*pref[:3], (var.k - info.K) + (var.v - info.V), *pref[3:]), c, pinfo))
     best = min(fits, key=lambda f: f[0]) if fits else None
     if log.isEnabledFor(logging.DEBUG):
         for c, why in rejected:
             log.debug("kdagen: rejected %s: %s", c.variant.name, why)
         for _, c, _ in fits:
             if c is not best[1]:
-                log.debug("kdagen: passed over %s: %s is preferred (regime rank, target rank, padding, tuned chunk and "
-                          "block_v, readiness, state, chunk, block_v)", c.variant.name, best[1].variant.name)
+                log.debug("kdagen: passed over %s: %s is preferred (regime rank, preferred regime, target rank, padding, "
+                          "tuned chunk and block_v, readiness, state, chunk, block_v)", c.variant.name, best[1].variant.name)
     if best is None:
         return None, info, rejected
     return best[1], best[2], rejected

@@ -696,7 +696,7 @@ def _warn_if_better_blocked(best: Candidate, rejected: list[tuple[Candidate, str
     sms = _sm_count(info.device)
     mine = preference(best, info, sms)
     better = [x for x, _ in rejected if x.blocked and not functional_reason(x.variant, info)
-              and not device_reason(x.variant.target, info.device) and preference(x, info, sms)[:3] < mine[:3]]
+              and not device_reason(x.variant.target, info.device) and preference(x, info, sms)[:4] < mine[:4]]
     if better:
         top = min(better, key=lambda x: preference(x, info, sms))
         key = ("blocked", top.variant.name, best.variant.name)

@@ -2,7 +2,8 @@
 
 The targets describe themselves (kdagen.targets: device types, minimum compute capability,
 rank); nothing here names a target. Preference, in order: the targets measured fastest in the
-call's regime (the GPU's tuning file), the target's rank, the chunk and V-split the tuning file
+call's regime (the GPU's tuning file), a target whose own preferred regimes hold the call, the
+target's rank, the chunk and V-split the tuning file
 measured fastest in the regime, what is ready (built) before what needs a build before what must
 first be generated, then state I/O, chunk size and V-split width (the targets' constants), and a
 precise variant before its plain twin (Variant.precise). Every
@@ -24,7 +25,7 @@ import torch
 from .errors import NoVariantError
 from . import tuning
 from .inputs import CallInfo
-from .targets import TARGETS
+from .targets import TARGETS, TargetInfo
 from .variant import Variant
 
 log = logging.getLogger("kdagen")
@@ -108,6 +109,15 @@ def _as_candidate(x: Union[Variant, Candidate]) -> Candidate:
     return x if isinstance(x, Candidate) else Candidate(x)
 
 
+def in_preferred_regime(info: TargetInfo, c: CallInfo, sms: int) -> bool:
+    """Whether call `c` lies in one of the target's preferred regimes (on `sms` SMs)."""
+    if not info.preferred_regimes or c.device.type != "cuda":
+        return False
+    tps, shs = tuning.regime(c.T, c.B, c.N, c.HV, sms)
+    return any(c.K in dims and tps >= min_tokens and shs >= min_seq_heads
+               for dims, min_tokens, min_seq_heads in info.preferred_regimes)
+
+
 def preference(x: Union[Variant, Candidate], c: CallInfo, sms: int) -> tuple:
     cand = _as_candidate(x)
     v = cand.variant
@@ -137,8 +147,10 @@ def preference(x: Union[Variant, Candidate], c: CallInfo, sms: int) -> tuple:
         bv_rank = (0, 0) if v.block_v == preferred_bv else (1, -v.block_v)
     else:
         bv_rank = (2, v.block_v)
-    # kdagen tune ranks the targets it measured in a regime; unranked ones follow them.
+    # kdagen tune ranks the targets it measured in a regime; unranked ones follow them, a target's
+    # own preferred regimes (TargetInfo.preferred_regimes) first.
     regime_rank = rule.rank if rule is not None and rule.rank is not None else 1 << 20
+    default_rank = 0 if info is not None and in_preferred_regime(info, c, sms) else 1
     # A rule's chunk and block_v were measured faster in the regime: they outrank what happens to be built,
     # so that the choice does not depend on which calls came first (a build takes seconds, once).
     tuned = (int(rule is not None and rule.chunk is not None and v.chunk != rule.chunk),
@@ -146,7 +158,7 @@ def preference(x: Union[Variant, Candidate], c: CallInfo, sms: int) -> tuple:
     # A precise variant (o's products in hi + lo) before its plain twin: half o's error against float64 for
     # 1.01x the time (geomean of the 22 default bench cases, 0.89-1.06x; H200, session 36), and only
     # where it fits exactly as well: a spec lists both to offer the plain one to `variant=`.
-    return (regime_rank, rank, tuned, _READINESS[cand.readiness], state_rank, chunk_rank, bv_rank, int(not v.precise),
+    return (regime_rank, default_rank, rank, tuned, _READINESS[cand.readiness], state_rank, chunk_rank, bv_rank, int(not v.precise),
             v.name)
 
 
@@ -179,7 +191,7 @@ def choose(cands: Iterable[Union[Variant, Candidate]], c: CallInfo) -> tuple[Opt
     if log.isEnabledFor(logging.DEBUG):
         for cand in fits:
             if cand is not best:
-                log.debug("kdagen: passed over %s: %s is preferred (regime rank, target rank, tuned chunk and block_v, "
+                log.debug("kdagen: passed over %s: %s is preferred (regime rank, preferred regime, target rank, tuned chunk and block_v, "
                           "readiness, state, chunk, block_v, precise before plain)", cand.variant.name, best.variant.name)
     return best, rejected
 

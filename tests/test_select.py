@@ -184,3 +184,36 @@ def test_precise_variant_before_its_plain_twin(any_device):
     bv16 = var(chunk=16, bv=16)
     assert sel.select([bv16, plain], info()) == bv16  # the block_v dispatch prefers for this call ...
     assert sel.select([precise, bv16], info()) == bv16  # ... outranks precision
+
+
+def test_sm90_first_in_its_preferred_regimes(any_device, monkeypatch):
+    """No tuning file: sm90 (ranked after sm80) comes first where both measured Hopper files rank it
+    fastest, D128 calls of >= 512 tokens per sequence and >= 0.25 sequence-heads per SM; sm80 elsewhere."""
+    monkeypatch.setenv("KDAGEN_TUNING", "off")
+    cands = [var("sm80", 16, 32), var("sm80", 16, 16), var("sm90", 16, 64), var("sm90", 16, 128)]
+
+    def target(**over):
+        return sel.select(cands, info(**over)).target
+
+    assert target(T=16384, H=48, HV=48) == "sm90"           # 0.36 a SM
+    assert target(T=8192, H=33, HV=33) == "sm90"            # 0.25: the edge is in
+    assert target(T=32768, H=32, HV=32) == "sm80"           # 0.24
+    assert target(T=8192, H=4, HV=4) == "sm80"
+    assert target(B=4, T=4096, N=4, H=32, HV=32) == "sm90"  # a batch: 4 x 32 sequence-heads
+    lens = dict(varlen=True, cu_seqlens_host=None, H=32, HV=32)
+    assert target(T=8192, N=8, max_len=1024, **lens) == "sm90"   # 8 x 1024 tokens
+    assert target(T=2048, N=32, max_len=64, **lens) == "sm80"    # 64-token sequences
+    d64 = [dataclasses.replace(v, k=64, v=64) for v in cands]
+    assert sel.select(d64, info(T=16384, H=48, HV=48, K=64, V=64)).target == "sm80"  # D128 only
+    # the regime is a preference among what fits, nothing more: without sm90, sm80
+    assert sel.select(cands[:2], info(T=16384, H=48, HV=48)).target == "sm80"
+    # CPU calls have no regimes
+    assert not sel.in_preferred_regime(sel.TARGETS["sm90"], info(T=16384, H=48, HV=48, device=torch.device("cpu")), 132)
+
+
+def test_preferred_regimes_stay_within_what_the_choice_cache_tells_apart():
+    """runtime._dispatch caches a choice per (N, HV, K, device, T * B >= 512 N, ...): a regime edge on
+    tokens per sequence other than 0 or 512 would hand one regime's choice to another."""
+    for t in sel.TARGETS.values():
+        for dims, min_tokens, min_seq_heads in t.preferred_regimes:
+            assert min_tokens in (0, 512) and min_seq_heads >= 0 and dims, (t.name, dims, min_tokens)

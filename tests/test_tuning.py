@@ -462,3 +462,17 @@ def test_a_rule_measured_on_one_gate_form_leaves_the_others_to_the_defaults(gpu,
     bad.write_text(json.dumps(data))
     with pytest.raises(TuningError, match=r"rules\[0\]\.gate: expected null or one of"):
         tuning.load(bad)
+
+
+def test_a_files_ranks_come_before_the_targets_preferred_regimes(gpu):
+    """T16384 H48 lies in sm90's preferred regime: a rule ranking sm80 first there wins, a file with
+    no rule there leaves the preference in force."""
+    sm90 = Variant(target="sm90", chunk=16, k=128, v=128, dtype="bf16", gate="bounded", state="fp32", block_v=64)
+    cands = SM80 + [sm90]
+    call = info(T=16384, H=48, HV=48)
+    elsewhere = (Rule(target="sm80", tokens_per_seq=(0, 2048), seq_heads_per_sm=(0, math.inf), rank=0),)
+    tuning.save(a_tuning(rules=elsewhere), gpu)
+    assert sel.select(cands, call).target == "sm90"
+    here = (Rule(target="sm80", tokens_per_seq=(8192, 32768), seq_heads_per_sm=(0.25, 1.0), rank=0),)
+    tuning.save(a_tuning(rules=here), gpu)
+    assert sel.select(cands, call).target == "sm80"

@@ -53,6 +53,11 @@ class TargetInfo:
     devices: tuple[str, ...] | None = None  # torch device types it runs on
     min_compute_capability: tuple[int, int] | None = None  # on CUDA devices
     rank: int | None = None  # lower is preferred among the targets that fit a call
+    # Regimes where this target comes before the others unless a tuning file ranks targets there:
+    # (head dims, least tokens per sequence, least sequences x value heads per SM). Only what the
+    # tuning files of every GPU measured agree on; the least tokens may only be 0 or 512 (the
+    # runtime's choice cache tells calls apart by T * B >= 512 N).
+    preferred_regimes: tuple[tuple[tuple[int, ...], float, float], ...] = ()
     # (device type, variable, value): on that device type the target needs the variable set
     device_env: tuple[tuple[str, str, str], ...] = ()
     on_demand: bool = True  # may be generated for a call that no spec lists
@@ -183,10 +188,15 @@ TARGETS: dict[str, TargetInfo] = {
         # Not measured yet: the sm80 target's V-split rule (widest block_v giving ~0.7 CTAs per SM).
         vsplit_min_waves=0.7,
         # Ranked after every other target: dispatch takes it where a tuning file ranks it first in the
-        # call's regime (kdagen/tuning_data holds the H200's, measured: issue 16's rows, where its GPU suite
-        # and the sanitizers pass), else through variant= / KDAGEN_FORCE_VARIANT. Generated on demand
-        # like sm80 (nvcc, one build per variant).
+        # call's regime (kdagen/tuning_data holds the H200's and the H100 SXM's), in its preferred
+        # regimes where no file ranks targets, else through variant= / KDAGEN_FORCE_VARIANT. Generated
+        # on demand like sm80 (nvcc, one build per variant).
         devices=("cuda",), min_compute_capability=(9, 0), rank=5,
+        # Both measured Hopper files (H200; H100 SXM, session 50) rank sm90 fastest in every D128 regime
+        # of >= 512 tokens per sequence and >= 0.25 sequence-heads per SM they cover, sm80 below 0.25
+        # (15 of 16 regimes agree; the other is 64-token sequences, a tie). Without a file sm80 ran those
+        # rows 1.16-1.70x slower on the H100 (12 of 22 bench cases within 5%).
+        preferred_regimes=(((128,), 512, 0.25),),
     ),
     "ascend": TargetInfo(
         name="ascend",
