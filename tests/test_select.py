@@ -196,6 +196,9 @@ def test_sm90_first_in_its_preferred_regimes(any_device, monkeypatch):
         return sel.select(cands, info(**over)).target
 
     assert target(T=16384, H=48, HV=48) == "sm90"           # 0.36 a SM
+    # block_v 64 on sm90, at every head count (the widest-block rule took 128 at 0.7 CTAs a SM)
+    for h in (48, 96, 400):
+        assert sel.select(cands, info(T=8192, H=h, HV=h)).block_v == 64, h
     assert target(T=8192, H=33, HV=33) == "sm90"            # 0.25: the edge is in
     assert target(T=32768, H=32, HV=32) == "sm80"           # 0.24
     assert target(T=8192, H=4, HV=4) == "sm80"

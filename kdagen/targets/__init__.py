@@ -185,8 +185,12 @@ TARGETS: dict[str, TargetInfo] = {
         launcher="kdagen.targets.sm90:Sm90Launcher",
         nvcc_flags=("-O3", "-std=c++17", "--use_fast_math", "-gencode=arch=compute_90a,code=sm_90a"),
         includes=("common", "sm90"),
-        # Not measured yet: the sm80 target's V-split rule (widest block_v giving ~0.7 CTAs per SM).
+        # block_v 64 (the CTA pair) wherever sequences average >= 512 tokens: every such regime of the
+        # H200's and the H100 SXM's tuning files picks it, and with tuning off the widest-block rule's
+        # 128 took 1.11-2.32x 64's time on five H200 bench rows (session 50). 128 leads only on
+        # shorter sequences, where the files say so.
         vsplit_min_waves=0.7,
+        preferred_block_v=64,
         # Ranked after every other target: dispatch takes it where a tuning file ranks it first in the
         # call's regime (kdagen/tuning_data holds the H200's and the H100 SXM's), in its preferred
         # regimes where no file ranks targets, else through variant= / KDAGEN_FORCE_VARIANT. Generated
