@@ -172,3 +172,37 @@ ptxas info    : Used 168 registers, used 5 barriers"""
     assert wgmma_serialized(log) == [log.splitlines()[0].strip()]
     assert wgmma_serialized(log.replace("C7512", "C7511").replace("for the function", "for the wgmma pipeline in the function"))
     assert wgmma_serialized("\n".join(log.splitlines()[1:])) == []
+
+
+def test_dispatch_replay_picks_as_selection_does_and_prices_by_the_bench(tmp_path, monkeypatch):
+    """kdagen_dev/replay.py: the pick is the tree's selection among the bench's timed variants (a GPU
+    with no tuning file here), its time the bench's, the routed call's time where the bench timed it."""
+    from kdagen_dev.replay import replay, report
+
+    monkeypatch.setenv("KDAGEN_TUNING", "off")
+
+    def cell(name, ms, auto=False):
+        return {"variant": f"kda_fwd_{name}", "auto": auto, "timing": {"median": ms}}
+
+    hl16, bv16 = "sm80_c16_k128_v128_bf16_gb_sfp32_bv16_hl", "sm80_c16_k128_v128_bf16_gb_sfp32_bv16"
+    cases = [
+        ({"name": "B1 T16384 H48", "H": 48, "T": 16384}, "kda_fwd_sm80_c16_k128_v128_bf16_gb_sfp32_bv32_hl",
+         [cell("sm80_c16_k128_v128_bf16_gb_sfp32_bv32_hl", 1.40, True), cell("sm90_c16_k128_v128_bf16_gb_sfp32_bv64", 1.00),
+          cell("sm90_c16_k128_v128_bf16_gb_sfp32_bv128", 1.20)]),
+        ({"name": "B1 T8192 H4", "H": 4, "T": 8192}, f"kda_fwd_{hl16}",
+         [cell(hl16, 0.275, True), cell(bv16, 0.260), cell("sm90_c16_k128_v128_bf16_gb_sfp32_bv64", 0.50)]),
+        ({"name": "B1 T131072 H4", "H": 4, "T": 131072}, f"kda_fwd_{hl16} (scan correct x8)",
+         [{"variant": f"kda_fwd_{hl16} (scan correct x8)", "auto": True, "timing": {"median": 1.6}},
+          cell(hl16, 3.9), cell(bv16, 3.8)]),
+    ]
+    data = {"env": {"gpu": "NVIDIA Replay GPU", "sm_count": 132},
+            "cases": [{"case": c, "auto": auto, "variants": v} for c, auto, v in cases]}
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps(data))
+    rows = replay(path)
+    assert [(r.pick.removeprefix("kda_fwd_"), r.ms, r.ok) for r in rows] == [
+        ("sm90_c16_k128_v128_bf16_gb_sfp32_bv64", 1.00, True),
+        (hl16, 0.275, False),  # the precise default, 1.058x the plain one's time
+        (hl16, 1.6, True),
+    ]
+    assert report(rows, "x").splitlines()[-1] == "2 of 3 within 5% of the fastest measured (replayed on x)"

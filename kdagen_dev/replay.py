@@ -1,0 +1,82 @@
+"""Dispatch replayed against a bench's measured times (CPU, no GPU).
+
+For each case of a `kdagen bench` JSON: the variant this tree's selection would pick among the
+variants that bench timed, on a stand-in CUDA device with the bench GPU's name (its tuning file,
+unless KDAGEN_TUNING says otherwise) and SM count; its measured time against the fastest measured.
+A change to selection's defaults or a tuning file can so be judged on earlier measurements before
+device time is spent. The times are the bench's: a replay predicts, a bench run measures.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+TOLERANCE = 0.05  # kdagen.bench's DISPATCH_TOLERANCE
+
+
+@dataclass(frozen=True)
+class Replayed:
+    case: str
+    pick: str
+    ms: Optional[float]  # None: the bench did not time the pick
+    best: float
+    bench_auto: str
+
+    @property
+    def ok(self) -> bool:
+        return self.ms is not None and self.ms <= self.best * (1 + TOLERANCE)
+
+
+def replay(bench_json: Path) -> list[Replayed]:
+    import torch
+
+    import kdagen.select as sel
+    from kdagen import tuning
+    from kdagen.inputs import CallInfo
+    from kdagen.ondemand import parse_name
+
+    d = json.loads(Path(bench_json).read_text())
+    env = d["env"]
+    saved = (sel._sm_count, sel.device_reason, tuning._device_name)
+    sel._sm_count = lambda device: env["sm_count"]
+    sel.device_reason = lambda target, device: None
+    tuning._device_name = lambda index: env["gpu"]
+    tuning.forget()
+    try:
+        out = []
+        for row in d["cases"]:
+            c = row["case"]
+            timed = {x["variant"]: x["timing"]["median"] for x in row["variants"] if "timing" in x}
+            if not timed:
+                continue
+            names = {n.split(" (")[0] for n in timed if n.startswith("kda_fwd_")}
+            lens = c.get("lens")
+            B = 1 if lens else c.get("B", 1)
+            T = sum(lens) if lens else c["T"]
+            D = c.get("D", 128)
+            info = CallInfo(device=torch.device("cuda", 0), dtype=c.get("dtype", "bf16"), layout="bsnd", B=B, T=T,
+                            N=len(lens) if lens else B, H=c["H"], HV=c.get("HV") or c["H"], K=D, V=D,
+                            gate=c.get("gate", "bounded"), state="fp32", varlen=bool(lens), chunk_size=None,
+                            max_len=max(lens) if lens else T, cu_seqlens_host=None)
+            pick = sel.select([parse_name(n) for n in sorted(names)], info).name
+            ms = timed.get(pick)
+            auto = row.get("auto") or ""
+            if auto != pick and auto.split(" (")[0] == pick:  # the bench timed the pick's routed call (the scan)
+                ms = timed.get(auto)
+            out.append(Replayed(c["name"], pick, ms, min(timed.values()), auto))
+        return out
+    finally:
+        sel._sm_count, sel.device_reason, tuning._device_name = saved
+        tuning.forget()
+
+
+def report(rows: list[Replayed], source: str) -> str:
+    lines = [f"{r.case[:40]:40s} {r.pick.removeprefix('kda_fwd_'):45s} "
+             f"{'untimed' if r.ms is None else f'{r.ms:.3f}':>7} best {r.best:.3f} {'ok' if r.ok else 'MISS'}"
+             f"  (the bench's auto: {r.bench_auto.removeprefix('kda_fwd_')})" for r in rows]
+    lines.append(f"{sum(r.ok for r in rows)} of {len(rows)} within {TOLERANCE:.0%} of the fastest measured "
+                 f"(replayed on {source})")
+    return "\n".join(lines)
