@@ -122,8 +122,8 @@ def test_loglevel(tmp_path):
     names = {ln.removeprefix("kdagen: rejected ").removeprefix("kdagen: passed over ").split(":")[0]
              for ln in rejected + passed}
     assert len(chosen) == 1 and len(rejected) + len(passed) == len(names) == len(Registry.load(GENERATED_DIR).entries) - 1
-    assert passed and all(ln.endswith(f": {chosen[0].split()[1]} is preferred (regime rank, target rank, padding, "
-                                      "tuned chunk and block_v, readiness, state, chunk, block_v)") for ln in passed)
+    assert passed and all(ln.endswith(f": {chosen[0].split()[1]} is preferred (regime rank, preferred regime, target rank, "
+                                      "padding, tuned chunk and block_v, readiness, state, chunk, block_v)") for ln in passed)
     assert any(ln.endswith(": gate unbounded != bounded") for ln in rejected)
     assert any(ln.endswith(": dtype bf16 != fp32") for ln in rejected)
 
