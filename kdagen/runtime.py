@@ -33,7 +33,7 @@ from .registry import Entry, Registry
 from .scan import route as scan_route
 from .scan.layout import device_ints
 from .padding import PaddedPlan, at_dims, choose_covering, coverage_note, target_dims
-from .select import GENERATE, Candidate, miss_message, preference, rejection
+from .select import GENERATE, Candidate, miss_message, preference, regime_key, rejection
 from .signature_guard import make_check
 from .targets.cuda_driver import capture_query
 from .tuning import memo_key as tuning_memo_key
@@ -642,7 +642,7 @@ def _dispatch(info: CallInfo, variant: Optional[str]) -> Entry:
     forced = variant or env.force_variant()
     memo = (info.dtype, info.K, info.V, info.layout, info.gate, info.state, info.varlen, info.H != info.HV,
             info.chunk_size, info.device, info.N, info.HV, info.T * info.B >= 512 * max(info.N, 1), forced,
-            tuning_memo_key(info))
+            tuning_memo_key(info), regime_key(info))
     name = _CHOICES.get(memo)
     if name is not None and name in reg.entries:
         return reg.entries[name]

@@ -109,13 +109,30 @@ def _as_candidate(x: Union[Variant, Candidate]) -> Candidate:
     return x if isinstance(x, Candidate) else Candidate(x)
 
 
+def _regime_index(info: TargetInfo, c: CallInfo, sms: int) -> int:
+    """The index of the target's preferred regime that holds call `c` (on `sms` SMs), -1 for none."""
+    if not info.preferred_regimes or c.device.type != "cuda":
+        return -1
+    tps, shs = tuning.regime(c.T, c.B, c.N, c.HV, sms)
+    return next((i for i, (dims, tok, sh) in enumerate(info.preferred_regimes)
+                 if c.K in dims and tok[0] <= tps < tok[1] and sh[0] <= shs < sh[1]), -1)
+
+
 def in_preferred_regime(info: TargetInfo, c: CallInfo, sms: int) -> bool:
     """Whether call `c` lies in one of the target's preferred regimes (on `sms` SMs)."""
-    if not info.preferred_regimes or c.device.type != "cuda":
-        return False
-    tps, shs = tuning.regime(c.T, c.B, c.N, c.HV, sms)
-    return any(c.K in dims and tps >= min_tokens and shs >= min_seq_heads
-               for dims, min_tokens, min_seq_heads in info.preferred_regimes)
+    return _regime_index(info, c, sms) >= 0
+
+
+_REGIME_TARGETS = tuple(t for t in TARGETS.values() if t.preferred_regimes)
+
+
+def regime_key(c: CallInfo) -> tuple[int, ...]:
+    """What of the targets' preferred regimes a choice for `c` depends on (the runtime's choice
+    cache keys on it, so a cached choice is not reused across a regime edge)."""
+    if not _REGIME_TARGETS or c.device.type != "cuda":
+        return ()
+    sms = _sm_count(c.device)
+    return tuple(_regime_index(t, c, sms) for t in _REGIME_TARGETS)
 
 
 def preference(x: Union[Variant, Candidate], c: CallInfo, sms: int) -> tuple:

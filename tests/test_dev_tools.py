@@ -206,3 +206,10 @@ def test_dispatch_replay_picks_as_selection_does_and_prices_by_the_bench(tmp_pat
         (hl16, 1.6, True),
     ]
     assert report(rows, "x").splitlines()[-1] == "2 of 3 within 5% of the fastest measured (replayed on x)"
+    # a routed call of another variant: the pick's own call was not timed, so it is not compared
+    data["cases"][2]["auto"] = data["cases"][2]["variants"][0]["variant"] = f"kda_fwd_{bv16} (scan correct x8)"
+    path.write_text(json.dumps(data))
+    rows = replay(path)
+    assert rows[2].pick == f"kda_fwd_{hl16}" and rows[2].ms is None and not rows[2].ok
+    assert report(rows, "x").splitlines()[-1] == ("1 of 2 within 5% of the fastest measured, 1 not timed by the bench "
+                                                  "(replayed on x)")

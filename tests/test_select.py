@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
 import logging
 
@@ -196,6 +197,8 @@ def test_sm90_first_in_its_preferred_regimes(any_device, monkeypatch):
         return sel.select(cands, info(**over)).target
 
     assert target(T=16384, H=48, HV=48) == "sm90"           # 0.36 a SM
+    lens48 = dict(varlen=True, cu_seqlens_host=None, H=8, HV=8)
+    assert target(T=6 * 1024, N=6, max_len=2048, **lens48) == "sm80"  # 0.36 a SM of 1024-token sequences (eng mix6 H8)
     # block_v 64 on sm90, at every head count (the widest-block rule took 128 at 0.7 CTAs a SM)
     for h in (48, 96, 400):
         assert sel.select(cands, info(T=8192, H=h, HV=h)).block_v == 64, h
@@ -205,7 +208,9 @@ def test_sm90_first_in_its_preferred_regimes(any_device, monkeypatch):
     assert target(B=4, T=4096, N=4, H=32, HV=32) == "sm90"  # a batch: 4 x 32 sequence-heads
     lens = dict(varlen=True, cu_seqlens_host=None, H=32, HV=32)
     assert target(T=8192, N=8, max_len=1024, **lens) == "sm90"   # 8 x 1024 tokens
-    assert target(T=2048, N=32, max_len=64, **lens) == "sm80"    # 64-token sequences
+    assert target(T=4096, N=16, max_len=256, **lens) == "sm90"   # 16 x 256 tokens: 3.9 sequence-heads a SM
+    assert target(T=2048, N=32, max_len=64, **lens) == "sm80"    # 64-token sequences, 7.8 a SM
+    assert target(T=64, H=32, HV=32) == "sm80"                   # one 64-token sequence
     d64 = [dataclasses.replace(v, k=64, v=64) for v in cands]
     assert sel.select(d64, info(T=16384, H=48, HV=48, K=64, V=64)).target == "sm80"  # D128 only
     # the regime is a preference among what fits, nothing more: without sm90, sm80
@@ -214,9 +219,18 @@ def test_sm90_first_in_its_preferred_regimes(any_device, monkeypatch):
     assert not sel.in_preferred_regime(sel.TARGETS["sm90"], info(T=16384, H=48, HV=48, device=torch.device("cpu")), 132)
 
 
-def test_preferred_regimes_stay_within_what_the_choice_cache_tells_apart():
-    """runtime._dispatch caches a choice per (N, HV, K, device, T * B >= 512 N, ...): a regime edge on
-    tokens per sequence other than 0 or 512 would hand one regime's choice to another."""
+def test_the_choice_cache_keeps_preferred_regimes_apart(any_device, monkeypatch):
+    """runtime._dispatch caches a choice per call signature: calls of one (N, HV, K) on either side of
+    a regime edge (2048 tokens per sequence at 0.36 sequence-heads per SM) must each get their own."""
+    import kdagen.runtime as rt
+
     for t in sel.TARGETS.values():
-        for dims, min_tokens, min_seq_heads in t.preferred_regimes:
-            assert min_tokens in (0, 512) and min_seq_heads >= 0 and dims, (t.name, dims, min_tokens)
+        for dims, tokens, seq_heads in t.preferred_regimes:
+            assert dims and tokens[0] < tokens[1] and 0 <= seq_heads[0] < seq_heads[1], (t.name, tokens, seq_heads)
+    short, long = info(T=1024, max_len=1024, H=48, HV=48), info(T=4096, max_len=4096, H=48, HV=48)
+    assert sel.regime_key(short) != sel.regime_key(long)
+    entries = {n: SimpleNamespace(name=n) for n in ("a", "b")}
+    monkeypatch.setattr(rt, "registry", lambda: SimpleNamespace(entries=entries))
+    monkeypatch.setattr(rt, "_select_entry", lambda reg, c, forced, variant: entries["a" if c.T < 2048 else "b"])
+    monkeypatch.setattr(rt, "_CHOICES", {})
+    assert [rt._dispatch(c, None).name for c in (short, long, short)] == ["a", "b", "a"]

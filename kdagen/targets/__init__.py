@@ -7,6 +7,7 @@ only in specs/*.yaml.
 from __future__ import annotations
 
 import importlib
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,10 +55,9 @@ class TargetInfo:
     min_compute_capability: tuple[int, int] | None = None  # on CUDA devices
     rank: int | None = None  # lower is preferred among the targets that fit a call
     # Regimes where this target comes before the others unless a tuning file ranks targets there:
-    # (head dims, least tokens per sequence, least sequences x value heads per SM). Only what the
-    # tuning files of every GPU measured agree on; the least tokens may only be 0 or 512 (the
-    # runtime's choice cache tells calls apart by T * B >= 512 N).
-    preferred_regimes: tuple[tuple[tuple[int, ...], float, float], ...] = ()
+    # (head dims, [lo, hi) of tokens per sequence, [lo, hi) of sequences x value heads per SM). Only
+    # what the tuning files of every GPU measured agree on.
+    preferred_regimes: tuple[tuple[tuple[int, ...], tuple[float, float], tuple[float, float]], ...] = ()
     # (device type, variable, value): on that device type the target needs the variable set
     device_env: tuple[tuple[str, str, str], ...] = ()
     on_demand: bool = True  # may be generated for a call that no spec lists
@@ -196,11 +196,12 @@ TARGETS: dict[str, TargetInfo] = {
         # regimes where no file ranks targets, else through variant= / KDAGEN_FORCE_VARIANT. Generated
         # on demand like sm80 (nvcc, one build per variant).
         devices=("cuda",), min_compute_capability=(9, 0), rank=5,
-        # Both measured Hopper files (H200; H100 SXM, session 50) rank sm90 fastest in every D128 regime
-        # of >= 512 tokens per sequence and >= 0.25 sequence-heads per SM they cover, sm80 below 0.25
-        # (15 of 16 regimes agree; the other is 64-token sequences, a tie). Without a file sm80 ran those
-        # rows 1.16-1.70x slower on the H100 (12 of 22 bench cases within 5%).
-        preferred_regimes=(((128,), 512, 0.25),),
+        # The measured Hopper files (H200; H100 SXM, session 50) agree on the fastest target in 27 of
+        # their 28 D128 (regime, gate) cells; these are the cells where it is sm90 (sm80 below 0.25
+        # sequence-heads per SM, and at 512-2048 tokens with 0.25-0.5: eng mix6 H8). The other cell is
+        # 64-token sequences, a tie. Without a file sm80 ran sm90's rows 1.15-1.70x slower on the H100.
+        preferred_regimes=(((128,), (2048, math.inf), (0.25, math.inf)), ((128,), (512, 2048), (0.5, math.inf)),
+                           ((128,), (0, 512), (1.0, 4.0))),
     ),
     "ascend": TargetInfo(
         name="ascend",
