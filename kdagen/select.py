@@ -175,8 +175,8 @@ def preference(x: Union[Variant, Candidate], c: CallInfo, sms: int) -> tuple:
     # A precise variant (o's products in hi + lo) before its plain twin: half o's error against float64 for
     # 1.01x the time (geomean of the 22 default bench cases, 0.89-1.06x; H200, session 36), and only
     # where it fits exactly as well: a spec lists both to offer the plain one to `variant=`.
-    return (regime_rank, default_rank, rank, tuned, _READINESS[cand.readiness], state_rank, chunk_rank, bv_rank, int(not v.precise),
-            v.name)
+    return (regime_rank, default_rank, rank, tuned, _READINESS[cand.readiness], state_rank, chunk_rank, bv_rank,
+            int(not v.precise), v.name)
 
 
 def rejection(cand: Candidate, c: CallInfo) -> Optional[str]:
@@ -208,8 +208,9 @@ def choose(cands: Iterable[Union[Variant, Candidate]], c: CallInfo) -> tuple[Opt
     if log.isEnabledFor(logging.DEBUG):
         for cand in fits:
             if cand is not best:
-                log.debug("kdagen: passed over %s: %s is preferred (regime rank, preferred regime, target rank, tuned chunk and block_v, "
-                          "readiness, state, chunk, block_v, precise before plain)", cand.variant.name, best.variant.name)
+                log.debug("kdagen: passed over %s: %s is preferred (regime rank, preferred regime, target rank, "
+                          "tuned chunk and block_v, readiness, state, chunk, block_v, precise before plain)",
+                          cand.variant.name, best.variant.name)
     return best, rejected
 
 

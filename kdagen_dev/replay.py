@@ -76,8 +76,11 @@ def replay(bench_json: Path) -> list[Replayed]:
 
 
 def report(rows: list[Replayed], source: str) -> str:
+    def status(r: Replayed) -> str:
+        return "ok" if r.ok else "-" if r.ms is None else "MISS"
+
     lines = [f"{r.case[:40]:40s} {r.pick.removeprefix('kda_fwd_'):45s} "
-             f"{'untimed' if r.ms is None else f'{r.ms:.3f}':>7} best {r.best:.3f} {'ok' if r.ok else '-' if r.ms is None else 'MISS'}"
+             f"{'untimed' if r.ms is None else f'{r.ms:.3f}':>7} best {r.best:.3f} {status(r)}"
              f"  (the bench's auto: {r.bench_auto.removeprefix('kda_fwd_')})" for r in rows]
     untimed = sum(r.ms is None for r in rows)
     lines.append(f"{sum(r.ok for r in rows)} of {len(rows) - untimed} within {TOLERANCE:.0%} of the fastest measured"

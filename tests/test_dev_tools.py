@@ -185,15 +185,16 @@ def test_dispatch_replay_picks_as_selection_does_and_prices_by_the_bench(tmp_pat
         return {"variant": f"kda_fwd_{name}", "auto": auto, "timing": {"median": ms}}
 
     hl16, bv16 = "sm80_c16_k128_v128_bf16_gb_sfp32_bv16_hl", "sm80_c16_k128_v128_bf16_gb_sfp32_bv16"
+    hl32, sm90_64, sm90_128 = ("sm80_c16_k128_v128_bf16_gb_sfp32_bv32_hl", "sm90_c16_k128_v128_bf16_gb_sfp32_bv64",
+                               "sm90_c16_k128_v128_bf16_gb_sfp32_bv128")
+    routed = f"kda_fwd_{hl16} (scan correct x8)"
     cases = [
-        ({"name": "B1 T16384 H48", "H": 48, "T": 16384}, "kda_fwd_sm80_c16_k128_v128_bf16_gb_sfp32_bv32_hl",
-         [cell("sm80_c16_k128_v128_bf16_gb_sfp32_bv32_hl", 1.40, True), cell("sm90_c16_k128_v128_bf16_gb_sfp32_bv64", 1.00),
-          cell("sm90_c16_k128_v128_bf16_gb_sfp32_bv128", 1.20)]),
+        ({"name": "B1 T16384 H48", "H": 48, "T": 16384}, f"kda_fwd_{hl32}",
+         [cell(hl32, 1.40, True), cell(sm90_64, 1.00), cell(sm90_128, 1.20)]),
         ({"name": "B1 T8192 H4", "H": 4, "T": 8192}, f"kda_fwd_{hl16}",
-         [cell(hl16, 0.275, True), cell(bv16, 0.260), cell("sm90_c16_k128_v128_bf16_gb_sfp32_bv64", 0.50)]),
-        ({"name": "B1 T131072 H4", "H": 4, "T": 131072}, f"kda_fwd_{hl16} (scan correct x8)",
-         [{"variant": f"kda_fwd_{hl16} (scan correct x8)", "auto": True, "timing": {"median": 1.6}},
-          cell(hl16, 3.9), cell(bv16, 3.8)]),
+         [cell(hl16, 0.275, True), cell(bv16, 0.260), cell(sm90_64, 0.50)]),
+        ({"name": "B1 T131072 H4", "H": 4, "T": 131072}, routed,
+         [{"variant": routed, "auto": True, "timing": {"median": 1.6}}, cell(hl16, 3.9), cell(bv16, 3.8)]),
     ]
     data = {"env": {"gpu": "NVIDIA Replay GPU", "sm_count": 132},
             "cases": [{"case": c, "auto": auto, "variants": v} for c, auto, v in cases]}
