@@ -476,3 +476,26 @@ def test_a_files_ranks_come_before_the_targets_preferred_regimes(gpu):
     here = (Rule(target="sm80", tokens_per_seq=(8192, 32768), seq_heads_per_sm=(0.25, 1.0), rank=0),)
     tuning.save(a_tuning(rules=here), gpu)
     assert sel.select(cands, call).target == "sm80"
+
+
+def test_sm90_preferred_regimes_are_what_the_shipped_hopper_files_agree_on():
+    """Every D128 (regime, gate) cell where the shipped H200 and H100 files rank the same target
+    first: sm90's preferred regimes hold the cell exactly when that target is sm90. A retune that moves
+    the files' consensus fails here until the targets' constants follow it."""
+    files = [tuning.load(tuning.SHIPPED_DIR / f"{tuning.slug(g)}.json") for g in ("NVIDIA H200", "NVIDIA H100 80GB HBM3")]
+    firsts: list[dict] = []
+    for t in files:
+        cells: dict[tuple, list] = {}
+        for r in t.rules:
+            if r.head_dim in (None, 128) and r.dtype in (None, "bf16") and r.rank is not None:
+                cells.setdefault((r.gate, r.tokens_per_seq, r.seq_heads_per_sm), []).append((r.rank, r.target))
+        firsts.append({k: min(v)[1] for k, v in cells.items()})
+    agreed = {k: a for k, a in firsts[0].items() if firsts[1].get(k) == a}
+    assert len(agreed) >= 20, len(agreed)
+    sm90 = sel.TARGETS["sm90"]
+    for (gate, (tlo, thi), (slo, shi)), first in agreed.items():
+        tokens = int(tlo * 1.5) if math.isinf(thi) else int((tlo + thi) / 2)
+        seq_heads = slo * 2 if math.isinf(shi) else (slo + shi) / 2
+        hv = max(1, round(seq_heads * 132))
+        call = info(T=tokens, max_len=tokens, H=hv, HV=hv, gate=gate or "bounded")
+        assert sel.in_preferred_regime(sm90, call, 132) == (first == "sm90"), (gate, tlo, thi, slo, shi, first)
