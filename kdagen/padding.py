@@ -59,8 +59,8 @@ def choose_covering(cands: Iterable[Candidate], info: CallInfo) -> tuple[Optiona
         if why:
             rejected.append((c, why))
             continue
-        pref = select.preference(c, pinfo, sms)
-        fits.append(((*pref[:3], (var.k - info.K) + (var.v - info.V), *pref[3:]), c, pinfo))
+        pref, n = select.preference(c, pinfo, sms), select.TARGET_ORDER
+        fits.append(((*pref[:n], (var.k - info.K) + (var.v - info.V), *pref[n:]), c, pinfo))
     best = min(fits, key=lambda f: f[0]) if fits else None
     if log.isEnabledFor(logging.DEBUG):
         for c, why in rejected:

@@ -33,7 +33,7 @@ from .registry import Entry, Registry
 from .scan import route as scan_route
 from .scan.layout import device_ints
 from .padding import PaddedPlan, at_dims, choose_covering, coverage_note, target_dims
-from .select import GENERATE, Candidate, miss_message, preference, regime_key, rejection
+from .select import GENERATE, TARGET_ORDER, Candidate, miss_message, preference, regime_key, rejection
 from .signature_guard import make_check
 from .targets.cuda_driver import capture_query
 from .tuning import memo_key as tuning_memo_key
@@ -695,8 +695,9 @@ def _warn_if_better_blocked(best: Candidate, rejected: list[tuple[Candidate, str
 
     sms = _sm_count(info.device)
     mine = preference(best, info, sms)
+    n = TARGET_ORDER + 1  # the targets' order, then the tuned chunk and block_v
     better = [x for x, _ in rejected if x.blocked and not functional_reason(x.variant, info)
-              and not device_reason(x.variant.target, info.device) and preference(x, info, sms)[:4] < mine[:4]]
+              and not device_reason(x.variant.target, info.device) and preference(x, info, sms)[:n] < mine[:n]]
     if better:
         top = min(better, key=lambda x: preference(x, info, sms))
         key = ("blocked", top.variant.name, best.variant.name)

@@ -135,6 +135,11 @@ def regime_key(c: CallInfo) -> tuple[int, ...]:
     return tuple(_regime_index(t, c, sms) for t in _REGIME_TARGETS)
 
 
+# preference()'s leading fields that order targets (regime rank, preferred regime, target rank);
+# callers that insert a field of their own after them, or compare only the targets' order, slice here.
+TARGET_ORDER = 3
+
+
 def preference(x: Union[Variant, Candidate], c: CallInfo, sms: int) -> tuple:
     cand = _as_candidate(x)
     v = cand.variant

@@ -136,9 +136,10 @@ SAME_SILICON: dict[str, str] = {"NVIDIA H800": "NVIDIA H100 80GB HBM3"}
 def shipped_path(gpu_name: str) -> Optional[Path]:
     """The tuning file shipped with kdagen for this GPU name (its own, else its SAME_SILICON
     GPU's), None where none ships."""
-    for name in (gpu_name, SAME_SILICON.get(gpu_name)):
-        if name is not None and (SHIPPED_DIR / f"{slug(name)}.json").is_file():
-            return SHIPPED_DIR / f"{slug(name)}.json"
+    for name in filter(None, (gpu_name, SAME_SILICON.get(gpu_name))):
+        path = SHIPPED_DIR / f"{slug(name)}.json"
+        if path.is_file():
+            return path
     return None
 
 

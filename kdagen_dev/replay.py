@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-TOLERANCE = 0.05  # kdagen.bench's DISPATCH_TOLERANCE
+from kdagen.bench import DISPATCH_TOLERANCE as TOLERANCE
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,7 @@ def replay(bench_json: Path) -> list[Replayed]:
 
     import kdagen.select as sel
     from kdagen import tuning
+    from kdagen.bench import case_from_dict
     from kdagen.inputs import CallInfo
     from kdagen.ondemand import parse_name
 
@@ -48,19 +49,15 @@ def replay(bench_json: Path) -> list[Replayed]:
     try:
         out = []
         for row in d["cases"]:
-            c = row["case"]
+            c = case_from_dict(row["case"], row["case"]["name"])
             timed = {x["variant"]: x["timing"]["median"] for x in row["variants"] if "timing" in x}
             if not timed:
                 continue
             names = {n.split(" (")[0] for n in timed if n.startswith("kda_fwd_")}
-            lens = c.get("lens")
-            B = 1 if lens else c.get("B", 1)
-            T = sum(lens) if lens else c["T"]
-            D = c.get("D", 128)
-            info = CallInfo(device=torch.device("cuda", 0), dtype=c.get("dtype", "bf16"), layout="bsnd", B=B, T=T,
-                            N=len(lens) if lens else B, H=c["H"], HV=c.get("HV") or c["H"], K=D, V=D,
-                            gate=c.get("gate", "bounded"), state="fp32", varlen=bool(lens), chunk_size=None,
-                            max_len=max(lens) if lens else T, cu_seqlens_host=None)
+            varlen = c.lens is not None
+            info = CallInfo(device=torch.device("cuda", 0), dtype=c.dtype, layout="bsnd", B=1 if varlen else c.B,
+                            T=c.tokens if varlen else c.longest, N=c.N, H=c.H, HV=c.hv, K=c.D, V=c.D, gate=c.gate,
+                            state="fp32", varlen=varlen, chunk_size=None, max_len=c.longest, cu_seqlens_host=None)
             pick = sel.select([parse_name(n) for n in sorted(names)], info).name
             ms = timed.get(pick)
             auto = row.get("auto") or ""
@@ -68,7 +65,7 @@ def replay(bench_json: Path) -> list[Replayed]:
                 ms = timed.get(auto)
             elif " (" in auto:  # the call routes (the scan) with another variant: the pick's route was not timed
                 ms = None
-            out.append(Replayed(c["name"], pick, ms, min(timed.values()), auto))
+            out.append(Replayed(c.name, pick, ms, min(timed.values()), auto))
         return out
     finally:
         sel._sm_count, sel.device_reason, tuning._device_name = saved
