@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from . import address_width
 from .variant import Variant
 
 
@@ -49,12 +50,20 @@ def check_jit(name: str, src: Path, out: Path) -> int:
     allowed = set(getattr(mod, "SPILL_OK", ()))
     local = kernel.asm["ptx"].count("st.local")
     shown = ", ".join(f"{k} stack {v if v is not None else '?'}" for k, v in sorted(frames.items()))
-    print(f"{name}: compiled for sm_90 in {secs:.1f} s, {local} local-memory stores in the PTX; {shown}")
+    # an int32 offset into a data tensor wraps past 2^31 elements (kdagen/address_width.py)
+    checked, narrow = address_width.check(getattr(kernel, "kernels", {}), getattr(mod, "BOUNDED_PTRS", ()))
+    print(f"{name}: compiled for sm_90 in {secs:.1f} s, {local} local-memory stores in the PTX; {shown}; "
+          f"{checked} data offsets, {len(narrow)} narrower than 64 bits")
     bad = sorted(k for k, v in frames.items() if v and k not in allowed)
     if local or bad:
         print(f"{name}: registers spill to local memory ({', '.join(bad) or 'PTX st.local'})", file=sys.stderr)
         return 1
-    out.write_text(f"{name}: compiled for sm_90, no local memory ({shown})\n")
+    if narrow:
+        print(f"{name}: 32-bit offsets into data tensors (they wrap past 2^31 elements):\n  " + "\n  ".join(narrow),
+              file=sys.stderr)
+        return 1
+    out.write_text(f"{name}: compiled for sm_90, no local memory ({shown})\n"
+                   f"{name}: {checked} offsets into data tensors, all 64-bit\n")
     return 0
 
 

@@ -25,8 +25,12 @@ def test_build_ci_spec_with_ninja(tmp_path, capfd):
         assert (tmp_path / "ci" / name / "cache_key").read_text().strip() == entry["cache_key"]
         # Triton variants are compiled for sm_90 at build time (no GPU needed), every kernel's
         # stack frame read from its cubin (only the SPILL_OK kernels may have one)
-        stamp = (tmp_path / "ci" / name / "checked.stamp").read_text()
+        stamp, width = (tmp_path / "ci" / name / "checked.stamp").read_text().splitlines()
         assert stamp.startswith(f"{name}: compiled for sm_90, no local memory (kda_prep_"), stamp
+        # and every offset into a data tensor is 64-bit (kdagen/address_width.py): q, k, v, g, beta, o, the
+        # workspace and the states, each prep and recurrence kernel at least 5
+        checked = int(width.removeprefix(f"{name}: ").split()[0])
+        assert width.endswith("offsets into data tensors, all 64-bit") and checked >= 10, width
         # the fp32 chunk-64 recurrence may keep a frame of at most 16 bytes (SPILL_OK, with its reason)
         allowed = {f"kda_recur_kernel stack {n}" for n in (8, 16)} if "_c64_" in name and "_fp32_" in name else set()
         frames = stamp.split("(", 1)[1].rstrip(")\n").split(", ")

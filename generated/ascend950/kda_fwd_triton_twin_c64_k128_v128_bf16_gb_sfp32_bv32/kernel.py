@@ -18,6 +18,9 @@ V = 128
 BV = 32
 GATE = "bounded"
 VARIANT = "kda_fwd_triton_twin_c64_k128_v128_bf16_gb_sfp32_bv32"
+# Data pointers indexed in 32 bits (kdagen/address_width.py): per-head vectors (HV x K) and the
+# group workspace, G x HV x 64 rows (ascend.group_chunks keeps it within WORKSPACE_BUDGET, or G = 1).
+BOUNDED_PTRS = ("A_log_ptr", "dt_bias_ptr", "ws_qd", "ws_kr", "ws_w", "ws_u", "ws_m", "ws_gc")
 
 
 @triton.jit

@@ -43,6 +43,8 @@ EXACT_WARPS = PREP_WARPS
 # Kernels `kdagen build` lets keep a ptxas stack frame: the exact prep pass runs only for the
 # chunks whose decay leaves the fast prep's range.
 SPILL_OK = ("kda_prep_exact_kernel",)
+# Data pointers indexed in 32 bits (kdagen/address_width.py): per-head vectors, HV x K elements.
+BOUNDED_PTRS = ("a_log_ptr", "dt_bias_ptr")
 # Workspace record per (chunk, value head), in elements of WS_DTYPE: W, Qd, Kr [C, KP], Mqk [C, C],
 # U0 [C, VP]; Gamma_C [KP] goes to a separate fp32 array.
 OFF_W, OFF_Q, OFF_R, OFF_M, OFF_U = 0, 1024, 2048, 3072, 3328
