@@ -88,6 +88,8 @@ def recur_smem_beside_prep(smem1: int, smem2: int, props, k: int = 1) -> int:
 class Sm80Launcher:
     # KdaCall.twins == 2 runs (the transition run shares the prep; see KdaParams::twins)
     supports_twins = True
+    # KdaCall.h0_index / ht_index: a state pool's slots read and written by the kernels
+    pool_indices = True
 
     def __init__(self, variant: Variant, artifact: Path, settings: Sm80Settings | None = None) -> None:
         self.variant = variant
@@ -203,6 +205,7 @@ class Sm80Launcher:
         p.q, p.k, p.v, p.g, p.beta, p.o = _ptr(q), _ptr(k), _ptr(vv), _ptr(g), _ptr(beta), _ptr(call.o)
         p.A_log, p.dt_bias, p.cu_seqlens = _ptr(A_log), _ptr(dt), _ptr(cu)
         p.h0, p.ht = _ptr(call.initial_state), _ptr(call.final_state)
+        p.h0_idx, p.ht_idx = _ptr(call.h0_index), _ptr(call.ht_index)
         p.hc, p.chunk_offsets = _ptr(call.chunk_states), (_ptr(co) if call.chunk_states is not None else 0)
 
         if call.N == 0:
@@ -341,6 +344,9 @@ class Sm80Launcher:
             _pack_segment(ps, base, off, p.A_log, p.dt_bias, p.h0 if i == 0 else int(carry[i - 1].data_ptr()),
                           p.ht if i == len(segs) - 1 else int(carry[i].data_ptr()), int(scratch[1 + i].data_ptr()),
                           p.hc and p.hc + rows[i], p.chunk_offsets)
+            # a pool's slots only where the call's states are: the carries between segments are per sequence
+            ps.h0_idx = p.h0_idx if i == 0 else 0
+            ps.ht_idx = p.ht_idx if i == len(segs) - 1 else 0
             mod.launch(f1, (gx, N, HV), (nt1, 1, 1), smem1, side.cuda_stream, ps, "kda_prep")
             done = torch.cuda.Event()
             done.record(side)

@@ -59,6 +59,7 @@ def build_params(call: KdaCall, v: Variant,
     p.q, p.k, p.v, p.g, p.beta, p.o = _ptr(q), _ptr(k), _ptr(vv), _ptr(g), _ptr(beta), _ptr(o)
     p.A_log, p.dt_bias, p.cu_seqlens = _ptr(A_log), _ptr(dt), _ptr(cu)
     p.h0, p.ht = _ptr(call.initial_state), _ptr(call.final_state)
+    p.h0_idx, p.ht_idx = _ptr(call.h0_index), _ptr(call.ht_index)
     p.hc, p.chunk_offsets = _ptr(call.chunk_states), _ptr(co)
     p.ws = 0
     for nm, s in (("q_s", q_s), ("k_s", k_s), ("v_s", v_s), ("g_s", g_s),
@@ -76,6 +77,9 @@ def build_params(call: KdaCall, v: Variant,
 
 
 class Sm90Launcher:
+    # KdaCall.h0_index / ht_index: a state pool's slots read and written by the kernel
+    pool_indices = True
+
     def __init__(self, variant: Variant, artifact: Path) -> None:
         self.variant = variant
         self.artifact = Path(artifact)
