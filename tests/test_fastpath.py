@@ -942,12 +942,23 @@ def test_a_pool_call_passes_its_slots_to_the_kernels(lens, monkeypatch):
     copies = []
     monkeypatch.setattr(torch.Tensor, "index_copy_", lambda self, *a: copies.append(a) or self)
     with sm80_on_cpu(var) as (la, drv), route_launcher(la):
-        o, fs = kdagen.kda_prefill(**kw, state_pool=pool, state_indices=idx)
-        assert fs is None and o.shape == kw["v"].shape and not copies
         want = device_ints(idx.tolist(), "cpu").data_ptr()
+        for _ in range(2):  # the checked launch (which binds the signature), then the bound one
+            drv.launches.clear()
+            o, fs = kdagen.kda_prefill(**kw, state_pool=pool, state_indices=idx)
+            assert fs is None and o.shape == kw["v"].shape and not copies
+            recurs = [_fields(x[5]) for x in drv.launches if x[0] == "kda_recur"]
+            assert recurs and all((p["h0"], p["ht"], p["h0_idx"], p["ht_idx"]) ==
+                                  (pool.data_ptr(),) * 2 + (want,) * 2 for p in recurs)
+        plan = [p for p in rt._PLANS.values() if getattr(p, "launcher", None) is la][-1]
+        assert type(plan.fast).__name__ == "Sm80Bound" and plan.fast.pool_slots == want
+        # the same signature's plain call through the bound launch: no slots left in its struct
+        drv.launches.clear()
+        h0 = torch.randn(N, HV, K, K)
+        kdagen.kda_prefill(**kw, initial_state=h0, final_state=torch.empty_like(h0), output_final_state=True)
         recurs = [_fields(x[5]) for x in drv.launches if x[0] == "kda_recur"]
-        assert recurs and all((p["h0"], p["ht"], p["h0_idx"], p["ht_idx"]) == (pool.data_ptr(),) * 2 + (want,) * 2
-                              for p in recurs)
+        assert recurs and all(p["h0_idx"] == p["ht_idx"] == 0 and p["h0"] == h0.data_ptr() for p in recurs)
+        assert plan.fast.pool_slots == 0
         drv.launches.clear()
         kdagen.kda_prefill(**kw, state_pool=pool, state_indices=idx, output_final_state=True)
         recurs = [_fields(x[5]) for x in drv.launches if x[0] == "kda_recur"]

@@ -452,6 +452,7 @@ class Sm80Bound:
         v = launcher.variant
         self.launcher, self.idx, self.mod = launcher, idx, mod
         self.params = params
+        params.h0_idx = params.ht_idx = self.pool_slots = 0  # set per call (launch's pool_slots)
         self.argv = (ctypes.c_void_p * 1)(ctypes.addressof(params))
         self.argv_addr = ctypes.addressof(self.argv)
         self.ptr_offset = _ptr_offset()
@@ -513,12 +514,15 @@ class Sm80Bound:
         args = self.stream_args[raw] = (prep, (self.f2, gx, gy, gz, self.nt2, 1, 1, self.smem2, stream, argv, 0))
         return args
 
+    takes_slots = True  # launch(..., pool_slots=): a state pool's slots (KdaParams h0_idx, ht_idx)
+
     def launch(self, q, k, v, g, beta, o, A_log, dt_bias, cu_seqlens, h0, ht, hc, chunk_offsets, ws,
-               max_len: int) -> bool:
+               max_len: int, pool_slots: int = 0) -> bool:
         """Launch one call of the bound signature (the tensors of a KdaCall, positionally); False
         when it must take the general path instead (unaligned data, a concurrent call, another
         current context): nothing was launched then, or only the prep kernel, which the general
-        path simply runs again."""
+        path simply runs again. pool_slots: the device address of a state pool's int32 slots (h0
+        and ht are then the pool), or 0."""
         qp, kp, vp, gp, op = q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), o.data_ptr()
         if (qp | kp | vp | gp | op) & 15:
             return False
@@ -543,6 +547,8 @@ class Sm80Bound:
                        0 if cu_seqlens is None else cu_seqlens.data_ptr(), 0 if h0 is None else h0.data_ptr(),
                        0 if ht is None else ht.data_ptr(), 0 if hc is None else hc.data_ptr(),
                        0 if hc is None else chunk_offsets.data_ptr(), wp)
+            if pool_slots != self.pool_slots:
+                self.params.h0_idx = self.params.ht_idx = self.pool_slots = pool_slots
             shim_args = self.shim_args
             if shim_args is not None:
                 addr, prep_x, pair = shim_args.get(raw) or self._shim_args_for(raw)
