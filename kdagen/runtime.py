@@ -394,8 +394,10 @@ def _engine_call(q, k, v, g, beta, kw: dict, state_pool, state_indices, checkpoi
             if kw[name] is not None:
                 raise KdaInputError(f"{name}: expected None with state_pool (the pool holds the initial and final "
                                     f"states), found a tensor")
-        if not want_final and checkpoint_every is None and checkpoints is None and checkpoint_offsets is None:
-            # (asked for, the final states come back per sequence, a padding one's too: gathered)
+        if env.pool_slots() and not want_final and checkpoint_every is None and checkpoints is None \
+                and checkpoint_offsets is None:
+            # (asked for, the final states come back per sequence, a padding one's too: gathered). Opt-in:
+            # correct on the H200 (bit for bit the gathered call) but not yet timed faster (session 51)
             o, checked = _pool_in_kernel(q, k, v, g, beta, kw, state_pool, state_indices, N=N, HV=HV, st=st)
             if o is not None:
                 return o, None

@@ -925,15 +925,17 @@ def test_sm80_segments_read_and_write_a_pools_slots_only_where_the_states_are(mo
 
 @pytest.mark.parametrize("lens", [None, [5, 0, 27]], ids=["batch", "varlen"])
 def test_a_pool_call_passes_its_slots_to_the_kernels(lens, monkeypatch):
-    """kda_prefill(state_pool=, state_indices=) over the sm80 launcher (fake driver): the launches read
-    and write the pool itself at the slots (int32 device copy of the host indices), with no gather
-    or scatter around them; asked for the final states (returned per sequence), or with a launcher
-    that takes no slots, the call gathers and scatters instead."""
+    """kda_prefill(state_pool=, state_indices=) with KDAGEN_POOL_SLOTS=1 over the sm80 launcher (fake
+    driver): the launches read and write the pool itself at the slots (int32 device copy of the host
+    indices), with no gather or scatter around them, checked then bound; asked for the final states
+    (returned per sequence), with a launcher that takes no slots, or by default, the call gathers and
+    scatters instead."""
     from kdagen.scan.layout import device_ints
 
     from .fake_cuda import route_launcher
 
     var, kw = _sm80_case(lens)
+    monkeypatch.setenv("KDAGEN_POOL_SLOTS", "1")  # opt-in until timed faster (session 51)
     N, HV, K = kw["initial_state"].shape[:3]
     kw.pop("initial_state")
     kw.pop("output_final_state", None)
@@ -970,3 +972,10 @@ def test_a_pool_call_passes_its_slots_to_the_kernels(lens, monkeypatch):
         kdagen.kda_prefill(**kw, state_pool=pool, state_indices=idx)
         recurs = [_fields(x[5]) for x in drv.launches if x[0] == "kda_recur"]
         assert recurs and all(p["h0_idx"] == p["ht_idx"] == 0 for p in recurs) and len(copies) == 2
+        # and by default (KDAGEN_POOL_SLOTS unset) the pool is gathered and scattered
+        monkeypatch.setattr(type(la), "pool_indices", True)
+        monkeypatch.delenv("KDAGEN_POOL_SLOTS")
+        drv.launches.clear()
+        kdagen.kda_prefill(**kw, state_pool=pool, state_indices=idx)
+        recurs = [_fields(x[5]) for x in drv.launches if x[0] == "kda_recur"]
+        assert recurs and all(p["h0_idx"] == p["ht_idx"] == 0 for p in recurs) and len(copies) == 3

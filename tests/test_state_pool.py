@@ -178,6 +178,7 @@ def test_gpu_kernels_read_and_write_the_pools_slots(name, state_layout, lens, se
     from kdagen.registry import Registry
     from kdagen_dev.launch import launcher_swapped
 
+    monkeypatch.setenv("KDAGEN_POOL_SLOTS", "1")
     entry = Registry.load().entries.get(name)
     if entry is None:
         pytest.skip(f"{name} is not built")
