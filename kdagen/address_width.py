@@ -34,21 +34,31 @@ class Offset:
     line: str
 
 
-def data_pointers(ttir: str, bounded: Iterable[str] = ()) -> tuple[str, list[str]]:
-    """(kernel name, its data pointer arguments): pointers to anything but i32/i64, less `bounded`."""
+def _func(ttir: str) -> re.Match:
     m = _FUNC.search(ttir)
     if m is None:
         raise ValueError("no public tt.func in the TTIR")
+    return m
+
+
+def _data_args(m: re.Match, bounded: Iterable[str]) -> list[str]:
     skip = set(bounded)
-    return m.group(1), [n for n, elem in _PTR_ARG.findall(m.group(2)) if elem not in ("i32", "i64") and n not in skip]
+    return [n for n, elem in _PTR_ARG.findall(m.group(2)) if elem not in ("i32", "i64") and n not in skip]
+
+
+def data_pointers(ttir: str, bounded: Iterable[str] = ()) -> tuple[str, list[str]]:
+    """(kernel name, its data pointer arguments): pointers to anything but i32/i64, less `bounded`."""
+    m = _func(ttir)
+    return m.group(1), _data_args(m, bounded)
 
 
 def data_offsets(ttir: str, bounded: Iterable[str] = ()) -> list[Offset]:
     """Every offset applied to a data pointer argument of the TTIR's kernel, with its width."""
-    kernel, args = data_pointers(ttir, bounded)
-    tile_of = {a: a for a in args}  # SSA name -> the argument it is (a tile of)
+    m = _func(ttir)
+    kernel = m.group(1)
+    tile_of = {a: a for a in _data_args(m, bounded)}  # SSA name -> the argument it is (a tile of)
     out: list[Offset] = []
-    for line in ttir[_FUNC.search(ttir).end():].splitlines():
+    for line in ttir[m.end():].splitlines():
         d = _DEF.match(line)
         if d is None:
             continue
@@ -64,11 +74,6 @@ def data_offsets(ttir: str, bounded: Iterable[str] = ()) -> list[Offset]:
                 bits = _WIDTH.findall(offset_type)
                 out.append(Offset(kernel, tile_of[a.group(1)], int(bits[-1]) if bits else 0, line.strip()))
     return out
-
-
-def narrow_offsets(ttir: str, bounded: Iterable[str] = ()) -> list[Offset]:
-    """data_offsets() narrower than 64 bits."""
-    return [o for o in data_offsets(ttir, bounded) if o.bits != 64]
 
 
 def check(kernels: dict, bounded: Iterable[str] = ()) -> tuple[int, list[str]]:

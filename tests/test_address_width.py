@@ -69,9 +69,8 @@ def report(k, bounded=()):
 
 out = {{}}
 toy = load_generated_module("toy", {toy!r})
-for fn in (toy.narrow, toy.wide):
-    out["toy_" + fn.__name__] = report(compile_(fn, dict(x_ptr="*fp32", y_ptr="*fp32", offs_ptr="*i32", w_ptr="*fp32"),
-                                                dict(N=16)), bounded=("w_ptr",))
+for name, k in toy.compile_for().kernels.items():
+    out["toy_" + name] = report(k, toy.BOUNDED_PTRS)
 import kdagen.scan.chain as chain
 import kdagen.scan.correct as correct
 f, b, i = "*fp32", "*bf16", "*i32"
@@ -105,7 +104,7 @@ def _env() -> dict:
 
 def _probe(tmp_path: Path) -> dict:
     toy = tmp_path / "toy.py"
-    toy.write_text(TOY)
+    toy.write_text(_toy_variant("narrow, wide"))
     code = PROBE.format(root=str(ROOT), toy=str(toy), twin_name=TWIN,
                         twin_src=str(GENERATED_DIR / "ascend950" / TWIN / "kernel.py"))
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(), timeout=600)
