@@ -69,6 +69,11 @@ class KdaCall:
     beta_is_logit: bool = True
     # Chunk states kept (KdaParams::chunk_stride): every chunk_stride-th chunk's, >= 1.
     chunk_stride: int = 1
+    # A state pool read and written in place (launchers with pool_indices): initial_state and
+    # final_state are then the pool [P, HV, *state], and sequence n's states are at slots
+    # h0_index[n] and ht_index[n] (int32 [N] on the device; -1: zeros read, nothing written).
+    h0_index: Optional[torch.Tensor] = None
+    ht_index: Optional[torch.Tensor] = None
 
     @property
     def beta_mode(self) -> int:

@@ -394,8 +394,17 @@ def _engine_call(q, k, v, g, beta, kw: dict, state_pool, state_indices, checkpoi
             if kw[name] is not None:
                 raise KdaInputError(f"{name}: expected None with state_pool (the pool holds the initial and final "
                                     f"states), found a tensor")
+        if env.pool_slots() and not want_final and checkpoint_every is None and checkpoints is None \
+                and checkpoint_offsets is None:
+            # (asked for, the final states come back per sequence, a padding one's too: gathered). Opt-in:
+            # correct on the H200 (bit for bit the gathered call) but not yet timed faster (session 51)
+            o, checked = _pool_in_kernel(q, k, v, g, beta, kw, state_pool, state_indices, N=N, HV=HV, st=st)
+            if o is not None:
+                return o, None
+        else:
+            checked = None
         pc = pool_io.gather(state_pool, state_indices, N=N, HV=HV, state_shape=st, device=q.device,
-                            state_dtype=kw["state_dtype"], assume_valid=bool(kw["assume_valid"]))
+                            state_dtype=kw["state_dtype"], assume_valid=bool(kw["assume_valid"]), checked=checked)
         kw = dict(kw, initial_state=pc.initial_state, final_state=pc.final_state, output_final_state=True)
     cp = None
     if checkpoint_every is not None or checkpoints is not None or checkpoint_offsets is not None:
@@ -447,6 +456,33 @@ def _engine_call(q, k, v, g, beta, kw: dict, state_pool, state_indices, checkpoi
     if pc is not None:
         pool_io.scatter(pc)
     return res
+
+
+def _pool_in_kernel(q, k, v, g, beta, kw: dict, pool, indices, *, N: int, HV: int, st: tuple[int, int]
+                    ) -> tuple[Optional[torch.Tensor], Optional[tuple]]:
+    """A state pool call whose kernels read and write the pool's slots themselves (KdaCall.h0_index,
+    ht_index), and the slots' check for gather's `checked` (None: not checked here): its o where the call's plan is a plain launch of a launcher with pool_indices,
+    else None (the caller gathers and scatters around the call). The gather, the kernel's read of its
+    scratch and the scatter made three passes over the states where this makes one each way: the
+    pool path took 1.2-1.55x the h0 + final-state call on engine shapes (H100, benchmarks/NOTES.md,
+    session 51)."""
+    dev = q.device
+    if not isinstance(pool, torch.Tensor) or pool.dim() < 1 or pool.shape[0] == 0 \
+            or not pool.is_contiguous() or kw["return_chunk_states"] or kw["chunk_states"] is not None:
+        return None, None
+    host = pool_io.check_slots(pool, indices, N=N, HV=HV, state_shape=st, device=dev, state_dtype=kw["state_dtype"],
+                               assume_valid=bool(kw["assume_valid"]))
+    P = pool.shape[0]
+    # the plan of the same call with per-sequence states (their signature: [N, HV, *st] contiguous)
+    like = pool[:N] if P >= N else torch.empty((N, HV, *st), dtype=pool.dtype, device=dev)
+    flags = tuple((True if n == "output_final_state" else kw[n]) for n in _FLAGS)
+    plan, _ = _plan_of(q, k, v, g, beta, kw["A_log"], kw["dt_bias"], like, kw["cu_seqlens"], kw["cu_seqlens_cpu"],
+                       kw["out"], like, None, kw["workspace"], flags)
+    if type(plan) is not Plan or not getattr(plan.launcher, "pool_indices", False) or plan.want_chunks:
+        return None, (host,)  # padded head dims, the scan's route, a target without pool slots: gathered
+    slots = pool_io.kernel_slots(indices, host, dev)
+    return plan.pool_call(q, k, v, g, beta, kw["A_log"], kw["dt_bias"], kw["cu_seqlens"], kw["cu_seqlens_cpu"],
+                          kw["out"], pool, slots, kw["workspace"]), (host,)
 
 
 def _prefill_kw(q, k, v, g, beta, kw: dict):
@@ -887,6 +923,32 @@ class Plan:
                        use_qk_l2norm=self.use_l2, allow_neg_eigval=self.neg_eig, initial_state=h0, final_state=fs,
                        state_kv=self.state_kv, chunk_states=cs, chunk_offsets=co, max_len=max_len, workspace=ws,
                        twins=twins, beta_is_logit=self.beta_logit, chunk_stride=self.chunk_stride)
+
+    def pool_call(self, q, k, v, g, beta, A_log, dt_bias, cu, cu_cpu, out, pool, slots, ws) -> torch.Tensor:
+        """o of a call whose initial and final states are a state pool's slots (`slots`: int32 [N]
+        on the device, -1 none), read and written in place by the kernels: through the signature's
+        bound launch where it takes slots (the checked launch's host time cost more than the gather
+        and scatter saved: H200, session 51), else the launcher's checked launch, which on the
+        signature's first call also binds (the bound struct's slots are set per call)."""
+        info, dev = self.info, self.device
+        max_len, _, cu32 = self._varlen_args(cu, cu_cpu)
+        if out is None:
+            out = torch.empty_like(v) if self.v_contiguous else torch.empty(self.o_shape, dtype=self.o_dtype,
+                                                                              device=dev)
+        if info.N > 0:
+            A, dt = self._gate_args(A_log, dt_bias)
+            h = pool if self.h0_ready else pool.contiguous()
+            fast = self.fast
+            if getattr(fast, "takes_slots", False) and fast.launch(q, k, v, g, beta, out, A, dt, cu32, h, h, None,
+                                                                    None, ws, max_len, pool_slots=slots.data_ptr()):
+                return out
+            call = self._kda_call(q, k, v, g, beta, out, self.o_strides, A, dt, cu32, h, h, None, None, max_len, ws)
+            call.h0_index = call.ht_index = slots
+            self.launcher(call)
+            if fast is _UNBOUND:
+                bind = getattr(self.launcher, "bind", None)
+                self.fast = bind(call) if bind is not None else None
+        return out
 
     def twins(self, q, k, v, g, beta, A_log, dt_bias, h2, cu, cu_cpu) -> tuple:
         """kda_prefill_twins' launch: the launcher's KdaCall with twins=2, h2 [N, 2 HV, V, K] fp32,

@@ -65,10 +65,10 @@ def check_pool(pool, *, HV: int, state_shape: tuple[int, int], device: torch.dev
         raise KdaInputError(f"state_dtype: expected {pool.dtype} (the state pool's dtype) or None, found {state_dtype}")
 
 
-def gather(pool, indices, *, N: int, HV: int, state_shape: tuple[int, int], device: torch.device,
-           state_dtype: Optional[torch.dtype], assume_valid: bool, read: bool = True) -> PoolCall:
-    """Check the pool and its indices; gather the sequences' initial states (with read=False,
-    only the slots to scatter final states to: initial_state is left unset scratch)."""
+def check_slots(pool, indices, *, N: int, HV: int, state_shape: tuple[int, int], device: torch.device,
+                state_dtype: Optional[torch.dtype], assume_valid: bool) -> Optional[list[int]]:
+    """Check the pool and its indices (on the host unless assume_valid); the indices as a host list
+    when they were read (or lie on the CPU), else None."""
     check_pool(pool, HV=HV, state_shape=state_shape, device=device, state_dtype=state_dtype)
     if not isinstance(indices, torch.Tensor) or indices.dim() != 1 or indices.dtype not in (torch.int32, torch.int64) \
             or indices.numel() != N:
@@ -92,6 +92,27 @@ def gather(pool, indices, *, N: int, HV: int, state_shape: tuple[int, int], devi
         host = indices.tolist()
         if not assume_valid:
             _check(host, P)
+    return host
+
+
+def kernel_slots(indices: torch.Tensor, host: Optional[list[int]], device: torch.device) -> torch.Tensor:
+    """The slots as kernels read them (KdaCall.h0_index/ht_index): int32 [N] on `device`; from the
+    host list, a device copy cached by value (read-only), else converted on the device."""
+    if host is not None:
+        return device_ints(host, device)
+    return indices.to(device=device, dtype=torch.int32).contiguous()
+
+
+def gather(pool, indices, *, N: int, HV: int, state_shape: tuple[int, int], device: torch.device,
+           state_dtype: Optional[torch.dtype], assume_valid: bool, read: bool = True,
+           checked: Optional[tuple] = None) -> PoolCall:
+    """Check the pool and its indices; gather the sequences' initial states (with read=False,
+    only the slots to scatter final states to: initial_state is left unset scratch). checked:
+    (check_slots' result,) where the caller has checked them already."""
+    host = checked[0] if checked is not None else check_slots(
+        pool, indices, N=N, HV=HV, state_shape=state_shape, device=device, state_dtype=state_dtype,
+        assume_valid=assume_valid)
+    P = pool.shape[0]
     # Known on the host: a device copy cached by value (a model's layers pass one step's slots), read-only
     index = device_ints(host, device, torch.int64) if host is not None else \
         indices.to(device=device, dtype=torch.int64, non_blocking=True)

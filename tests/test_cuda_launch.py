@@ -15,7 +15,7 @@ from kdagen.targets.cuda_launch import HEADER, KdaParams, parse_params
 
 def test_every_field_of_the_header_is_mirrored_in_order():
     names = [n for n, _ in parse_params(HEADER.read_text())]
-    assert names[:3] == ["q", "k", "v"] and "lower_bound" in names and names[-1] == "chunk_stride"
+    assert names[:3] == ["q", "k", "v"] and "lower_bound" in names and names[-2:] == ["h0_idx", "ht_idx"]
     assert [n for n, _ in KdaParams._fields_] == names
     assert KdaParams.q_s.size == 3 * 8 and KdaParams.scale.size == 4
 

@@ -884,3 +884,98 @@ def test_host_overhead_script_on_the_cpu_stub(capsys, monkeypatch):
     assert mod.main() == 0
     out = capsys.readouterr().out
     assert "| bindings |" in out and "| shim |" not in out and "launch path shim" not in out, out
+
+
+def test_sm80_segments_read_and_write_a_pools_slots_only_where_the_states_are(monkeypatch):
+    """A state pool's slots (KdaCall.h0_index/ht_index) in a time-segmented call: the first segment
+    reads the pool at the slots, the last writes it there, and the states carried between segments
+    are per sequence (no slots): every other struct has h0_idx and ht_idx 0."""
+    import dataclasses
+
+    T, H, HV, K, N, P = 300, 1, 2, 64, 2, 5
+    gen = torch.Generator().manual_seed(5)
+    r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    t = dict(q=r(N, T, H, K).bfloat16(), k=r(N, T, H, K).bfloat16(), v=r(N, T, HV, K).bfloat16(),
+             g=r(N, T, HV, K), beta=r(N, T, HV), A_log=r(HV), dt_bias=r(HV, K), h0=r(N, HV, K, K))
+    pool = r(P, HV, K, K)
+    slots = torch.tensor([3, -1], dtype=torch.int32)
+    with sm80_on_cpu() as (la, drv):
+        la.settings = dataclasses.replace(la.settings, min_segment_tokens=64, min_hidden_prep_us=None,
+                                          prep_blocks_beside_recur=None)  # 300 tokens: 128, 128, 44
+        main = _FakeStream(drv, fake_cuda.STREAM)
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: main)
+        monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: _FakeStream(drv, 9))
+        monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+        c = dataclasses.replace(_call_of(**t, cu=None, max_len=T), initial_state=pool, final_state=pool,
+                                h0_index=slots, ht_index=slots)
+        la(c)
+        assert la.last_segments == 3
+        recurs = [_fields(x[5]) for x in drv.launches if x[0] == "kda_recur"]
+        assert [p["h0_idx"] for p in recurs] == [slots.data_ptr(), 0, 0]
+        assert [p["ht_idx"] for p in recurs] == [0, 0, slots.data_ptr()]
+        assert recurs[0]["h0"] == pool.data_ptr() and recurs[-1]["ht"] == pool.data_ptr()
+        assert pool.data_ptr() not in (recurs[1]["h0"], recurs[1]["ht"], recurs[0]["ht"], recurs[2]["h0"])
+        # in one piece: both on the one launch
+        la.settings = dataclasses.replace(la.settings, min_segment_tokens=None)
+        drv.launches.clear()
+        la(c)
+        (p,) = [_fields(x[5]) for x in drv.launches if x[0] == "kda_recur"]
+        assert (p["h0"], p["ht"], p["h0_idx"], p["ht_idx"]) == (pool.data_ptr(),) * 2 + (slots.data_ptr(),) * 2
+
+
+@pytest.mark.parametrize("lens", [None, [5, 0, 27]], ids=["batch", "varlen"])
+def test_a_pool_call_passes_its_slots_to_the_kernels(lens, monkeypatch):
+    """kda_prefill(state_pool=, state_indices=) with KDAGEN_POOL_SLOTS=1 over the sm80 launcher (fake
+    driver): the launches read and write the pool itself at the slots (int32 device copy of the host
+    indices), with no gather or scatter around them, checked then bound; asked for the final states
+    (returned per sequence), with a launcher that takes no slots, or by default, the call gathers and
+    scatters instead."""
+    from kdagen.scan.layout import device_ints
+
+    from .fake_cuda import route_launcher
+
+    var, kw = _sm80_case(lens)
+    monkeypatch.setenv("KDAGEN_POOL_SLOTS", "1")  # opt-in until timed faster (session 51)
+    N, HV, K = kw["initial_state"].shape[:3]
+    kw.pop("initial_state")
+    kw.pop("output_final_state", None)
+    pool = torch.randn(7, HV, K, K)
+    idx = torch.tensor([6, 2, -1, 0][:N], dtype=torch.int64)
+    copies = []
+    monkeypatch.setattr(torch.Tensor, "index_copy_", lambda self, *a: copies.append(a) or self)
+    with sm80_on_cpu(var) as (la, drv), route_launcher(la):
+        want = device_ints(idx.tolist(), "cpu").data_ptr()
+        for _ in range(2):  # the checked launch (which binds the signature), then the bound one
+            drv.launches.clear()
+            o, fs = kdagen.kda_prefill(**kw, state_pool=pool, state_indices=idx)
+            assert fs is None and o.shape == kw["v"].shape and not copies
+            recurs = [_fields(x[5]) for x in drv.launches if x[0] == "kda_recur"]
+            assert recurs and all((p["h0"], p["ht"], p["h0_idx"], p["ht_idx"]) ==
+                                  (pool.data_ptr(),) * 2 + (want,) * 2 for p in recurs)
+        plan = [p for p in rt._PLANS.values() if getattr(p, "launcher", None) is la][-1]
+        assert type(plan.fast).__name__ == "Sm80Bound" and plan.fast.pool_slots == want
+        # the same signature's plain call through the bound launch: no slots left in its struct
+        drv.launches.clear()
+        h0 = torch.randn(N, HV, K, K)
+        kdagen.kda_prefill(**kw, initial_state=h0, final_state=torch.empty_like(h0), output_final_state=True)
+        recurs = [_fields(x[5]) for x in drv.launches if x[0] == "kda_recur"]
+        assert recurs and all(p["h0_idx"] == p["ht_idx"] == 0 and p["h0"] == h0.data_ptr() for p in recurs)
+        assert plan.fast.pool_slots == 0
+        drv.launches.clear()
+        kdagen.kda_prefill(**kw, state_pool=pool, state_indices=idx, output_final_state=True)
+        recurs = [_fields(x[5]) for x in drv.launches if x[0] == "kda_recur"]
+        assert recurs and all(p["h0_idx"] == p["ht_idx"] == 0 and pool.data_ptr() not in (p["h0"], p["ht"])
+                              for p in recurs)
+        assert len(copies) == 1  # the scatter
+        monkeypatch.setattr(type(la), "pool_indices", False)
+        drv.launches.clear()
+        kdagen.kda_prefill(**kw, state_pool=pool, state_indices=idx)
+        recurs = [_fields(x[5]) for x in drv.launches if x[0] == "kda_recur"]
+        assert recurs and all(p["h0_idx"] == p["ht_idx"] == 0 for p in recurs) and len(copies) == 2
+        # and by default (KDAGEN_POOL_SLOTS unset) the pool is gathered and scattered
+        monkeypatch.setattr(type(la), "pool_indices", True)
+        monkeypatch.delenv("KDAGEN_POOL_SLOTS")
+        drv.launches.clear()
+        kdagen.kda_prefill(**kw, state_pool=pool, state_indices=idx)
+        recurs = [_fields(x[5]) for x in drv.launches if x[0] == "kda_recur"]
+        assert recurs and all(p["h0_idx"] == p["ht_idx"] == 0 for p in recurs) and len(copies) == 3

@@ -5,6 +5,8 @@ layouts and dtypes, indices checked on the host or promised valid (the device pa
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -154,3 +156,71 @@ def test_gpu_capture_refuses_host_indices_and_host_checks():
         with pytest.raises(KdaInputError, match=needle):
             with torch.cuda.graph(graph):
                 kdagen.kda_prefill(**kw, state_pool=pool, state_indices=idx, assume_valid=av)
+
+
+# sm80 (precise record, plain c64, bf16 state) and sm90: the kernels that read and write a pool's slots
+KERNEL_SLOTS = ["kda_fwd_sm80_c16_k128_v128_bf16_gb_sfp32_bv16_hl", "kda_fwd_sm80_c64_k128_v128_bf16_gb_sfp32_bv32",
+                "kda_fwd_sm80_c16_k128_v128_bf16_gb_sbf16_bv32", "kda_fwd_sm90_c16_k128_v128_bf16_gb_sfp32_bv64",
+                "kda_fwd_sm90_c16_k128_v128_bf16_gb_sbf16_bv64"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", KERNEL_SLOTS)
+@pytest.mark.parametrize("state_layout, lens, segments", [("VK", [300, 0, 724, 50], False),
+                                                           ("KV", [1000, 37, 650], False),
+                                                           ("VK", [1536], True)],
+                         ids=["VK-varlen", "KV-varlen", "one-sequence-in-time-segments"])
+def test_gpu_kernels_read_and_write_the_pools_slots(name, state_layout, lens, segments, monkeypatch):
+    """The sm80/sm90 kernels take the pool's slots themselves (no gather or scatter): o and every slot
+    bit for bit what the gathered call gives, padding and nobody's slots untouched (NaN there would
+    poison any read), and the numbers against float64; sm80 also cut into time segments."""
+    import kdagen.runtime as rt
+    from kdagen.registry import Registry
+    from kdagen_dev.launch import launcher_swapped
+
+    monkeypatch.setenv("KDAGEN_POOL_SLOTS", "1")
+    entry = Registry.load().entries.get(name)
+    if entry is None:
+        pytest.skip(f"{name} is not built")
+    v = entry.variant
+    if segments and (v.target != "sm80" or v.state != "fp32"):
+        pytest.skip("time segments are sm80's, with an fp32 state")
+    st = torch.float32 if v.state == "fp32" else torch.bfloat16
+    kw = make_case(v, "cuda", H=2, HV=4, lens=lens, seed=3, with_state=False, state_layout=state_layout)
+    N = len(lens)
+    pool = (torch.randn(N + 3, 4, 128, 128, device="cuda") * 0.3).to(st)
+    idx = torch.tensor([N + 2, -1, 0, 2][:N] if N > 1 else [2], dtype=torch.int32)
+    nobody = [s for s in range(N + 3) if s not in idx.tolist()]
+    pool[nobody] = float("nan")
+    start = pool.clone()
+    ctx = launcher_swapped(name, "cuda:0", rt.registry().launcher(name, "cuda:0").with_settings(
+        min_segment_tokens=192, min_hidden_prep_us=None)) if segments else contextlib.nullcontext()
+    calls = []
+    real = rt.Plan.pool_call
+    monkeypatch.setattr(rt.Plan, "pool_call", lambda self, *a: calls.append(self.launcher) or real(self, *a))
+    with ctx:
+        o = kdagen.kda_prefill(**kw, state_pool=pool, state_indices=idx, variant=name)[0]
+        torch.cuda.synchronize()
+        assert len(calls) == 1, "the kernels did not take the slots"
+        # again, through the signature's bound launch (bound by the first call; sm80's segments have none)
+        pool.copy_(start)
+        o = kdagen.kda_prefill(**kw, state_pool=pool, state_indices=idx, variant=name)[0]
+        torch.cuda.synchronize()
+        assert len(calls) == 2
+        if segments:
+            assert calls[0].last_segments > 1
+        got = pool.clone()
+        pool.copy_(start)
+        monkeypatch.setattr(rt, "_pool_in_kernel", lambda *a, **k: (None, None))  # gather and scatter
+        o2 = kdagen.kda_prefill(**kw, state_pool=pool, state_indices=idx, variant=name)[0]
+        torch.cuda.synchronize()
+    assert torch.equal(o, o2)
+    assert torch.equal(_bits(got), _bits(pool))  # every slot, NaN ones included, bit for bit
+    assert torch.equal(_bits(got[nobody]), _bits(start[nobody]))
+    h0 = start[idx.clamp(min=0).long()].float()
+    h0[idx < 0] = 0
+    ref = {n: (t.cpu() if isinstance(t, torch.Tensor) else t) for n, t in kw.items()}
+    ro, rs, _ = kda_reference(**ref, initial_state=h0.cpu(), output_final_state=True)
+    real_rows = [n for n in range(N) if idx[n] >= 0]
+    assert rel_rmse(o.cpu(), ro) < 6e-3
+    assert rel_rmse(got[idx[real_rows].long()].float().cpu(), rs[real_rows]) < 6e-3

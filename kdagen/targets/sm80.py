@@ -88,6 +88,8 @@ def recur_smem_beside_prep(smem1: int, smem2: int, props, k: int = 1) -> int:
 class Sm80Launcher:
     # KdaCall.twins == 2 runs (the transition run shares the prep; see KdaParams::twins)
     supports_twins = True
+    # KdaCall.h0_index / ht_index: a state pool's slots read and written by the kernels
+    pool_indices = True
 
     def __init__(self, variant: Variant, artifact: Path, settings: Sm80Settings | None = None) -> None:
         self.variant = variant
@@ -203,6 +205,7 @@ class Sm80Launcher:
         p.q, p.k, p.v, p.g, p.beta, p.o = _ptr(q), _ptr(k), _ptr(vv), _ptr(g), _ptr(beta), _ptr(call.o)
         p.A_log, p.dt_bias, p.cu_seqlens = _ptr(A_log), _ptr(dt), _ptr(cu)
         p.h0, p.ht = _ptr(call.initial_state), _ptr(call.final_state)
+        p.h0_idx, p.ht_idx = _ptr(call.h0_index), _ptr(call.ht_index)
         p.hc, p.chunk_offsets = _ptr(call.chunk_states), (_ptr(co) if call.chunk_states is not None else 0)
 
         if call.N == 0:
@@ -341,6 +344,9 @@ class Sm80Launcher:
             _pack_segment(ps, base, off, p.A_log, p.dt_bias, p.h0 if i == 0 else int(carry[i - 1].data_ptr()),
                           p.ht if i == len(segs) - 1 else int(carry[i].data_ptr()), int(scratch[1 + i].data_ptr()),
                           p.hc and p.hc + rows[i], p.chunk_offsets)
+            # a pool's slots only where the call's states are: the carries between segments are per sequence
+            ps.h0_idx = p.h0_idx if i == 0 else 0
+            ps.ht_idx = p.ht_idx if i == len(segs) - 1 else 0
             mod.launch(f1, (gx, N, HV), (nt1, 1, 1), smem1, side.cuda_stream, ps, "kda_prep")
             done = torch.cuda.Event()
             done.record(side)
@@ -446,6 +452,7 @@ class Sm80Bound:
         v = launcher.variant
         self.launcher, self.idx, self.mod = launcher, idx, mod
         self.params = params
+        params.h0_idx = params.ht_idx = self.pool_slots = 0  # set per call (launch's pool_slots)
         self.argv = (ctypes.c_void_p * 1)(ctypes.addressof(params))
         self.argv_addr = ctypes.addressof(self.argv)
         self.ptr_offset = _ptr_offset()
@@ -507,12 +514,15 @@ class Sm80Bound:
         args = self.stream_args[raw] = (prep, (self.f2, gx, gy, gz, self.nt2, 1, 1, self.smem2, stream, argv, 0))
         return args
 
+    takes_slots = True  # launch(..., pool_slots=): a state pool's slots (KdaParams h0_idx, ht_idx)
+
     def launch(self, q, k, v, g, beta, o, A_log, dt_bias, cu_seqlens, h0, ht, hc, chunk_offsets, ws,
-               max_len: int) -> bool:
+               max_len: int, pool_slots: int = 0) -> bool:
         """Launch one call of the bound signature (the tensors of a KdaCall, positionally); False
         when it must take the general path instead (unaligned data, a concurrent call, another
         current context): nothing was launched then, or only the prep kernel, which the general
-        path simply runs again."""
+        path simply runs again. pool_slots: the device address of a state pool's int32 slots (h0
+        and ht are then the pool), or 0."""
         qp, kp, vp, gp, op = q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), o.data_ptr()
         if (qp | kp | vp | gp | op) & 15:
             return False
@@ -537,6 +547,8 @@ class Sm80Bound:
                        0 if cu_seqlens is None else cu_seqlens.data_ptr(), 0 if h0 is None else h0.data_ptr(),
                        0 if ht is None else ht.data_ptr(), 0 if hc is None else hc.data_ptr(),
                        0 if hc is None else chunk_offsets.data_ptr(), wp)
+            if pool_slots != self.pool_slots:
+                self.params.h0_idx = self.params.ht_idx = self.pool_slots = pool_slots
             shim_args = self.shim_args
             if shim_args is not None:
                 addr, prep_x, pair = shim_args.get(raw) or self._shim_args_for(raw)

@@ -264,15 +264,14 @@ __device__ __forceinline__ void recur_block(const KdaParams& p) {
   const int g8 = lane >> 2, t4 = lane & 3, lm = lane >> 3, lr = lane & 7;
   const int vw = vt * 16 * MT;       // this warp's first V row within the block's slice
   const int vr0 = vb * BV + vw + g8;  // state row of tile 0 (tile m: + 16 m)
-#if KDA_STATE != 0
-  const long long st_off = ((long long)n * (TWINS ? 2 * p.HV : p.HV) + hs) * V * K;  // initial / final state
-#endif
   const bool kv = p.state_kv != 0;
 
   float s[MT][KH / 8][4];
 #if KDA_STATE != 0
-  if (p.h0) {
-    const state_t* h0 = (const state_t*)p.h0 + st_off;
+  // the initial state: sequence n's, or a state pool's slot h0_idx[n] (none at -1)
+  const long long h0_row = state_row(p, p.h0_idx, n, hs, TWINS);
+  if (p.h0 && h0_row >= 0) {
+    const state_t* h0 = (const state_t*)p.h0 + h0_row * V * K;
 #pragma unroll
     for (int m = 0; m < MT; ++m) {
       if (kv) load_state_l<true>(h0, s[m], vr0 + 16 * m, k0, t4);
@@ -649,9 +648,10 @@ __device__ __forceinline__ void recur_block(const KdaParams& p) {
   }
   if constexpr (O_BY_COPY) block_sync();  // the last chunk's o is staged: the copy warp stores it
 #if KDA_STATE != 0
-  if (p.ht) {
+  const long long ht_row = state_row(p, p.ht_idx, n, hs, TWINS);  // read here: no register held the loop through
+  if (p.ht && ht_row >= 0) {
 #pragma unroll
-    for (int m = 0; m < MT; ++m) store_state((state_t*)p.ht + st_off, s[m], vr0 + 16 * m, k0, t4, kv);
+    for (int m = 0; m < MT; ++m) store_state((state_t*)p.ht + ht_row * V * K, s[m], vr0 + 16 * m, k0, t4, kv);
   }
 #endif
 }
