@@ -17,6 +17,7 @@ kda_prefill and torch.ops.kdagen.kda_prefill both enter at _prefill (positional)
 from __future__ import annotations
 
 import itertools
+import operator
 import logging
 from typing import Any, Optional
 
@@ -46,6 +47,7 @@ _PLAN_LIMIT = 4096  # signatures kept; an engine sees one per distinct token cou
 _LOGGED: set = set()
 _NO_PLAN = (object(), None, None, None)  # _LAST with no latest plan: its flags equal no call's
 _LAST: tuple = _NO_PLAN  # (flags, grad mode, guard, plan) of the latest call
+_POOL_LAST: tuple = _NO_PLAN  # the same for the latest call whose kernels took a state pool's slots
 _GUARD_BUILDS = 8  # guards a plan gets at most
 # Choices by what selection depends on (so a new token count with the same sequences and heads
 # skips the candidate scan): functional key, device, N, HV, whether sequences average >= 512, and
@@ -64,9 +66,9 @@ def registry() -> Registry:
 def reset() -> Registry:
     """Forget the registry, the cached plans and the logged choices, and read the environment
     (KDAGEN_*) again on the next call."""
-    global _REGISTRY, _LAST
+    global _REGISTRY, _LAST, _POOL_LAST
     _REGISTRY = None
-    _LAST = _NO_PLAN
+    _LAST = _POOL_LAST = _NO_PLAN
     _PLANS.clear()
     _LOGGED.clear()
     _CHOICES.clear()
@@ -466,23 +468,44 @@ def _pool_in_kernel(q, k, v, g, beta, kw: dict, pool, indices, *, N: int, HV: in
     scratch and the scatter made three passes over the states where this makes one each way: the
     pool path took 1.2-1.55x the h0 + final-state call on engine shapes (H100, benchmarks/NOTES.md,
     session 51)."""
+    global _POOL_LAST
     dev = q.device
     if not isinstance(pool, torch.Tensor) or pool.dim() < 1 or pool.shape[0] == 0 \
             or not pool.is_contiguous() or kw["return_chunk_states"] or kw["chunk_states"] is not None:
         return None, None
     host = pool_io.check_slots(pool, indices, N=N, HV=HV, state_shape=st, device=dev, state_dtype=kw["state_dtype"],
                                assume_valid=bool(kw["assume_valid"]))
-    P = pool.shape[0]
-    # the plan of the same call with per-sequence states (their signature: [N, HV, *st] contiguous)
-    like = pool[:N] if P >= N else torch.empty((N, HV, *st), dtype=pool.dtype, device=dev)
-    flags = tuple((True if n == "output_final_state" else kw[n]) for n in _FLAGS)
-    plan, _ = _plan_of(q, k, v, g, beta, kw["A_log"], kw["dt_bias"], like, kw["cu_seqlens"], kw["cu_seqlens_cpu"],
-                       kw["out"], like, None, kw["workspace"], flags)
+    flags = _pool_flags(kw)
+    tensors = (q, k, v, g, beta, kw["A_log"], kw["dt_bias"], pool, kw["cu_seqlens"], kw["cu_seqlens_cpu"], kw["out"],
+               kw["workspace"])
+    last = _POOL_LAST
+    # The latest pool call's plan where the guard says this call has its signature (the pool's
+    # included: a model's layers repeat one); else the plan of the same call with per-sequence
+    # states (their signature: [N, HV, *st] contiguous), cached by _plan_of as any call's.
+    if flags == last[0] and torch.is_grad_enabled() is last[1] and last[2](*tensors):
+        plan = last[3]
+    else:
+        like = pool[:N] if pool.shape[0] >= N else torch.empty((N, HV, *st), dtype=pool.dtype, device=dev)
+        plan, key = _plan_of(q, k, v, g, beta, kw["A_log"], kw["dt_bias"], like, kw["cu_seqlens"],
+                             kw["cu_seqlens_cpu"], kw["out"], like, None, kw["workspace"], flags)
+        guard = make_check(tensors) if key is not None else None
+        _POOL_LAST = (flags, torch.is_grad_enabled(), guard, plan) if guard is not None else _NO_PLAN
     if type(plan) is not Plan or not getattr(plan.launcher, "pool_indices", False) or plan.want_chunks:
         return None, (host,)  # padded head dims, the scan's route, a target without pool slots: gathered
     slots = pool_io.kernel_slots(indices, host, dev)
     return plan.pool_call(q, k, v, g, beta, kw["A_log"], kw["dt_bias"], kw["cu_seqlens"], kw["cu_seqlens_cpu"],
                           kw["out"], pool, slots, kw["workspace"]), (host,)
+
+
+# The flags of a pool call's plan: kda_prefill's (_FLAGS), with the final state asked (the pool's slots).
+_pool_flag_values = operator.itemgetter(*_FLAGS)
+_FINAL_AT = _FLAGS.index("output_final_state")
+
+
+def _pool_flags(kw: dict) -> tuple:
+    flags = list(_pool_flag_values(kw))
+    flags[_FINAL_AT] = True
+    return tuple(flags)
 
 
 def _prefill_kw(q, k, v, g, beta, kw: dict):

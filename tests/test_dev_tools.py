@@ -109,7 +109,7 @@ def test_capture_call_does_not_need_a_fresh_artifact():
     reg._status[v.name] = stale
     rt._CHOICES.clear()  # (an earlier test's dispatch of this variant is memoised)
     rt._PLANS.clear()
-    rt._LAST = rt._NO_PLAN
+    rt._LAST = rt._POOL_LAST = rt._NO_PLAN
     try:
         with pytest.raises(NoVariantError, match="forbids building it now"):
             kda_prefill(**kw, variant=v.name)

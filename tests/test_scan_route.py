@@ -24,6 +24,7 @@ def own_plans(monkeypatch):
     # plans made here (routed ones among them) stay here
     monkeypatch.setattr(rt, "_PLANS", {})
     monkeypatch.setattr(rt, "_LAST", rt._NO_PLAN)
+    monkeypatch.setattr(rt, "_POOL_LAST", rt._NO_PLAN)
     monkeypatch.delenv("KDAGEN_SCAN", raising=False)
     monkeypatch.delenv("KDAGEN_FORCE_VARIANT", raising=False)
 
