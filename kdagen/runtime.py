@@ -463,8 +463,9 @@ def _engine_call(q, k, v, g, beta, kw: dict, state_pool, state_indices, checkpoi
 def _pool_in_kernel(q, k, v, g, beta, kw: dict, pool, indices, *, N: int, HV: int, st: tuple[int, int]
                     ) -> tuple[Optional[torch.Tensor], Optional[tuple]]:
     """A state pool call whose kernels read and write the pool's slots themselves (KdaCall.h0_index,
-    ht_index), and the slots' check for gather's `checked` (None: not checked here): its o where the call's plan is a plain launch of a launcher with pool_indices,
-    else None (the caller gathers and scatters around the call). The gather, the kernel's read of its
+    ht_index), and the slots' check for gather's `checked` (None: not checked here): its o where
+    the call's plan is a plain launch of a launcher with pool_indices, else None (the caller
+    gathers and scatters around the call). The gather, the kernel's read of its
     scratch and the scatter made three passes over the states where this makes one each way: the
     pool path took 1.2-1.55x the h0 + final-state call on engine shapes (H100, benchmarks/NOTES.md,
     session 51)."""

@@ -923,6 +923,45 @@ def test_sm80_segments_read_and_write_a_pools_slots_only_where_the_states_are(mo
         assert (p["h0"], p["ht"], p["h0_idx"], p["ht_idx"]) == (pool.data_ptr(),) * 2 + (slots.data_ptr(),) * 2
 
 
+def test_a_pool_calls_plan_is_kept_for_its_signature_the_pools_included(monkeypatch):
+    """The latest pool call's plan serves the next call of its signature without a lookup, and
+    only that: a pool of another dtype or size, or other inputs, plan again (a bf16 pool read as
+    the fp32 one's plan would be garbage); what the guard kept launches with this call's pool."""
+    from .fake_cuda import route_launcher
+
+    var, kw = _sm80_case([5, 0, 27])
+    monkeypatch.setenv("KDAGEN_POOL_SLOTS", "1")
+    monkeypatch.setattr(rt, "_POOL_LAST", rt._NO_PLAN)
+    N, HV, K = kw["initial_state"].shape[:3]
+    kw.pop("initial_state")
+    kw.pop("output_final_state", None)
+    idx = torch.tensor([6, 2, 0], dtype=torch.int32)
+    looked = []
+    real = rt._plan_of
+    monkeypatch.setattr(rt, "_plan_of", lambda *a: looked.append(a[7]) or real(*a))
+    with sm80_on_cpu(var) as (la, drv), route_launcher(la):
+        def recur_h0(pool):
+            drv.launches.clear()
+            kdagen.kda_prefill(**kw, state_pool=pool, state_indices=idx)
+            return {_fields(x[5])["h0"] for x in drv.launches if x[0] == "kda_recur"}
+
+        pool = torch.randn(7, HV, K, K)
+        assert recur_h0(pool) == {pool.data_ptr()} and len(looked) == 1
+        other = torch.randn(7, HV, K, K)  # the same signature, another pool: no lookup, its own slots
+        assert recur_h0(other) == {other.data_ptr()} and len(looked) == 1
+        bigger = torch.randn(9, HV, K, K)
+        assert recur_h0(bigger) == {bigger.data_ptr()} and len(looked) == 2
+        half = torch.randn(9, HV, K, K, dtype=torch.bfloat16)
+        # planned again: a bf16-state variant is selected, and the stand-in launcher (fp32 states)
+        # refuses it, where the kept plan's bound launch would have read bf16 as fp32
+        with pytest.raises(RuntimeError, match="initial_state must be contiguous torch.float32"):
+            recur_h0(half)
+        assert len(looked) == 3 and looked[-1].dtype == torch.bfloat16
+        kw["q"] = kw["q"].clone()  # a fresh tensor of the same signature: still the kept plan
+        assert recur_h0(bigger) == {bigger.data_ptr()} and len(looked) == 4  # (after the refusal: looked up)
+        assert recur_h0(bigger) == {bigger.data_ptr()} and len(looked) == 4
+
+
 @pytest.mark.parametrize("lens", [None, [5, 0, 27]], ids=["batch", "varlen"])
 def test_a_pool_call_passes_its_slots_to_the_kernels(lens, monkeypatch):
     """kda_prefill(state_pool=, state_indices=) with KDAGEN_POOL_SLOTS=1 over the sm80 launcher (fake
