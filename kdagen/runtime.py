@@ -398,8 +398,8 @@ def _engine_call(q, k, v, g, beta, kw: dict, state_pool, state_indices, checkpoi
                                     f"states), found a tensor")
         if env.pool_slots() and not want_final and checkpoint_every is None and checkpoints is None \
                 and checkpoint_offsets is None:
-            # (asked for, the final states come back per sequence, a padding one's too: gathered). Opt-in:
-            # correct on the H200 (bit for bit the gathered call) but not yet timed faster (session 51)
+            # (asked for, the final states come back per sequence, a padding one's too: gathered). Bit for
+            # bit the gathered call; 1.06-1.15x faster on sm80 (H100, session 52; KDAGEN_POOL_SLOTS=0 gathers)
             o, checked = _pool_in_kernel(q, k, v, g, beta, kw, state_pool, state_indices, N=N, HV=HV, st=st)
             if o is not None:
                 return o, None
@@ -466,9 +466,9 @@ def _pool_in_kernel(q, k, v, g, beta, kw: dict, pool, indices, *, N: int, HV: in
     ht_index), and the slots' check for gather's `checked` (None: not checked here): its o where
     the call's plan is a plain launch of a launcher with pool_indices, else None (the caller
     gathers and scatters around the call). The gather, the kernel's read of its
-    scratch and the scatter made three passes over the states where this makes one each way: the
-    pool path took 1.2-1.55x the h0 + final-state call on engine shapes (H100, benchmarks/NOTES.md,
-    session 51)."""
+    scratch and the scatter made three passes over the states where this makes one each way (the
+    gathered pool call took 1.2-1.55x the h0 + final-state call on engine shapes: H100,
+    benchmarks/NOTES.md, sessions 51-52)."""
     global _POOL_LAST
     dev = q.device
     if not isinstance(pool, torch.Tensor) or pool.dim() < 1 or pool.shape[0] == 0 \

@@ -962,19 +962,55 @@ def test_a_pool_calls_plan_is_kept_for_its_signature_the_pools_included(monkeypa
         assert recur_h0(bigger) == {bigger.data_ptr()} and len(looked) == 4
 
 
+def test_sm90_pool_calls_gather_and_its_launcher_refuses_slots(monkeypatch):
+    """sm90's kernel takes no pool slots (reading them cost its plain calls up to 2%, session 52): a
+    pool call over the sm90 launcher gathers and scatters around the launch, which gets per-sequence
+    states; a KdaCall carrying slots is refused, not run on rows 0..N-1 of the pool."""
+    from kdagen.targets.cuda_launch import KdaParams
+    from kdagen.variant import Variant
+
+    from .fake_cuda import route_launcher
+
+    monkeypatch.delenv("KDAGEN_POOL_SLOTS", raising=False)
+    var = Variant("sm90", 16, 64, 64, "bf16", "bounded", "fp32", 64)
+    _, kw = _sm80_case([5, 0, 27])
+    N, HV, K = kw["initial_state"].shape[:3]
+    kw.pop("initial_state")
+    kw.pop("output_final_state", None)
+    pool = torch.randn(7, HV, K, K)
+    idx = torch.tensor([6, 2, 0], dtype=torch.int32)
+    copies = []
+    real_copy = torch.Tensor.index_copy_
+    monkeypatch.setattr(torch.Tensor, "index_copy_", lambda self, *a: copies.append(a) or real_copy(self, *a))
+    with fake_cuda.sm90_on_cpu(var) as (la, drv), route_launcher(la):
+        calls = []
+        real_call = type(la).__call__
+        monkeypatch.setattr(type(la), "__call__", lambda self, c: calls.append(c) or real_call(self, c))
+        for _ in range(2):  # checked, then bound
+            drv.launches.clear()
+            kdagen.kda_prefill(**kw, state_pool=pool, state_indices=idx)
+            (p,) = [KdaParams.from_buffer_copy(x[5]) for x in drv.launches if x[0] == "kda_fused"]
+            assert p.h0_idx == p.ht_idx == 0 and pool.data_ptr() not in (p.h0, p.ht)
+        assert len(copies) == 2 and len(calls) == 1  # a scatter each; the first call checked
+        call = calls[0]
+        call.h0_index = call.ht_index = idx
+        with pytest.raises(RuntimeError, match="take no state pool slots"):
+            la(call)
+
+
 @pytest.mark.parametrize("lens", [None, [5, 0, 27]], ids=["batch", "varlen"])
 def test_a_pool_call_passes_its_slots_to_the_kernels(lens, monkeypatch):
-    """kda_prefill(state_pool=, state_indices=) with KDAGEN_POOL_SLOTS=1 over the sm80 launcher (fake
-    driver): the launches read and write the pool itself at the slots (int32 device copy of the host
-    indices), with no gather or scatter around them, checked then bound; asked for the final states
-    (returned per sequence), with a launcher that takes no slots, or by default, the call gathers and
-    scatters instead."""
+    """kda_prefill(state_pool=, state_indices=) over the sm80 launcher (fake driver): the launches
+    read and write the pool itself at the slots (int32 device copy of the host indices), with no
+    gather or scatter around them, checked then bound; asked for the final states (returned per
+    sequence), with a launcher that takes no slots, or with KDAGEN_POOL_SLOTS=0, the call gathers
+    and scatters instead."""
     from kdagen.scan.layout import device_ints
 
     from .fake_cuda import route_launcher
 
     var, kw = _sm80_case(lens)
-    monkeypatch.setenv("KDAGEN_POOL_SLOTS", "1")  # opt-in until timed faster (session 51)
+    monkeypatch.delenv("KDAGEN_POOL_SLOTS", raising=False)  # the default
     N, HV, K = kw["initial_state"].shape[:3]
     kw.pop("initial_state")
     kw.pop("output_final_state", None)
@@ -1011,9 +1047,9 @@ def test_a_pool_call_passes_its_slots_to_the_kernels(lens, monkeypatch):
         kdagen.kda_prefill(**kw, state_pool=pool, state_indices=idx)
         recurs = [_fields(x[5]) for x in drv.launches if x[0] == "kda_recur"]
         assert recurs and all(p["h0_idx"] == p["ht_idx"] == 0 for p in recurs) and len(copies) == 2
-        # and by default (KDAGEN_POOL_SLOTS unset) the pool is gathered and scattered
+        # and with KDAGEN_POOL_SLOTS=0 the pool is gathered and scattered
         monkeypatch.setattr(type(la), "pool_indices", True)
-        monkeypatch.delenv("KDAGEN_POOL_SLOTS")
+        monkeypatch.setenv("KDAGEN_POOL_SLOTS", "0")
         drv.launches.clear()
         kdagen.kda_prefill(**kw, state_pool=pool, state_indices=idx)
         recurs = [_fields(x[5]) for x in drv.launches if x[0] == "kda_recur"]

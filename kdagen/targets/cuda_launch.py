@@ -93,16 +93,21 @@ def aligned_inputs(call, in_t: torch.dtype) -> tuple:
     return q, q_s, k, k_s, v, v_s, g, g_s, beta
 
 
-def check_call(call, v, twins_ok: bool = False) -> None:
+def check_call(call, v, twins_ok: bool = False, slots_ok: bool = False) -> None:
     """What every CUDA launcher checks of a KdaCall against its variant `v` (the runtime has
     validated the user's arguments; these catch a record built for another variant). twins_ok:
-    the launcher runs KdaCall.twins == 2."""
+    the launcher runs KdaCall.twins == 2; slots_ok: its kernels read a state pool's slots
+    (KdaCall.h0_index, ht_index)."""
     from ..dtypes import torch_dtype
 
     who = v.name
     if call.twins not in ((1, 2) if twins_ok else (1,)):
         raise RuntimeError(f"{who}: twins={call.twins}; this launcher runs "
                            f"{'1 or 2' if twins_ok else 'only 1'} state runs per value head")
+    if not slots_ok and (call.h0_index is not None or call.ht_index is not None):
+        # its kernels would read and write rows 0..N-1 of the pool, not the slots
+        raise RuntimeError(f"{who}: h0_index/ht_index given; this launcher's kernels take no state pool slots "
+                           f"(the runtime gathers and scatters a pool around them)")
     in_t = torch_dtype(v.dtype)
     for nm in ("q", "k", "v", "o"):
         t = getattr(call, nm)

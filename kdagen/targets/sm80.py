@@ -129,7 +129,7 @@ class Sm80Launcher:
     def _check(self, call: KdaCall) -> None:
         v = self.variant
         who = v.name
-        check_call(call, v, twins_ok=True)
+        check_call(call, v, twins_ok=True, slots_ok=True)
         o = call.o
         if o.stride(-1) != 1 or o.data_ptr() % 16 or any((st * o.element_size()) % 16 for st in call.o_strides):
             # kda_recur writes o in 16-byte pieces

@@ -59,7 +59,6 @@ def build_params(call: KdaCall, v: Variant,
     p.q, p.k, p.v, p.g, p.beta, p.o = _ptr(q), _ptr(k), _ptr(vv), _ptr(g), _ptr(beta), _ptr(o)
     p.A_log, p.dt_bias, p.cu_seqlens = _ptr(A_log), _ptr(dt), _ptr(cu)
     p.h0, p.ht = _ptr(call.initial_state), _ptr(call.final_state)
-    p.h0_idx, p.ht_idx = _ptr(call.h0_index), _ptr(call.ht_index)
     p.hc, p.chunk_offsets = _ptr(call.chunk_states), _ptr(co)
     p.ws = 0
     for nm, s in (("q_s", q_s), ("k_s", k_s), ("v_s", v_s), ("g_s", g_s),
@@ -77,9 +76,6 @@ def build_params(call: KdaCall, v: Variant,
 
 
 class Sm90Launcher:
-    # KdaCall.h0_index / ht_index: a state pool's slots read and written by the kernel
-    pool_indices = True
-
     def __init__(self, variant: Variant, artifact: Path) -> None:
         self.variant = variant
         self.artifact = Path(artifact)
@@ -160,7 +156,6 @@ class Sm90Bound:
                  smem: int, varlen: bool) -> None:
         self.launcher, self.idx = launcher, idx
         self.params = params
-        params.h0_idx = params.ht_idx = self.pool_slots = 0  # set per call (launch's pool_slots)
         self.argv = (ctypes.c_void_p * 1)(ctypes.addressof(params))
         self.argv_addr = ctypes.addressof(self.argv)
         self.ptr_offset = KdaParams.q.offset
@@ -192,13 +187,10 @@ class Sm90Bound:
         args = self.shim_args[raw] = (ctypes.c_void_p(ctypes.addressof(pair)), pair)
         return args
 
-    takes_slots = True  # launch(..., pool_slots=): a state pool's slots (KdaParams h0_idx, ht_idx)
-
     def launch(self, q, k, v, g, beta, o, A_log, dt_bias, cu_seqlens, h0, ht, hc, chunk_offsets, ws,
-               max_len: int, pool_slots: int = 0) -> bool:
+               max_len: int) -> bool:
         """Launch one call of the bound signature (the tensors of a KdaCall, positionally; ws and max_len are
-        not the fused kernel's); False when it must take the general path instead (nothing was launched).
-        pool_slots: the device address of a state pool's int32 slots (h0 and ht are then the pool), or 0."""
+        not the fused kernel's); False when it must take the general path instead (nothing was launched)."""
         qp, kp, vp, gp, op = q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), o.data_ptr()
         if (qp | kp | vp | gp | op) & 15:
             return False
@@ -212,8 +204,6 @@ class Sm90Bound:
                             0 if cu_seqlens is None else cu_seqlens.data_ptr(), 0 if h0 is None else h0.data_ptr(),
                             0 if ht is None else ht.data_ptr(), 0 if hc is None else hc.data_ptr(),
                             0 if hc is None else chunk_offsets.data_ptr(), 0)
-            if pool_slots != self.pool_slots:
-                self.params.h0_idx = self.params.ht_idx = self.pool_slots = pool_slots
             if self.max_len_offset is not None:
                 sm80._PACK_INT(self.params, self.max_len_offset, max_len)
             if self.shim_args is not None:

@@ -78,14 +78,15 @@ __device__ __forceinline__ void consumer_role(const KdaParams& p, const SeqInfo&
   const int g8 = lane >> 2, t4 = lane & 3;
   const int v0 = 64 * cw + 16 * w;    // first V row of this warp within the CTA's slice
   const int vr0 = si.vb * BV + v0 + g8;  // state row (of V) of this thread's first accumulator row
+#if KDA_STATE != 0
+  const long long st_off = ((long long)si.n * p.HV + si.h) * V * K;  // initial / final state
+#endif
   const bool kv = p.state_kv != 0;
 
   float s[K / 8][4];
 #if KDA_STATE != 0
-  // the initial state: sequence n's, or a state pool's slot h0_idx[n] (none at -1)
-  const long long h0_row = state_row(p, p.h0_idx, si.n, si.h, false);
-  if (p.h0 && h0_row >= 0) {
-    const state_t* h0 = (const state_t*)p.h0 + h0_row * V * K;
+  if (p.h0) {
+    const state_t* h0 = (const state_t*)p.h0 + st_off;
     if (kv) load_state_l<true>(h0, s, vr0, t4);
     else load_state_l<false>(h0, s, vr0, t4);
   } else
@@ -346,8 +347,7 @@ __device__ __forceinline__ void consumer_role(const KdaParams& p, const SeqInfo&
     step16(c, own, j % NREC, (j / NREC) & 1);
   }
 #if KDA_STATE != 0
-  const long long ht_row = state_row(p, p.ht_idx, si.n, si.h, false);  // read here: no register held the loop through
-  if (p.ht && ht_row >= 0) store_state((state_t*)p.ht + ht_row * V * K, s, vr0, t4, kv);
+  if (p.ht) store_state((state_t*)p.ht + st_off, s, vr0, t4, kv);
 #endif
 }
 
