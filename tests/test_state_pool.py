@@ -158,6 +158,27 @@ def test_gpu_capture_refuses_host_indices_and_host_checks():
                 kdagen.kda_prefill(**kw, state_pool=pool, state_indices=idx, assume_valid=av)
 
 
+def test_triton_pool_calls_gather_and_its_launcher_refuses_slots(monkeypatch):
+    """The Triton kernels take no pool slots: the runtime hands them per-sequence states (the
+    gather), and a KdaCall carrying slots is refused rather than run on rows 0..N-1 of the pool."""
+    import kdagen.runtime as rt
+    from kdagen_dev.launch import capture_call
+
+    kw, pool = _case("cpu")
+    name = Variant("triton", 16, 32, 32, "bf16", "bounded", "fp32", 16).name
+    idx = torch.tensor([4, -1, 0, 2], dtype=torch.int32)
+    calls = []
+    real = rt.Plan.pool_call
+    monkeypatch.setattr(rt.Plan, "pool_call", lambda self, *a: calls.append(a) or real(self, *a))
+    kdagen.kda_prefill(**kw, state_pool=pool, state_indices=idx, variant=name)
+    assert not calls  # gathered: no plan took the slots
+    call = capture_call(dict(kw, initial_state=pool[:4].clone(), output_final_state=True), name)
+    assert call.initial_state.shape[0] == 4 and call.h0_index is None
+    call.h0_index = call.ht_index = idx
+    with pytest.raises(RuntimeError, match="take no state pool slots"):
+        rt.registry().launcher(name, "cpu")(call)
+
+
 # sm80 (precise record, plain c64, bf16 state): the kernels that read and write a pool's slots (sm90's do not:
 # reading them cost its plain calls up to 2%, session 52): its pool calls gather, as the tests above run them
 KERNEL_SLOTS = ["kda_fwd_sm80_c16_k128_v128_bf16_gb_sfp32_bv16_hl", "kda_fwd_sm80_c64_k128_v128_bf16_gb_sfp32_bv32",

@@ -299,6 +299,9 @@ class AscendLauncher:
         C = v.chunk
         if getattr(call, "twins", 1) != 1:
             raise AscendError(f"{v.name}: twins={call.twins}; the Ascend kernel runs one state per value head")
+        if getattr(call, "h0_index", None) is not None or getattr(call, "ht_index", None) is not None:
+            raise AscendError(f"{v.name}: h0_index/ht_index given; the Ascend kernel takes no state pool slots "
+                              f"(the runtime gathers and scatters a pool around them)")
         if call.cu_seqlens is not None:
             raise AscendError(f"{v.name}: varlen (cu_seqlens) is not supported by the Ascend kernel")
         if call.T % C:
