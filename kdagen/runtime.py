@@ -954,25 +954,23 @@ class Plan:
         bound launch where it takes slots (the checked launch's host time cost more than the gather
         and scatter saved: H200, session 51), else the launcher's checked launch, which on the
         signature's first call also binds (the bound struct's slots are set per call)."""
-        info, dev = self.info, self.device
         max_len, _, cu32 = self._varlen_args(cu, cu_cpu)
         if out is None:
-            out = torch.empty_like(v) if self.v_contiguous else torch.empty(self.o_shape, dtype=self.o_dtype,
-                                                                              device=dev)
-        if info.N > 0:
+            out = self._new_out(v)
+        if self.info.N > 0:
             A, dt = self._gate_args(A_log, dt_bias)
             h = pool if self.h0_ready else pool.contiguous()
             fast = self.fast
-            if getattr(fast, "takes_slots", False) and fast.launch(q, k, v, g, beta, out, A, dt, cu32, h, h, None,
-                                                                    None, ws, max_len, pool_slots=slots.data_ptr()):
-                return out
-            call = self._kda_call(q, k, v, g, beta, out, self.o_strides, A, dt, cu32, h, h, None, None, max_len, ws)
-            call.h0_index = call.ht_index = slots
-            self.launcher(call)
-            if fast is _UNBOUND:
-                bind = getattr(self.launcher, "bind", None)
-                self.fast = bind(call) if bind is not None else None
+            bound = self._launch(fast, q, k, v, g, beta, out, self.o_strides, A, dt, cu32, h, h, None, None, max_len,
+                                 ws, slots=slots)
+            if bound is not fast:
+                self.fast = bound
         return out
+
+    def _new_out(self, v: torch.Tensor) -> torch.Tensor:
+        # empty_like where it gives the same layout: it costs a third of torch.empty(shape, ...)
+        return torch.empty_like(v) if self.v_contiguous else torch.empty(self.o_shape, dtype=self.o_dtype,
+                                                                           device=self.device)
 
     def twins(self, q, k, v, g, beta, A_log, dt_bias, h2, cu, cu_cpu) -> tuple:
         """kda_prefill_twins' launch: the launcher's KdaCall with twins=2, h2 [N, 2 HV, V, K] fp32,
@@ -1000,14 +998,21 @@ class Plan:
         return (o, fs, cs) if self.want_chunks else (o, fs)
 
     def _launch(self, fast, q, k, v, g, beta, o, o_strides, A, dt, cu32, h0, fs, cs, co, max_len, ws,
-                twins: int = 1) -> Any:
+                twins: int = 1, slots: Optional[torch.Tensor] = None) -> Any:
         """One launch through `fast` (the signature's bound launch) where it serves, else the
         launcher's checked launch, which on the first call (fast _UNBOUND) also binds. Returns
-        the bound launch to keep (None: the launcher has none for this signature)."""
-        if fast is not None and fast is not _UNBOUND and fast.launch(q, k, v, g, beta, o, A, dt, cu32, h0, fs, cs, co,
-                                                                     ws, max_len):
+        the bound launch to keep (None: the launcher has none for this signature). slots: a state
+        pool's (h0 and fs are then the pool; KdaCall.h0_index/ht_index), where the bound launch
+        takes them."""
+        if fast is not None and fast is not _UNBOUND and (
+                fast.launch(q, k, v, g, beta, o, A, dt, cu32, h0, fs, cs, co, ws, max_len) if slots is None else
+                getattr(fast, "takes_slots", False)
+                and fast.launch(q, k, v, g, beta, o, A, dt, cu32, h0, fs, cs, co, ws, max_len,
+                                pool_slots=slots.data_ptr())):
             return fast
         call = self._kda_call(q, k, v, g, beta, o, o_strides, A, dt, cu32, h0, fs, cs, co, max_len, ws, twins=twins)
+        if slots is not None:
+            call.h0_index = call.ht_index = slots
         self.launcher(call)
         if fast is _UNBOUND:
             # Launchers with a bound fast path prepare it from this first (checked) call.
@@ -1020,10 +1025,8 @@ class Plan:
         the first call, its bind)."""
         info, dev = self.info, self.device
         max_len, host, cu32 = self._varlen_args(cu, cu_cpu)
-        # empty_like where it gives the same layout: it costs a third of torch.empty(shape, ...)
         if out is None:
-            out = torch.empty_like(v) if self.v_contiguous else torch.empty(self.o_shape, dtype=self.o_dtype,
-                                                                              device=dev)
+            out = self._new_out(v)
         if self.want_final and fs is None:
             fs = torch.empty_like(h0) if self.h0_like else torch.empty((info.N, info.HV, *self.st_shape),
                                                                        dtype=self.st_dtype, device=dev)

@@ -190,6 +190,19 @@ class _FakeEvent:
         stream.drv.launches.append(("record", stream.cuda_stream))
 
 
+def _segment_300_tokens(la, drv, monkeypatch) -> None:
+    """The stand-in sm80 launcher cuts 300 tokens into segments of 128, 128 and 44, its side
+    stream's event records and waits going to the driver's record."""
+    import dataclasses
+
+    la.settings = dataclasses.replace(la.settings, min_segment_tokens=64, min_hidden_prep_us=None,
+                                      prep_blocks_beside_recur=None)
+    main = _FakeStream(drv, fake_cuda.STREAM)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: main)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: _FakeStream(drv, 9))
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+
+
 @pytest.mark.parametrize("chunks", [False, True], ids=["no-chunk-states", "chunk-states-every-4th"])
 @pytest.mark.parametrize("varlen", [False, True], ids=["batch", "one-varlen-sequence"])
 def test_sm80_segmented_bound_launch_passes_the_general_paths_launches(monkeypatch, varlen, chunks):
@@ -209,12 +222,7 @@ def test_sm80_segmented_bound_launch_passes_the_general_paths_launches(monkeypat
              g=r(B, T, HV, K), beta=r(B, T, HV), A_log=r(HV), dt_bias=r(HV, K), h0=r(N, HV, K, K))
     cu = torch.tensor([0, T], dtype=torch.int32) if varlen else None
     with sm80_on_cpu() as (la, drv):
-        la.settings = dataclasses.replace(la.settings, min_segment_tokens=64, min_hidden_prep_us=None,
-                                          prep_blocks_beside_recur=None)  # 300 tokens: 128, 128, 44
-        main = _FakeStream(drv, fake_cuda.STREAM)
-        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: main)
-        monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: _FakeStream(drv, 9))
-        monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+        _segment_300_tokens(la, drv, monkeypatch)
 
         R = -(-T // 64)  # chunk-state rows a sequence: 5
         cs = torch.empty(N * R, HV, K, K) if chunks else None
@@ -900,12 +908,7 @@ def test_sm80_segments_read_and_write_a_pools_slots_only_where_the_states_are(mo
     pool = r(P, HV, K, K)
     slots = torch.tensor([3, -1], dtype=torch.int32)
     with sm80_on_cpu() as (la, drv):
-        la.settings = dataclasses.replace(la.settings, min_segment_tokens=64, min_hidden_prep_us=None,
-                                          prep_blocks_beside_recur=None)  # 300 tokens: 128, 128, 44
-        main = _FakeStream(drv, fake_cuda.STREAM)
-        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: main)
-        monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: _FakeStream(drv, 9))
-        monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+        _segment_300_tokens(la, drv, monkeypatch)
         c = dataclasses.replace(_call_of(**t, cu=None, max_len=T), initial_state=pool, final_state=pool,
                                 h0_index=slots, ht_index=slots)
         la(c)
