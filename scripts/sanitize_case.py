@@ -1,5 +1,6 @@
 """A small ragged varlen case (an empty and a length-1 sequence among them) through one variant (and,
-for sm80 fp32-state variants, the scan's twin launch of it), for compute-sanitizer
+for sm80 fp32-state variants, the scan's twin launch of it; for sm80 variants with a state, a state
+pool call whose kernels read and write the pool's slots, padding among them), for compute-sanitizer
 (scripts/gpu_check.sh sanitize runs every tool on every variant this picks, each in its own
 process).
 
@@ -83,8 +84,28 @@ def main() -> int:
                 print(f"{v.name}: the twin launch was declined", file=sys.stderr)
                 return 1
             twin = f", twin o finite {bool(torch.isfinite(res[0]).all())}"
+        pool = ""
+        if v.target == "sm80" and v.state != "none":
+            # the kernels take the slots themselves (KDAGEN_POOL_SLOTS's default); slots out of order, one -1
+            # (padding: neither read nor written) and a pool row nobody names
+            import kdagen.runtime as rt
+
+            pk = {n: x for n, x in kw.items() if n not in ("initial_state", "output_final_state", "return_chunk_states")}
+            N = len(LENS)
+            st = kw["initial_state"]
+            slots = torch.zeros(N + 2, *st.shape[1:], dtype=st.dtype, device="cuda")
+            idx = torch.tensor([3, -1, 0, 6, 2, 5], dtype=torch.int32, device="cuda")
+            slots[idx[idx >= 0].long()] = st[idx >= 0]
+            took, real = [], rt.Plan.pool_call
+            rt.Plan.pool_call = lambda self, *a: took.append(1) or real(self, *a)
+            op = kda_prefill(**pk, state_pool=slots, state_indices=idx, variant=v.name)[0]
+            rt.Plan.pool_call = real
+            if not took:
+                print(f"{v.name}: the pool call gathered (its kernels did not take the slots)", file=sys.stderr)
+                return 1
+            pool = f", pool o finite {bool(torch.isfinite(op).all())} states finite {bool(torch.isfinite(slots).all())}"
         torch.cuda.synchronize()
-    print(f"ran {v.name}: o finite {bool(torch.isfinite(o).all())}{strided}{twin}")
+    print(f"ran {v.name}: o finite {bool(torch.isfinite(o).all())}{strided}{twin}{pool}")
     return 0
 
 
