@@ -23,9 +23,9 @@ VARIABLES = {
     "KDAGEN_COMMIT": "the commit `kdagen bench` reports (default: git rev-parse of the source tree, when there is one)",
     "KDAGEN_SCAN": "0: kda_prefill always runs one piece; default 1: a long call with few heads runs as the segment "
                    "scan where its cost model says that pays (kdagen/scan/route.py)",
-    "KDAGEN_POOL_SLOTS": "0: a state pool is gathered and scattered around every kernel; default 1: sm80's kernels "
-                         "read and write its slots themselves (1.06-1.15x faster pool calls, H100, benchmarks/NOTES.md "
-                         "session 52)",
+    "KDAGEN_POOL_SLOTS": "0: a state pool is gathered and scattered around every kernel; default 1: the sm80 and "
+                         "sm90 kernels read and write its slots themselves (sm80: 1.06-1.15x faster pool calls, H100, "
+                         "benchmarks/NOTES.md session 52; sm90 through its kda_fused_slots entry point)",
     "KDAGEN_LAUNCH_SHIM": "0: sm80 launches through cuda-bindings, not the C launch shim built on first use (default 1)",
     "KDAGEN_LOGLEVEL": "0 warnings, 1 each choice and build (default), 2 also every rejected candidate and the "
                        "tuning file read",

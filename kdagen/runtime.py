@@ -399,7 +399,8 @@ def _engine_call(q, k, v, g, beta, kw: dict, state_pool, state_indices, checkpoi
         if env.pool_slots() and not want_final and checkpoint_every is None and checkpoints is None \
                 and checkpoint_offsets is None:
             # (asked for, the final states come back per sequence, a padding one's too: gathered). Bit for
-            # bit the gathered call; 1.06-1.15x faster on sm80 (H100, session 52; KDAGEN_POOL_SLOTS=0 gathers)
+            # bit the gathered call; 1.06-1.15x faster on sm80 (H100, session 52; KDAGEN_POOL_SLOTS=0 gathers);
+            # sm90 runs its kda_fused_slots entry point
             o, checked = _pool_in_kernel(q, k, v, g, beta, kw, state_pool, state_indices, N=N, HV=HV, st=st)
             if o is not None:
                 return o, None

@@ -1,6 +1,6 @@
 """A small ragged varlen case (an empty and a length-1 sequence among them) through one variant (and,
-for sm80 fp32-state variants, the scan's twin launch of it; for sm80 variants with a state, a state
-pool call whose kernels read and write the pool's slots, padding among them), for compute-sanitizer
+for sm80 fp32-state variants, the scan's twin launch of it; for sm80 and sm90 variants with a state, a
+state pool call whose kernels read and write the pool's slots, padding among them), for compute-sanitizer
 (scripts/gpu_check.sh sanitize runs every tool on every variant this picks, each in its own
 process).
 
@@ -85,7 +85,7 @@ def main() -> int:
                 return 1
             twin = f", twin o finite {bool(torch.isfinite(res[0]).all())}"
         pool = ""
-        if v.target == "sm80" and v.state != "none":
+        if v.target in ("sm80", "sm90") and v.state != "none":
             # the kernels take the slots themselves (KDAGEN_POOL_SLOTS's default); slots out of order, one -1
             # (padding: neither read nor written) and a pool row nobody names
             import kdagen.runtime as rt

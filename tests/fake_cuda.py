@@ -40,7 +40,7 @@ class FakeFunc(str):
         return FUNC_HANDLES[self]
 
 
-FUNC_HANDLES = {"kda_prep": 0x1000, "kda_recur": 0x2000, "kda_fused": 0x3000}
+FUNC_HANDLES = {"kda_prep": 0x1000, "kda_recur": 0x2000, "kda_fused": 0x3000, "kda_fused_slots": 0x4000}
 FUNCS = {n: FakeFunc(n) for n in FUNC_HANDLES}
 _BY_HANDLE = {h: FUNCS[n] for n, h in FUNC_HANDLES.items()}
 _CALLBACK = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, *[ctypes.c_uint] * 7, ctypes.c_void_p, ctypes.c_void_p,
@@ -173,13 +173,15 @@ SMEM90, NT90 = 200000, 512  # what sm90's kda_meta would say
 @contextmanager
 def sm90_on_cpu(variant: Variant, shim: bool = False) -> Iterator[tuple[object, RecordingDriver]]:
     """An Sm90Launcher of `variant` over the fake module and driver (the sm80 pieces its bound launch shares,
-    patched as sm80_on_cpu patches them): kda_fused with SMEM90 bytes and NT90 threads, heads along x."""
+    patched as sm80_on_cpu patches them): kda_fused (and, with a state, kda_fused_slots) with SMEM90 bytes and
+    NT90 threads, heads along x."""
     import kdagen.targets.sm90 as sm90
 
     with sm80_on_cpu(shim=shim) as (_la80, drv):
         la = sm90.Sm90Launcher(variant, Path("unused.fatbin"))
         mod = RecordingModule(drv)
-        la._module = lambda dev: (mod, FUNCS["kda_fused"], SMEM90, NT90, True)
+        la._module = lambda dev: (mod, FUNCS["kda_fused"], SMEM90, NT90, True,
+                                  FUNCS["kda_fused_slots"] if la.pool_indices else None)
         yield la, drv
 
 

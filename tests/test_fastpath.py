@@ -965,10 +965,13 @@ def test_a_pool_calls_plan_is_kept_for_its_signature_the_pools_included(monkeypa
         assert recur_h0(bigger) == {bigger.data_ptr()} and len(looked) == 4
 
 
-def test_sm90_pool_calls_gather_and_its_launcher_refuses_slots(monkeypatch):
-    """sm90's kernel takes no pool slots (reading them cost its plain calls up to 2%, session 52): a
-    pool call over the sm90 launcher gathers and scatters around the launch, which gets per-sequence
-    states; a KdaCall carrying slots is refused, not run on rows 0..N-1 of the pool."""
+def test_sm90_pool_calls_launch_kda_fused_slots(monkeypatch):
+    """A pool call over the sm90 launcher (fake driver) launches kda_fused_slots on the pool itself at the
+    slots, no gather or scatter, checked then bound; the same signature's plain call launches kda_fused
+    with no slots left in the struct (kda_fused never reads them: a second entry point, since reading them
+    there cost plain calls up to 2.3%, session 52). An image without the entry point is refused by name, and
+    a variant without a state takes no slots."""
+    from kdagen.scan.layout import device_ints
     from kdagen.targets.cuda_launch import KdaParams
     from kdagen.variant import Variant
 
@@ -981,22 +984,43 @@ def test_sm90_pool_calls_gather_and_its_launcher_refuses_slots(monkeypatch):
     kw.pop("initial_state")
     kw.pop("output_final_state", None)
     pool = torch.randn(7, HV, K, K)
-    idx = torch.tensor([6, 2, 0], dtype=torch.int32)
+    idx = torch.tensor([6, -1, 0], dtype=torch.int32)
     copies = []
     real_copy = torch.Tensor.index_copy_
     monkeypatch.setattr(torch.Tensor, "index_copy_", lambda self, *a: copies.append(a) or real_copy(self, *a))
+
+    def params(name):
+        return [KdaParams.from_buffer_copy(x[5]) for x in drv.launches if x[0] == name]
+
     with fake_cuda.sm90_on_cpu(var) as (la, drv), route_launcher(la):
         calls = []
         real_call = type(la).__call__
         monkeypatch.setattr(type(la), "__call__", lambda self, c: calls.append(c) or real_call(self, c))
-        for _ in range(2):  # checked, then bound
+        want = device_ints(idx.tolist(), "cpu").data_ptr()
+        for _ in range(2):  # checked (binds), then bound
             drv.launches.clear()
             kdagen.kda_prefill(**kw, state_pool=pool, state_indices=idx)
-            (p,) = [KdaParams.from_buffer_copy(x[5]) for x in drv.launches if x[0] == "kda_fused"]
-            assert p.h0_idx == p.ht_idx == 0 and pool.data_ptr() not in (p.h0, p.ht)
-        assert len(copies) == 2 and len(calls) == 1  # a scatter each; the first call checked
+            (p,) = params("kda_fused_slots")
+            assert (p.h0, p.ht, p.h0_idx, p.ht_idx) == (pool.data_ptr(),) * 2 + (want,) * 2 and not params("kda_fused")
+        assert not copies and len(calls) == 1
+        plan = [p for p in rt._PLANS.values() if getattr(p, "launcher", None) is la][-1]
+        assert type(plan.fast).__name__ == "Sm90Bound" and plan.fast.pool_slots == want
+        # the signature's plain call, through the same bound launch
+        drv.launches.clear()
+        h0 = torch.randn(N, HV, K, K)
+        kdagen.kda_prefill(**kw, initial_state=h0, final_state=torch.empty_like(h0), output_final_state=True)
+        (p,) = params("kda_fused")
+        assert p.h0_idx == p.ht_idx == 0 and p.h0 == h0.data_ptr() and not params("kda_fused_slots")
+        assert len(calls) == 1 and plan.fast.pool_slots == 0
+        # an image without kda_fused_slots: its checked launch refuses a call carrying slots
         call = calls[0]
-        call.h0_index = call.ht_index = idx
+        call.h0_index = call.ht_index = torch.tensor([0, 1, 2], dtype=torch.int32)
+        real_module = la._module
+        monkeypatch.setattr(la, "_module", lambda dev: real_module(dev)[:5] + (None,))
+        with pytest.raises(RuntimeError, match="has no kda_fused_slots entry point"):
+            la(call)
+    with fake_cuda.sm90_on_cpu(Variant("sm90", 16, 64, 64, "bf16", "bounded", "none", 64)) as (la, drv):
+        assert not la.pool_indices
         with pytest.raises(RuntimeError, match="take no state pool slots"):
             la(call)
 

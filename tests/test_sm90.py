@@ -8,9 +8,11 @@ checks each Hopper operand form the kernel uses on its own, so a wrong layout is
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import functools
 import json
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -80,7 +82,14 @@ def test_sm90_ptxas_reports_have_no_spills():
     for v, art in sm90_variants():
         log = (art.parent / "build.log").read_text()
         assert "serialized" not in log, f"{v.name}: {log}"
-        assert log.count("injected") <= (1 if (v.k, v.block_v) == (128, 64) else 0), f"{v.name}: {log}"
+        assert _injected_most(log) <= (1 if (v.k, v.block_v) == (128, 64) else 0), f"{v.name}: {log}"
+
+
+def _injected_most(log: str) -> int:
+    """The most warpgroup fences ptxas injected into one entry function (kda_fused, kda_fused_slots)."""
+    per = collections.Counter(re.findall(r"injected .* in function '(\w+)'", log))
+    assert sum(per.values()) == log.count("injected"), log  # every note names its function
+    return max(per.values(), default=0)
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
@@ -111,7 +120,7 @@ def test_sm90_compiles_without_spills(spec: Variant, defines: list[str], tmp_pat
     # ptxas serializes wgmma it cannot prove safe, or injects warpgroup fences (C7519/C7520 notes; the pair's
     # merged Y/o product has one, see test_sm90_ptxas_reports_have_no_spills)
     assert "serialized" not in r.stderr, r.stderr
-    assert r.stderr.count("injected") <= (1 if (spec.k, spec.block_v) == (128, 64) else 0), r.stderr
+    assert _injected_most(r.stderr) <= (1 if (spec.k, spec.block_v) == (128, 64) else 0), r.stderr
     _no_spills(parse_ptxas(r.stderr), spec.name)
 
 
@@ -130,7 +139,14 @@ def test_sm90_sass_structure(va):
     from kdagen_dev.sass import disassemble
 
     var, art = va
-    sass = disassemble(art, "sm_90a")["kda_fused"]
+    entries = disassemble(art, "sm_90a")
+    # kda_fused_slots (a state pool's slots for states) is kda_fused with other state addresses: the same design
+    assert sorted(entries) == (["kda_fused"] if var.state == "none" else ["kda_fused", "kda_fused_slots"])
+    for sass in entries.values():
+        _check_sass_structure(var, sass)
+
+
+def _check_sass_structure(var: Variant, sass) -> None:
     ops = sass.opcodes()
     count = lambda prefix: sum(n for op, n in ops.items() if op.startswith(prefix))  # noqa: E731
     text = "\n".join(sass.instructions)
@@ -234,7 +250,7 @@ def test_sm90_launch_grid(heads_x: bool, monkeypatch):
             launches.append((tuple(grid), tuple(block)))
 
     la = Sm90Launcher(var, Path("unused.fatbin"))
-    monkeypatch.setattr(la, "_module", lambda dev: (Mod(), "kda_fused", 1000, 384, heads_x))
+    monkeypatch.setattr(la, "_module", lambda dev: (Mod(), "kda_fused", 1000, 384, heads_x, "kda_fused_slots"))
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: type("S", (), {"cuda_stream": 7})())
     la.launch(call, p)
     assert launches == [((HV, N, 2) if heads_x else (N, HV, 2), (384, 1, 1))]

@@ -179,10 +179,11 @@ def test_triton_pool_calls_gather_and_its_launcher_refuses_slots(monkeypatch):
         rt.registry().launcher(name, "cpu")(call)
 
 
-# sm80 (precise record, plain c64, bf16 state): the kernels that read and write a pool's slots (sm90's do not:
-# reading them cost its plain calls up to 2%, session 52): its pool calls gather, as the tests above run them
+# The kernels that read and write a pool's slots: sm80 (precise record, plain c64, bf16 state) and sm90's
+# kda_fused_slots (the pair, block_v 128, bf16 state)
 KERNEL_SLOTS = ["kda_fwd_sm80_c16_k128_v128_bf16_gb_sfp32_bv16_hl", "kda_fwd_sm80_c64_k128_v128_bf16_gb_sfp32_bv32",
-                "kda_fwd_sm80_c16_k128_v128_bf16_gb_sbf16_bv32"]
+                "kda_fwd_sm80_c16_k128_v128_bf16_gb_sbf16_bv32", "kda_fwd_sm90_c16_k128_v128_bf16_gb_sfp32_bv64",
+                "kda_fwd_sm90_c16_k128_v128_bf16_gb_sfp32_bv128", "kda_fwd_sm90_c16_k128_v128_bf16_gb_sbf16_bv128"]
 
 
 @pytest.mark.gpu
@@ -192,8 +193,8 @@ KERNEL_SLOTS = ["kda_fwd_sm80_c16_k128_v128_bf16_gb_sfp32_bv16_hl", "kda_fwd_sm8
                                                            ("VK", [1536], True)],
                          ids=["VK-varlen", "KV-varlen", "one-sequence-in-time-segments"])
 def test_gpu_kernels_read_and_write_the_pools_slots(name, state_layout, lens, segments, monkeypatch):
-    """The sm80 kernels take the pool's slots themselves (no gather or scatter): o and every slot
-    bit for bit what the gathered call gives, padding and nobody's slots untouched (NaN there would
+    """The sm80 and sm90 kernels take the pool's slots themselves (no gather or scatter): o and every
+    slot bit for bit what the gathered call gives, padding and nobody's slots untouched (NaN there would
     poison any read), and the numbers against float64; sm80 also cut into time segments."""
     import kdagen.runtime as rt
     from kdagen.registry import Registry

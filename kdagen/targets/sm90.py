@@ -1,4 +1,5 @@
-"""Launcher for the sm90 target: one fused kernel per variant (kda_fused, templates/sm90/).
+"""Launcher for the sm90 target: one fused kernel per variant (kda_fused, templates/sm90/; and
+kda_fused_slots, the same for calls whose states are a state pool's slots).
 
 Grid: value heads x sequences (varlen: longest first, ranked in the kernel) x V / block_v; each CTA
 streams its head's inputs in with bulk copies, builds the chunk records in shared memory and runs the
@@ -35,7 +36,7 @@ def build_params(call: KdaCall, v: Variant,
     the tensors it points into that the caller must keep alive until the launch is queued
     (realigned or converted copies), and the aligned stand-in for o the kernel writes (None when
     it writes call.o itself)."""
-    check_call(call, v)
+    check_call(call, v, slots_ok=v.state != "none")
     if call.N > 65535:  # (sequences run along the grid's y)
         raise RuntimeError(f"{who}: at most 65535 sequences per call, found {call.N}")
     in_t = torch_dtype(v.dtype)
@@ -59,6 +60,7 @@ def build_params(call: KdaCall, v: Variant,
     p.q, p.k, p.v, p.g, p.beta, p.o = _ptr(q), _ptr(k), _ptr(vv), _ptr(g), _ptr(beta), _ptr(o)
     p.A_log, p.dt_bias, p.cu_seqlens = _ptr(A_log), _ptr(dt), _ptr(cu)
     p.h0, p.ht = _ptr(call.initial_state), _ptr(call.final_state)
+    p.h0_idx, p.ht_idx = _ptr(call.h0_index), _ptr(call.ht_index)
     p.hc, p.chunk_offsets = _ptr(call.chunk_states), _ptr(co)
     p.ws = 0
     for nm, s in (("q_s", q_s), ("k_s", k_s), ("v_s", v_s), ("g_s", g_s),
@@ -75,11 +77,18 @@ def build_params(call: KdaCall, v: Variant,
     return p, keep, (o if o is not call.o else None)
 
 
+def _uses_slots(call: KdaCall) -> bool:
+    return call.h0_index is not None or call.ht_index is not None
+
+
 class Sm90Launcher:
     def __init__(self, variant: Variant, artifact: Path) -> None:
         self.variant = variant
         self.artifact = Path(artifact)
         self._meta: dict[int, tuple] = {}
+        # KdaCall.h0_index / ht_index: a state pool's slots, read and written by kda_fused_slots (its
+        # own entry point: a run-time choice in kda_fused cost plain calls up to 2.3%, H100, session 52)
+        self.pool_indices = variant.state != "none"
 
     def _module(self, device: torch.device):
         idx = device.index if device.index is not None else torch.cuda.current_device()
@@ -99,18 +108,35 @@ class Sm90Launcher:
                 heads_x = struct.unpack("<i", mod.read_global("kda_grid_heads_x", 4))[0] == 1
             except RuntimeError:
                 heads_x = False
-            meta = (mod, mod.function("kda_fused", smem), smem, nt, heads_x)
+            f_slots = None
+            if self.pool_indices:
+                try:
+                    f_slots = mod.function("kda_fused_slots", smem)
+                except RuntimeError:  # an image from before the entry point (A/B runs): pool calls refused
+                    f_slots = None
+            meta = (mod, mod.function("kda_fused", smem), smem, nt, heads_x, f_slots)
             self._meta[idx] = meta
         return meta
 
+    def _slots_function(self, f_slots):
+        if f_slots is None:
+            raise RuntimeError(f"{self.variant.name}: artifact {self.artifact} has no kda_fused_slots entry point "
+                               f"(built before it, or a variant without a state): rebuild it, or gather the pool "
+                               f"(KDAGEN_POOL_SLOTS=0)")
+        return f_slots
+
     def launch(self, call: KdaCall, p: KdaParams) -> None:
-        """Queue kda_fused on the current stream with parameters `p` (from build_params) for `call`."""
-        mod, f, smem, nt, heads_x = self._module(call.q.device)
+        """Queue kda_fused (kda_fused_slots for a call with a state pool's slots) on the current stream with
+        parameters `p` (from build_params) for `call`."""
+        mod, f, smem, nt, heads_x, f_slots = self._module(call.q.device)
+        name = "kda_fused"
+        if _uses_slots(call):
+            f, name = self._slots_function(f_slots), "kda_fused_slots"
         stream = torch.cuda.current_stream(call.q.device).cuda_stream
         # grid: heads along x, sequences along y (the kernel maps row y to sequences longest first)
         nv = self.variant.v // self.variant.block_v
         grid = (call.HV, call.N, nv) if heads_x else (call.N, call.HV, nv)
-        mod.launch(f, grid, (nt, 1, 1), smem, stream, p, "kda_fused")
+        mod.launch(f, grid, (nt, 1, 1), smem, stream, p, name)
 
     def __call__(self, call: KdaCall) -> None:
         v = self.variant
@@ -139,10 +165,10 @@ class Sm90Launcher:
         del keep
         dev = call.q.device
         idx = dev.index if dev.index is not None else torch.cuda.current_device() if dev.type == "cuda" else 0
-        mod, f, smem, nt, heads_x = self._module(dev)
+        mod, f, smem, nt, heads_x, f_slots = self._module(dev)
         nv = v.v // v.block_v
         grid = (call.HV, call.N, nv) if heads_x else (call.N, call.HV, nv)
-        return Sm90Bound(self, idx, p, f, grid, nt, smem, varlen=call.cu_seqlens is not None)
+        return Sm90Bound(self, idx, p, f, grid, nt, smem, varlen=call.cu_seqlens is not None, f_slots=f_slots)
 
 
 class Sm90Bound:
@@ -150,12 +176,16 @@ class Sm90Bound:
     Sm80Bound, whose pieces it shares: the pointer packing, the device lock, the launch shim and the driver
     binding): the parameter struct with strides and scalars filled, the grid. A call writes its 14 pointers
     into the struct and launches on torch's current stream, with no checks (the signature was checked);
-    False sends it to the general path (unaligned data, a concurrent call, a refused launch)."""
+    False sends it to the general path (unaligned data, a concurrent call, a refused launch). A call with a
+    state pool's slots (launch's pool_slots) launches kda_fused_slots instead, with the same struct."""
 
     def __init__(self, launcher: Sm90Launcher, idx: int, params: KdaParams, f, grid: tuple[int, int, int], nt: int,
-                 smem: int, varlen: bool) -> None:
+                 smem: int, varlen: bool, f_slots=None) -> None:
         self.launcher, self.idx = launcher, idx
         self.params = params
+        params.h0_idx = params.ht_idx = self.pool_slots = 0  # set per call (launch's pool_slots)
+        self.f_slots = f_slots
+        self.takes_slots = f_slots is not None  # launch(..., pool_slots=): KdaParams h0_idx, ht_idx
         self.argv = (ctypes.c_void_p * 1)(ctypes.addressof(params))
         self.argv_addr = ctypes.addressof(self.argv)
         self.ptr_offset = KdaParams.q.offset
@@ -166,33 +196,40 @@ class Sm90Bound:
         self.launch_kernel = sm80.driver().cuLaunchKernel
         self.raw_stream = sm80.raw_stream_query()
         self.use_shim(True)
-        self.streams: dict[int, tuple] = {}  # raw handle -> the driver call's arguments
+        # raw handle -> the driver call's arguments (kda_fused; kda_fused_slots)
+        self.streams: dict[int, tuple] = {}
+        self.streams_slots: dict[int, tuple] = {}
 
     def use_shim(self, on: bool) -> None:
         """Launch through the launch shim (its Pair with the second launch alone) or cuda-bindings."""
         shim, how = sm80.shim_state() if on else (None, "switched off")
         self.shim = shim
         self.shim_call = shim.launch_pair if shim is not None else None
-        self.shim_args: dict[int, tuple] | None = {} if shim is not None else None  # raw -> (Pair address, Pair)
+        # raw -> (Pair address, Pair), for kda_fused and for kda_fused_slots
+        self.shim_args: dict[int, tuple] | None = {} if shim is not None else None
+        self.shim_args_slots: dict[int, tuple] = {}
         self.launch_path = f"kda_fused through {how}" if shim is not None else \
             f"cuLaunchKernel through {sm80.driver_binding()} (launch shim not used: {how})"
         self.last_failure = ""
 
-    def _shim_args_for(self, raw: int) -> tuple:
+    def _shim_args_for(self, raw: int, slots: bool) -> tuple:
         pair = launch_shim.Pair()  # k[0] (a prep kernel) unused: launched only with a nonzero grid x
         k = pair.k[1]
-        k.func, k.stream, k.args = int(self.f), raw, self.argv_addr
+        k.func, k.stream, k.args = int(self.f_slots if slots else self.f), raw, self.argv_addr
         k.grid[:], k.block[:], k.smem = self.grid, (self.nt, 1, 1), self.smem
         pair.failed = -1
-        args = self.shim_args[raw] = (ctypes.c_void_p(ctypes.addressof(pair)), pair)
+        args = (self.shim_args_slots if slots else self.shim_args)[raw] = (ctypes.c_void_p(ctypes.addressof(pair)),
+                                                                          pair)
         return args
 
     def launch(self, q, k, v, g, beta, o, A_log, dt_bias, cu_seqlens, h0, ht, hc, chunk_offsets, ws,
-               max_len: int) -> bool:
+               max_len: int, pool_slots: int = 0) -> bool:
         """Launch one call of the bound signature (the tensors of a KdaCall, positionally; ws and max_len are
-        not the fused kernel's); False when it must take the general path instead (nothing was launched)."""
+        not the fused kernel's); False when it must take the general path instead (nothing was launched).
+        pool_slots: the device address of a state pool's int32 slots (h0 and ht are then the pool; launches
+        kda_fused_slots), or 0."""
         qp, kp, vp, gp, op = q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), o.data_ptr()
-        if (qp | kp | vp | gp | op) & 15:
+        if (qp | kp | vp | gp | op) & 15 or (pool_slots and self.f_slots is None):
             return False
         lock = self.lock
         if not lock.acquire(False):  # not blocking
@@ -206,25 +243,30 @@ class Sm90Bound:
                             0 if hc is None else chunk_offsets.data_ptr(), 0)
             if self.max_len_offset is not None:
                 sm80._PACK_INT(self.params, self.max_len_offset, max_len)
+            if pool_slots != self.pool_slots:
+                self.params.h0_idx = self.params.ht_idx = self.pool_slots = pool_slots
             if self.shim_args is not None:
-                addr, pair = self.shim_args.get(raw) or self._shim_args_for(raw)
+                addr, pair = (self.shim_args_slots if pool_slots else self.shim_args).get(raw) \
+                    or self._shim_args_for(raw, pool_slots != 0)
                 if err := self.shim_call(addr, 0):
                     pair.failed = -1
-                    return self._declined(err)
+                    return self._declined(err, pool_slots != 0)
                 return True
-            args = self.streams.get(raw)
+            streams = self.streams_slots if pool_slots else self.streams
+            args = streams.get(raw)
             if args is None:
                 gx, gy, gz = self.grid
-                args = self.streams[raw] = (self.f, gx, gy, gz, self.nt, 1, 1, self.smem, sm80.driver().CUstream(raw),
-                                            self.argv_addr, 0)
+                args = streams[raw] = (self.f_slots if pool_slots else self.f, gx, gy, gz, self.nt, 1, 1, self.smem,
+                                       sm80.driver().CUstream(raw), self.argv_addr, 0)
             if err := self.launch_kernel(*args)[0]:
-                return self._declined(err)
+                return self._declined(err, pool_slots != 0)
             return True
         finally:
             lock.release()
 
-    def _declined(self, err) -> bool:
-        self.last_failure = (f"cuLaunchKernel(kda_fused, grid={self.grid}, block={(self.nt, 1, 1)}, smem={self.smem}) "
+    def _declined(self, err, slots: bool = False) -> bool:
+        name = "kda_fused_slots" if slots else "kda_fused"
+        self.last_failure = (f"cuLaunchKernel({name}, grid={self.grid}, block={(self.nt, 1, 1)}, smem={self.smem}) "
                              f"failed: {sm80.cu_result_name(err)} ({self.launch_path})")
         log.debug("kdagen: %s: the bound launch declined: %s", self.launcher.variant.name, self.last_failure)
         return False

@@ -39,15 +39,22 @@ struct KdaParams {
   // Chunk states kept: those entering chunks 0, m, 2m, ... of each sequence (m = chunk_stride, 0
   // or 1: every chunk), chunk c at row chunk_offsets[n] + c / m (prefix caching keeps 1/m of them).
   int chunk_stride;
-  // A state pool (serving engines), read by sm80's kda_recur: h0 and ht are [P, HV, ...] and
-  // sequence n's states are at slots h0_idx[n] and ht_idx[n] (-1: none read, zeros; none
-  // written). Null: row n. sm90's kernel ignores them (the runtime gathers a pool around it:
-  // reading them there cost its plain calls up to 2%, H100, benchmarks/NOTES.md session 52).
+  // A state pool (serving engines), read by sm80's kda_recur and sm90's kda_fused_slots: h0 and
+  // ht are [P, HV, ...] and sequence n's states are at slots h0_idx[n] and ht_idx[n] (-1: none
+  // read, zeros; none written). Null: row n. sm90's kda_fused ignores them (reading them there
+  // cost its plain calls up to 2%, H100, benchmarks/NOTES.md session 52).
   const int* h0_idx;
   const int* ht_idx;
 };
 
 namespace kda {
+
+// The state row (in [rows, state heads, ...]) of sequence n's value head hs: n's own, or its
+// pool slot idx[n] when idx is set; negative for a pool's padding sequence (slot -1).
+__device__ __forceinline__ long long state_row(const KdaParams& p, const int* idx, int n, int hs, bool twins) {
+  if (idx) return (long long)idx[n] * p.HV + hs;
+  return (long long)n * (twins ? 2 * p.HV : p.HV) + hs;
+}
 
 __device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
 __device__ __forceinline__ float to_f(__half x) { return __half2float(x); }

@@ -7,13 +7,6 @@
 
 namespace kda {
 
-// The state row (in [rows, state heads, ...]) of sequence n's value head hs: n's own, or its
-// pool slot idx[n] when idx is set; negative for a pool's padding sequence (slot -1).
-__device__ __forceinline__ long long state_row(const KdaParams& p, const int* idx, int n, int hs, bool twins) {
-  if (idx) return (long long)idx[n] * p.HV + hs;
-  return (long long)n * (twins ? 2 * p.HV : p.HV) + hs;
-}
-
 // Stage tiles keep the record's unpadded rows with their 16-byte chunks XOR-swizzled by row:
 // the 8 rows one ldmatrix reads fall on distinct banks, and a cp.async pass writes whole
 // 128-byte lines (padded rows cost 2-6x the ideal wavefronts: NOTES.md). NCH: 16-byte chunks per row.

@@ -1,5 +1,6 @@
-// kdagen sm90 KDA prefill: one fused kernel per variant (templates/sm90/DESIGN.md).
-//   kda_fused (grid: value heads x sequences x V blocks; 2K prep threads + V/64 consumer warpgroups):
+// kdagen sm90 KDA prefill: one fused kernel per variant, two entry points (templates/sm90/DESIGN.md).
+//   kda_fused (grid: value heads x sequences x V blocks; 2K prep threads + V/64 consumer warpgroups),
+//   and kda_fused_slots, the same with a state pool's slots for states:
 //   the prep group streams q, k, g, v in with bulk copies and turns each 16-token chunk into a
 //   record in shared memory; the consumers run the chunk recurrence on it with the fp32 state in
 //   wgmma accumulators. No per-chunk workspace goes through HBM.
@@ -45,9 +46,10 @@ __device__ __forceinline__ int longest_first(const KdaParams& p, int r, char* sc
 }
 }  // namespace kda
 
-extern "C" __global__ void KDA_CLUSTER_DIMS __launch_bounds__(kda::NT, 1) kda_fused(const KdaParams p) {
-  using namespace kda;
-  extern __shared__ __align__(16) char smem_raw[];
+namespace kda {
+// One CTA's work; SLOTS: its states are a state pool's slots (consumer_role).
+template <bool SLOTS>
+__device__ __forceinline__ void fused_cta(const KdaParams& p, char* smem_raw) {
   // Swizzled record tiles need 1024-byte aligned atoms: align the dynamic base (SMEM_BYTES
   // carries the slack).
   char* base = smem_raw + ((1024u - (sm90::saddr(smem_raw) & 1023u)) & 1023u);
@@ -112,8 +114,22 @@ extern "C" __global__ void KDA_CLUSTER_DIMS __launch_bounds__(kda::NT, 1) kda_fu
 #endif
   } else {
     if constexpr (REALLOC) sm90::regs_inc<CONS_REGS>();
-    consumer_role(p, si, base, bars, (threadIdx.x - NTP - NTX) / 128);
+    consumer_role<SLOTS>(p, si, base, bars, (threadIdx.x - NTP - NTX) / 128);
   }
   // (the pair: neither CTA exits while the other may still arrive on its barriers)
   if constexpr (PAIR) sm90::cluster_sync();
 }
+}  // namespace kda
+
+extern "C" __global__ void KDA_CLUSTER_DIMS __launch_bounds__(kda::NT, 1) kda_fused(const KdaParams p) {
+  extern __shared__ __align__(16) char smem_raw[];
+  kda::fused_cta<false>(p, smem_raw);
+}
+#if KDA_STATE != 0
+// A second entry point rather than a run-time branch, so kda_fused's code is unchanged (SASS identical);
+// the launcher takes it for calls whose states are a state pool's slots (KdaCall.h0_index, ht_index).
+extern "C" __global__ void KDA_CLUSTER_DIMS __launch_bounds__(kda::NT, 1) kda_fused_slots(const KdaParams p) {
+  extern __shared__ __align__(16) char smem_slots[];
+  kda::fused_cta<true>(p, smem_slots);
+}
+#endif

@@ -71,6 +71,9 @@ __device__ __forceinline__ void acc16_split(const float (&d)[8], uint32_t (&hi)[
   for (int q = 0; q < 4; ++q) split_bf16(d[(q >> 1) * 4 + (q & 1) * 2], d[(q >> 1) * 4 + (q & 1) * 2 + 1], hi[q], lo[q]);
 }
 
+// SLOTS: the initial and final states are a state pool's slots p.h0_idx[n], p.ht_idx[n] (kda_fused_slots);
+// without, sequence n's rows (kda_fused: the slots' loads and row arithmetic cost its plain calls up to 2%).
+template <bool SLOTS>
 __device__ __forceinline__ void consumer_role(const KdaParams& p, const SeqInfo& si, char* base, uint64_t* bars,
                                               int cw) {
   const int tid = threadIdx.x - NTP - NTX - 128 * cw;  // 0..127 within the warpgroup
@@ -85,8 +88,9 @@ __device__ __forceinline__ void consumer_role(const KdaParams& p, const SeqInfo&
 
   float s[K / 8][4];
 #if KDA_STATE != 0
-  if (p.h0) {
-    const state_t* h0 = (const state_t*)p.h0 + st_off;
+  const long long h0_off = SLOTS ? state_row(p, p.h0_idx, si.n, si.h, false) * V * K : st_off;
+  if (p.h0 && (!SLOTS || h0_off >= 0)) {  // (a pool's padding sequence: slot -1, a negative row)
+    const state_t* h0 = (const state_t*)p.h0 + h0_off;
     if (kv) load_state_l<true>(h0, s, vr0, t4);
     else load_state_l<false>(h0, s, vr0, t4);
   } else
@@ -347,7 +351,12 @@ __device__ __forceinline__ void consumer_role(const KdaParams& p, const SeqInfo&
     step16(c, own, j % NREC, (j / NREC) & 1);
   }
 #if KDA_STATE != 0
-  if (p.ht) store_state((state_t*)p.ht + st_off, s, vr0, t4, kv);
+  if constexpr (SLOTS) {
+    const long long ht_row = state_row(p, p.ht_idx, si.n, si.h, false);  // read here: no register held the loop through
+    if (p.ht && ht_row >= 0) store_state((state_t*)p.ht + ht_row * V * K, s, vr0, t4, kv);
+  } else {
+    if (p.ht) store_state((state_t*)p.ht + st_off, s, vr0, t4, kv);
+  }
 #endif
 }
 
