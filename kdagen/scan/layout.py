@@ -15,6 +15,8 @@ from typing import Sequence
 
 import torch
 
+from ..targets.cuda_driver import current_stream_capturing, current_stream_handle
+
 __all__ = ["SegmentLayout", "split", "balanced", "host_to_device", "device_ints"]
 
 
@@ -47,12 +49,13 @@ def device_ints(values: Sequence[int], device: torch.device | str, dtype: torch.
     to new work on its own stream only, which is safe when that is the one stream using it."""
     dev = torch.device(device)
     if dev.type != "cuda":
-        return _cached_ints(tuple(int(x) for x in values), dev, dtype, 0)
+        return _cached_ints(tuple(map(int, values)), dev, dtype, 0)
     if dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
-    if torch.cuda.is_current_stream_capturing():
+    # (torch's C queries: torch.cuda.current_stream builds a Stream object per call)
+    if current_stream_capturing():
         return host_to_device(values, dev, dtype)
-    return _cached_ints(tuple(int(x) for x in values), dev, dtype, torch.cuda.current_stream(dev).cuda_stream)
+    return _cached_ints(tuple(map(int, values)), dev, dtype, current_stream_handle(dev.index))
 
 
 def balanced(units: int, parts: int) -> list[int]:
