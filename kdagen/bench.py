@@ -60,6 +60,10 @@ class Case:
     # beta passed as sigmoid(logits) with beta_is_logit=False (vLLM's and SGLang's call; fla's
     # use_beta_sigmoid_in_kernel=False), else as logits
     beta_prob: bool = False
+    # The engines' state I/O: the states live in a state pool of 2N slots, each sequence's named out of
+    # order (state_pool=, state_indices= int32 on the device, assume_valid=True: capturable), read and
+    # written in place; no final state returned. The peers take no pool (they are not timed by default).
+    pool: bool = False
 
     @property
     def hv(self) -> int:
@@ -102,7 +106,7 @@ class Case:
         return {k: v for k, v in d.items() if v is not None}
 
 
-_CASE_KEYS = {"name", "H", "T", "B", "lens", "HV", "D", "dtype", "gate", "compare", "gate_fp32", "beta_prob"}
+_CASE_KEYS = {"name", "H", "T", "B", "lens", "HV", "D", "dtype", "gate", "compare", "gate_fp32", "beta_prob", "pool"}
 
 
 def case_from_dict(d: Any, where: str) -> Case:
@@ -147,7 +151,7 @@ def case_from_dict(d: Any, where: str) -> Case:
     if gate not in GATES:
         raise BenchError(f"{where}: gate: expected one of {', '.join(GATES)}, found {gate!r}")
     flags = {key: d.get(key, default) for key, default in (("compare", True), ("gate_fp32", False),
-                                                         ("beta_prob", False))}
+                                                         ("beta_prob", False), ("pool", False))}
     for key, val in flags.items():
         if not isinstance(val, bool):
             raise BenchError(f"{where}: {key}: expected true or false, found {val!r}")
@@ -241,6 +245,11 @@ CASE_SETS["engine"] = [
     _c("eng mix6 H8", lens=[5000, 2000, 700, 300, 150, 42], H=8, **_GP32),
     _c("eng 32x256 H8", lens=[256] * 32, H=8, **_GP32),
 ]
+# Some of the engine rows with their states in a state pool, as engines keep them (Case.pool): what the
+# kernels' in-place slots cost against the h0 + final-state rows above. Not in TUNE_CASES (the same
+# regimes as their plain rows).
+CASE_SETS["pool"] = [replace(c, name=f"pool {c.name}", compare=False, pool=True) for c in CASE_SETS["engine"]
+                     if c.name in ("eng T8192 H32", "eng T2048 H8", "eng mix6 H8", "eng 32x256 H8")]
 # What `kdagen tune` measures by default: dispatch's rules are per gate form, and a form whose
 # regimes no case covers gets no rule (benchmarks/NOTES.md, session 38).
 TUNE_CASES = "default,gates,engine"
@@ -312,12 +321,36 @@ def parse_compare(text: str) -> tuple[str, ...]:
 # ----------------------------------------------------------------------------- calls
 
 
-def call_kwargs(case: Case, kw: dict, cu) -> dict:
-    """kda_prefill's keyword arguments for one input set (host offsets passed: no device read)."""
+def plan_kwargs(case: Case, kw: dict, cu) -> dict:
+    """kda_prefill's keyword arguments for one input set (host offsets passed: no device read) with the
+    states per sequence: the call whose plan a pool case's call runs (runtime.prepare takes no pool)."""
     return dict(A_log=kw["A_log"], dt_bias=kw["dt_bias"], gate=kw["gate"],
                 lower_bound=-5.0 if kw["gate"] == "bounded" else None, initial_state=kw["initial_state"],
                 output_final_state=True, cu_seqlens=cu, cu_seqlens_cpu=cu.cpu() if cu is not None else None,
-                **({"beta_is_logit": False} if case.beta_prob else {}))
+                **({"beta_is_logit": False} if case.beta_prob else {}), **({"assume_valid": True} if case.pool else {}))
+
+
+def call_kwargs(case: Case, kw: dict, cu) -> dict:
+    """kda_prefill's keyword arguments for one input set: plan_kwargs, or for a pool case its state
+    pool (the input set's initial states at 2N slots named out of order) and slots instead of the states."""
+    ck = plan_kwargs(case, kw, cu)
+    if not case.pool:
+        return ck
+    import torch
+
+    h0 = ck.pop("initial_state")
+    N = h0.shape[0]
+    slots = torch.randperm(2 * N, generator=torch.Generator().manual_seed(N))[:N].to(torch.int32).to(h0.device)
+    pool = torch.zeros((2 * N, *h0.shape[1:]), dtype=h0.dtype, device=h0.device)
+    pool.index_copy_(0, slots.long(), h0)
+    return dict(ck, output_final_state=False, state_pool=pool, state_indices=slots)
+
+
+def reset_pool(case: Case, s: tuple) -> None:
+    """A pool case's slots back to the input set's initial states (every call rewrites them)."""
+    if case.pool:
+        ck = s[2]
+        ck["state_pool"].index_copy_(0, ck["state_indices"].long(), s[0]["initial_state"])
 
 
 def run_kdagen(case: Case, s: tuple, variant: Optional[str]):
@@ -690,10 +723,10 @@ def _plan_case(case: Case, opts: Options, device: str) -> dict:
     plan: dict[str, Any] = {"auto": None, "candidates": [], "peers": [], "error": None}
     try:
         kw, cu = case.inputs(seed=0, dev=device)
-        p = rt.prepare(kw["q"], kw["k"], kw["v"], kw["g"], kw["beta"], **call_kwargs(case, kw, cu))
+        p = rt.prepare(kw["q"], kw["k"], kw["v"], kw["g"], kw["beta"], **plan_kwargs(case, kw, cu))
         plan["auto"] = p.entry.name
         plan["candidates"] = candidates(p.info, p.entry.name, opts.variants, opts.top)
-        route = rt.route_of(kw["q"], kw["k"], kw["v"], kw["g"], kw["beta"], **call_kwargs(case, kw, cu))
+        route = rt.route_of(kw["q"], kw["k"], kw["v"], kw["g"], kw["beta"], **plan_kwargs(case, kw, cu))
         if route is not None:
             # the call a user makes runs as the scan: timed beside its variant in one piece (forced)
             e = p.entry.variant
@@ -758,6 +791,7 @@ def _measure_case(case: Case, plan: dict, opts: Options, bw: float, timers: Any,
                 if rounds > 1:
                     cell["round_medians"] = [x.median for x in timed[i]]
                 cell["TBps"] = case.compulsory_bytes() / (t.median * 1e-3) / 1e12
+                reset_pool(case, sets[0])  # (the timed calls rewrote the slots: every candidate's o from the same states)
                 o = run_kdagen(case, sets[0], names[i])[0]
                 if cand.name == plan["auto"]:
                     ref_o = o

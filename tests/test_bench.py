@@ -140,6 +140,50 @@ def test_engine_on_the_cpu_and_tune_from_its_results(tmp_path, monkeypatch):
     assert shipped.read_bytes() == before
 
 
+def test_a_pool_case_runs_the_engines_call_and_compares_from_its_initial_states(monkeypatch):
+    """A pool case (the engines' state I/O) on the CPU: every timed call and the comparison call pass the
+    state pool and slots (no initial_state, no final states asked); the comparison call starts from the
+    input set's initial states, so the two variants' o agree though every timed call rewrote the slots;
+    the pool set is the engine rows' pool twins, left out of what `kdagen tune` measures."""
+    import torch
+
+    import kdagen.runtime as rt
+
+    case = dataclasses.replace(TINY, name="pool tiny", lens=(20, 0, 17), T=None, pool=True)
+    kw, cu = case.inputs(seed=1, dev="cpu")
+    ck = b.call_kwargs(case, kw, cu)
+    pool, slots = ck["state_pool"], ck["state_indices"]
+    assert "initial_state" not in ck
+    assert ck["output_final_state"] is False and ck["assume_valid"] is True and slots.dtype == torch.int32
+    assert pool.shape == (6, *kw["initial_state"].shape[1:]) and len(set(slots.tolist())) == 3
+    assert torch.equal(pool[slots.long()], kw["initial_state"])  # the set's initial states at the slots
+    assert "state_pool" not in b.plan_kwargs(case, kw, cu)
+    seen = []  # the states each call starts from (its slots' contents)
+    real = rt.kda_prefill
+
+    def spy(*a, **k):
+        assert k.get("state_pool") is not None and k.get("initial_state") is None and not k["output_final_state"]
+        seen.append(k["state_pool"][k["state_indices"].long()].clone())
+        return real(*a, **k)
+
+    monkeypatch.setattr(rt, "kda_prefill", spy)
+    opts = b.Options(compare=(), warm_procs=0, top=0, graphs=False)
+    res = b.run([case], opts, echo=lambda m: None, device="cpu", timers=fake_timers([1.0, 0.5]))
+    (row,) = res["cases"]
+    assert len(row["variants"]) == 2 and all("timing" in c for c in row["variants"]), row
+    assert 0 < row["variants"][1]["rel_vs_auto"] < 1e-5
+    # two timed calls (the fake timers run each once), then the two comparison calls; the second timed one
+    # started from the slots the first rewrote, each comparison from the input set's initial states
+    h0 = case.inputs(seed=0, dev="cpu")[0]["initial_state"]
+    assert len(seen) == 4 and torch.equal(seen[0], h0) and not torch.equal(seen[1], h0)
+    assert torch.equal(seen[2], h0) and torch.equal(seen[3], h0)
+    assert [c.name for c in b.CASE_SETS["pool"]] == ["pool eng T8192 H32", "pool eng T2048 H8", "pool eng mix6 H8",
+                                                     "pool eng 32x256 H8"]
+    assert all(c.pool and not c.compare for c in b.CASE_SETS["pool"])
+    assert not any(c.pool for c in b.load_cases(b.TUNE_CASES))
+    assert b.case_from_dict({"name": "p", "H": 1, "T": 8, "pool": True}, "x").pool
+
+
 def test_engine_adds_the_variants_a_jit_target_would_generate():
     """K = V = 16: no spec lists a variant (dispatch pads to the ci spec's K = 32 one); the Triton
     variants generated on demand for K = 16 are timed beside it."""
@@ -300,7 +344,7 @@ def test_bad_cases_file_names_the_file_and_the_key(tmp_path, text, message):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["bench", "--cases", "nope"], "--cases: expected a set (default, engine, gates, issue15, issue16, issue17, issue21, shapes, short)"),
+    (["bench", "--cases", "nope"], "--cases: expected a set (default, engine, gates, issue15, issue16, issue17, issue21, pool, shapes, short)"),
     (["bench", "--cases", "missing.yaml"], "--cases missing.yaml: cannot be read"),
     (["bench", "--compare", "fla,cudnn"], "--compare: expected a comma-separated list of fla, flashkda"),
     (["bench", "--top", "-1"], "--top: expected 0 (every candidate) or a positive count, found -1"),
