@@ -47,7 +47,8 @@ _PLAN_LIMIT = 4096  # signatures kept; an engine sees one per distinct token cou
 _LOGGED: set = set()
 _NO_PLAN = (object(), None, None, None)  # _LAST with no latest plan: its flags equal no call's
 _LAST: tuple = _NO_PLAN  # (flags, grad mode, guard, plan) of the latest call
-_POOL_LAST: tuple = _NO_PLAN  # the same for the latest call whose kernels took a state pool's slots
+# The same for the latest state pool call (flags, grad mode, guard, plan, N)
+_POOL_LAST: tuple = _NO_PLAN
 _GUARD_BUILDS = 8  # guards a plan gets at most
 # Choices by what selection depends on (so a new token count with the same sequences and heads
 # skips the candidate scan): functional key, device, N, HV, whether sequences average >= 512, and
@@ -211,6 +212,17 @@ def kda_prefill(
     """
     if beta_is_logit is not True and beta_is_logit is not False:
         raise KdaInputError(f"beta_is_logit: expected True or False, found {beta_is_logit!r}")
+    if state_pool is not None and state_indices is not None and initial_state is None and final_state is None \
+            and not output_final_state and chunk_states is None and checkpoint_every is None and checkpoints is None \
+            and checkpoint_offsets is None and cp_context is None and not torch.compiler.is_compiling():
+        # An engine's pool call of the latest pool call's signature (the flags with the final states asked, as
+        # the pool's plan has them)
+        o = _pool_fast(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_seqlens_cpu, out, workspace, state_pool,
+                       state_indices, (scale, lower_bound, gate, True, layout, state_layout, state_dtype,
+                                       use_qk_l2norm, allow_neg_eigval, chunk_size, return_chunk_states, variant,
+                                       assume_valid, beta_is_logit))
+        if o is not None:
+            return o, None
     engine_io = state_pool is not None or state_indices is not None or checkpoint_every is not None \
         or checkpoints is not None or checkpoint_offsets is not None
     if engine_io and (state_pool is None) != (state_indices is None):
@@ -461,6 +473,27 @@ def _engine_call(q, k, v, g, beta, kw: dict, state_pool, state_indices, checkpoi
     return res
 
 
+def _pool_fast(q, k, v, g, beta, A_log, dt_bias, cu, cu_cpu, out, ws, pool, indices, flags: tuple
+               ) -> Optional[torch.Tensor]:
+    """o of a state pool call of the latest pool call's signature (its flags, grad mode and guarded
+    tensors, the pool's included) whose kernels take the slots: only the slots' own checks, then the
+    plan's launch. None sends the call down the general path (_engine_call), which checks and plans it
+    (a pool call there took ~16 us of kdagen's Python against ~6 for the plain call: CPU stub, session 53)."""
+    last = _POOL_LAST
+    try:
+        same = flags == last[0] and torch.is_grad_enabled() is last[1]
+    except Exception:  # a flag that does not compare (a tensor for scale): the general path names it
+        return None
+    if not same or not env.pool_slots() or not last[2](q, k, v, g, beta, A_log, dt_bias, pool, cu, cu_cpu, out, ws):
+        return None
+    plan = last[3]
+    if type(plan) is not Plan or not getattr(plan.launcher, "pool_indices", False) or plan.want_chunks:
+        return None  # (as _pool_in_kernel: the general path gathers)
+    host = pool_io.check_indices(pool, indices, N=last[4], device=q.device, assume_valid=bool(flags[_VALID_AT]))
+    slots = pool_io.kernel_slots(indices, host, q.device)
+    return plan.pool_call(q, k, v, g, beta, A_log, dt_bias, cu, cu_cpu, out, pool, slots, ws)
+
+
 def _pool_in_kernel(q, k, v, g, beta, kw: dict, pool, indices, *, N: int, HV: int, st: tuple[int, int]
                     ) -> tuple[Optional[torch.Tensor], Optional[tuple]]:
     """A state pool call whose kernels read and write the pool's slots themselves (KdaCall.h0_index,
@@ -491,7 +524,7 @@ def _pool_in_kernel(q, k, v, g, beta, kw: dict, pool, indices, *, N: int, HV: in
         plan, key = _plan_of(q, k, v, g, beta, kw["A_log"], kw["dt_bias"], like, kw["cu_seqlens"],
                              kw["cu_seqlens_cpu"], kw["out"], like, None, kw["workspace"], flags)
         guard = make_check(tensors) if key is not None else None
-        _POOL_LAST = (flags, torch.is_grad_enabled(), guard, plan) if guard is not None else _NO_PLAN
+        _POOL_LAST = (flags, torch.is_grad_enabled(), guard, plan, N) if guard is not None else _NO_PLAN
     if type(plan) is not Plan or not getattr(plan.launcher, "pool_indices", False) or plan.want_chunks:
         return None, (host,)  # padded head dims, the scan's route, a target without pool slots: gathered
     slots = pool_io.kernel_slots(indices, host, dev)
@@ -502,6 +535,7 @@ def _pool_in_kernel(q, k, v, g, beta, kw: dict, pool, indices, *, N: int, HV: in
 # The flags of a pool call's plan: kda_prefill's (_FLAGS), with the final state asked (the pool's slots).
 _pool_flag_values = operator.itemgetter(*_FLAGS)
 _FINAL_AT = _FLAGS.index("output_final_state")
+_VALID_AT = _FLAGS.index("assume_valid")
 
 
 def _pool_flags(kw: dict) -> tuple:

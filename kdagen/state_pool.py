@@ -73,6 +73,12 @@ def check_slots(pool, indices, *, N: int, HV: int, state_shape: tuple[int, int],
     """Check the pool and its indices (on the host unless assume_valid); the indices as a host list
     when they were read (or lie on the CPU), else None."""
     check_pool(pool, HV=HV, state_shape=state_shape, device=device, state_dtype=state_dtype)
+    return check_indices(pool, indices, N=N, device=device, assume_valid=assume_valid)
+
+
+def check_indices(pool: torch.Tensor, indices, *, N: int, device: torch.device, assume_valid: bool
+                  ) -> Optional[list[int]]:
+    """check_slots without the pool's own checks (a call of an already checked pool's signature)."""
     if not isinstance(indices, torch.Tensor) or indices.dim() != 1 or indices.dtype not in (torch.int32, torch.int64) \
             or indices.numel() != N:
         raise KdaInputError(f"state_indices: expected a 1-D int32 or int64 tensor of {N} slot indices (one per "

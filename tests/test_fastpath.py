@@ -1025,6 +1025,51 @@ def test_sm90_pool_calls_launch_kda_fused_slots(monkeypatch):
             la(call)
 
 
+def test_a_repeated_pool_call_skips_the_general_path_but_still_checks_its_slots(monkeypatch):
+    """The second pool call of a signature (a model's next layer) goes from kda_prefill to the plan's
+    launch (runtime._pool_fast: no keyword dict, no re-check of the guarded pool), yet every call's slot
+    values are checked (a duplicate or out-of-range slot raises as on the first call), and whatever the
+    fast path does not serve (final states asked, KDAGEN_POOL_SLOTS=0, another signature) takes the
+    general path."""
+    from kdagen.errors import KdaInputError
+
+    from .fake_cuda import route_launcher
+
+    var, kw = _sm80_case([5, 0, 27])
+    monkeypatch.delenv("KDAGEN_POOL_SLOTS", raising=False)
+    N, HV, K = kw["initial_state"].shape[:3]
+    kw.pop("initial_state")
+    kw.pop("output_final_state", None)
+    pool = torch.randn(7, HV, K, K)
+    general = []
+    real = rt._engine_call
+    monkeypatch.setattr(rt, "_engine_call", lambda *a, **k: general.append(1) or real(*a, **k))
+    with sm80_on_cpu(var) as (la, drv), route_launcher(la):
+        def recur_slots():
+            return [_fields(x[5])["h0_idx"] for x in drv.launches if x[0] == "kda_recur"]
+
+        for i, slots in enumerate(([6, 2, 0], [1, -1, 3], [4, 5, 6])):
+            drv.launches.clear()
+            o, fs = kdagen.kda_prefill(**kw, state_pool=pool, state_indices=torch.tensor(slots, dtype=torch.int32))
+            assert fs is None and recur_slots() and all(recur_slots())  # the kernels took the slots
+            assert len(general) == 1  # the first call only
+        for bad, msg in (([4, 4, 1], "expected distinct slots"), ([0, 1, 7], r"expected slot indices in \[0, 7\)"),
+                         ([0, 1], "a 1-D int32 or int64 tensor of 3 slot indices")):
+            with pytest.raises(KdaInputError, match=msg):
+                kdagen.kda_prefill(**kw, state_pool=pool, state_indices=torch.tensor(bad))
+        assert len(general) == 1
+        idx = torch.tensor([6, 2, 0])
+        kdagen.kda_prefill(**kw, state_pool=pool, state_indices=idx, output_final_state=True)  # final states: gathered
+        monkeypatch.setenv("KDAGEN_POOL_SLOTS", "0")
+        kdagen.kda_prefill(**kw, state_pool=pool, state_indices=idx)
+        monkeypatch.delenv("KDAGEN_POOL_SLOTS")
+        kdagen.kda_prefill(**kw, state_pool=torch.randn(9, HV, K, K), state_indices=idx)  # another pool size
+        assert len(general) == 4
+        drv.launches.clear()
+        kdagen.kda_prefill(**kw, state_pool=pool, state_indices=idx)  # the pool of 9 is the latest signature now
+        assert len(general) == 5 and recur_slots() and all(recur_slots())
+
+
 @pytest.mark.parametrize("lens", [None, [5, 0, 27]], ids=["batch", "varlen"])
 def test_a_pool_call_passes_its_slots_to_the_kernels(lens, monkeypatch):
     """kda_prefill(state_pool=, state_indices=) over the sm80 launcher (fake driver): the launches
