@@ -76,6 +76,11 @@ class KdaCall:
     ht_index: Optional[torch.Tensor] = None
 
     @property
+    def uses_pool_slots(self) -> bool:
+        """Whether the states are a state pool's slots (h0_index or ht_index given)."""
+        return self.h0_index is not None or self.ht_index is not None
+
+    @property
     def beta_mode(self) -> int:
         """How the kernels form b from beta (KdaParams.beta_mode, Triton's BETA_MODE): 0 sigmoid,
         1 twice sigmoid (negative eigenvalues), 2 beta as given."""

@@ -342,12 +342,13 @@ def call_kwargs(case: Case, kw: dict, cu) -> dict:
     N = h0.shape[0]
     slots = torch.randperm(2 * N, generator=torch.Generator().manual_seed(N))[:N].to(torch.int32).to(h0.device)
     pool = torch.zeros((2 * N, *h0.shape[1:]), dtype=h0.dtype, device=h0.device)
-    pool.index_copy_(0, slots.long(), h0)
-    return dict(ck, output_final_state=False, state_pool=pool, state_indices=slots)
+    ck = dict(ck, output_final_state=False, state_pool=pool, state_indices=slots)
+    reset_pool(case, (kw, cu, ck))
+    return ck
 
 
 def reset_pool(case: Case, s: tuple) -> None:
-    """A pool case's slots back to the input set's initial states (every call rewrites them)."""
+    """A pool case's slots set to the input set's initial states (every call rewrites them)."""
     if case.pool:
         ck = s[2]
         ck["state_pool"].index_copy_(0, ck["state_indices"].long(), s[0]["initial_state"])

@@ -487,11 +487,16 @@ def _pool_fast(q, k, v, g, beta, A_log, dt_bias, cu, cu_cpu, out, ws, pool, indi
     if not same or not env.pool_slots() or not last[2](q, k, v, g, beta, A_log, dt_bias, pool, cu, cu_cpu, out, ws):
         return None
     plan = last[3]
-    if type(plan) is not Plan or not getattr(plan.launcher, "pool_indices", False) or plan.want_chunks:
-        return None  # (as _pool_in_kernel: the general path gathers)
+    if not _takes_slots(plan):
+        return None  # (the general path gathers)
     host = pool_io.check_indices(pool, indices, N=last[4], device=q.device, assume_valid=bool(flags[_VALID_AT]))
     slots = pool_io.kernel_slots(indices, host, q.device)
     return plan.pool_call(q, k, v, g, beta, A_log, dt_bias, cu, cu_cpu, out, pool, slots, ws)
+
+
+def _takes_slots(plan) -> bool:
+    """Whether a pool call's plan is a plain launch whose kernels read and write the pool's slots."""
+    return type(plan) is Plan and getattr(plan.launcher, "pool_indices", False) and not plan.want_chunks
 
 
 def _pool_in_kernel(q, k, v, g, beta, kw: dict, pool, indices, *, N: int, HV: int, st: tuple[int, int]
@@ -525,7 +530,7 @@ def _pool_in_kernel(q, k, v, g, beta, kw: dict, pool, indices, *, N: int, HV: in
                              kw["cu_seqlens_cpu"], kw["out"], like, None, kw["workspace"], flags)
         guard = make_check(tensors) if key is not None else None
         _POOL_LAST = (flags, torch.is_grad_enabled(), guard, plan, N) if guard is not None else _NO_PLAN
-    if type(plan) is not Plan or not getattr(plan.launcher, "pool_indices", False) or plan.want_chunks:
+    if not _takes_slots(plan):
         return None, (host,)  # padded head dims, the scan's route, a target without pool slots: gathered
     slots = pool_io.kernel_slots(indices, host, dev)
     return plan.pool_call(q, k, v, g, beta, kw["A_log"], kw["dt_bias"], kw["cu_seqlens"], kw["cu_seqlens_cpu"],

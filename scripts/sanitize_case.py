@@ -84,7 +84,7 @@ def main() -> int:
                 print(f"{v.name}: the twin launch was declined", file=sys.stderr)
                 return 1
             twin = f", twin o finite {bool(torch.isfinite(res[0]).all())}"
-        pool = ""
+        pooled = ""
         if v.target in ("sm80", "sm90") and v.state != "none":
             # the kernels take the slots themselves (KDAGEN_POOL_SLOTS's default); slots out of order, one -1
             # (padding: neither read nor written) and a pool row nobody names
@@ -93,19 +93,19 @@ def main() -> int:
             pk = {n: x for n, x in kw.items() if n not in ("initial_state", "output_final_state", "return_chunk_states")}
             N = len(LENS)
             st = kw["initial_state"]
-            slots = torch.zeros(N + 2, *st.shape[1:], dtype=st.dtype, device="cuda")
+            pool = torch.zeros(N + 2, *st.shape[1:], dtype=st.dtype, device="cuda")
             idx = torch.tensor([3, -1, 0, 6, 2, 5], dtype=torch.int32, device="cuda")
-            slots[idx[idx >= 0].long()] = st[idx >= 0]
+            pool[idx[idx >= 0].long()] = st[idx >= 0]
             took, real = [], rt.Plan.pool_call
             rt.Plan.pool_call = lambda self, *a: took.append(1) or real(self, *a)
-            op = kda_prefill(**pk, state_pool=slots, state_indices=idx, variant=v.name)[0]
+            op = kda_prefill(**pk, state_pool=pool, state_indices=idx, variant=v.name)[0]
             rt.Plan.pool_call = real
             if not took:
                 print(f"{v.name}: the pool call gathered (its kernels did not take the slots)", file=sys.stderr)
                 return 1
-            pool = f", pool o finite {bool(torch.isfinite(op).all())} states finite {bool(torch.isfinite(slots).all())}"
+            pooled = f", pool o finite {bool(torch.isfinite(op).all())} states finite {bool(torch.isfinite(pool).all())}"
         torch.cuda.synchronize()
-    print(f"ran {v.name}: o finite {bool(torch.isfinite(o).all())}{strided}{twin}{pool}")
+    print(f"ran {v.name}: o finite {bool(torch.isfinite(o).all())}{strided}{twin}{pooled}")
     return 0
 
 

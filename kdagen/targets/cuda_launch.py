@@ -104,7 +104,7 @@ def check_call(call, v, twins_ok: bool = False, slots_ok: bool = False) -> None:
     if call.twins not in ((1, 2) if twins_ok else (1,)):
         raise RuntimeError(f"{who}: twins={call.twins}; this launcher runs "
                            f"{'1 or 2' if twins_ok else 'only 1'} state runs per value head")
-    if not slots_ok and (call.h0_index is not None or call.ht_index is not None):
+    if not slots_ok and call.uses_pool_slots:
         # its kernels would read and write rows 0..N-1 of the pool, not the slots
         raise RuntimeError(f"{who}: h0_index/ht_index given; this launcher's kernels take no state pool slots "
                            f"(the runtime gathers and scatters a pool around them)")

@@ -77,10 +77,6 @@ def build_params(call: KdaCall, v: Variant,
     return p, keep, (o if o is not call.o else None)
 
 
-def _uses_slots(call: KdaCall) -> bool:
-    return call.h0_index is not None or call.ht_index is not None
-
-
 class Sm90Launcher:
     def __init__(self, variant: Variant, artifact: Path) -> None:
         self.variant = variant
@@ -130,7 +126,7 @@ class Sm90Launcher:
         parameters `p` (from build_params) for `call`."""
         mod, f, smem, nt, heads_x, f_slots = self._module(call.q.device)
         name = "kda_fused"
-        if _uses_slots(call):
+        if call.uses_pool_slots:
             f, name = self._slots_function(f_slots), "kda_fused_slots"
         stream = torch.cuda.current_stream(call.q.device).cuda_stream
         # grid: heads along x, sequences along y (the kernel maps row y to sequences longest first)
@@ -196,30 +192,27 @@ class Sm90Bound:
         self.launch_kernel = sm80.driver().cuLaunchKernel
         self.raw_stream = sm80.raw_stream_query()
         self.use_shim(True)
-        # raw handle -> the driver call's arguments (kda_fused; kda_fused_slots)
-        self.streams: dict[int, tuple] = {}
-        self.streams_slots: dict[int, tuple] = {}
+        self.streams: dict[tuple[int, bool], tuple] = {}  # (raw handle, slots) -> the driver call's arguments
 
     def use_shim(self, on: bool) -> None:
         """Launch through the launch shim (its Pair with the second launch alone) or cuda-bindings."""
         shim, how = sm80.shim_state() if on else (None, "switched off")
         self.shim = shim
         self.shim_call = shim.launch_pair if shim is not None else None
-        # raw -> (Pair address, Pair), for kda_fused and for kda_fused_slots
-        self.shim_args: dict[int, tuple] | None = {} if shim is not None else None
-        self.shim_args_slots: dict[int, tuple] = {}
+        # (raw handle, slots) -> (Pair address, Pair): kda_fused's, or with slots kda_fused_slots'
+        self.shim_args: dict[tuple[int, bool], tuple] | None = {} if shim is not None else None
         self.launch_path = f"kda_fused through {how}" if shim is not None else \
             f"cuLaunchKernel through {sm80.driver_binding()} (launch shim not used: {how})"
         self.last_failure = ""
 
-    def _shim_args_for(self, raw: int, slots: bool) -> tuple:
+    def _shim_args_for(self, key: tuple[int, bool]) -> tuple:
+        raw, slots = key
         pair = launch_shim.Pair()  # k[0] (a prep kernel) unused: launched only with a nonzero grid x
         k = pair.k[1]
         k.func, k.stream, k.args = int(self.f_slots if slots else self.f), raw, self.argv_addr
         k.grid[:], k.block[:], k.smem = self.grid, (self.nt, 1, 1), self.smem
         pair.failed = -1
-        args = (self.shim_args_slots if slots else self.shim_args)[raw] = (ctypes.c_void_p(ctypes.addressof(pair)),
-                                                                          pair)
+        args = self.shim_args[key] = (ctypes.c_void_p(ctypes.addressof(pair)), pair)
         return args
 
     def launch(self, q, k, v, g, beta, o, A_log, dt_bias, cu_seqlens, h0, ht, hc, chunk_offsets, ws,
@@ -245,21 +238,20 @@ class Sm90Bound:
                 sm80._PACK_INT(self.params, self.max_len_offset, max_len)
             if pool_slots != self.pool_slots:
                 self.params.h0_idx = self.params.ht_idx = self.pool_slots = pool_slots
+            key = (raw, pool_slots != 0)
             if self.shim_args is not None:
-                addr, pair = (self.shim_args_slots if pool_slots else self.shim_args).get(raw) \
-                    or self._shim_args_for(raw, pool_slots != 0)
+                addr, pair = self.shim_args.get(key) or self._shim_args_for(key)
                 if err := self.shim_call(addr, 0):
                     pair.failed = -1
-                    return self._declined(err, pool_slots != 0)
+                    return self._declined(err, key[1])
                 return True
-            streams = self.streams_slots if pool_slots else self.streams
-            args = streams.get(raw)
+            args = self.streams.get(key)
             if args is None:
                 gx, gy, gz = self.grid
-                args = streams[raw] = (self.f_slots if pool_slots else self.f, gx, gy, gz, self.nt, 1, 1, self.smem,
-                                       sm80.driver().CUstream(raw), self.argv_addr, 0)
+                args = self.streams[key] = (self.f_slots if key[1] else self.f, gx, gy, gz, self.nt, 1, 1, self.smem,
+                                            sm80.driver().CUstream(raw), self.argv_addr, 0)
             if err := self.launch_kernel(*args)[0]:
-                return self._declined(err, pool_slots != 0)
+                return self._declined(err, key[1])
             return True
         finally:
             lock.release()

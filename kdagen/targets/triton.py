@@ -74,7 +74,7 @@ class TritonLauncher:
             raise RuntimeError(f"{v.name}: head dims K={call.K} V={call.V} do not match the variant")
         if call.twins != 1:
             raise RuntimeError(f"{v.name}: twins={call.twins}; the Triton kernels run one state per value head")
-        if call.h0_index is not None or call.ht_index is not None:
+        if call.uses_pool_slots:
             raise RuntimeError(f"{v.name}: h0_index/ht_index given; the Triton kernels take no state pool slots "
                                f"(the runtime gathers and scatters a pool around them)")
         dev = call.q.device
