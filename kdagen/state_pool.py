@@ -109,6 +109,8 @@ def kernel_slots(indices: torch.Tensor, host: Optional[list[int]], device: torch
     host list, a device copy cached by value (read-only), else converted on the device."""
     if host is not None:
         return device_ints(host, device)
+    if indices.dtype is torch.int32 and indices.device == device and indices.is_contiguous():
+        return indices  # (an engine's own int32 slots; .to and .contiguous go through the dispatcher)
     return indices.to(device=device, dtype=torch.int32).contiguous()
 
 
