@@ -51,8 +51,12 @@ SHIPPED_DIR = Path(__file__).resolve().parent / "tuning_data"
 # value heads per SM (chunk size follows the serial chain's length; V-split the programs per SM).
 # 16384 and 0.5 split the cell of B1 T8192 H96 / H64 and T16384 H48, whose fastest targets and
 # V-splits differ (H200 2026-12-02: sm90's CTA pair at H64, sm80 block_v 32 at H96, 16 at H48).
+# 0.125 parts eng T8192 H16 from H32 (H100 2026-12-06: sm80 block_v 16 1.46x faster at H16, sm90 at
+# H32; one rule for both sent H32 to sm80 at 1.10x the time). A cell of SEQ_HEAD_EDGES that no tuned
+# case falls in takes the rule of its cell of COARSE_SEQ_HEAD_EDGES (the grid before that edge).
 TOKEN_EDGES: tuple[float, ...] = (0, 512, 2048, 8192, 16384, 32768, math.inf)
-SEQ_HEAD_EDGES: tuple[float, ...] = (0, 0.0625, 0.25, 0.5, 1.0, 4.0, math.inf)
+SEQ_HEAD_EDGES: tuple[float, ...] = (0, 0.0625, 0.125, 0.25, 0.5, 1.0, 4.0, math.inf)
+COARSE_SEQ_HEAD_EDGES: tuple[float, ...] = (0, 0.0625, 0.25, 0.5, 1.0, 4.0, math.inf)
 
 
 class TuningError(KdagenError):
@@ -400,31 +404,47 @@ def derive_rules(measurements: Iterable[dict]) -> list[Rule]:
     "tokens_per_seq", "seq_heads_per_sm", "times": {(chunk, block_v): ms}}. Cases are grouped by
     (target, dtype, head dim, gate, regime bucket of TOKEN_EDGES x SEQ_HEAD_EDGES); each group's rule
     takes the (chunk, block_v) with the least geometric mean of time / the case's best time over
-    the group's cases (among the settings measured on all of them). The targets of one regime are
-    then ranked (see rank_targets)."""
-    groups: dict[tuple, list[dict]] = {}
+    the group's cases (among the settings measured on all of them). A cell no case falls in, inside a
+    cell of COARSE_SEQ_HEAD_EDGES that has cases, takes the coarse cell's rule (evidence "filled_from":
+    its range). The targets of one regime are then ranked (see rank_targets)."""
+    fine: dict[tuple, list[dict]] = {}
+    coarse: dict[tuple, list[dict]] = {}
     for m in measurements:
         if not m["times"]:
             continue
-        key = (m["target"], m["dtype"], m["head_dim"], m.get("gate"), bucket(m["tokens_per_seq"], TOKEN_EDGES),
-               bucket(m["seq_heads_per_sm"], SEQ_HEAD_EDGES))
-        groups.setdefault(key, []).append(m)
+        key = (m["target"], m["dtype"], m["head_dim"], m.get("gate"), bucket(m["tokens_per_seq"], TOKEN_EDGES))
+        fine.setdefault((*key, bucket(m["seq_heads_per_sm"], SEQ_HEAD_EDGES)), []).append(m)
+        coarse.setdefault((*key, bucket(m["seq_heads_per_sm"], COARSE_SEQ_HEAD_EDGES)), []).append(m)
+    cells: dict[tuple, tuple[list[dict], Optional[tuple]]] = {k: (ms, None) for k, ms in fine.items()}
+    for (*key, (lo, hi)), ms in coarse.items():
+        for sub in zip(SEQ_HEAD_EDGES, SEQ_HEAD_EDGES[1:]):
+            if lo <= sub[0] and sub[1] <= hi and (*key, sub) not in fine:
+                cells[(*key, sub)] = ms, (lo, hi)
     rules = []
-    for (target, dtype, hd, gate, tok, sh), ms in sorted(groups.items(), key=lambda kv: str(kv[0])):
-        common = set.intersection(*(set(m["times"]) for m in ms))
-        if not common:
-            continue
-
-        def score(setting) -> float:
-            return math.exp(sum(math.log(m["times"][setting] / min(m["times"].values())) for m in ms) / len(ms))
-
-        best = min(sorted(common), key=score)
-        evidence = {"cases": [m["case"] for m in ms], "geomean_vs_best": round(score(best), 4),
-                    "ms": {m["case"]: {f"c{c}_bv{b}": round(t, 4) for (c, b), t in sorted(m["times"].items())}
-                           for m in ms}}
-        rules.append(Rule(target=target, dtype=dtype, head_dim=hd, tokens_per_seq=tok, seq_heads_per_sm=sh,
-                          chunk=best[0], block_v=best[1], gate=gate, evidence=evidence))
+    for (target, dtype, hd, gate, tok, sh), (ms, filled) in sorted(cells.items(), key=lambda kv: str(kv[0])):
+        rule = _best_rule(ms, Rule(target=target, dtype=dtype, head_dim=hd, tokens_per_seq=tok, seq_heads_per_sm=sh,
+                                   gate=gate))
+        if rule is not None:
+            rules.append(rule if filled is None else
+                         replace(rule, evidence={**rule.evidence, "filled_from": [_num(x) for x in filled]}))
     return rank_targets(rules)
+
+
+def _best_rule(ms: list[dict], cell: Rule) -> Optional[Rule]:
+    """`cell` with the (chunk, block_v) of least geometric mean of time / each case's best time over
+    the cases `ms` (among the settings measured on all of them), or None when they share none."""
+    common = set.intersection(*(set(m["times"]) for m in ms))
+    if not common:
+        return None
+
+    def score(setting) -> float:
+        return math.exp(sum(math.log(m["times"][setting] / min(m["times"].values())) for m in ms) / len(ms))
+
+    best = min(sorted(common), key=score)
+    evidence = {"cases": [m["case"] for m in ms], "geomean_vs_best": round(score(best), 4),
+                "ms": {m["case"]: {f"c{c}_bv{b}": round(t, 4) for (c, b), t in sorted(m["times"].items())}
+                       for m in ms}}
+    return replace(cell, chunk=best[0], block_v=best[1], evidence=evidence)
 
 
 def rank_targets(rules: Sequence[Rule]) -> list[Rule]:

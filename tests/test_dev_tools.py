@@ -214,3 +214,52 @@ def test_dispatch_replay_picks_as_selection_does_and_prices_by_the_bench(tmp_pat
     assert rows[2].pick == f"kda_fwd_{hl16}" and rows[2].ms is None and not rows[2].ok
     assert report(rows, "x").splitlines()[-1] == ("1 of 2 within 5% of the fastest measured, 1 not timed by the bench "
                                                   "(replayed on x)")
+
+
+def test_the_shipped_tuning_files_are_todays_derivation_of_their_evidence():
+    """Each shipped file's rules are what tuning.derive_rules gives its own recorded measurements with
+    this tree's regime edges (scripts/rederive_tuning.py --write after an edge changes)."""
+    from kdagen import tuning
+    from kdagen_dev import retune
+
+    for f in sorted(tuning.SHIPPED_DIR.glob("*.json")):
+        t = tuning.load(f)
+        again = retune.rederive(t, "test")
+        assert [(r.target, r.gate, r.tokens_per_seq, r.seq_heads_per_sm, r.chunk, r.block_v, r.rank) for r in t.rules] \
+            == [(r.target, r.gate, r.tokens_per_seq, r.seq_heads_per_sm, r.chunk, r.block_v, r.rank)
+                for r in again.rules], f"{f.name}: run scripts/rederive_tuning.py --write {f}"
+        assert retune.changes(t, again) == []
+    # session 54's edge: eng T8192 H32 on the H100 ranks sm90 first, H16 sm80 at block_v 16
+    h100 = tuning.load(tuning.SHIPPED_DIR / "NVIDIA_H100_80GB_HBM3.json")
+    for H, first in ((32, ("sm90", 64)), (16, ("sm80", 16))):
+        shs = tuning.regime(8192, 1, 1, H, 132)[1]
+        picks = sorted((r.rank, r.target, r.block_v) for tg in ("sm80", "sm90")
+                       if (r := h100.rule_for(tg, "bf16", 128, 8192, shs, "precomputed")) is not None)
+        assert picks[0][1:] == first, (H, picks)
+
+
+def test_retune_reads_back_the_measurements_and_names_what_it_cannot(tmp_path):
+    from kdagen import tuning
+    from kdagen_dev import retune
+
+    def m(case, target, times):
+        from kdagen.bench import CASE_SETS
+        c = next(c for cs in CASE_SETS.values() for c in cs if c.name == case)
+        return {"case": case, "target": target, "dtype": c.dtype, "head_dim": c.D, "gate": c.gate,
+                "tokens_per_seq": c.tokens / c.N, "seq_heads_per_sm": c.N * c.hv / 132, "times": times}
+
+    ms = [m("eng T8192 H16", "sm80", {(16, 16): 0.34, (16, 32): 0.41}),
+          m("eng T8192 H32", "sm80", {(16, 16): 0.54, (16, 32): 0.51})]
+    t = tuning.Tuning(gpu="NVIDIA Test", sm_count=132, rules=tuple(tuning.derive_rules(ms)))
+    back = sorted(retune.measurements(t), key=lambda x: x["case"])
+    assert [(x["case"], x["times"]) for x in back] == [(x["case"], x["times"]) for x in ms]
+    assert [x["seq_heads_per_sm"] for x in back] == pytest.approx([x["seq_heads_per_sm"] for x in ms])
+    bad = tuning.Tuning(gpu="NVIDIA Test", sm_count=132, rules=(tuning.Rule(
+        target="sm80", tokens_per_seq=(0, 512), seq_heads_per_sm=(0, 1), evidence={"ms": {"no such case": {}}}),))
+    with pytest.raises(retune.RetuneError, match="rules\\[0\\] \\(sm80\\): case 'no such case' is no bench case"):
+        retune.measurements(bad)
+    bad = tuning.Tuning(gpu="NVIDIA Test", sm_count=132, rules=(tuning.Rule(
+        target="sm80", tokens_per_seq=(0, 512), seq_heads_per_sm=(0, 1),
+        evidence={"ms": {"eng T8192 H16": {"16x32": 1.0}}}),))
+    with pytest.raises(retune.RetuneError, match="setting '16x32' of case 'eng T8192 H16'"):
+        retune.measurements(bad)

@@ -342,14 +342,53 @@ def test_derive_rules_takes_the_best_geomean_per_regime():
         m("empty", 100, 0.1, {}),
     ]
     rules = tuning.derive_rules(ms)
-    assert len(rules) == 2
+    # c's cell, and the other half of its coarse cell [0.0625, 0.25) filled from it
+    assert len(rules) == 3
     r = next(r for r in rules if r.tokens_per_seq == (2048, 8192))
     assert (r.chunk, r.block_v, r.seq_heads_per_sm) == (16, 64, (0.5, 1.0))
     # geomean of 0.90/0.90 and 1.02/0.99
     assert r.evidence["geomean_vs_best"] == pytest.approx(math.sqrt(1.02 / 0.99), abs=1e-4)
     assert r.evidence["cases"] == ["a", "b"]
-    r2 = next(r for r in rules if r.tokens_per_seq == (32768, math.inf))
-    assert (r2.chunk, r2.block_v, r2.seq_heads_per_sm) == (16, 32, (0.0625, 0.25))
+    long = sorted((r for r in rules if r.tokens_per_seq == (32768, math.inf)), key=lambda r: r.seq_heads_per_sm)
+    assert [(r.chunk, r.block_v, r.seq_heads_per_sm) for r in long] == [(16, 32, (0.0625, 0.125)),
+                                                                        (16, 32, (0.125, 0.25))]
+    assert "filled_from" not in long[0].evidence and long[1].evidence["filled_from"] == [0.0625, 0.25]
+
+
+def test_derive_rules_part_h16_from_h32_and_fill_the_cells_no_case_covers():
+    """eng T8192 H16 and H32 on 132 SMs (0.121 and 0.242 sequences x heads per SM) measured on an H100
+    (session 50's tune; session 54's bench): sm80 block_v 16 1.46x faster at H16, sm90 at H32. In one cell
+    their geomean sent H32 to sm80; 0.125 parts them. Cells without a case keep the coarse cell's rule."""
+    def m(case, H, target, times, T=8192):
+        tps, shs = tuning.regime(T, 1, 1, H, 132)
+        return {"case": case, "target": target, "dtype": "bf16", "head_dim": 128, "gate": "precomputed",
+                "tokens_per_seq": tps, "seq_heads_per_sm": shs, "times": times}
+
+    ms = [m("eng T8192 H32", 32, "sm80", {(16, 16): 0.5429, (16, 32): 0.5112, (16, 64): 0.5402}),
+          m("eng T8192 H16", 16, "sm80", {(16, 16): 0.3388, (16, 32): 0.4054, (16, 64): 0.5311}),
+          m("eng T8192 H32", 32, "sm90", {(16, 64): 0.4967, (16, 128): 1.2006}),
+          m("eng T8192 H16", 16, "sm90", {(16, 64): 0.4953, (16, 128): 1.2473}),
+          # one case in [0.25, 0.5) of 8192-token sequences: its cell only (the coarse grid splits there too)
+          m("eng T8192 H48", 48, "sm80", {(16, 16): 0.9, (16, 64): 0.8})]
+    rules = tuning.derive_rules(ms)
+    by = {(r.target, r.seq_heads_per_sm): r for r in rules}
+    assert (by["sm80", (0.0625, 0.125)].block_v, by["sm80", (0.0625, 0.125)].rank) == (16, 0)
+    assert (by["sm90", (0.0625, 0.125)].block_v, by["sm90", (0.0625, 0.125)].rank) == (64, 1)
+    assert (by["sm80", (0.125, 0.25)].block_v, by["sm80", (0.125, 0.25)].rank) == (32, 1)
+    assert (by["sm90", (0.125, 0.25)].block_v, by["sm90", (0.125, 0.25)].rank) == (64, 0)
+    assert by["sm80", (0.25, 0.5)].block_v == 64 and len(rules) == 5
+    assert not any("filled_from" in r.evidence for r in rules)
+    # H16 alone: its coarse cell's other half takes H16's rules, ranks and all (what the coarse grid gave)
+    rules = tuning.derive_rules([x for x in ms if x["case"] == "eng T8192 H16"])
+    by = {(r.target, r.seq_heads_per_sm): r for r in rules}
+    assert {k[1] for k in by} == {(0.0625, 0.125), (0.125, 0.25)}
+    assert [(by[t, (0.125, 0.25)].block_v, by[t, (0.125, 0.25)].rank) for t in ("sm80", "sm90")] == [(16, 0), (64, 1)]
+    assert by["sm80", (0.125, 0.25)].evidence["filled_from"] == [0.0625, 0.25]
+    # a tuned file reads back: dispatch looks the H32 call up in the cell that ranks sm90 first
+    t = tuning.Tuning(gpu="NVIDIA H100 80GB HBM3", sm_count=132, rules=tuple(tuning.derive_rules(ms)))
+    shs32 = tuning.regime(8192, 1, 1, 32, 132)[1]
+    assert t.rule_for("sm90", "bf16", 128, 8192, shs32, "precomputed").rank == 0
+    assert t.rule_for("sm80", "bf16", 128, 8192, shs32, "precomputed").rank == 1
 
 
 def triton(chunk: int, bv: int) -> Variant:
