@@ -894,6 +894,13 @@ def _summary_line(row: dict) -> str:
 # ----------------------------------------------------------------------------- tune
 
 
+def case_regime(case: Case, sms: int) -> tuple[float, float]:
+    """The tuning regime of `case` on a GPU of `sms` SMs (tuning.regime of its packed tokens)."""
+    from . import tuning
+
+    return tuning.regime(case.tokens, 1, case.N, case.hv, sms)
+
+
 def tune_measurements(results: dict) -> list[dict]:
     """Per case and target, the measured (chunk, block_v) times, for tuning.derive_rules."""
     out = []
@@ -909,9 +916,9 @@ def tune_measurements(results: dict) -> list[dict]:
             times = by_target.setdefault(cell["target"], {})
             times[key] = min(times.get(key, math.inf), cell["timing"]["median"])
         for target, times in by_target.items():
+            tps, shs = case_regime(case, sms)
             out.append({"case": case.name, "target": target, "dtype": case.dtype, "head_dim": case.D, "gate": case.gate,
-                        "tokens_per_seq": case.tokens / case.N, "seq_heads_per_sm": case.N * case.hv / sms,
-                        "times": times})
+                        "tokens_per_seq": tps, "seq_heads_per_sm": shs, "times": times})
     return out
 
 

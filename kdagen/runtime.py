@@ -944,9 +944,7 @@ class Plan:
         """A call of a signature whose bound launch serves it whole: offsets (varlen), outputs,
         launch; the general path only where the launch declines."""
         max_len, _, cu = self._varlen_args(cu, cu_cpu) if self.varlen else (self.T, None, cu)
-        empty = self.empty
-        if self.current_device is not None and self.current_device() != self.device_index:
-            empty = self.empty_general
+        empty = self._empty_now()
         if out is None:
             out = empty(*self.o_alloc)
         if fs is None and self.fs_alloc is not None:
@@ -954,6 +952,13 @@ class Plan:
         if self._fast.launch(q, k, v, g, beta, out, A_log, dt_bias, cu, h0, fs, None, None, ws, max_len):
             return out, fs
         return self(q, k, v, g, beta, A_log, dt_bias, h0, cu, cu_cpu, out, fs, cs, ws)
+
+    def _empty_now(self):
+        """The allocator for this call's outputs: the cheap one while the current CUDA device is the
+        plan's (it allocates on the current device), else torch.empty_strided."""
+        if self.current_device is not None and self.current_device() != self.device_index:
+            return self.empty_general
+        return self.empty
 
     def _gate_args(self, A_log, dt_bias) -> tuple:
         """A_log [HV] and dt_bias [HV, K] as the launchers take them (fp32, contiguous), or None."""
@@ -999,11 +1004,8 @@ class Plan:
         if self.bound_whole and getattr(fast, "takes_slots", False):
             # as _run_bound: the cheap allocator and the gate arguments as passed (torch.empty_like
             # took 3x the allocator's host time in an H100 host's profile: session 54)
-            empty = self.empty
-            if self.current_device is not None and self.current_device() != self.device_index:
-                empty = self.empty_general
             if out is None:
-                out = empty(*self.o_alloc)
+                out = self._empty_now()(*self.o_alloc)
             if fast.launch(q, k, v, g, beta, out, A_log, dt_bias, cu32, pool, pool, None, None, ws, max_len,
                            pool_slots=slots.data_ptr()):
                 return out

@@ -13,7 +13,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from kdagen import tuning
-from kdagen.bench import CASE_SETS, Case
+from kdagen.bench import CASE_SETS, Case, case_regime
 
 
 class RetuneError(ValueError):
@@ -49,9 +49,9 @@ def measurements(t: tuning.Tuning) -> list[dict]:
                     raise RetuneError(f"rules[{i}] ({r.target}): setting {setting!r} of case {name!r}: expected "
                                       f"c<chunk>_bv<block_v>")
                 parsed[int(c[1:]), int(bv)] = float(ms_)
+            tps, shs = case_regime(case, t.sm_count)
             out[key] = {"case": name, "target": r.target, "dtype": r.dtype, "head_dim": r.head_dim, "gate": r.gate,
-                        "tokens_per_seq": case.tokens / case.N, "seq_heads_per_sm": case.N * case.hv / t.sm_count,
-                        "times": parsed}
+                        "tokens_per_seq": tps, "seq_heads_per_sm": shs, "times": parsed}
     return list(out.values())
 
 
