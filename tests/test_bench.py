@@ -78,7 +78,11 @@ def test_tune_measures_every_gate_form_and_the_engine_rows():
     vllm = [c for c in b.CASE_SETS["gates"] if c.gate_fp32]
     assert vllm and all(c.beta_prob and c.gate == "precomputed" for c in vllm)
     assert b.load_cases("eng mix6 H8") == [c for c in eng if c.name == "eng mix6 H8"]  # a name of any set
-    assert "[default: default,gates,engine]" in CliRunner().invoke(main, ["tune", "--help"]).output
+    # the cells between the engine rows' head counts hold several head counts of each gate form measured
+    cross = b.CASE_SETS["crossover"]
+    assert set(cross) <= set(cases) and {c.gate for c in cross} == {"bounded", "unbounded", "precomputed"}
+    assert {c.H for c in cross if c.gate == "bounded"} == {20, 24, 28, 32} and all(c.T == 8192 for c in cross)
+    assert "[default: default,gates,engine,crossover]" in " ".join(CliRunner().invoke(main, ["tune", "--help"]).output.split())
     assert "[default: default]" in CliRunner().invoke(main, ["bench", "--help"]).output
 
 
@@ -344,7 +348,7 @@ def test_bad_cases_file_names_the_file_and_the_key(tmp_path, text, message):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["bench", "--cases", "nope"], "--cases: expected a set (default, engine, gates, issue15, issue16, issue17, issue21, pool, shapes, short)"),
+    (["bench", "--cases", "nope"], "--cases: expected a set (crossover, default, engine, gates, issue15, issue16, issue17, issue21, pool, shapes, short)"),
     (["bench", "--cases", "missing.yaml"], "--cases missing.yaml: cannot be read"),
     (["bench", "--compare", "fla,cudnn"], "--compare: expected a comma-separated list of fla, flashkda"),
     (["bench", "--top", "-1"], "--top: expected 0 (every candidate) or a positive count, found -1"),
