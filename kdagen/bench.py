@@ -250,13 +250,14 @@ CASE_SETS["engine"] = [
 # regimes as their plain rows).
 CASE_SETS["pool"] = [replace(c, name=f"pool {c.name}", compare=False, pool=True) for c in CASE_SETS["engine"]
                      if c.name in ("eng T8192 H32", "eng T2048 H8", "eng mix6 H8", "eng 32x256 H8")]
-# Head counts between the engine rows at 8192 tokens, where sm90's time stays flat (one wave) and
-# sm80's grows until they cross (near H28-H32 on the H100): one H32 row per cell sent H17-H31 to sm90
-# at 1.10x sm80's time, one H4 row sent gb H20-H32 to sm80 bv16 at 1.06x (H100, session 55).
+# Head counts between the engine rows at 8192 tokens (and the unbounded gate's H16-H32, which no
+# other set has there): sm90's time stays flat there (one wave) while sm80's grows until they cross
+# near H28-H32 on the H100. One H32 row per cell sent H17-H31 to sm90 at 1.10x sm80's time, one H4
+# row sent gb H20-H32 to sm80 bv16 at 1.06x (H100, session 55).
 CASE_SETS["crossover"] = [
     *(_c(f"x gb T8192 H{H}", T=8192, H=H) for H in (20, 24, 28, 32)),
     *(_c(f"x gp32 T8192 H{H}", T=8192, H=H, **_GP32) for H in (20, 24, 28)),
-    _c("x gu T8192 H24", T=8192, H=24, gate="unbounded"),
+    *(_c(f"x gu T8192 H{H}", T=8192, H=H, gate="unbounded") for H in (16, 24, 32)),
 ]
 # What `kdagen tune` measures by default: dispatch's rules are per gate form, and a form whose
 # regimes no case covers gets no rule (benchmarks/NOTES.md, session 38).

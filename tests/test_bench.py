@@ -82,6 +82,7 @@ def test_tune_measures_every_gate_form_and_the_engine_rows():
     cross = b.CASE_SETS["crossover"]
     assert set(cross) <= set(cases) and {c.gate for c in cross} == {"bounded", "unbounded", "precomputed"}
     assert {c.H for c in cross if c.gate == "bounded"} == {20, 24, 28, 32} and all(c.T == 8192 for c in cross)
+    assert {c.H for c in cross if c.gate == "unbounded"} == {16, 24, 32}
     assert "[default: default,gates,engine,crossover]" in " ".join(CliRunner().invoke(main, ["tune", "--help"]).output.split())
     assert "[default: default]" in CliRunner().invoke(main, ["bench", "--help"]).output
 
