@@ -11,7 +11,7 @@ from pathlib import Path
 from kdagen_dev.replay import replay, report
 
 if __name__ == "__main__":
-    if len(sys.argv) < 2:
-        raise SystemExit(__doc__)
+    if len(sys.argv) < 2 or any(a.startswith("-") for a in sys.argv[1:]):
+        raise SystemExit(__doc__)  # (no options: -h/--help and anything else print the usage)
     for p in sys.argv[1:]:
         print(report(replay(Path(p)), p))
