@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one call on the H200 (device tool):
-#   scripts/gpu_check.sh [build] [test] [sanitize] [bench] [profile] [ab]   (default: the first four)
+#   scripts/gpu_check.sh [build] [test] [sanitize] [bench] [tune] [profile] [ab]   (default: the first four)
 # ab: AB_CASES="VARIANT:T:H ..." and AB_BUILDS="LABEL=PATH ..." ({v} in a path: the variant name),
 #   builds made on the CPU machine with `scripts/fatbin_ab.py --build`; one scripts/fatbin_ab.py
 #   process per case times every build side by side (AB_ARGS: more of its options; log: $OUT/ab.log).
@@ -95,6 +95,15 @@ for stage in $STAGES; do
       rm -f "$OUT/race_blind_spot" ;;
     bench)
       timeout "${BENCH_TIMEOUT:-330}" python3 -m kdagen.cli bench ${BENCH_ARGS:-} --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log" || rc=1 ;;
+    tune)
+      # this GPU's tuning file (kdagen tune, its default cases: ~4 min on an H100), then a bench of the
+      # same cases dispatched by it; ship $OUT/tuned.json as kdagen/tuning_data/<GPU name>.json
+      timeout "${TUNE_TIMEOUT:-330}" python3 -m kdagen.cli tune --out "$OUT/tuned.json" > "$OUT/tune.log" 2>&1 || rc=1
+      tail -n 3 "$OUT/tune.log"
+      [ -f "$OUT/tuned.json" ] && KDAGEN_TUNING="$OUT/tuned.json" timeout "${BENCH_TIMEOUT:-240}" python3 -m kdagen.cli \
+        bench --cases "$(python3 -c 'from kdagen.bench import TUNE_CASES; print(TUNE_CASES)')" --compare none --no-graphs --out "$OUT/bench_tuned" \
+        > "$OUT/bench_tuned.log" 2>&1 || rc=1
+      grep -E "^Dispatch picked" "$OUT/bench_tuned/bench.md" 2>/dev/null ;;
     ab)
       for case in ${AB_CASES:-}; do
         IFS=: read -r v T H <<< "$case"
