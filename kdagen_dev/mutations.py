@@ -413,6 +413,11 @@ CATALOGUE: list[Mutation] = [
       "SEQ_HEAD_EDGES: tuple[float, ...] = (0, 0.0625, 0.125, 0.25,", "SEQ_HEAD_EDGES: tuple[float, ...] = (0, 0.0625, 0.25,",
       ("tests/test_tuning.py::test_derive_rules_part_h16_from_h32_and_fill_the_cells_no_case_covers",),
       "one regime for eng T8192 H16 and H32 again (the H100 ran H32 on sm80 at 1.10x sm90's time)"),
+    M("tune_cases_drop_crossover", "kdagen/bench.py", 'TUNE_CASES = "default,gates,engine,crossover"',
+      'TUNE_CASES = "default,gates,engine"',
+      ("tests/test_bench.py::test_tune_measures_every_gate_form_and_the_engine_rows",),
+      "kdagen tune measures one head count per 8192-token cell again (the H100 ran gp H20/H24 on sm90 at 1.10x "
+      "sm80's time)"),
     M("address_width_ignores_tiles", "kdagen/address_width.py",
       '_TILES = ("tt.splat", "tt.broadcast", "tt.expand_dims")', "_TILES = ()",
       ("tests/test_address_width.py::test_every_offset_into_a_data_tensor_is_64_bit",), "the width check misses offsets applied to a tile of a data pointer (tl.load(x + t * stride + r))"),
