@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -336,7 +336,8 @@ def _exchange_counts(tokens: int, max_segments: int) -> range:
     return range(1, max(1, min(max_segments, tokens // EXCHANGE_MIN_TOKENS)) + 1)
 
 
-def twin_segments(tokens: int, occupancy_of, sm_count: int, max_segments: int = EXCHANGE_MAX_SEGMENTS) -> int:
+def twin_segments(tokens: int, occupancy_of: Callable[[int], Optional[tuple[int, int]]], sm_count: int,
+                  max_segments: int = EXCHANGE_MAX_SEGMENTS) -> int:
     """The fewest segments (of at least EXCHANGE_MIN_TOKENS, at most max_segments) whose twin
     recurrence models within 2% of the fastest count. occupancy_of(S): (blocks per segment,
     blocks per SM) of the launch at S segments (the variant, and with it both, may change with S),
@@ -422,10 +423,11 @@ def _all_gather(x: Tensor, ctx: CPContext) -> list[Tensor]:
 
 
 def kda_prefill_cp(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, cp_context: CPContext,
-                   segments: int | Sequence[int] | None = None, mode: str = "correct", prefill=None,
+                   segments: int | Sequence[int] | None = None, mode: str = "correct",
+                   prefill: Optional[Callable[..., Any]] = None,
                    chain_impl: str = "auto", costs: str = "h200-engine", chunk_grid: str = "sequence",
                    checkpoint_every: Optional[int] = None, checkpoints: Optional[Tensor] = None,
-                   checkpoint_offsets: Optional[Tensor] = None, **kw: Any):
+                   checkpoint_offsets: Optional[Tensor] = None, **kw: Any) -> tuple[Optional[Tensor], ...]:
     """This rank's part of a context-parallel kda_prefill. q, k, v, g, beta: the rank's tokens
     in its buffer's order (ctx.take), B = 1, layout "BSND" ([1, T_local, heads, D]) or "BNSD"; no
     cu_seqlens (the context has them). cp_context: a CPContext, or fla's FLACPContext (from_fla).
@@ -740,7 +742,7 @@ def checkpoint_stride(ctx: CPContext, chunk: int, every: int) -> int:
 
 
 def kda_prefill_cp_pool(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, cp_context: CPContext,
-                        state_pool: Tensor, state_indices: Tensor, **kw: Any):
+                        state_pool: Tensor, state_indices: Tensor, **kw: Any) -> tuple[Optional[Tensor], ...]:
     """kda_prefill_cp with an engine's state pool on every rank. state_indices: [N] slot indices
     of the context's global sequences (the same on every rank; -1: a padding sequence, neither
     read nor written). Each rank reads the initial states of the sequences starting on it

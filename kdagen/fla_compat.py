@@ -231,7 +231,7 @@ def chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
               disable_recompute: bool = False, return_intermediate_states: bool = False,
               state_v_first: bool = False, cu_seqlens: Optional[torch.Tensor] = None,
               cu_seqlens_cpu: Optional[torch.Tensor] = None, cp_context: Any = None, use_graph: bool = False,
-              max_num_seqs: Optional[int] = None, **kwargs: Any):
+              max_num_seqs: Optional[int] = None, **kwargs: Any) -> tuple[Optional[torch.Tensor], ...]:
     """fla's chunk_kda (fla-core 0.6) on kdagen's kernels: same keywords, same meaning, same
     returns ((o, final_state), or (o, final_state, h) with return_intermediate_states).
     Forward only: inputs that require grad under grad mode are rejected. A_log / dt_bias /

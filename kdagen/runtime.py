@@ -156,7 +156,7 @@ def kda_prefill(
     checkpoint_every: Optional[int] = None,
     checkpoints: Optional[torch.Tensor] = None,
     checkpoint_offsets: Optional[torch.Tensor] = None,
-):
+) -> tuple[Optional[torch.Tensor], ...]:  # (o, final_state or None[, chunk_states][, checkpoints])
     """Kimi Delta Attention prefill.
 
     Layout "BSND": q, k [B, T, H, K]; v [B, T, HV, V]; g [B, T, HV, K]; beta [B, T, HV]
