@@ -49,8 +49,8 @@ def kernel_chunks(every: int, chunk_size: Optional[int], arg: str = "checkpoint_
     return fits
 
 
-def caller_chunks(every: int, chunk_size: Optional[int], return_chunk_states, chunk_states
-                  ) -> tuple[tuple[int, ...], int]:
+def caller_chunks(every: int, chunk_size: Optional[int], return_chunk_states: bool | int,
+                  chunk_states: Optional[torch.Tensor]) -> tuple[tuple[int, ...], int]:
     """kernel_chunks for a call with checkpoints, and the stride of the chunk states its caller
     asks for besides them (0: none): those need chunk_size, and a spacing that every divides."""
     stride = kept_stride(return_chunk_states, chunk_states)
@@ -184,7 +184,7 @@ class Checkpoints:
 
 
 def plan(every: int, lens: Sequence[int], *, HV: int, state_shape: tuple[int, int], dtype: torch.dtype,
-         device: torch.device, chunk: int, buffer: Optional[torch.Tensor], offsets,
+         device: torch.device, chunk: int, buffer: Optional[torch.Tensor], offsets: Optional[torch.Tensor],
          assume_valid: bool) -> Checkpoints:
     """Where each sequence's checkpoints go: sequence n's j-th (the state after (j + 1) * every
     tokens, for j < L_n // every) to row offsets[n] + j of `buffer` (allocated when None);
@@ -203,7 +203,7 @@ def plan(every: int, lens: Sequence[int], *, HV: int, state_shape: tuple[int, in
 
 
 def place(every: int, lens: Sequence[int], *, HV: int, state_shape: tuple[int, int], dtype: torch.dtype,
-          device: torch.device, buffer: Optional[torch.Tensor], offsets,
+          device: torch.device, buffer: Optional[torch.Tensor], offsets: Optional[torch.Tensor],
           assume_valid: bool, allocate: bool = True) -> tuple[Optional[torch.Tensor], list[int]]:
     """The checkpoints' buffer (checked, or allocated when None and `allocate`) and every
     sequence's first row (offsets [N + 1], READ-ONLY; default: packed in order)."""
@@ -238,7 +238,8 @@ def place(every: int, lens: Sequence[int], *, HV: int, state_shape: tuple[int, i
     return buffer, offs
 
 
-def host_lengths(B: int, T: int, cu_seqlens, cu_seqlens_cpu, what: str) -> list[int]:
+def host_lengths(B: int, T: int, cu_seqlens: Optional[torch.Tensor], cu_seqlens_cpu: Optional[torch.Tensor],
+                 what: str) -> list[int]:
     """Every sequence's length on the host (a device read of cu_seqlens unless cu_seqlens_cpu)."""
     if cu_seqlens is None:
         return [T] * B

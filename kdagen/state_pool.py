@@ -39,7 +39,7 @@ def _found(t) -> str:
     return f"shape {tuple(t.shape)}, dtype {t.dtype}, {t.device}"
 
 
-def head_dims(q, v, layout: str, state_layout: str) -> tuple[int, tuple[int, int]]:
+def head_dims(q: torch.Tensor, v: torch.Tensor, layout: str, state_layout: str) -> tuple[int, tuple[int, int]]:
     """(HV, one state's shape) of a call's q and v, checked 4-dim (before the kernels' checks, which
     the pool's gather precedes)."""
     for name, t in (("q", q), ("v", v)):
@@ -54,7 +54,7 @@ def head_dims(q, v, layout: str, state_layout: str) -> tuple[int, tuple[int, int
     return HV, ((K, V) if state_layout == "KV" else (V, K))
 
 
-def check_pool(pool, *, HV: int, state_shape: tuple[int, int], device: torch.device,
+def check_pool(pool: torch.Tensor, *, HV: int, state_shape: tuple[int, int], device: torch.device,
                state_dtype: Optional[torch.dtype]) -> None:
     """The pool's shape [P, HV, *state_shape], dtype (float32/bfloat16, state_dtype's) and device."""
     if not isinstance(pool, torch.Tensor) or pool.dim() != 4 or tuple(pool.shape[1:]) != (HV, *state_shape):
@@ -68,15 +68,15 @@ def check_pool(pool, *, HV: int, state_shape: tuple[int, int], device: torch.dev
         raise KdaInputError(f"state_dtype: expected {pool.dtype} (the state pool's dtype) or None, found {state_dtype}")
 
 
-def check_slots(pool, indices, *, N: int, HV: int, state_shape: tuple[int, int], device: torch.device,
-                state_dtype: Optional[torch.dtype], assume_valid: bool) -> Optional[list[int]]:
+def check_slots(pool: torch.Tensor, indices: torch.Tensor, *, N: int, HV: int, state_shape: tuple[int, int],
+                device: torch.device, state_dtype: Optional[torch.dtype], assume_valid: bool) -> Optional[list[int]]:
     """Check the pool and its indices (on the host unless assume_valid); the indices as a host list
     when they were read (or lie on the CPU), else None."""
     check_pool(pool, HV=HV, state_shape=state_shape, device=device, state_dtype=state_dtype)
     return check_indices(pool, indices, N=N, device=device, assume_valid=assume_valid)
 
 
-def check_indices(pool: torch.Tensor, indices, *, N: int, device: torch.device, assume_valid: bool
+def check_indices(pool: torch.Tensor, indices: torch.Tensor, *, N: int, device: torch.device, assume_valid: bool
                   ) -> Optional[list[int]]:
     """check_slots without the pool's own checks (a call of an already checked pool's signature)."""
     if not isinstance(indices, torch.Tensor) or indices.dim() != 1 or indices.dtype not in (torch.int32, torch.int64) \
@@ -114,8 +114,8 @@ def kernel_slots(indices: torch.Tensor, host: Optional[list[int]], device: torch
     return indices.to(device=device, dtype=torch.int32).contiguous()
 
 
-def gather(pool, indices, *, N: int, HV: int, state_shape: tuple[int, int], device: torch.device,
-           state_dtype: Optional[torch.dtype], assume_valid: bool, read: bool = True,
+def gather(pool: torch.Tensor, indices: torch.Tensor, *, N: int, HV: int, state_shape: tuple[int, int],
+           device: torch.device, state_dtype: Optional[torch.dtype], assume_valid: bool, read: bool = True,
            checked: Optional[tuple] = None) -> PoolCall:
     """Check the pool and its indices; gather the sequences' initial states (with read=False,
     only the slots to scatter final states to: initial_state is left unset scratch). checked:
