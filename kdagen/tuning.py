@@ -399,6 +399,19 @@ def bucket(x: float, edges: Sequence[float]) -> tuple[float, float]:
     return edges[-2], edges[-1]
 
 
+def setting_key(chunk: int, block_v: int) -> str:
+    """A (chunk, block_v) setting as a rule's evidence names it ("c16_bv32")."""
+    return f"c{chunk}_bv{block_v}"
+
+
+def parse_setting(key: str) -> Optional[tuple[int, int]]:
+    """(chunk, block_v) of an evidence key written by setting_key, or None where `key` is not one."""
+    c, _, bv = key.partition("_bv")
+    if not c.startswith("c") or not c[1:].isdigit() or not bv.isdigit():
+        return None
+    return int(c[1:]), int(bv)
+
+
 def derive_rules(measurements: Iterable[dict]) -> list[Rule]:
     """Rules from measured cases. Each measurement: {"case", "target", "dtype", "head_dim", "gate",
     "tokens_per_seq", "seq_heads_per_sm", "times": {(chunk, block_v): ms}}. Cases are grouped by
@@ -442,7 +455,7 @@ def _best_rule(ms: list[dict], cell: Rule) -> Optional[Rule]:
 
     best = min(sorted(common), key=score)
     evidence = {"cases": [m["case"] for m in ms], "geomean_vs_best": round(score(best), 4),
-                "ms": {m["case"]: {f"c{c}_bv{b}": round(t, 4) for (c, b), t in sorted(m["times"].items())}
+                "ms": {m["case"]: {setting_key(c, b): round(t, 4) for (c, b), t in sorted(m["times"].items())}
                        for m in ms}}
     return replace(cell, chunk=best[0], block_v=best[1], evidence=evidence)
 
@@ -455,7 +468,7 @@ def rank_targets(rules: Sequence[Rule]) -> list[Rule]:
     from .targets import TARGETS
 
     def at_setting(r: Rule, case: str) -> Optional[float]:
-        return r.evidence.get("ms", {}).get(case, {}).get(f"c{r.chunk}_bv{r.block_v}")
+        return r.evidence.get("ms", {}).get(case, {}).get(setting_key(r.chunk, r.block_v))
 
     regimes: dict[tuple, list[int]] = {}
     for i, r in enumerate(rules):

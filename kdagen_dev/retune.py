@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
+from typing import Optional
 
 from kdagen import tuning
 from kdagen.bench import CASE_SETS, Case, case_regime
@@ -44,11 +45,11 @@ def measurements(t: tuning.Tuning) -> list[dict]:
                 continue
             parsed = {}
             for setting, ms_ in times.items():
-                c, _, bv = setting.partition("_bv")
-                if not c.startswith("c") or not c[1:].isdigit() or not bv.isdigit():
+                cb = tuning.parse_setting(setting)
+                if cb is None:
                     raise RetuneError(f"rules[{i}] ({r.target}): setting {setting!r} of case {name!r}: expected "
                                       f"c<chunk>_bv<block_v>")
-                parsed[int(c[1:]), int(bv)] = float(ms_)
+                parsed[cb] = float(ms_)
             tps, shs = case_regime(case, t.sm_count)
             out[key] = {"case": name, "target": r.target, "dtype": r.dtype, "head_dim": r.head_dim, "gate": r.gate,
                         "tokens_per_seq": tps, "seq_heads_per_sm": shs, "times": parsed}
@@ -71,20 +72,20 @@ def changes(old: tuning.Tuning, new: tuning.Tuning) -> list[str]:
         if key in seen:
             continue
         seen.add(key)
-
-        def first(t: tuning.Tuning):
-            picks = []
-            for target in sorted({r.target for r in t.rules}):
-                r = t.rule_for(target, m["dtype"], m["head_dim"], m["tokens_per_seq"], m["seq_heads_per_sm"],
-                               m["gate"])
-                if r is not None:
-                    picks.append((99 if r.rank is None else r.rank, target, r.chunk, r.block_v))
-            return min(picks) if picks else None
-
-        a, b = first(old), first(new)
+        a, b = _first(old, m), _first(new, m)
         if a != b:
             lines.append(f"{m['case']} ({m['gate']}): {a[1:] if a else None} -> {b[1:] if b else None}")
     return lines
+
+
+def _first(t: tuning.Tuning, m: dict) -> Optional[tuple]:
+    """(rank, target, chunk, block_v) of the first-ranked rule of `t` in measurement m's regime."""
+    picks = []
+    for target in sorted({r.target for r in t.rules}):
+        r = t.rule_for(target, m["dtype"], m["head_dim"], m["tokens_per_seq"], m["seq_heads_per_sm"], m["gate"])
+        if r is not None:
+            picks.append((99 if r.rank is None else r.rank, target, r.chunk, r.block_v))
+    return min(picks) if picks else None
 
 
 def main(paths: list[Path], note: str, write: bool) -> int:
