@@ -21,12 +21,13 @@ A smoke run on CPU (gloo, the Triton interpreter): TRITON_INTERPRET=1 torchrun -
 scripts/cp_bench.py --device cpu --T 256 --H 1 --D 32 --segments auto,2 --iters 1
 
 Every rank builds the same inputs (kdagen.cases.bench_inputs: bf16, fp32 state, one sequence of T
-tokens) and keeps its even slice. Rank 0 first times the single-GPU calls alone (kdagen's one
-piece, and the one-GPU scan at the planner's segments and at 16, and in each other --modes mode at
+tokens) and keeps its even slice. Rank 0 first times the single-GPU calls alone (kdagen.kda_prefill
+as dispatched, which runs a call this long as the planner's scan; the one piece, KDAGEN_SCAN=0; the
+one-GPU scan at the planner's segments and at 16, and in each other --modes mode at
 --baseline-segments: the best of them is the baseline); then all ranks time
 kdagen.kda_prefill(..., cp_context=ctx) for each --segments value and mode ("rerun": step 3
 reruns the segments; "correct": o corrected from step 1's outputs) (wall time between barriers,
-median), gather o and the final state on rank 0 and compare them with the one-piece call.
+median), gather o and the final state on rank 0 and compare them with the one-GPU kda_prefill call.
 Done when (issue 19): on 2 GPUs at least 1.7x faster than one GPU, o and final state within
 5e-3; on 4 GPUs at least 3x.
 """
@@ -131,6 +132,20 @@ def phases_ms(fn: Callable[[], object], marks: list, iters: int, host_sync: bool
     return statistics.median(pre), statistics.median(post)
 
 
+@contextlib.contextmanager
+def scan_route_off() -> Iterator[None]:
+    """kda_prefill in one piece (KDAGEN_SCAN=0, read on every call) for the block's calls."""
+    saved = os.environ.get("KDAGEN_SCAN")
+    os.environ["KDAGEN_SCAN"] = "0"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("KDAGEN_SCAN")
+        else:
+            os.environ["KDAGEN_SCAN"] = saved
+
+
 def host_syncs(fn: Callable[[], object]) -> int:
     """How many times fn() made the host wait for the device through torch (sync debug mode)."""
     import warnings
@@ -218,8 +233,12 @@ def main() -> int:
     if rank == 0:
         t = tuple(kw[n] for n in NAMES)
         ref = kdagen.kda_prefill(*t, **call, initial_state=kw["initial_state"])
-        single["one GPU, one piece"] = wall_ms(lambda: kdagen.kda_prefill(*t, **call, initial_state=kw["initial_state"]),
-                                               a.iters, False)
+        # kda_prefill as dispatched runs a call this long as the planner's scan; the one piece needs the route off
+        single["one GPU, kda_prefill (dispatch)"] = wall_ms(
+            lambda: kdagen.kda_prefill(*t, **call, initial_state=kw["initial_state"]), a.iters, False)
+        with scan_route_off():
+            single["one GPU, one piece (KDAGEN_SCAN=0)"] = wall_ms(
+                lambda: kdagen.kda_prefill(*t, **call, initial_state=kw["initial_state"]), a.iters, False)
         single["one GPU, scan rerun (planner)"] = wall_ms(
             lambda: scan_prefill(*t, **call, initial_state=kw["initial_state"], mode="rerun"), a.iters, False)
         single["one GPU, scan rerun S=16"] = wall_ms(
@@ -289,7 +308,7 @@ def emulated(kw: dict, call: dict, runs: list, world: int, a, base: float, ref, 
     ender = next(r for r, c in enumerate(ctxs) if 0 in c.ends)  # the rank holding the sequence's end
     kw.clear()
     half = wall_ms(lambda: kdagen.kda_prefill(**locs[0], **call, initial_state=h0s[0]), a.iters, False)
-    say(f"- one GPU, one piece of rank 0's {ctxs[0].local_tokens} tokens alone: {half:.2f} ms")
+    say(f"- one GPU, kda_prefill (dispatch) of rank 0's {ctxs[0].local_tokens} tokens alone: {half:.2f} ms")
     cuts = (False, True) if a.device == "cuda" else (True,)  # host_sync per timing; events need CUDA
     for seg, mode in runs:
         segs = None if seg == "auto" else int(seg)
@@ -331,7 +350,7 @@ def emulated(kw: dict, call: dict, runs: list, world: int, a, base: float, ref, 
             say(f"- {world} ranks (emulated, {how}), {mode}, segments per rank {seg} ({cut}): {ms:.2f} ms (ranks "
                 f"before+after the exchange {each}), {base / ms:.2f}x the best single-GPU call; o "
                 f"{rel_rmse(o, ref[0]):.2e}, final state {rel_rmse(outs[ender][1], ref[1]):.2e} against the one-GPU "
-                "one-piece call")
+                "kda_prefill call")
         del outs, o
 
 
@@ -364,7 +383,7 @@ def ranks(kw: dict, call: dict, runs: list, rank: int, world: int, a, base: Opti
             final = fparts[ender]
             speed = f", {base / ms:.2f}x the best single-GPU call" if base and not shared else ""
             say(f"- {world} ranks, {mode}, segments per rank {seg}: {ms:.2f} ms{speed}; o {rel_rmse(o, ref[0]):.2e}, "
-                f"final state {rel_rmse(final, ref[1]):.2e} against the one-GPU one-piece call")
+                f"final state {rel_rmse(final, ref[1]):.2e} against the one-GPU kda_prefill call")
         if a.checkpoint_every:
             checkpoints(run, out, rank, a, ref, say, f"{world} ranks, {mode}, segments per rank {seg}")
         del out, parts, fparts
