@@ -7,8 +7,8 @@
 # cp:    issue 19's run: with 2+ GPUs scripts/cp_bench.py over NCCL on 2, 4 and 8 ranks (as many as
 #        there are GPUs), B1 T1048576 H8 D128, the planner's segments, mode "correct", against the
 #        best one-GPU call (and with a checkpoint every 4096 tokens: time, peak memory, rows), then 2
-#        ranks in the zigzag layout; with one GPU two ranks share it over
-#        gloo (the real collective path at full size: results, not a speedup).
+#        ranks in the zigzag layout; with one GPU, one rank over NCCL (its collectives at world 1) and
+#        two ranks sharing the GPU over gloo (the real collective path at full size: results, not a speedup).
 # Tests use the carried build/ images (KDAGEN_DISABLE_JIT=1: a stale image fails rather than being
 # rebuilt); fla-core travels as a wheel in .whl/. Expected on H200s: tests ~1-2 min, cp ~1-2 min a
 # rank count, bench ~3-4 min.
@@ -52,8 +52,14 @@ for stage in $STAGES; do
           [ "${PIPESTATUS[0]}" = 0 ] || rc=1
         done
       else
-        echo "cp: $n GPU; issue 19's speedup needs 2 or more. Two ranks share it over gloo (not a speedup)." \
-          | tee "$OUT/cp_bench_gloo.log"
+        echo "cp: $n GPU; issue 19's speedup needs 2 or more. One rank over NCCL, then two ranks sharing it over gloo" \
+          "(neither is a speedup)." | tee "$OUT/cp_bench_gloo.log"
+        # world 1 over NCCL: the NCCL collectives kdagen.cp makes on 2+ GPUs (the maps' all_gather, the
+        # checkpoints' all_reduce), run for real
+        # shellcheck disable=SC2086
+        torchrun --standalone --nproc_per_node 1 scripts/cp_bench.py $CP_ARGS --T 262144 \
+          --out "$OUT/cp_nccl_world1.md" 2>&1 | tee -a "$OUT/cp_bench_gloo.log"
+        [ "${PIPESTATUS[0]}" = 0 ] || rc=1
         # shellcheck disable=SC2086
         torchrun --standalone --nproc_per_node 2 scripts/cp_bench.py --backend gloo $CP_ARGS \
           --out "$OUT/cp_h200_gloo.md" 2>&1 | tee -a "$OUT/cp_bench_gloo.log"

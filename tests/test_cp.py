@@ -608,26 +608,30 @@ def test_gloo_ranks_equal_the_single_process_call(world, contexts, tmp_path):
 
 
 @pytest.mark.gpu
-def test_gpu_ranks(tmp_path):
+@pytest.mark.parametrize("world", [2, 1])
+def test_gpu_ranks(tmp_path, world):
     # The kernel cases on GPUs: NCCL with a GPU per rank (NVLink multicast off), else the two ranks
-    # share one GPU over gloo. bf16 inputs (the built variants'); each rank's pieces start off the
-    # single call's chunk grid, so the check is against the float64 reference at the library's bf16
-    # tolerance. scripts/cp_bench.py times the split.
+    # share one GPU over gloo. One rank runs over NCCL on any GPU: kdagen.cp's NCCL collectives (the
+    # maps' all_gather, the checkpoints' all_reduce) at world 1, on a host with a single GPU too.
+    # bf16 inputs (the built variants'); each rank's pieces start off the single call's chunk grid,
+    # so the check is against the float64 reference at the library's bf16 tolerance.
+    # scripts/cp_bench.py times the split.
     os.environ["NCCL_NVLS_ENABLE"] = "0"
     import torch.multiprocessing as mp
 
-    backend = "nccl" if torch.cuda.device_count() >= 2 else "gloo"
+    backend = "nccl" if world == 1 or torch.cuda.device_count() >= world else "gloo"
     cases = [dict(c, K=128, chunk=c.get("chunk", 16), dtype=torch.bfloat16)
              for c in CASES[2] if c["engine"] == "kernels"]
-    mp.spawn(_gpu_rank, args=(2, str(tmp_path / "store"), cases, str(tmp_path), backend), nprocs=2)
+    mp.spawn(_gpu_rank, args=(world, str(tmp_path / "store"), cases, str(tmp_path), backend), nprocs=world)
     for i, case in enumerate(cases):
-        ranks = [torch.load(tmp_path / f"r{r}_{i}.pt") for r in range(2)]
-        o = from_ranks([x["out"][0] for x in ranks], contexts_of(case, 2))
+        ctxs = contexts_of(case, world)
+        ranks = [torch.load(tmp_path / f"r{r}_{i}.pt") for r in range(world)]
+        o = from_ranks([x["out"][0] for x in ranks], ctxs)
         ends = sum((x["ends"] for x in ranks), [])
         t, kw = cp_worker.problem(case)
         t = {n: x.double() for n, x in t.items()}  # the bf16 inputs exactly, o in float64
         if case.get("ckpt"):  # against the one-GPU call on the same bf16 inputs
-            check_checkpoints(case, ranks, contexts_of(case, 2), device="cuda", tol=5e-3)
+            check_checkpoints(case, ranks, ctxs, device="cuda", tol=5e-3)
         if case.get("same_o"):  # checkpoints left the planned kernel, and o, as without them
             assert all(torch.equal(x["out"][0], x["plain_o"]) for x in ranks), (backend, case)
         if case.get("pool"):  # initial states from the pool's slots (zeros for padding), finals in the ranks' pools
@@ -636,12 +640,12 @@ def test_gpu_ranks(tmp_path):
             fs = torch.stack([x["pool"][idx[n]] for x in ranks for n in x["ends"] if idx[n] >= 0])
             ends = [n for n in ends if idx[n] >= 0]
             if case.get("pools") != "local":  # every rank's pool got every final state, bit-identically
-                assert torch.equal(ranks[0]["pool"], ranks[1]["pool"])
+                assert all(torch.equal(ranks[0]["pool"], x["pool"]) for x in ranks[1:])
         else:
             fs = torch.cat([x["out"][1] for x in ranks])
         ref = reference_prefill(**t, **kw, cu_seqlens=torch.tensor(cp_worker.cu_of(case["lens"]), dtype=torch.int32))
         errs = (rel_rmse(o.float(), ref[0].float()), rel_rmse(fs.float(), ref[1][ends].float()))
-        assert max(errs) < 5e-3, (backend, case, errs)
+        assert max(errs) < 5e-3, (backend, world, case, errs)
 
 
 def _gpu_rank(rank, world, store, cases, out_dir, backend):
