@@ -42,6 +42,7 @@ import sys
 import time
 from pathlib import Path
 from typing import Callable, Iterator, Optional
+from unittest import mock
 
 os.environ["NCCL_NVLS_ENABLE"] = "0"  # NVLink multicast off, before NCCL starts
 
@@ -130,20 +131,6 @@ def phases_ms(fn: Callable[[], object], marks: list, iters: int, host_sync: bool
             pre.append(e0.elapsed_time(marks[-1]))
             post.append(marks[-1].elapsed_time(e1))
     return statistics.median(pre), statistics.median(post)
-
-
-@contextlib.contextmanager
-def scan_route_off() -> Iterator[None]:
-    """kda_prefill in one piece (KDAGEN_SCAN=0, read on every call) for the block's calls."""
-    saved = os.environ.get("KDAGEN_SCAN")
-    os.environ["KDAGEN_SCAN"] = "0"
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop("KDAGEN_SCAN")
-        else:
-            os.environ["KDAGEN_SCAN"] = saved
 
 
 def host_syncs(fn: Callable[[], object]) -> int:
@@ -236,7 +223,7 @@ def main() -> int:
         # kda_prefill as dispatched runs a call this long as the planner's scan; the one piece needs the route off
         single["one GPU, kda_prefill (dispatch)"] = wall_ms(
             lambda: kdagen.kda_prefill(*t, **call, initial_state=kw["initial_state"]), a.iters, False)
-        with scan_route_off():
+        with mock.patch.dict(os.environ, {"KDAGEN_SCAN": "0"}):  # read on every call: one piece in the block
             single["one GPU, one piece (KDAGEN_SCAN=0)"] = wall_ms(
                 lambda: kdagen.kda_prefill(*t, **call, initial_state=kw["initial_state"]), a.iters, False)
         single["one GPU, scan rerun (planner)"] = wall_ms(
