@@ -17,6 +17,7 @@ import torch
 
 import kdagen.runtime as rt
 from kdagen.cases import make_case, run_and_compare, run_poisoned
+from kdagen.paths import GENERATED_DIR
 from kdagen.registry import Registry
 from kdagen.scan.engine import scan_prefill
 from kdagen.select import device_reason
@@ -25,7 +26,7 @@ EDGE = 2 ** 31
 WIDTH = 1 << 19  # elements per token row: token 4096 starts at element 2^31
 LENS = [3000, 1100, 250, 258]  # the second sequence straddles token 4096, the last two lie past it
 T = sum(LENS)
-REGISTRY = Registry.load()
+REGISTRY = Registry.load(GENERATED_DIR)
 # one variant per kernel code path (target, chunk size): K = V = 128 (the twin runs K <= 64 on a GPU), bf16, fp32 state
 NAMES = ["kda_fwd_sm80_c16_k128_v128_bf16_gb_sfp32_bv16_hl", "kda_fwd_sm80_c64_k128_v128_bf16_gb_sfp32_bv16",
          "kda_fwd_sm90_c16_k128_v128_bf16_gb_sfp32_bv64", "kda_fwd_triton_c16_k128_v128_bf16_gb_sfp32_bv32",

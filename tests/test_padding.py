@@ -102,11 +102,12 @@ def test_head_dims_above_128_are_served_by_sm80_k256_on_sm90(K, V, monkeypatch):
     the sm80 K = 256 variant's own, and K or V above 128 is zero-padded to it (not to Triton's
     exact size: a CUDA kernel padded ranks first); B1 H16 takes block_v 32 (128 programs), with the precise
     record (specs/h800.yaml builds both records: dispatch takes the precise one)."""
+    from kdagen.paths import GENERATED_DIR
     from kdagen.registry import Registry
 
     monkeypatch.setattr(sel, "_capability", lambda index: (9, 0))
     monkeypatch.setattr(sel, "_sm_count", lambda device: 132)
-    cands = [Candidate(v) for v in Registry.load().variants()]
+    cands = [Candidate(v) for v in Registry.load(GENERATED_DIR).variants()]
     best, binfo, _ = choose_covering(cands, info(K=K, V=V, H=16, HV=16))
     assert best.variant.name == "kda_fwd_sm80_c16_k256_v256_bf16_gb_sfp32_bv32_hl"
     assert (binfo.K, binfo.V) == (256, 256)

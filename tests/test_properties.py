@@ -9,11 +9,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kdagen.cases import make_case, run_and_compare
+from kdagen.paths import GENERATED_DIR
 from kdagen.registry import Registry
 
 from .conftest import HAS_CUDA
 
-VARIANTS = [e.variant for _, e in sorted(Registry.load().entries.items())
+VARIANTS = [e.variant for _, e in sorted(Registry.load(GENERATED_DIR).entries.items())
             if e.variant.target == "triton" and e.spec == "ci" and e.variant.dtype == "fp32"]
 
 

@@ -16,6 +16,7 @@ import torch
 
 import kdagen
 from kdagen.cases import make_case, run_and_compare, run_poisoned
+from kdagen.paths import GENERATED_DIR
 from kdagen.registry import Registry
 from kdagen.variant import Variant
 
@@ -86,7 +87,8 @@ def test_sm80_k256_variants_are_listed_and_only_where_they_build():
     K != V at chunk 16."""
     from kdagen import ondemand
 
-    names = {v.name for v in Registry.load().variants() if v.target == "sm80" and v.k == 256 and not v.precise}
+    names = {v.name for v in Registry.load(GENERATED_DIR).variants()
+             if v.target == "sm80" and v.k == 256 and not v.precise}
     want = {f"kda_fwd_sm80_c16_k256_v256_bf16_gb_s{st}_bv{bv}" for st in ("fp32", "none") for bv in (16, 32, 64)}
     want |= {f"kda_fwd_sm80_c16_k256_v256_bf16_{g}_s{st}_bv32" for g in ("gu", "gp") for st in ("fp32", "none")}
     assert names == want
@@ -104,11 +106,11 @@ def test_sm80_k256_variants_are_listed_and_only_where_they_build():
 # ----------------------------------------------------------------------------- GPU
 
 # The numerics of every sm80 variant run in tests/test_kernels.py (the cases of every target).
-SEGMENT_VARIANTS = [v for v in Registry.load().variants() if v.target == "sm80" and v.state == "fp32"
+SEGMENT_VARIANTS = [v for v in Registry.load(GENERATED_DIR).variants() if v.target == "sm80" and v.state == "fp32"
                     and v.k == 128 and v.gate == "bounded" and v.dtype == "bf16"][:3]
 
 
-_REGISTRY = Registry.load()
+_REGISTRY = Registry.load(GENERATED_DIR)
 PRECISE_VARIANTS = [v for v in _REGISTRY.variants() if v.target == "sm80" and v.precise]
 
 

@@ -36,9 +36,10 @@ GATE_TOL = 4e-3
 def sm90_variants() -> list[tuple[Variant, Path]]:
     """(Variant, fatbin) of every built sm90 variant the registry knows."""
     try:
+        from kdagen.paths import GENERATED_DIR
         from kdagen.registry import Registry
 
-        reg = Registry.load()
+        reg = Registry.load(GENERATED_DIR)
     except Exception:
         return []
     return [(e.variant, ROOT / e.built["artifact"]) for _, e in sorted(reg.entries.items())
@@ -345,9 +346,10 @@ def test_sm90_gate_sweep(va, gate):
 @functools.lru_cache(maxsize=None)
 def _sm80_twin(v: Variant):
     """The built sm80 variant computing the same thing as sm90 variant `v` (None: none built)."""
+    from kdagen.paths import GENERATED_DIR
     from kdagen.registry import Registry
 
-    same = [e.variant for e in Registry.load().entries.values()
+    same = [e.variant for e in Registry.load(GENERATED_DIR).entries.values()
             if e.variant.target == "sm80" and e.built and (e.variant.k, e.variant.v, e.variant.dtype,
                                                             e.variant.gate, e.variant.state)
             == (v.k, v.v, v.dtype, v.gate, v.state)]

@@ -197,11 +197,12 @@ def test_gpu_kernels_read_and_write_the_pools_slots(name, state_layout, lens, se
     slot bit for bit what the gathered call gives, padding and nobody's slots untouched (NaN there would
     poison any read), and the numbers against float64; sm80 also cut into time segments."""
     import kdagen.runtime as rt
+    from kdagen.paths import GENERATED_DIR
     from kdagen.registry import Registry
     from kdagen_dev.launch import launcher_swapped
 
     monkeypatch.setenv("KDAGEN_POOL_SLOTS", "1")
-    entry = Registry.load().entries.get(name)
+    entry = Registry.load(GENERATED_DIR).entries.get(name)
     if entry is None:
         pytest.skip(f"{name} is not built")
     v = entry.variant

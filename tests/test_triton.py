@@ -9,11 +9,12 @@ from __future__ import annotations
 import pytest
 
 from kdagen.cases import make_case, run_and_compare
+from kdagen.paths import GENERATED_DIR
 from kdagen.registry import Registry
 
 from .conftest import HAS_CUDA
 
-VARIANTS = [v for v in Registry.load().variants() if v.target == "triton"]
+VARIANTS = [v for v in Registry.load(GENERATED_DIR).variants() if v.target == "triton"]
 DEVICES = [
     pytest.param("cpu", marks=pytest.mark.skipif(HAS_CUDA, reason="interpreter runs only without a GPU"), id="cpu"),
     pytest.param("cuda", marks=pytest.mark.gpu, id="cuda"),
