@@ -26,9 +26,8 @@ from kdagen.variant import Variant
 
 from .conftest import HAS_CUDA
 
-# The checkout's specs only (here and in the other modules that parametrize over variants):
-# Registry.load() adds the user's cache, whose on-demand variants made the test ids depend on
-# what had run on the machine before (37 more cases after one CPU cp_bench run, session 58).
+# The checkout's specs only (as in every module that parametrizes over variants): Registry.load()
+# adds the user's cache, whose on-demand variants would make the test ids depend on past runs.
 REGISTRY = Registry.load(GENERATED_DIR)
 # Targets whose variants this module runs; the Ascend kernel and its Triton twin have their own
 # tests (tests/test_ascend.py: the twin's stage decomposition and limits), and so has sm90 while it
